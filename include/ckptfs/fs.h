@@ -1,0 +1,82 @@
+// The FUSE-free filesystem core: everything a mount does, callable directly.
+//
+// Design note. The FUSE adapter (src/fuse/fuse_adapter.cc) only translates
+// requests into calls here and replies; the CLI's `cat` and `ls` use the same
+// calls without FUSE, and unit tests drive it in-process. Errors come back as
+// Status; ToErrno() is the one place they become errno values. Every failed
+// read is logged with the virtual path and the reason, so an EIO in a user's
+// tool can be traced to a file and offset in the checkpoint.
+#ifndef CKPTFS_FS_H_
+#define CKPTFS_FS_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ckptfs/common.h"
+#include "ckptfs/index.h"
+#include "ckptfs/io.h"
+#include "ckptfs/views.h"
+
+namespace ckptfs {
+
+struct Attr {
+  uint64_t ino = 0;
+  bool is_dir = false;
+  uint64_t size = 0;
+  uint32_t nlink = 1;
+  int64_t mtime_ns = 0;
+};
+
+struct DirEntry {
+  std::string name;
+  uint64_t ino = 0;
+  bool is_dir = false;
+};
+
+struct FsOptions {
+  std::string src;
+  std::string index_dir;  // empty: DefaultIndexDir(src)
+  EngineKind engine = EngineKind::kAuto;
+  bool force_rebuild = false;
+};
+
+class Filesystem {
+ public:
+  static Result<std::unique_ptr<Filesystem>> Open(const FsOptions& opts);
+
+  Result<Attr> Lookup(uint64_t parent, std::string_view name) const;
+  Result<Attr> GetAttr(uint64_t ino) const;
+  Result<std::vector<DirEntry>> ReadDir(uint64_t ino) const;
+  // Called on open(2): refuses files whose sources changed since indexing.
+  Status OpenFile(uint64_t ino);
+  // Reads up to `size` bytes at `offset`; short only at end of file.
+  Result<size_t> Read(uint64_t ino, uint64_t offset, size_t size, char* buf);
+
+  const Index& index() const { return *index_; }
+  const View& view() const { return *view_; }
+  const OpenResult& open_result() const { return opened_; }
+  const char* engine_name() const { return reader_->engine_name(); }
+  uint64_t reads() const { return reads_.load(); }
+  uint64_t bytes_read() const { return bytes_.load(); }
+
+ private:
+  Filesystem() = default;
+  Attr AttrOf(const Node& n, uint64_t size) const;
+
+  OpenResult opened_;
+  std::unique_ptr<Index> index_;
+  std::unique_ptr<View> view_;
+  std::unique_ptr<TensorReader> reader_;
+  int64_t mtime_ns_ = 0;
+  std::atomic<uint64_t> reads_{0}, bytes_{0};
+};
+
+// The one errno map (ENOENT, EIO, ESTALE, EROFS, ...).
+int ToErrno(const Status& s);
+
+}  // namespace ckptfs
+
+#endif  // CKPTFS_FS_H_

@@ -1,0 +1,81 @@
+// Index layer: the persistent RocksDB index of a checkpoint's files, tensors
+// and fragments.
+//
+// Design note. The index is built from metadata only (formats layer), once,
+// and then opened read-only by every mount, so many nodes can share one index
+// on a parallel filesystem. Keys (codec.h):
+//   "m:schema"  -> schema version      "m:info" -> CheckpointInfo
+//   'f' u32     -> SourceFile          't' u32  -> TensorRecord
+//   'g' u32 u32 -> Fragment (tensor id, ordinal): a tensor's fragments are one
+//                  prefix scan.
+// A build writes to "<dir>.tmp.<pid>" and renames it into place, so a reader
+// never sees a half-written index. Open() refuses an index whose schema
+// version differs or whose source fingerprint (path, size, mtime, inode of
+// every file, .metadata included) no longer matches: OpenOrBuild() then
+// rebuilds.
+#ifndef CKPTFS_INDEX_H_
+#define CKPTFS_INDEX_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ckptfs/common.h"
+#include "ckptfs/model.h"
+
+namespace ckptfs {
+
+class Index {
+ public:
+  static constexpr uint32_t kSchemaVersion = 1;
+
+  // Writes `ck` atomically as the index at `dir` (replacing a stale one).
+  static Status Build(const Checkpoint& ck, const std::string& dir);
+  // Opens read-only and verifies schema and fingerprint against `src_dir`.
+  static Result<std::unique_ptr<Index>> Open(const std::string& dir, const std::string& src_dir);
+
+  ~Index();
+  Index(const Index&) = delete;
+  Index& operator=(const Index&) = delete;
+
+  const std::string& dir() const { return dir_; }
+  const std::string& src_dir() const { return src_dir_; }
+  const CheckpointInfo& info() const { return info_; }
+  const std::vector<SourceFile>& files() const { return files_; }
+  const std::vector<TensorRecord>& tensors() const { return tensors_; }
+  uint64_t num_fragments() const { return num_fragments_; }
+  // All fragments of one tensor, in ordinal order: one prefix scan.
+  Result<std::vector<Fragment>> Fragments(TensorId id) const;
+
+ private:
+  Index() = default;
+  struct Db;
+  std::unique_ptr<Db> db_;
+  std::string dir_, src_dir_;
+  CheckpointInfo info_;
+  std::vector<SourceFile> files_;
+  std::vector<TensorRecord> tensors_;
+  uint64_t num_fragments_ = 0;
+};
+
+// Compares the recorded fingerprint with the files under src_dir now.
+Status CheckFingerprint(const std::string& src_dir, const std::vector<SourceFile>& files);
+
+// Where the index of src_dir lives: <src>/.ckptfs/index when the checkpoint
+// directory is writable, else $XDG_CACHE_HOME (or ~/.cache)/ckptfs/<hash>.
+std::string DefaultIndexDir(const std::string& src_dir);
+
+struct OpenResult {
+  std::unique_ptr<Index> index;
+  bool built = false;       // true when this call (re)built the index
+  std::string why_rebuilt;  // the staleness reason, when there was one
+  double build_seconds = 0;
+};
+
+// Opens the index of src_dir (at index_dir, or the default location when
+// empty), building or rebuilding it when absent or stale.
+Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild = false);
+
+}  // namespace ckptfs
+
+#endif  // CKPTFS_INDEX_H_

@@ -1,0 +1,102 @@
+// io layer: the read engine.
+//
+// Design note. A read of a virtual file turns into a *plan*: the requested
+// output element range is split into at most 2*rank boxes, each box is
+// intersected with every fragment's box, and each intersection becomes one
+// source read (the byte span of the fragment's storage it touches) plus one
+// strided gather with dtype conversion. Where an intersection is contiguous in
+// both source and output and needs no conversion, the source read lands
+// directly in the caller's buffer. All reads of a plan go to the engine as one
+// batch: io_uring (one ring per worker thread, created on first use) or pread
+// (the fallback and the test oracle; both must return identical bytes).
+// Elements not covered by any fragment are a hole: an error, never zeros.
+// Every read checks the source files are unchanged since indexing (fstat), so a
+// running mount answers ESTALE instead of serving bytes of another checkpoint.
+#ifndef CKPTFS_IO_H_
+#define CKPTFS_IO_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "ckptfs/common.h"
+#include "ckptfs/index.h"
+#include "ckptfs/model.h"
+
+namespace ckptfs {
+
+struct IoRequest {
+  int fd = -1;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  char* dst = nullptr;
+};
+
+class ReadEngine {
+ public:
+  virtual ~ReadEngine() = default;
+  // Reads every request fully; a short read (end of file) is an error.
+  virtual Status ReadBatch(std::span<IoRequest> reqs) = 0;
+  virtual const char* name() const = 0;
+};
+
+std::unique_ptr<ReadEngine> MakePreadEngine();
+// nullptr when io_uring is unavailable (old kernel, seccomp).
+std::unique_ptr<ReadEngine> MakeUringEngine(unsigned queue_depth = 64);
+
+enum class EngineKind : uint8_t { kAuto, kUring, kPread };
+
+// Element conversion for one contiguous or strided run (src_stride in
+// elements). Supported: identity, and bf16/f16/fp8 -> f32 widening.
+Status ConvertRun(const char* src, DType src_dtype, int64_t src_stride, char* dst, DType dst_dtype, uint64_t n);
+bool CanConvert(DType from, DType to);
+
+// Splits the flat element range [begin, end) of a row-major tensor of `shape`
+// into at most 2*rank disjoint boxes (offsets, lengths).
+struct Box {
+  std::vector<int64_t> offsets, lengths;
+};
+std::vector<Box> DecomposeRange(const std::vector<int64_t>& shape, uint64_t begin, uint64_t end);
+
+class TensorReader {
+ public:
+  static Result<std::unique_ptr<TensorReader>> Open(const Index& index, EngineKind kind);
+  ~TensorReader();
+
+  // Bytes [offset, offset+len) of tensor `id` rendered in C order as `out`.
+  Status Read(TensorId id, DType out, uint64_t offset, uint64_t len, char* dst);
+  // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.
+  Result<uint64_t> Xxh3Raw(TensorId id);
+  // The tensor's source files still match the index (stat by path: catches
+  // replaced files too). Called on open.
+  Status CheckFresh(TensorId id);
+  const char* engine_name() const;
+
+ private:
+  TensorReader(const Index& index, EngineKind kind) : index_(index), kind_(kind) {}
+  Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
+  Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
+  Status CheckFd(FileId file) const;
+  ReadEngine& Engine();
+
+  const Index& index_;
+  EngineKind kind_;
+  std::vector<int> fds_;
+  std::vector<std::string> open_errors_;
+  // Lock order: each mutex below is a leaf; none is held while calling out.
+  std::mutex frag_mu_;
+  std::unordered_map<uint32_t, std::shared_ptr<const std::vector<Fragment>>> frag_cache_;
+  std::mutex item_mu_;
+  std::vector<std::pair<std::string, std::shared_ptr<const std::string>>> item_cache_;  // MRU last
+  uint64_t item_cache_bytes_ = 0;
+  std::mutex hash_mu_;
+  std::unordered_map<uint32_t, uint64_t> hash_cache_;
+};
+
+}  // namespace ckptfs
+
+#endif  // CKPTFS_IO_H_

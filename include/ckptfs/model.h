@@ -1,0 +1,120 @@
+// The checkpoint data model shared by formats (which emit it), index (which
+// stores it), views (which map it to a tree) and io (which reads it).
+//
+// Identifiers. Three kinds of numbers name things and must not be mixed:
+//  * FileId   — position of a source file in the checkpoint's file list; the
+//               index stores one SourceFile per id and fingerprints it.
+//  * TensorId — position of a logical tensor (or bytes entry) in the index;
+//               stable for one index build, never reused across builds.
+//  * inode    — a node of the virtual tree (views); assigned by the view
+//               builder, unrelated to TensorId (one tensor backs several
+//               files: .npy, .raw, info.json).
+// A Fragment is addressed by (TensorId, ordinal); the index keeps all of one
+// tensor's fragments under one key prefix so they come back in one scan.
+#ifndef CKPTFS_MODEL_H_
+#define CKPTFS_MODEL_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ckptfs {
+
+struct FileId {
+  uint32_t v = 0;
+  bool operator==(const FileId& o) const { return v == o.v; }
+};
+struct TensorId {
+  uint32_t v = 0;
+  bool operator==(const TensorId& o) const { return v == o.v; }
+};
+
+enum class DType : uint8_t {
+  kInvalid = 0,
+  kBool, kU8, kI8, kI16, kI32, kI64, kU16, kU32, kU64,
+  kF16, kBF16, kF32, kF64, kC64, kC128,
+  kF8E4M3FN, kF8E5M2, kF8E4M3FNUZ, kF8E5M2FNUZ,
+};
+
+size_t DTypeSize(DType d);
+std::string_view DTypeName(DType d);          // torch spelling: "float32", "bfloat16"
+DType DTypeFromTorchName(std::string_view n);  // "float32" / "FloatStorage" ...
+// numpy descr for .npy headers ("<f4"); empty when numpy has no such dtype.
+std::string_view NumpyDescr(DType d);
+// The dtype a .npy view uses: bf16 and fp8 widen to float32, others keep theirs.
+DType NpyDType(DType d);
+
+enum class Role : uint8_t { kParam = 0, kOptimState = 1, kOther = 2 };
+enum class Encoding : uint8_t {
+  kTensor = 0,  // fragments are N-d boxes of elements
+  kBytes = 1,   // one fragment: an opaque byte range served verbatim
+};
+enum class Compression : uint8_t { kNone = 0, kZstd = 1 };
+
+struct SourceFile {
+  std::string rel_path;  // relative to the checkpoint directory
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  uint64_t inode = 0;
+};
+
+// Where one piece of a tensor lives.
+struct Fragment {
+  FileId file;
+  // Box of the global tensor this fragment holds (element coordinates).
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> lengths;
+  // Layout of the fragment's elements in its storage: element (i_0..i_n-1)
+  // (local coordinates) is at byte data_offset + sum(i_d * strides[d]) * size.
+  std::vector<int64_t> strides;
+  DType dtype = DType::kInvalid;
+  // Uncompressed: absolute byte offset in the file. Compressed: offset inside
+  // the decompressed item [item_offset, item_offset + item_length).
+  uint64_t data_offset = 0;
+  // Bytes of storage the fragment may touch (bounds-checked at index time).
+  uint64_t data_length = 0;
+  Compression compression = Compression::kNone;
+  uint64_t item_offset = 0;
+  uint64_t item_length = 0;
+};
+
+struct TensorRecord {
+  std::string key;    // the checkpoint's own flat key
+  Role role = Role::kOther;
+  std::string fqn;    // params/<fqn>/ (kParam, kOptimState); other/<fqn> (kOther)
+  std::string state;  // "param", "exp_avg", ... ; empty for kOther
+  Encoding encoding = Encoding::kTensor;
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape;
+  uint64_t byte_size = 0;  // kBytes: the blob size; kTensor: numel * dtype size
+  uint32_t num_fragments = 0;
+  std::string error;  // non-empty: unreadable, and why (reads return EIO)
+
+  uint64_t Numel() const {
+    uint64_t n = 1;
+    for (int64_t s : shape) n *= static_cast<uint64_t>(s);
+    return n;
+  }
+};
+
+// Facts about the whole checkpoint, shown in checkpoint.json and `ckptfs info`.
+struct CheckpointInfo {
+  std::string family;       // "pytorch-dcp"
+  std::string format_note;  // e.g. "torch 2.x metadata", "torch 1.13 _shard.checkpoint"
+  int64_t step = -1;        // -1: unknown
+  uint32_t world_size = 0;  // number of writer ranks seen
+  std::vector<std::string> problems;  // checkpoint-level findings
+};
+
+// What a family reader produces from metadata alone.
+struct Checkpoint {
+  CheckpointInfo info;
+  std::vector<SourceFile> files;
+  std::vector<TensorRecord> tensors;
+  std::vector<std::vector<Fragment>> fragments;  // parallel to tensors
+};
+
+}  // namespace ckptfs
+
+#endif  // CKPTFS_MODEL_H_

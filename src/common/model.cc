@@ -1,0 +1,89 @@
+#include "ckptfs/model.h"
+
+#include <array>
+
+namespace ckptfs {
+namespace {
+
+struct DTypeInfo {
+  DType dtype;
+  size_t size;
+  std::string_view torch_name;
+  std::string_view storage_class;  // legacy typed-storage class (torch.save v2)
+  std::string_view numpy;
+};
+
+constexpr std::array<DTypeInfo, 19> kDTypes = {{
+    {DType::kBool, 1, "bool", "BoolStorage", "|b1"},
+    {DType::kU8, 1, "uint8", "ByteStorage", "|u1"},
+    {DType::kI8, 1, "int8", "CharStorage", "|i1"},
+    {DType::kI16, 2, "int16", "ShortStorage", "<i2"},
+    {DType::kI32, 4, "int32", "IntStorage", "<i4"},
+    {DType::kI64, 8, "int64", "LongStorage", "<i8"},
+    {DType::kU16, 2, "uint16", "", "<u2"},
+    {DType::kU32, 4, "uint32", "", "<u4"},
+    {DType::kU64, 8, "uint64", "", "<u8"},
+    {DType::kF16, 2, "float16", "HalfStorage", "<f2"},
+    {DType::kBF16, 2, "bfloat16", "BFloat16Storage", ""},
+    {DType::kF32, 4, "float32", "FloatStorage", "<f4"},
+    {DType::kF64, 8, "float64", "DoubleStorage", "<f8"},
+    {DType::kC64, 8, "complex64", "ComplexFloatStorage", "<c8"},
+    {DType::kC128, 16, "complex128", "ComplexDoubleStorage", "<c16"},
+    {DType::kF8E4M3FN, 1, "float8_e4m3fn", "", ""},
+    {DType::kF8E5M2, 1, "float8_e5m2", "", ""},
+    {DType::kF8E4M3FNUZ, 1, "float8_e4m3fnuz", "", ""},
+    {DType::kF8E5M2FNUZ, 1, "float8_e5m2fnuz", "", ""},
+}};
+
+const DTypeInfo* Find(DType d) {
+  for (const auto& i : kDTypes) {
+    if (i.dtype == d) return &i;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+size_t DTypeSize(DType d) {
+  const DTypeInfo* i = Find(d);
+  return i ? i->size : 0;
+}
+
+std::string_view DTypeName(DType d) {
+  const DTypeInfo* i = Find(d);
+  return i ? i->torch_name : "invalid";
+}
+
+DType DTypeFromTorchName(std::string_view n) {
+  // torch aliases that pickles may spell differently.
+  if (n == "float" ) return DType::kF32;
+  if (n == "double") return DType::kF64;
+  if (n == "half") return DType::kF16;
+  if (n == "long") return DType::kI64;
+  if (n == "int") return DType::kI32;
+  if (n == "short") return DType::kI16;
+  for (const auto& i : kDTypes) {
+    if (i.torch_name == n || (!i.storage_class.empty() && i.storage_class == n)) return i.dtype;
+  }
+  return DType::kInvalid;
+}
+
+std::string_view NumpyDescr(DType d) {
+  const DTypeInfo* i = Find(d);
+  return i ? i->numpy : "";
+}
+
+DType NpyDType(DType d) {
+  switch (d) {
+    case DType::kBF16:
+    case DType::kF8E4M3FN:
+    case DType::kF8E5M2:
+    case DType::kF8E4M3FNUZ:
+    case DType::kF8E5M2FNUZ:
+      return DType::kF32;
+    default:
+      return d;
+  }
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,86 @@
+#include "formats/byte_reader.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+namespace ckptfs::formats {
+
+namespace {
+Status PastEnd(const std::string& name, uint64_t offset, uint64_t len, uint64_t size) {
+  return Invalid("cannot read " + name + ": range [" + std::to_string(offset) + ", +" +
+                 std::to_string(len) + ") passes the end (" + std::to_string(size) + " bytes)");
+}
+}  // namespace
+
+Result<std::string> MemoryReader::ReadAt(uint64_t offset, uint64_t len) const {
+  uint64_t end;
+  if (AddOverflow(offset, len, &end) || end > data_.size()) {
+    return PastEnd(name_, offset, len, data_.size());
+  }
+  return std::string(data_.substr(offset, len));
+}
+
+Result<std::string> FileSliceReader::Pread(uint64_t offset, uint64_t len) const {
+  std::string out(len, '\0');
+  uint64_t done = 0;
+  while (done < len) {
+    ssize_t n = ::pread(fd_, out.data() + done, len - done, static_cast<off_t>(base_ + offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus("read", name_, errno);
+    }
+    if (n == 0) {
+      return Invalid("cannot read " + name_ + ": file is truncated (wanted " + std::to_string(len) +
+                     " bytes at offset " + std::to_string(base_ + offset) + ")");
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return out;
+}
+
+Result<std::string> FileSliceReader::ReadAt(uint64_t offset, uint64_t len) const {
+  uint64_t end;
+  if (AddOverflow(offset, len, &end) || end > size_) return PastEnd(name_, offset, len, size_);
+  if (end <= kWindow) {
+    if (!head_loaded_) {
+      ASSIGN_OR_RETURN(head_, Pread(0, std::min(size_, kWindow)));
+      head_loaded_ = true;
+    }
+    return head_.substr(offset, len);
+  }
+  uint64_t tail_start = size_ > kWindow ? size_ - kWindow : 0;
+  if (offset >= tail_start) {
+    if (!tail_loaded_) {
+      ASSIGN_OR_RETURN(tail_, Pread(tail_start, size_ - tail_start));
+      tail_loaded_ = true;
+    }
+    return tail_.substr(offset - tail_start, len);
+  }
+  return Pread(offset, len);
+}
+
+Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoStatus("open", path, errno);
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    return ErrnoStatus("stat", path, e);
+  }
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    ::close(fd);
+    return Invalid("cannot read " + path + ": " + std::to_string(size) + " bytes is more than the " +
+                   std::to_string(max_bytes) + " allowed");
+  }
+  FileSliceReader r(fd, 0, size, path);
+  auto res = size == 0 ? Result<std::string>(std::string()) : r.ReadAt(0, size);
+  ::close(fd);
+  return res;
+}
+
+}  // namespace ckptfs::formats

@@ -1,0 +1,566 @@
+#include "formats/dcp/dcp_reader.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zstd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <regex>
+#include <set>
+#include <thread>
+#include <unordered_map>
+
+#include "formats/byte_reader.h"
+#include "formats/pickle.h"
+#include "formats/torch_save.h"
+
+namespace ckptfs::formats {
+namespace {
+
+constexpr uint64_t kMaxMetadata = 1ull << 30;
+constexpr uint64_t kMaxDecompressed = 4ull << 30;
+
+struct ItemLoc {
+  uint32_t file = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  bool zstd = false;
+};
+
+std::string ChunkKey(const std::string& fqn, const std::vector<int64_t>& offsets) {
+  std::string k = fqn;
+  k.push_back('\0');
+  for (int64_t o : offsets) k += std::to_string(o) + ",";
+  return k;
+}
+
+// One tensor chunk or bytes item to resolve against its data file.
+struct Work {
+  size_t tensor = 0;
+  size_t ordinal = 0;
+  std::vector<int64_t> offsets, sizes;
+  ItemLoc loc;
+  bool bytes = false;
+};
+
+struct OpenFiles {
+  std::vector<int> fds;  // -1: could not open (errors[i] says why)
+  std::vector<std::string> errors;
+  ~OpenFiles() {
+    for (int fd : fds) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+};
+
+Result<DType> PropertiesDType(const PyValue* props) {
+  if (props == nullptr) return Invalid("tensor properties missing");
+  const PyValue* dt = nullptr;
+  if (props->state && props->state->kind == PyKind::kTuple && !props->state->items.empty()) {
+    dt = props->state->items[0].get();  // (dtype, layout, requires_grad, memory_format, pin_memory)
+  } else {
+    dt = props->Attr("dtype");
+  }
+  if (dt == nullptr || dt->kind != PyKind::kGlobal) return Invalid("tensor properties carry no dtype");
+  DType d = DTypeFromTorchName(dt->name);
+  if (d == DType::kInvalid) return Unsupported("unsupported dtype torch." + dt->name);
+  return d;
+}
+
+std::vector<std::string> PathOf(const PyValue* planner, const std::string& key) {
+  std::vector<std::string> path;
+  const PyValue* p = planner != nullptr && planner->kind == PyKind::kDict ? planner->Get(key) : nullptr;
+  if (p != nullptr && p->IsSeq()) {
+    for (const auto& e : p->items) {
+      if (e->kind == PyKind::kStr) path.push_back(e->s);
+      else if (e->kind == PyKind::kInt) path.push_back(std::to_string(e->i));
+      else path.push_back("?");
+    }
+  }
+  if (path.empty()) path.push_back(key);
+  return path;
+}
+
+std::string Join(const std::vector<std::string>& v, size_t from) {
+  std::string out;
+  for (size_t i = from; i < v.size(); ++i) {
+    if (!out.empty()) out.push_back('.');
+    out += v[i];
+  }
+  return out;
+}
+
+bool IsOptimizerRoot(const std::string& s) { return s == "optimizer" || s == "optim" || s == "optimizers"; }
+bool IsNonModelRoot(const std::string& s) {
+  static const std::set<std::string> kRoots = {"lr_scheduler", "scheduler", "dataloader", "train_state",
+                                               "extra", "extra_state", "rng", "rng_state", "args",
+                                               "trainer", "metrics"};
+  return kRoots.count(s) > 0 || IsOptimizerRoot(s);
+}
+
+// Splits "<fqn>.<state>" where fqn is the longest known parameter name.
+bool SplitByKnownFqn(const std::string& rest, const std::set<std::string>& fqns, std::string* fqn,
+                     std::string* state) {
+  for (size_t dot = rest.rfind('.'); dot != std::string::npos && dot > 0; dot = rest.rfind('.', dot - 1)) {
+    if (fqns.count(rest.substr(0, dot))) {
+      *fqn = rest.substr(0, dot);
+      *state = rest.substr(dot + 1);
+      return true;
+    }
+    if (dot == 0) break;
+  }
+  return false;
+}
+
+// Assigns role / fqn / state. Documented in README "How keys map to params/".
+void Classify(std::vector<TensorRecord>& tensors, const PyValue* planner) {
+  std::vector<std::vector<std::string>> paths;
+  bool has_model_root = false;
+  for (const auto& t : tensors) {
+    paths.push_back(PathOf(planner, t.key));
+    if (paths.back().size() > 1 && paths.back()[0] == "model") has_model_root = true;
+  }
+  std::set<std::string> fqns;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TensorRecord& t = tensors[i];
+    const auto& p = paths[i];
+    t.role = Role::kOther;
+    t.fqn = t.key;
+    t.state.clear();
+    if (t.encoding != Encoding::kTensor) continue;
+    if (p.size() > 1 && p[0] == "model") {
+      t.role = Role::kParam;
+      t.fqn = Join(p, 1);
+    } else if (p.size() == 1 && !has_model_root && !IsNonModelRoot(p[0].substr(0, p[0].find('.'))) &&
+               !(t.shape.empty() && (p[0] == "step" || p[0] == "epoch" || p[0] == "iteration"))) {
+      t.role = Role::kParam;  // torchtitan-style bare FQNs at the top level
+      t.fqn = p[0];
+    }
+    if (t.role == Role::kParam) {
+      t.state = "param";
+      fqns.insert(t.fqn);
+    }
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TensorRecord& t = tensors[i];
+    const auto& p = paths[i];
+    if (t.encoding != Encoding::kTensor || t.role == Role::kParam) continue;
+    std::string fqn, state;
+    bool ok = false;
+    if (p.size() >= 4 && IsOptimizerRoot(p[0]) && p[1] == "state") {
+      fqn = p[2];
+      state = Join(p, 3);
+      ok = fqns.count(fqn) > 0 || fqns.empty() || !std::all_of(fqn.begin(), fqn.end(), ::isdigit);
+    } else if (p.size() >= 2 && IsOptimizerRoot(p[0])) {
+      std::string rest = Join(p, 1);  // "state.<fqn>.<k>" when flattened into one key
+      if (rest.rfind("state.", 0) == 0) ok = SplitByKnownFqn(rest.substr(6), fqns, &fqn, &state);
+    } else if (p.size() == 1) {
+      const std::string& k = p[0];
+      for (const char* root : {"optimizer.state.", "optim.state."}) {
+        if (k.rfind(root, 0) == 0) ok = SplitByKnownFqn(k.substr(std::strlen(root)), fqns, &fqn, &state);
+        if (ok) break;
+      }
+    }
+    if (ok && !state.empty()) {
+      t.role = Role::kOptimState;
+      t.fqn = fqn;
+      t.state = state;
+    }
+  }
+}
+
+Status CheckTiling(const TensorRecord& t, const std::vector<Fragment>& frags) {
+  uint64_t total = 0;
+  for (const auto& f : frags) {
+    if (f.offsets.size() != t.shape.size() || f.lengths.size() != t.shape.size()) {
+      return Invalid("a chunk's rank differs from the tensor's");
+    }
+    uint64_t vol = 1;
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (f.offsets[d] < 0 || f.lengths[d] < 0 || f.offsets[d] + f.lengths[d] > t.shape[d]) {
+        return Invalid("a chunk lies outside the tensor's shape");
+      }
+      vol *= static_cast<uint64_t>(f.lengths[d]);
+    }
+    total += vol;
+  }
+  if (frags.size() <= 4096) {
+    for (size_t a = 0; a < frags.size(); ++a) {
+      for (size_t b = a + 1; b < frags.size(); ++b) {
+        bool overlap = !t.shape.empty();
+        uint64_t va = 1;
+        for (size_t d = 0; d < t.shape.size(); ++d) {
+          va *= static_cast<uint64_t>(frags[a].lengths[d]);
+          int64_t lo = std::max(frags[a].offsets[d], frags[b].offsets[d]);
+          int64_t hi = std::min(frags[a].offsets[d] + frags[a].lengths[d], frags[b].offsets[d] + frags[b].lengths[d]);
+          if (lo >= hi) overlap = false;
+        }
+        if (t.shape.empty()) overlap = true;
+        if (overlap && va > 0) return Invalid("chunks overlap");
+      }
+    }
+  }
+  if (total != t.Numel()) {
+    return Invalid("chunks cover " + std::to_string(total) + " of " + std::to_string(t.Numel()) + " elements");
+  }
+  return Status::Ok();
+}
+
+Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name) {
+  if (loc.length > kMaxDecompressed) return Invalid("cannot read " + name + ": compressed item too large");
+  FileSliceReader r(fd, loc.offset, loc.length, name);
+  return r.ReadAt(0, loc.length);
+}
+
+// Resolves one chunk: parses its torch.save item, checks it against the
+// metadata and returns the fragment (or a per-tensor error).
+Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, const std::string& file_name) {
+  const std::string name = file_name + " @ " + std::to_string(w.loc.offset);
+  Fragment f;
+  f.file = FileId{w.loc.file};
+  f.offsets = w.offsets;
+  f.lengths = w.sizes;
+  if (w.bytes) {
+    f.data_offset = w.loc.offset;
+    f.data_length = w.loc.length;
+    if (w.loc.zstd) {
+      ASSIGN_OR_RETURN(std::string raw, ReadItem(fd, w.loc, name));
+      ASSIGN_OR_RETURN(std::string plain, ZstdDecompress(raw, kMaxDecompressed, name));
+      f.compression = Compression::kZstd;
+      f.item_offset = w.loc.offset;
+      f.item_length = w.loc.length;
+      f.data_offset = 0;
+      f.data_length = plain.size();
+    }
+    return f;
+  }
+  std::string plain;
+  std::unique_ptr<ByteReader> reader;
+  if (w.loc.zstd) {
+    ASSIGN_OR_RETURN(std::string raw, ReadItem(fd, w.loc, name));
+    ASSIGN_OR_RETURN(plain, ZstdDecompress(raw, kMaxDecompressed, name));
+    reader = std::make_unique<MemoryReader>(plain, name + " (zstd)");
+  } else {
+    reader = std::make_unique<FileSliceReader>(fd, w.loc.offset, w.loc.length, name);
+  }
+  ASSIGN_OR_RETURN(TorchSaveArchive a, ReadTorchSave(*reader));
+  if (a.root->kind != PyKind::kTensor) return Invalid("cannot read " + name + ": item is not a tensor");
+  const TensorRef& ref = a.root->tensor;
+  if (ref.shape != w.sizes) return Invalid("cannot read " + name + ": item's shape differs from the chunk in .metadata");
+  if (ref.dtype != t.dtype) {
+    return Invalid("cannot read " + name + ": item dtype " + std::string(DTypeName(ref.dtype)) +
+                   " differs from .metadata's " + std::string(DTypeName(t.dtype)));
+  }
+  ASSIGN_OR_RETURN(ResolvedTensor rt, ResolveTensor(*reader, a, ref));
+  f.dtype = ref.dtype;
+  f.strides = ref.strides;
+  f.data_length = rt.data_length;
+  if (w.loc.zstd) {
+    f.compression = Compression::kZstd;
+    f.item_offset = w.loc.offset;
+    f.item_length = w.loc.length;
+    f.data_offset = rt.data_offset;
+  } else {
+    f.data_offset = w.loc.offset + rt.data_offset;
+  }
+  return f;
+}
+
+// The training step, from the usual keys or the directory name; -1 if unknown.
+int64_t FindStep(const std::string& dir, const Checkpoint& ck, const OpenFiles& files) {
+  for (const char* key : {"train_state.step", "step", "iteration", "global_step", "train_state.iteration"}) {
+    for (size_t i = 0; i < ck.tensors.size(); ++i) {
+      const TensorRecord& t = ck.tensors[i];
+      if (t.key != key || !t.error.empty() || ck.fragments[i].size() != 1) continue;
+      const Fragment& f = ck.fragments[i][0];
+      int fd = files.fds[f.file.v];
+      if (fd < 0) continue;
+      if (t.encoding == Encoding::kBytes && f.compression == Compression::kNone) {
+        FileSliceReader r(fd, f.data_offset, f.data_length, t.key);
+        auto a = ReadTorchSave(r);
+        if (a.ok() && a->root->kind == PyKind::kInt) return a->root->i;
+      } else if (t.encoding == Encoding::kTensor && t.shape.empty() && f.compression == Compression::kNone) {
+        char buf[8] = {};
+        size_t n = DTypeSize(t.dtype);
+        if (n == 0 || n > 8 || ::pread(fd, buf, n, static_cast<off_t>(f.data_offset)) != static_cast<ssize_t>(n)) continue;
+        if (t.dtype == DType::kI64) return LoadLE<int64_t>(buf);
+        if (t.dtype == DType::kI32) return LoadLE<int32_t>(buf);
+        if (t.dtype == DType::kF32) return static_cast<int64_t>(LoadLE<float>(buf));
+        if (t.dtype == DType::kF64) return static_cast<int64_t>(LoadLE<double>(buf));
+      }
+    }
+  }
+  std::string base = dir;
+  while (!base.empty() && base.back() == '/') base.pop_back();
+  base = base.substr(base.rfind('/') + 1);
+  std::smatch m;
+  static const std::regex kStepRe(R"((?:step|global_step|iter|checkpoint)[-_]?0*([0-9]+)$)");
+  if (std::regex_search(base, m, kStepRe)) return std::stoll(m[1].str());
+  return -1;
+}
+
+}  // namespace
+
+Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what) {
+  std::string out;
+  ZSTD_DStream* ds = ZSTD_createDStream();
+  if (ds == nullptr) return Internal("cannot allocate a zstd stream");
+  ZSTD_inBuffer ib{in.data(), in.size(), 0};
+  std::string buf(ZSTD_DStreamOutSize(), '\0');
+  size_t ret = 1;
+  while (ib.pos < ib.size) {
+    ZSTD_outBuffer ob{buf.data(), buf.size(), 0};
+    ret = ZSTD_decompressStream(ds, &ob, &ib);
+    if (ZSTD_isError(ret)) {
+      ZSTD_freeDStream(ds);
+      return Invalid("cannot decompress " + what + ": " + ZSTD_getErrorName(ret));
+    }
+    out.append(buf.data(), ob.pos);
+    if (out.size() > max_out) {
+      ZSTD_freeDStream(ds);
+      return Invalid("cannot decompress " + what + ": output larger than " + std::to_string(max_out));
+    }
+    if (ob.pos == 0 && ret != 0 && ib.pos == ib.size) break;
+  }
+  // Flush what the decoder still holds.
+  while (ret != 0) {
+    ZSTD_outBuffer ob{buf.data(), buf.size(), 0};
+    ret = ZSTD_decompressStream(ds, &ob, &ib);
+    if (ZSTD_isError(ret)) {
+      ZSTD_freeDStream(ds);
+      return Invalid("cannot decompress " + what + ": " + ZSTD_getErrorName(ret));
+    }
+    if (ob.pos == 0) break;
+    out.append(buf.data(), ob.pos);
+  }
+  ZSTD_freeDStream(ds);
+  if (ret != 0) return Invalid("cannot decompress " + what + ": truncated zstd stream");
+  return out;
+}
+
+bool LooksLikeDcp(const std::string& dir) {
+  struct stat st{};
+  return ::stat((dir + "/.metadata").c_str(), &st) == 0;
+}
+
+Result<Checkpoint> ReadDcp(const std::string& dir) {
+  const std::string meta_path = dir + "/.metadata";
+  auto fail = [&](const Status& s) { return s.Annotate("cannot parse " + meta_path); };
+  auto bytes = ReadWholeFile(meta_path, kMaxMetadata);
+  if (!bytes.ok()) return bytes.status();
+  if (bytes->empty()) return Invalid("cannot parse " + meta_path + ": empty file");
+  auto root_or = Unpickle(*bytes, ".metadata");
+  if (!root_or.ok()) return fail(root_or.status());
+  const PyValue& root = **root_or;
+  if (root.ClassName() != "Metadata") return Invalid("cannot parse " + meta_path + ": top-level object is not a DCP Metadata");
+  const PyValue* sdm = root.Attr("state_dict_metadata");
+  const PyValue* storage = root.Attr("storage_data");
+  const PyValue* planner = root.Attr("planner_data");
+  if (sdm == nullptr || sdm->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no state_dict_metadata");
+  if (storage == nullptr || storage->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no storage_data");
+
+  Checkpoint ck;
+  ck.info.family = "pytorch-dcp";
+  const PyValue* version = root.Attr("version");
+  bool legacy = root.callable && root.callable->s.find("_shard") != std::string::npos;
+  ck.info.format_note = std::string("DCP metadata") + (version && version->IsStr() ? " version " + version->s : "") +
+                        (root.Attr("storage_meta") ? " (torch 2.x)" : legacy ? " (torch 1.13 _shard.checkpoint)" : "");
+
+  // Source files: .metadata first, then every data file in storage_data order.
+  std::map<std::string, uint32_t> file_ids;
+  auto add_file = [&](const std::string& rel) {
+    auto [it, inserted] = file_ids.emplace(rel, static_cast<uint32_t>(ck.files.size()));
+    if (inserted) ck.files.push_back(SourceFile{rel, 0, 0, 0});
+    return it->second;
+  };
+  add_file(".metadata");
+  std::unordered_map<std::string, ItemLoc> items;
+  for (const auto& [k, v] : storage->dict) {
+    if (k->ClassName() != "MetadataIndex" || v->ClassName() != "_StorageInfo") {
+      return Invalid("cannot parse " + meta_path + ": storage_data entry is not MetadataIndex -> _StorageInfo");
+    }
+    const PyValue* fqn = k->Attr("fqn");
+    const PyValue* off = k->Attr("offset");
+    if (fqn == nullptr || !fqn->IsStr()) return Invalid("cannot parse " + meta_path + ": MetadataIndex without fqn");
+    std::vector<int64_t> offsets;
+    if (off != nullptr && off->kind != PyKind::kNone) {
+      auto o = AsIntVector(off, "MetadataIndex.offset");
+      if (!o.ok()) return fail(o.status());
+      offsets = *o;
+    }
+    const PyValue* rel = v->Attr("relative_path");
+    if (rel == nullptr || !rel->IsStr()) return Invalid("cannot parse " + meta_path + ": _StorageInfo without relative_path");
+    if (rel->s.empty() || rel->s.find("..") != std::string::npos || rel->s[0] == '/') {
+      return Invalid("cannot parse " + meta_path + ": unsafe relative_path '" + rel->s + "'");
+    }
+    ItemLoc loc;
+    loc.file = add_file(rel->s);
+    auto o = AsInt(v->Attr("offset"), "_StorageInfo.offset");
+    auto l = AsInt(v->Attr("length"), "_StorageInfo.length");
+    if (!o.ok() || !l.ok() || *o < 0 || *l < 0) return Invalid("cannot parse " + meta_path + ": bad _StorageInfo offset/length");
+    loc.offset = static_cast<uint64_t>(*o);
+    loc.length = static_cast<uint64_t>(*l);
+    if (const PyValue* td = v->Attr("transform_descriptors"); td != nullptr && td->IsSeq()) {
+      for (const auto& d : td->items) {
+        if (d->IsStr() && d->s.rfind("stream.zstd", 0) == 0) {
+          loc.zstd = true;
+        } else if (d->IsStr()) {
+          return Unsupported("cannot parse " + meta_path + ": unknown storage transform '" + d->s + "'");
+        }
+      }
+    }
+    items[ChunkKey(fqn->s, offsets)] = loc;
+  }
+
+  // Stat and open every file; a missing one is a per-tensor error, not fatal.
+  OpenFiles files;
+  files.fds.assign(ck.files.size(), -1);
+  files.errors.assign(ck.files.size(), "");
+  for (size_t i = 0; i < ck.files.size(); ++i) {
+    SourceFile& f = ck.files[i];
+    std::string path = dir + "/" + f.rel_path;
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st{};
+    if (fd < 0 || ::fstat(fd, &st) != 0) {
+      files.errors[i] = ErrnoStatus("open", path, errno).message();
+      f.mtime_ns = -1;  // recorded as missing
+      if (fd >= 0) ::close(fd);
+      continue;
+    }
+    files.fds[i] = fd;
+    f.size = static_cast<uint64_t>(st.st_size);
+    f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    f.inode = st.st_ino;
+  }
+
+  // Tensors and their work items.
+  std::vector<Work> work;
+  for (const auto& [k, md] : sdm->dict) {
+    if (!k->IsStr()) return Invalid("cannot parse " + meta_path + ": non-string key in state_dict_metadata");
+    TensorRecord t;
+    t.key = k->s;
+    size_t ti = ck.tensors.size();
+    std::string cls = md->ClassName();
+    if (cls == "BytesStorageMetadata") {
+      t.encoding = Encoding::kBytes;
+      t.dtype = DType::kU8;
+      Work w;
+      w.tensor = ti;
+      w.bytes = true;
+      auto it = items.find(ChunkKey(t.key, {}));
+      if (it == items.end()) {
+        t.error = "cannot find the storage item of bytes entry '" + t.key + "' in .metadata";
+      } else {
+        w.loc = it->second;
+        work.push_back(w);
+      }
+    } else if (cls == "TensorStorageMetadata") {
+      t.encoding = Encoding::kTensor;
+      auto dt = PropertiesDType(md->Attr("properties"));
+      auto shape = AsIntVector(md->Attr("size"), "size");
+      if (!dt.ok() || !shape.ok()) {
+        return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': " +
+                       (!dt.ok() ? dt.status().message() : shape.status().message()));
+      }
+      t.dtype = *dt;
+      t.shape = *shape;
+      for (int64_t s : t.shape) {
+        if (s < 0) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has a negative size");
+      }
+      const PyValue* chunks = md->Attr("chunks");
+      if (chunks == nullptr || !chunks->IsSeq()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has no chunks");
+      size_t ordinal = 0;
+      for (const auto& c : chunks->items) {
+        auto offs = AsIntVector(c->Attr("offsets"), "chunk offsets");
+        auto sizes = AsIntVector(c->Attr("sizes"), "chunk sizes");
+        if (!offs.ok() || !sizes.ok()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': bad chunk");
+        Work w;
+        w.tensor = ti;
+        w.ordinal = ordinal++;
+        w.offsets = *offs;
+        w.sizes = *sizes;
+        auto it = items.find(ChunkKey(t.key, w.offsets));
+        if (it == items.end()) {
+          t.error = "cannot find the storage item of a chunk of '" + t.key + "' in .metadata";
+          continue;
+        }
+        w.loc = it->second;
+        work.push_back(w);
+      }
+      t.byte_size = t.Numel() * DTypeSize(t.dtype);
+    } else {
+      return Unsupported("cannot parse " + meta_path + ": unknown storage metadata class " + cls + " for '" + t.key + "'");
+    }
+    ck.tensors.push_back(std::move(t));
+  }
+  ck.fragments.assign(ck.tensors.size(), {});
+
+  // Resolve every item, in parallel over the work list (index build is
+  // dominated by small preads of ZIP directories on a parallel filesystem).
+  std::vector<Result<Fragment>> results(work.size(), Result<Fragment>(Status()));
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < work.size(); i = next++) {
+      const Work& w = work[i];
+      const std::string& rel = ck.files[w.loc.file].rel_path;
+      int fd = files.fds[w.loc.file];
+      if (fd < 0) {
+        results[i] = Status(Code::kNotFound, files.errors[w.loc.file]);
+        continue;
+      }
+      uint64_t end;
+      if (AddOverflow(w.loc.offset, w.loc.length, &end) || end > ck.files[w.loc.file].size) {
+        results[i] = Invalid("cannot read " + rel + ": item of '" + ck.tensors[w.tensor].key + "' at offset " +
+                             std::to_string(w.loc.offset) + " (" + std::to_string(w.loc.length) +
+                             " bytes) passes the end of the file (" + std::to_string(ck.files[w.loc.file].size) +
+                             " bytes; truncated?)");
+        continue;
+      }
+      results[i] = ResolveChunk(w, ck.tensors[w.tensor], fd, rel);
+    }
+  };
+  unsigned n_threads = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  if (work.size() < 64) n_threads = 1;
+  std::vector<std::thread> threads;
+  for (unsigned i = 1; i < n_threads; ++i) threads.emplace_back(worker);
+  worker();
+  for (auto& th : threads) th.join();
+
+  for (size_t i = 0; i < work.size(); ++i) {
+    TensorRecord& t = ck.tensors[work[i].tensor];
+    if (!results[i].ok()) {
+      if (t.error.empty()) t.error = results[i].status().message();
+      continue;
+    }
+    Fragment f = std::move(results[i]).value();
+    if (t.encoding == Encoding::kBytes) t.byte_size = f.data_length;
+    ck.fragments[work[i].tensor].push_back(std::move(f));
+  }
+  for (size_t i = 0; i < ck.tensors.size(); ++i) {
+    TensorRecord& t = ck.tensors[i];
+    if (t.error.empty() && t.encoding == Encoding::kTensor) {
+      Status s = CheckTiling(t, ck.fragments[i]);
+      if (!s.ok()) t.error = s.Annotate("tensor '" + t.key + "' in " + meta_path).message();
+    }
+    if (!t.error.empty()) ck.fragments[i].clear();
+    t.num_fragments = static_cast<uint32_t>(ck.fragments[i].size());
+  }
+
+  Classify(ck.tensors, planner);
+
+  static const std::regex kRankRe(R"(^__([0-9]+)_[0-9]+(\.distcp)?$)");
+  for (const auto& f : ck.files) {
+    std::smatch m;
+    if (std::regex_match(f.rel_path, m, kRankRe)) {
+      ck.info.world_size = std::max<uint32_t>(ck.info.world_size, static_cast<uint32_t>(std::stoul(m[1].str())) + 1);
+    }
+  }
+  ck.info.step = FindStep(dir, ck, files);
+  return ck;
+}
+
+}  // namespace ckptfs::formats

@@ -1,0 +1,28 @@
+// PyTorch Distributed Checkpoint reader (torch.distributed.checkpoint):
+// `.metadata` (a pickled Metadata: state_dict_metadata, planner_data,
+// storage_data; torch 1.13 `_shard.checkpoint` and torch 2.x) plus the data
+// files it names (`__<rank>_<n>.distcp`, or `__<rank>_<n>` per item in 1.13).
+// Every storage item is a complete torch.save archive, optionally wrapped in a
+// zstd stream (transform_descriptors "stream.zstd/1"). For each tensor chunk
+// the reader opens the item's ZIP directory and data.pkl and records the
+// absolute byte offset of the chunk's first element, so reads go straight to
+// it. See ../shared/formats/torch-dcp-safetensors.md section 2.
+#ifndef CKPTFS_FORMATS_DCP_DCP_READER_H_
+#define CKPTFS_FORMATS_DCP_DCP_READER_H_
+
+#include <string>
+
+#include "ckptfs/common.h"
+#include "ckptfs/model.h"
+
+namespace ckptfs::formats {
+
+bool LooksLikeDcp(const std::string& dir);
+Result<Checkpoint> ReadDcp(const std::string& dir);
+
+// Decompresses one zstd stream (frames concatenated), bounded by max_out.
+Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what);
+
+}  // namespace ckptfs::formats
+
+#endif  // CKPTFS_FORMATS_DCP_DCP_READER_H_

@@ -1,0 +1,738 @@
+#include "formats/pickle.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <unordered_map>
+
+namespace ckptfs::formats {
+namespace {
+
+constexpr uint32_t kMaxDepth = 512;
+constexpr size_t kMaxStack = 1u << 20;
+
+PyRef Make(PyKind k) {
+  auto v = std::make_shared<PyValue>();
+  v->kind = k;
+  return v;
+}
+PyRef MakeInt(int64_t i) {
+  auto v = Make(PyKind::kInt);
+  v->i = i;
+  return v;
+}
+PyRef MakeStr(PyKind k, std::string s) {
+  auto v = Make(k);
+  v->s = std::move(s);
+  return v;
+}
+
+bool StartsWith(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
+
+bool IsAllowedGlobal(const std::string& module, const std::string& name, const PickleOptions& opts) {
+  static const char* kModules[] = {"torch", "numpy", "collections", "argparse", "_codecs", "copyreg",
+                                   "pathlib", "uuid", "datetime", "enum"};
+  auto under = [&](std::string_view prefix) {
+    return module == prefix || StartsWith(module, std::string(prefix) + ".");
+  };
+  for (const char* m : kModules) {
+    if (under(m)) return true;
+  }
+  for (const auto& m : opts.extra_modules) {
+    if (under(m)) return true;
+  }
+  if (module == "builtins") {
+    static const char* kNames[] = {"getattr", "set", "frozenset", "bytearray", "bytes", "complex", "slice",
+                                   "range", "object", "dict", "list", "tuple", "int", "float", "str", "bool"};
+    for (const char* n : kNames) {
+      if (name == n) return true;
+    }
+  }
+  return false;
+}
+
+class Vm {
+ public:
+  Vm(std::string_view data, const std::string& what, const PickleOptions& opts)
+      : d_(data), what_(what), opts_(opts) {}
+
+  Result<PyRef> Run();
+
+ private:
+  Status Err(const std::string& why) const {
+    return Invalid("cannot unpickle " + what_ + ": " + why + " (at byte " + std::to_string(op_pos_) + ")");
+  }
+  bool Need(size_t n) const { return d_.size() - p_ >= n; }
+  Result<std::string_view> Take(uint64_t n) {
+    if (n > d_.size() - p_) return Err("truncated: wanted " + std::to_string(n) + " more bytes");
+    std::string_view s = d_.substr(p_, n);
+    p_ += n;
+    return s;
+  }
+  Result<std::string_view> Line() {
+    size_t e = d_.find('\n', p_);
+    if (e == std::string_view::npos) return Err("truncated text argument");
+    std::string_view s = d_.substr(p_, e - p_);
+    p_ = e + 1;
+    return s;
+  }
+  template <typename T>
+  Result<T> Num() {
+    ASSIGN_OR_RETURN(std::string_view s, Take(sizeof(T)));
+    return LoadLE<T>(s.data());
+  }
+  Status Push(PyRef v) {
+    if (stack_.size() >= kMaxStack) return Err("stack too deep");
+    stack_.push_back(std::move(v));
+    return Status::Ok();
+  }
+  Result<PyRef> Pop() {
+    if (stack_.size() <= Base()) return Err("stack underflow");
+    PyRef v = std::move(stack_.back());
+    stack_.pop_back();
+    return v;
+  }
+  Result<PyRef> Top() {
+    if (stack_.size() <= Base()) return Err("stack underflow");
+    return stack_.back();
+  }
+  size_t Base() const { return marks_.empty() ? 0 : marks_.back(); }
+  Result<std::vector<PyRef>> PopMark() {
+    if (marks_.empty()) return Err("MARK missing");
+    size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<PyRef> out(std::make_move_iterator(stack_.begin() + static_cast<ptrdiff_t>(m)),
+                           std::make_move_iterator(stack_.end()));
+    stack_.resize(m);
+    return out;
+  }
+  Status Adopt(PyValue* parent, const PyRef& child) {
+    if (child && child->depth + 1 > parent->depth) parent->depth = child->depth + 1;
+    if (parent->depth > kMaxDepth) return Err("values nested deeper than " + std::to_string(kMaxDepth));
+    return Status::Ok();
+  }
+  Result<PyRef> Seq(PyKind k, std::vector<PyRef> items) {
+    auto v = Make(k);
+    for (const auto& it : items) RETURN_IF_ERROR(Adopt(v.get(), it));
+    v->items = std::move(items);
+    return v;
+  }
+  Result<PyRef> Global(std::string module, std::string name) {
+    module = CanonicalModule(module);
+    if (!IsAllowedGlobal(module, name, opts_)) {
+      return Err("unknown pickle global " + module + "." + name + " (not on the allow list)");
+    }
+    auto v = Make(PyKind::kGlobal);
+    v->s = std::move(module);
+    v->name = std::move(name);
+    return v;
+  }
+  Status SetItems(const PyRef& target, std::vector<PyRef>& kv) {
+    if (kv.size() % 2 != 0) return Err("odd number of items for SETITEMS");
+    if (target->kind != PyKind::kDict && target->kind != PyKind::kObject) return Err("SETITEM on a non-dict");
+    for (size_t i = 0; i < kv.size(); i += 2) {
+      RETURN_IF_ERROR(Adopt(target.get(), kv[i + 1]));
+      target->dict.emplace_back(std::move(kv[i]), std::move(kv[i + 1]));
+    }
+    return Status::Ok();
+  }
+  Status Append(const PyRef& target, std::vector<PyRef>& items) {
+    if (target->kind != PyKind::kList && target->kind != PyKind::kObject && target->kind != PyKind::kSet) {
+      return Err("APPEND on a non-list");
+    }
+    for (auto& it : items) {
+      RETURN_IF_ERROR(Adopt(target.get(), it));
+      target->items.push_back(std::move(it));
+    }
+    return Status::Ok();
+  }
+  Result<PyRef> Call(const PyRef& callable, const PyRef& args);
+  Result<PyRef> RebuildTensor(const std::string& fn, const std::vector<PyRef>& a);
+  Result<PyRef> PersistentLoad(const PyRef& pid);
+  Status Memoize(uint64_t idx, const PyRef& v) {
+    if (memo_.size() > kMaxStack) return Err("memo too large");
+    memo_[idx] = v;
+    return Status::Ok();
+  }
+  Result<PyRef> MemoGet(uint64_t idx) {
+    auto it = memo_.find(idx);
+    if (it == memo_.end()) return Err("memo key " + std::to_string(idx) + " missing");
+    return it->second;
+  }
+
+  std::string_view d_;
+  const std::string& what_;
+  const PickleOptions& opts_;
+  size_t p_ = 0;
+  size_t op_pos_ = 0;
+  std::vector<PyRef> stack_;
+  std::vector<size_t> marks_;
+  std::unordered_map<uint64_t, PyRef> memo_;
+};
+
+Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
+  // torch.save: ('storage', storage_type, key, location, numel).
+  if (pid->kind != PyKind::kTuple || pid->items.size() < 5 || !pid->items[0]->IsStr() ||
+      pid->items[0]->s != "storage") {
+    return Err("unsupported persistent id (expected a torch storage tuple)");
+  }
+  const PyValue& cls = *pid->items[1];
+  auto v = Make(PyKind::kStorage);
+  if (cls.kind == PyKind::kGlobal) {
+    if (cls.name == "UntypedStorage") {
+      v->untyped = true;
+      v->storage_dtype = DType::kU8;
+    } else {
+      v->storage_dtype = DTypeFromTorchName(cls.name);
+      if (v->storage_dtype == DType::kInvalid) return Err("unknown storage class torch." + cls.name);
+    }
+  } else if (cls.kind == PyKind::kObject) {
+    return Err("quantized or custom storage types are not supported");
+  } else {
+    return Err("storage type is not a class");
+  }
+  const PyValue& key = *pid->items[2];
+  if (key.kind == PyKind::kStr) {
+    v->s = key.s;
+  } else if (key.kind == PyKind::kInt) {
+    v->s = std::to_string(key.i);
+  } else {
+    return Err("storage key is not a string");
+  }
+  ASSIGN_OR_RETURN(int64_t numel, AsInt(pid->items[4].get(), "storage numel"));
+  if (numel < 0) return Err("negative storage size");
+  v->storage_numel = static_cast<uint64_t>(numel);
+  return v;
+}
+
+Result<PyRef> Vm::RebuildTensor(const std::string& fn, const std::vector<PyRef>& a) {
+  // _rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks[, metadata])
+  // _rebuild_tensor_v3(storage, offset, size, stride, requires_grad, hooks, dtype[, metadata])
+  // _rebuild_tensor(storage, offset, size, stride)
+  size_t need = fn == "_rebuild_tensor_v3" ? 7 : 4;
+  if (a.size() < need) return Err(fn + " with " + std::to_string(a.size()) + " arguments");
+  if (a[0]->kind != PyKind::kStorage) return Err(fn + ": first argument is not a storage");
+  auto v = Make(PyKind::kTensor);
+  TensorRef& t = v->tensor;
+  t.storage_key = a[0]->s;
+  t.dtype = a[0]->storage_dtype;
+  if (fn == "_rebuild_tensor_v3") {
+    if (a[6]->kind != PyKind::kGlobal) return Err("_rebuild_tensor_v3: dtype is not a torch dtype");
+    t.dtype = DTypeFromTorchName(a[6]->name);
+    if (t.dtype == DType::kInvalid) return Err("unsupported dtype torch." + a[6]->name);
+  } else if (a[0]->untyped) {
+    return Err(fn + " on an UntypedStorage without a dtype");
+  }
+  ASSIGN_OR_RETURN(int64_t off, AsInt(a[1].get(), "storage_offset"));
+  if (off < 0) return Err("negative storage offset");
+  t.storage_offset = static_cast<uint64_t>(off);
+  ASSIGN_OR_RETURN(t.shape, AsIntVector(a[2].get(), "size"));
+  ASSIGN_OR_RETURN(t.strides, AsIntVector(a[3].get(), "stride"));
+  if (t.shape.size() != t.strides.size()) return Err("size and stride ranks differ");
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    if (t.shape[i] < 0 || t.strides[i] < 0) return Err("negative size or stride");
+  }
+  return v;
+}
+
+Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
+  if (args->kind != PyKind::kTuple) return Err("REDUCE arguments are not a tuple");
+  const auto& a = args->items;
+  if (callable->kind == PyKind::kGlobal) {
+    const std::string& m = callable->s;
+    const std::string& n = callable->name;
+    if (m == "torch._utils" &&
+        (n == "_rebuild_tensor_v2" || n == "_rebuild_tensor_v3" || n == "_rebuild_tensor")) {
+      return RebuildTensor(n, a);
+    }
+    if (m == "torch._utils" && (n == "_rebuild_parameter" || n == "_rebuild_parameter_with_state")) {
+      if (a.empty() || a[0]->kind != PyKind::kTensor) return Err(n + ": first argument is not a tensor");
+      return a[0];
+    }
+    if (m == "torch._tensor" && n == "_rebuild_from_type_v2") {
+      // (func, type, args, state): the tensor comes from func(*args).
+      if (a.size() < 3) return Err("_rebuild_from_type_v2 with too few arguments");
+      return Call(a[0], a[2]);
+    }
+    if (m == "collections" && n == "OrderedDict") {
+      auto d = Make(PyKind::kDict);
+      if (!a.empty() && a[0]->IsSeq()) {
+        for (const auto& pair : a[0]->items) {
+          if (!pair->IsSeq() || pair->items.size() != 2) return Err("OrderedDict item is not a pair");
+          RETURN_IF_ERROR(Adopt(d.get(), pair->items[1]));
+          d->dict.emplace_back(pair->items[0], pair->items[1]);
+        }
+      }
+      return d;
+    }
+    if (m == "torch" && n == "Size") {
+      if (a.size() != 1 || !a[0]->IsSeq()) return Err("torch.Size argument is not a sequence");
+      return Seq(PyKind::kTuple, a[0]->items);
+    }
+    if (m == "_codecs" && n == "encode") {
+      // Protocol 2 writes bytes as encode(str, 'latin1'): code points 0-255.
+      if (a.empty() || !a[0]->IsStr()) return Err("_codecs.encode argument is not a str");
+      std::string out;
+      const std::string& s = a[0]->s;
+      for (size_t i = 0; i < s.size();) {
+        unsigned char c = static_cast<unsigned char>(s[i]);
+        if (c < 0x80) {
+          out.push_back(static_cast<char>(c));
+          i += 1;
+        } else if ((c & 0xE0) == 0xC0 && i + 1 < s.size()) {
+          out.push_back(static_cast<char>(((c & 0x1F) << 6) | (static_cast<unsigned char>(s[i + 1]) & 0x3F)));
+          i += 2;
+        } else {
+          return Err("_codecs.encode: code point above 255");
+        }
+      }
+      return MakeStr(PyKind::kBytes, std::move(out));
+    }
+    if (m == "builtins" && (n == "set" || n == "frozenset")) {
+      return Seq(PyKind::kSet, a.empty() || !a[0]->IsSeq() ? std::vector<PyRef>{} : a[0]->items);
+    }
+    if (m == "builtins" && (n == "bytes" || n == "bytearray") && !a.empty() && a[0]->kind == PyKind::kBytes) {
+      return a[0];
+    }
+  }
+  auto o = Make(PyKind::kObject);
+  o->callable = callable;
+  for (const auto& x : a) RETURN_IF_ERROR(Adopt(o.get(), x));
+  o->args = a;
+  return o;
+}
+
+Result<PyRef> Vm::Run() {
+  while (true) {
+    op_pos_ = p_;
+    if (!Need(1)) return Err("truncated: no STOP opcode");
+    unsigned char op = static_cast<unsigned char>(d_[p_++]);
+    switch (op) {
+      case 0x80: {  // PROTO
+        ASSIGN_OR_RETURN(uint8_t proto, Num<uint8_t>());
+        if (proto > 5) return Err("unsupported pickle protocol " + std::to_string(proto));
+        break;
+      }
+      case 0x95: {  // FRAME: a length hint only
+        ASSIGN_OR_RETURN(uint64_t n, Num<uint64_t>());
+        (void)n;
+        break;
+      }
+      case '.': {  // STOP
+        ASSIGN_OR_RETURN(PyRef v, Pop());
+        return v;
+      }
+      case '(':
+        marks_.push_back(stack_.size());
+        break;
+      case '0': {
+        ASSIGN_OR_RETURN(PyRef v, Pop());
+        break;
+      }
+      case '1': {
+        ASSIGN_OR_RETURN(auto v, PopMark());
+        break;
+      }
+      case '2': {
+        ASSIGN_OR_RETURN(PyRef v, Top());
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 'N':
+        RETURN_IF_ERROR(Push(Make(PyKind::kNone)));
+        break;
+      case 0x88:
+      case 0x89: {
+        auto v = Make(PyKind::kBool);
+        v->b = op == 0x88;
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 'J': {
+        ASSIGN_OR_RETURN(int32_t v, Num<int32_t>());
+        RETURN_IF_ERROR(Push(MakeInt(v)));
+        break;
+      }
+      case 'K': {
+        ASSIGN_OR_RETURN(uint8_t v, Num<uint8_t>());
+        RETURN_IF_ERROR(Push(MakeInt(v)));
+        break;
+      }
+      case 'M': {
+        ASSIGN_OR_RETURN(uint16_t v, Num<uint16_t>());
+        RETURN_IF_ERROR(Push(MakeInt(v)));
+        break;
+      }
+      case 0x8a:    // LONG1
+      case 0x8b: {  // LONG4
+        uint64_t n;
+        if (op == 0x8a) {
+          ASSIGN_OR_RETURN(uint8_t n1, Num<uint8_t>());
+          n = n1;
+        } else {
+          ASSIGN_OR_RETURN(int32_t n4, Num<int32_t>());
+          if (n4 < 0) return Err("negative LONG4 length");
+          n = static_cast<uint64_t>(n4);
+        }
+        ASSIGN_OR_RETURN(std::string_view b, Take(n));
+        if (n <= 8) {
+          uint64_t u = 0;
+          for (size_t i = 0; i < n; ++i) u |= static_cast<uint64_t>(static_cast<unsigned char>(b[i])) << (8 * i);
+          if (n > 0 && n < 8 && (static_cast<unsigned char>(b[n - 1]) & 0x80)) u |= ~0ull << (8 * n);
+          RETURN_IF_ERROR(Push(MakeInt(static_cast<int64_t>(u))));
+        } else {
+          RETURN_IF_ERROR(Push(MakeStr(PyKind::kBigInt, std::string(b))));
+        }
+        break;
+      }
+      case 'I':
+      case 'L': {  // INT / LONG (text)
+        ASSIGN_OR_RETURN(std::string_view line, Line());
+        std::string t(line);
+        if (!t.empty() && t.back() == 'L') t.pop_back();
+        if (op == 'I' && (t == "00" || t == "01")) {
+          auto v = Make(PyKind::kBool);
+          v->b = t == "01";
+          RETURN_IF_ERROR(Push(v));
+          break;
+        }
+        char* end = nullptr;
+        errno = 0;
+        long long v = std::strtoll(t.c_str(), &end, 10);
+        if (end == t.c_str() || *end != '\0' || errno == ERANGE) return Err("bad integer literal");
+        RETURN_IF_ERROR(Push(MakeInt(v)));
+        break;
+      }
+      case 'G': {  // BINFLOAT: big-endian double
+        ASSIGN_OR_RETURN(std::string_view b, Take(8));
+        uint64_t u = 0;
+        for (int i = 0; i < 8; ++i) u = (u << 8) | static_cast<unsigned char>(b[i]);
+        auto v = Make(PyKind::kFloat);
+        std::memcpy(&v->f, &u, 8);
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 'F': {
+        ASSIGN_OR_RETURN(std::string_view line, Line());
+        auto v = Make(PyKind::kFloat);
+        v->f = std::strtod(std::string(line).c_str(), nullptr);
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 'X':     // BINUNICODE
+      case 0x8c:    // SHORT_BINUNICODE
+      case 0x8d:    // BINUNICODE8
+      case 'B':     // BINBYTES
+      case 'C':     // SHORT_BINBYTES
+      case 0x8e:    // BINBYTES8
+      case 0x96:    // BYTEARRAY8
+      case 'T':     // BINSTRING
+      case 'U': {   // SHORT_BINSTRING
+        uint64_t n;
+        if (op == 0x8c || op == 'C' || op == 'U') {
+          ASSIGN_OR_RETURN(uint8_t n1, Num<uint8_t>());
+          n = n1;
+        } else if (op == 0x8d || op == 0x8e || op == 0x96) {
+          ASSIGN_OR_RETURN(n, Num<uint64_t>());
+        } else {
+          ASSIGN_OR_RETURN(uint32_t n4, Num<uint32_t>());
+          n = n4;
+        }
+        ASSIGN_OR_RETURN(std::string_view b, Take(n));
+        bool is_str = op == 'X' || op == 0x8c || op == 0x8d || op == 'T' || op == 'U';
+        RETURN_IF_ERROR(Push(MakeStr(is_str ? PyKind::kStr : PyKind::kBytes, std::string(b))));
+        break;
+      }
+      case 'S': {  // STRING: a quoted repr
+        ASSIGN_OR_RETURN(std::string_view line, Line());
+        if (line.size() < 2 || (line.front() != '\'' && line.front() != '"') || line.back() != line.front()) {
+          return Err("bad STRING literal");
+        }
+        RETURN_IF_ERROR(Push(MakeStr(PyKind::kStr, std::string(line.substr(1, line.size() - 2)))));
+        break;
+      }
+      case 'V': {  // UNICODE (raw-unicode-escape); \u escapes are kept verbatim
+        ASSIGN_OR_RETURN(std::string_view line, Line());
+        RETURN_IF_ERROR(Push(MakeStr(PyKind::kStr, std::string(line))));
+        break;
+      }
+      case ')':
+        RETURN_IF_ERROR(Push(Make(PyKind::kTuple)));
+        break;
+      case 't': {
+        ASSIGN_OR_RETURN(auto items, PopMark());
+        ASSIGN_OR_RETURN(PyRef v, Seq(PyKind::kTuple, std::move(items)));
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 0x85:
+      case 0x86:
+      case 0x87: {
+        size_t n = op - 0x84;
+        if (stack_.size() < Base() + n) return Err("stack underflow in TUPLE" + std::to_string(n));
+        std::vector<PyRef> items(stack_.end() - static_cast<ptrdiff_t>(n), stack_.end());
+        stack_.resize(stack_.size() - n);
+        ASSIGN_OR_RETURN(PyRef v, Seq(PyKind::kTuple, std::move(items)));
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case ']':
+        RETURN_IF_ERROR(Push(Make(PyKind::kList)));
+        break;
+      case 'l': {
+        ASSIGN_OR_RETURN(auto items, PopMark());
+        ASSIGN_OR_RETURN(PyRef v, Seq(PyKind::kList, std::move(items)));
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 0x8f:
+        RETURN_IF_ERROR(Push(Make(PyKind::kSet)));
+        break;
+      case 0x91: {
+        ASSIGN_OR_RETURN(auto items, PopMark());
+        ASSIGN_OR_RETURN(PyRef v, Seq(PyKind::kSet, std::move(items)));
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 'a': {
+        ASSIGN_OR_RETURN(PyRef item, Pop());
+        ASSIGN_OR_RETURN(PyRef list, Top());
+        std::vector<PyRef> one{item};
+        RETURN_IF_ERROR(Append(list, one));
+        break;
+      }
+      case 'e':
+      case 0x90: {  // APPENDS / ADDITEMS
+        ASSIGN_OR_RETURN(auto items, PopMark());
+        ASSIGN_OR_RETURN(PyRef list, Top());
+        RETURN_IF_ERROR(Append(list, items));
+        break;
+      }
+      case '}':
+        RETURN_IF_ERROR(Push(Make(PyKind::kDict)));
+        break;
+      case 'd': {
+        ASSIGN_OR_RETURN(auto kv, PopMark());
+        auto dict = Make(PyKind::kDict);
+        RETURN_IF_ERROR(SetItems(dict, kv));
+        RETURN_IF_ERROR(Push(dict));
+        break;
+      }
+      case 's': {
+        ASSIGN_OR_RETURN(PyRef v, Pop());
+        ASSIGN_OR_RETURN(PyRef k, Pop());
+        ASSIGN_OR_RETURN(PyRef dict, Top());
+        std::vector<PyRef> kv{k, v};
+        RETURN_IF_ERROR(SetItems(dict, kv));
+        break;
+      }
+      case 'u': {
+        ASSIGN_OR_RETURN(auto kv, PopMark());
+        ASSIGN_OR_RETURN(PyRef dict, Top());
+        RETURN_IF_ERROR(SetItems(dict, kv));
+        break;
+      }
+      case 'c':
+      case 'i': {  // GLOBAL / INST
+        ASSIGN_OR_RETURN(std::string_view mod, Line());
+        ASSIGN_OR_RETURN(std::string_view name, Line());
+        ASSIGN_OR_RETURN(PyRef g, Global(std::string(mod), std::string(name)));
+        if (op == 'c') {
+          RETURN_IF_ERROR(Push(g));
+        } else {
+          ASSIGN_OR_RETURN(auto args, PopMark());
+          ASSIGN_OR_RETURN(PyRef t, Seq(PyKind::kTuple, std::move(args)));
+          ASSIGN_OR_RETURN(PyRef o, Call(g, t));
+          RETURN_IF_ERROR(Push(o));
+        }
+        break;
+      }
+      case 0x93: {  // STACK_GLOBAL
+        ASSIGN_OR_RETURN(PyRef name, Pop());
+        ASSIGN_OR_RETURN(PyRef mod, Pop());
+        if (!name->IsStr() || !mod->IsStr()) return Err("STACK_GLOBAL operands are not strings");
+        ASSIGN_OR_RETURN(PyRef g, Global(mod->s, name->s));
+        RETURN_IF_ERROR(Push(g));
+        break;
+      }
+      case 'o': {  // OBJ: MARK cls args...
+        ASSIGN_OR_RETURN(auto items, PopMark());
+        if (items.empty()) return Err("OBJ without a class");
+        PyRef cls = items.front();
+        ASSIGN_OR_RETURN(PyRef t, Seq(PyKind::kTuple, std::vector<PyRef>(items.begin() + 1, items.end())));
+        ASSIGN_OR_RETURN(PyRef o, Call(cls, t));
+        RETURN_IF_ERROR(Push(o));
+        break;
+      }
+      case 'R': {  // REDUCE
+        ASSIGN_OR_RETURN(PyRef args, Pop());
+        ASSIGN_OR_RETURN(PyRef fn, Pop());
+        ASSIGN_OR_RETURN(PyRef o, Call(fn, args));
+        RETURN_IF_ERROR(Push(o));
+        break;
+      }
+      case 0x81:    // NEWOBJ
+      case 0x92: {  // NEWOBJ_EX
+        PyRef kwargs;
+        if (op == 0x92) {
+          ASSIGN_OR_RETURN(kwargs, Pop());
+        }
+        ASSIGN_OR_RETURN(PyRef args, Pop());
+        ASSIGN_OR_RETURN(PyRef cls, Pop());
+        if (args->kind != PyKind::kTuple) return Err("NEWOBJ arguments are not a tuple");
+        PyRef o;
+        if (cls->kind == PyKind::kGlobal && cls->s == "collections" && cls->name == "OrderedDict") {
+          o = Make(PyKind::kDict);
+        } else {
+          o = Make(PyKind::kObject);
+          o->callable = cls;
+          for (const auto& x : args->items) RETURN_IF_ERROR(Adopt(o.get(), x));
+          o->args = args->items;
+        }
+        RETURN_IF_ERROR(Push(o));
+        break;
+      }
+      case 'b': {  // BUILD
+        ASSIGN_OR_RETURN(PyRef state, Pop());
+        ASSIGN_OR_RETURN(PyRef obj, Top());
+        if (obj->kind == PyKind::kObject) {
+          RETURN_IF_ERROR(Adopt(obj.get(), state));
+          obj->state = state;
+        }
+        // BUILD on a dict (a module state_dict's _metadata attribute) or a
+        // tensor (Python attributes) carries nothing we serve: dropped.
+        break;
+      }
+      case 'Q': {  // BINPERSID
+        ASSIGN_OR_RETURN(PyRef pid, Pop());
+        ASSIGN_OR_RETURN(PyRef v, PersistentLoad(pid));
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 'P': {
+        ASSIGN_OR_RETURN(std::string_view line, Line());
+        ASSIGN_OR_RETURN(PyRef v, PersistentLoad(MakeStr(PyKind::kStr, std::string(line))));
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      case 'q':
+      case 'r':
+      case 'p':
+      case 0x94: {  // BINPUT, LONG_BINPUT, PUT, MEMOIZE
+        uint64_t idx;
+        if (op == 'q') {
+          ASSIGN_OR_RETURN(uint8_t i1, Num<uint8_t>());
+          idx = i1;
+        } else if (op == 'r') {
+          ASSIGN_OR_RETURN(uint32_t i4, Num<uint32_t>());
+          idx = i4;
+        } else if (op == 'p') {
+          ASSIGN_OR_RETURN(std::string_view line, Line());
+          idx = std::strtoull(std::string(line).c_str(), nullptr, 10);
+        } else {
+          idx = memo_.size();
+        }
+        ASSIGN_OR_RETURN(PyRef v, Top());
+        RETURN_IF_ERROR(Memoize(idx, v));
+        break;
+      }
+      case 'h':
+      case 'j':
+      case 'g': {
+        uint64_t idx;
+        if (op == 'h') {
+          ASSIGN_OR_RETURN(uint8_t i1, Num<uint8_t>());
+          idx = i1;
+        } else if (op == 'j') {
+          ASSIGN_OR_RETURN(uint32_t i4, Num<uint32_t>());
+          idx = i4;
+        } else {
+          ASSIGN_OR_RETURN(std::string_view line, Line());
+          idx = std::strtoull(std::string(line).c_str(), nullptr, 10);
+        }
+        ASSIGN_OR_RETURN(PyRef v, MemoGet(idx));
+        RETURN_IF_ERROR(Push(v));
+        break;
+      }
+      default: {
+        char buf[8];
+        std::snprintf(buf, sizeof(buf), "0x%02x", op);
+        return Err(std::string("unsupported pickle opcode ") + buf);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::string CanonicalModule(std::string_view module) {
+  std::string m(module);
+  if (m == "__builtin__") return "builtins";
+  if (m == "pathlib._local") return "pathlib";
+  auto replace_prefix = [&](std::string_view from, std::string_view to) {
+    if (StartsWith(m, from)) m = std::string(to) + m.substr(from.size());
+  };
+  replace_prefix("numpy.core", "numpy._core");
+  replace_prefix("torch.distributed._shard.checkpoint", "torch.distributed.checkpoint");
+  replace_prefix("torch.distributed._shard.sharded_tensor.metadata", "torch.distributed.checkpoint.metadata");
+  return m;
+}
+
+const PyValue* PyValue::Get(std::string_view key) const {
+  for (const auto& [k, v] : dict) {
+    if (k && k->kind == PyKind::kStr && k->s == key) return v.get();
+  }
+  return nullptr;
+}
+
+std::string PyValue::ClassName() const {
+  if (kind == PyKind::kGlobal) return name;
+  if (kind == PyKind::kObject && callable) {
+    if (callable->kind == PyKind::kGlobal) return callable->name;
+    return callable->ClassName();
+  }
+  return "";
+}
+
+const PyValue* PyValue::Attr(std::string_view key) const {
+  if (kind != PyKind::kObject || !state) return nullptr;
+  if (state->kind == PyKind::kDict) return state->Get(key);
+  // (dict, slots) state pairs from __getstate__ of slotted classes.
+  if (state->kind == PyKind::kTuple) {
+    for (const auto& part : state->items) {
+      if (part && part->kind == PyKind::kDict) {
+        if (const PyValue* v = part->Get(key)) return v;
+      }
+    }
+  }
+  return nullptr;
+}
+
+Result<int64_t> AsInt(const PyValue* v, std::string_view what) {
+  if (v == nullptr) return Invalid(std::string(what) + " is missing");
+  if (v->kind == PyKind::kInt) return v->i;
+  if (v->kind == PyKind::kBool) return v->b ? 1 : 0;
+  return Invalid(std::string(what) + " is not an integer");
+}
+
+Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what) {
+  if (v == nullptr) return Invalid(std::string(what) + " is missing");
+  const PyValue* seq = v;
+  // torch.Size that was not interpreted (e.g. via NEWOBJ) carries the tuple as arg 0.
+  if (v->kind == PyKind::kObject && v->ClassName() == "Size" && !v->args.empty()) seq = v->args[0].get();
+  if (!seq->IsSeq()) return Invalid(std::string(what) + " is not a tuple");
+  std::vector<int64_t> out;
+  out.reserve(seq->items.size());
+  for (const auto& it : seq->items) {
+    ASSIGN_OR_RETURN(int64_t x, AsInt(it.get(), what));
+    out.push_back(x);
+  }
+  return out;
+}
+
+Result<PyRef> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts) {
+  Vm vm(data, what, opts);
+  return vm.Run();
+}
+
+}  // namespace ckptfs::formats

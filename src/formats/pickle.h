@@ -1,0 +1,99 @@
+// A restricted pickle virtual machine (protocols 0-5, CPython
+// Lib/pickletools.py is the opcode reference). It builds inert values and
+// never calls anything: GLOBAL / STACK_GLOBAL resolve only names on an allow
+// list (torch, numpy, collections, argparse, DCP dataclasses, ...; an unknown
+// global is an error naming it), and REDUCE / NEWOBJ / BUILD record the call
+// as an Object node instead of running it. A handful of well-known callables
+// are interpreted because their result is plain data: OrderedDict, torch.Size,
+// _codecs.encode (bytes under protocol 2), builtins.getattr (Enum members),
+// and torch's tensor rebuild functions, which become Tensor nodes that point at
+// a storage record. Class names are matched across module renames
+// (torch.distributed._shard.checkpoint.X == torch.distributed.checkpoint.X,
+// numpy.core == numpy._core, __builtin__ == builtins).
+//
+// Limits: the input size bounds the number of values; the stack and memo are
+// bounded; out-of-band buffers (protocol 5 NEXT_BUFFER) and extension codes
+// are refused.
+#ifndef CKPTFS_FORMATS_PICKLE_H_
+#define CKPTFS_FORMATS_PICKLE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "ckptfs/common.h"
+#include "ckptfs/model.h"
+
+namespace ckptfs::formats {
+
+struct PyValue;
+using PyRef = std::shared_ptr<PyValue>;
+
+enum class PyKind : uint8_t {
+  kNone, kBool, kInt, kBigInt, kFloat, kStr, kBytes,
+  kTuple, kList, kDict, kSet,
+  kGlobal,   // a class or function: module + name
+  kObject,   // a recorded call cls(*args) with BUILD state and appended items
+  kStorage,  // a persistent id ('storage', class, key, location, numel)
+  kTensor,   // a rebuilt tensor view of a storage
+};
+
+struct TensorRef {
+  std::string storage_key;
+  DType dtype = DType::kInvalid;
+  uint64_t storage_offset = 0;  // elements
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;  // elements
+};
+
+struct PyValue {
+  PyKind kind = PyKind::kNone;
+  bool b = false;
+  int64_t i = 0;
+  double f = 0;
+  std::string s;       // str, bytes, big-int bytes (LE two's complement), global module
+  std::string name;    // global name
+  std::vector<PyRef> items;                   // tuple, list, set; object's APPEND(S)
+  std::vector<std::pair<PyRef, PyRef>> dict;  // dict; object's SETITEM(S)
+  std::vector<PyRef> args;                    // object: call arguments
+  PyRef callable;      // object: the class / function
+  PyRef state;         // object: BUILD state
+  // storage
+  DType storage_dtype = DType::kInvalid;
+  bool untyped = false;  // UntypedStorage: numel counts bytes
+  uint64_t storage_numel = 0;
+  TensorRef tensor;
+  uint32_t depth = 0;  // nesting depth, bounded so that destruction cannot overflow the stack
+
+  // Convenience accessors (nullptr / empty when absent or of another kind).
+  const PyValue* Get(std::string_view key) const;  // dict lookup by str key
+  bool IsStr() const { return kind == PyKind::kStr; }
+  bool IsSeq() const { return kind == PyKind::kTuple || kind == PyKind::kList; }
+  // For an object: its class name ("TensorStorageMetadata"); for a global: its name.
+  std::string ClassName() const;
+  // Attribute lookup on an object whose BUILD state is a dict.
+  const PyValue* Attr(std::string_view key) const;
+};
+
+struct PickleOptions {
+  // Extra allowed module prefixes for a family reader (e.g. "deepspeed").
+  std::vector<std::string> extra_modules;
+};
+
+// Unpickles `data`; `what` names the source in errors ("x.distcp @ 431 data.pkl").
+Result<PyRef> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts = {});
+
+// Canonical module name used for matching (see the header note).
+std::string CanonicalModule(std::string_view module);
+
+// Integer value of an Int / Bool; error otherwise.
+Result<int64_t> AsInt(const PyValue* v, std::string_view what);
+// Tuple/list of ints (torch.Size is a tuple after unpickling).
+Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what);
+
+}  // namespace ckptfs::formats
+
+#endif  // CKPTFS_FORMATS_PICKLE_H_

@@ -1,0 +1,120 @@
+#include <algorithm>
+
+#include "ckptfs/fs.h"
+
+namespace ckptfs {
+
+Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
+  std::unique_ptr<Filesystem> fs(new Filesystem());
+  ASSIGN_OR_RETURN(fs->opened_, OpenOrBuild(opts.src, opts.index_dir, opts.force_rebuild));
+  fs->index_ = std::move(fs->opened_.index);
+  ASSIGN_OR_RETURN(fs->view_, View::Build(*fs->index_));
+  ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine));
+  if (!fs->index_->files().empty()) fs->mtime_ns_ = fs->index_->files()[0].mtime_ns;
+  return fs;
+}
+
+Attr Filesystem::AttrOf(const Node& n, uint64_t size) const {
+  Attr a;
+  a.ino = n.ino;
+  a.is_dir = n.is_dir;
+  a.size = size;
+  a.mtime_ns = mtime_ns_;
+  if (n.is_dir) {
+    a.nlink = 2;
+    for (const auto& [name, ino] : n.children) {
+      if (view_->Get(ino)->is_dir) ++a.nlink;
+    }
+  }
+  return a;
+}
+
+Result<Attr> Filesystem::GetAttr(uint64_t ino) const {
+  const Node* n = view_->Get(ino);
+  if (n == nullptr) return NotFound("no inode " + std::to_string(ino));
+  if (n->is_dir) return AttrOf(*n, 4096);
+  auto layout = view_->Layout(ino);
+  if (!layout.ok()) {
+    LogError(view_->PathOf(ino) + ": " + layout.status().message());
+    return layout.status();
+  }
+  return AttrOf(*n, (*layout)->size);
+}
+
+Result<Attr> Filesystem::Lookup(uint64_t parent, std::string_view name) const {
+  const Node* n = view_->Lookup(parent, name);
+  if (n == nullptr) return NotFound(std::string(name));
+  return GetAttr(n->ino);
+}
+
+Result<std::vector<DirEntry>> Filesystem::ReadDir(uint64_t ino) const {
+  const Node* n = view_->Get(ino);
+  if (n == nullptr) return NotFound("no inode " + std::to_string(ino));
+  if (!n->is_dir) return Status(Code::kInvalid, "not a directory");
+  std::vector<DirEntry> out;
+  out.reserve(n->children.size() + 2);
+  out.push_back({".", n->ino, true});
+  out.push_back({"..", n->parent, true});
+  for (const auto& [name, child] : n->children) out.push_back({name, child, view_->Get(child)->is_dir});
+  return out;
+}
+
+Status Filesystem::OpenFile(uint64_t ino) {
+  auto layout = view_->Layout(ino);
+  if (!layout.ok()) return layout.status();
+  for (const Segment& s : (*layout)->segments) {
+    if (s.kind == SegmentKind::kLiteral) continue;
+    Status st = reader_->CheckFresh(s.tensor);
+    if (!st.ok()) {
+      LogError(view_->PathOf(ino) + ": " + st.message());
+      return st;
+    }
+  }
+  return Status::Ok();
+}
+
+Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char* buf) {
+  auto layout_or = view_->Layout(ino);
+  if (!layout_or.ok()) return layout_or.status();
+  const FileLayout& layout = **layout_or;
+  if (offset >= layout.size) return size_t{0};
+  size = static_cast<size_t>(std::min<uint64_t>(size, layout.size - offset));
+  uint64_t seg_start = 0;
+  for (const Segment& s : layout.segments) {
+    uint64_t seg_end = seg_start + s.size;
+    uint64_t lo = std::max(offset, seg_start), hi = std::min<uint64_t>(offset + size, seg_end);
+    if (lo < hi) {
+      char* dst = buf + (lo - offset);
+      uint64_t in = lo - seg_start, n = hi - lo;
+      Status st;
+      switch (s.kind) {
+        case SegmentKind::kLiteral:
+          std::memcpy(dst, s.literal.data() + in, n);
+          break;
+        case SegmentKind::kTensor:
+          st = reader_->Read(s.tensor, s.out_dtype, in, n, dst);
+          break;
+        case SegmentKind::kHash: {
+          auto h = reader_->Xxh3Raw(s.tensor);
+          if (!h.ok()) {
+            st = h.status();
+          } else {
+            std::memcpy(dst, Hex64(*h).data() + in, n);
+          }
+          break;
+        }
+      }
+      if (!st.ok()) {
+        LogError(view_->PathOf(ino) + " @ " + std::to_string(offset) + ": " + st.message());
+        return st;
+      }
+    }
+    seg_start = seg_end;
+    if (seg_start >= offset + size) break;
+  }
+  reads_.fetch_add(1, std::memory_order_relaxed);
+  bytes_.fetch_add(size, std::memory_order_relaxed);
+  return size;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,242 @@
+// Thin libfuse low-level adapter over the Filesystem core. Each handler does
+// its work in the core, then makes exactly one fuse_reply_* call; a
+// catch-all guard turns anything unexpected into EIO plus a log line.
+// Content is immutable, so entries and attributes are cached for a day,
+// negative lookups too, and open() sets keep_cache. Every write-type
+// operation answers EROFS (the mount is also "ro").
+#define FUSE_USE_VERSION 312
+#include <fuse3/fuse_lowlevel.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "ckptfs/mount.h"
+
+namespace ckptfs {
+namespace {
+
+constexpr double kTimeout = 86400.0;
+constexpr unsigned kMaxRequest = 1u << 20;  // 1 MiB reads: max_pages 256
+
+Filesystem& Fs(fuse_req_t req) { return *static_cast<Filesystem*>(fuse_req_userdata(req)); }
+
+void FillStat(const Attr& a, struct stat* st) {
+  std::memset(st, 0, sizeof(*st));
+  st->st_ino = a.ino;
+  st->st_mode = a.is_dir ? (S_IFDIR | 0555) : (S_IFREG | 0444);
+  st->st_nlink = a.nlink;
+  st->st_size = static_cast<off_t>(a.size);
+  st->st_blksize = 1 << 20;
+  st->st_blocks = static_cast<blkcnt_t>((a.size + 511) / 512);
+  st->st_uid = ::getuid();
+  st->st_gid = ::getgid();
+  st->st_mtim.tv_sec = a.mtime_ns / 1000000000;
+  st->st_mtim.tv_nsec = a.mtime_ns % 1000000000;
+  st->st_atim = st->st_mtim;
+  st->st_ctim = st->st_mtim;
+}
+
+template <typename F>
+void Guard(fuse_req_t req, const char* op, F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    LogError(std::string("internal error in ") + op + ": " + e.what());
+    fuse_reply_err(req, EIO);
+  } catch (...) {
+    LogError(std::string("internal error in ") + op);
+    fuse_reply_err(req, EIO);
+  }
+}
+
+void OnInit(void*, fuse_conn_info* conn) {
+  conn->max_write = kMaxRequest;  // libfuse derives max_pages from this
+  conn->max_readahead = kMaxRequest;
+  if (conn->capable & FUSE_CAP_SPLICE_WRITE) conn->want |= FUSE_CAP_SPLICE_WRITE;
+  conn->want &= ~FUSE_CAP_ASYNC_READ;
+  conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;
+}
+
+void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Guard(req, "lookup", [&] {
+    fuse_entry_param e{};
+    e.entry_timeout = kTimeout;
+    e.attr_timeout = kTimeout;
+    auto a = Fs(req).Lookup(parent, name);
+    if (!a.ok()) {
+      if (a.status().code() == Code::kNotFound) {
+        e.ino = 0;  // negative entry, cached for entry_timeout
+        fuse_reply_entry(req, &e);
+      } else {
+        fuse_reply_err(req, ToErrno(a.status()));
+      }
+      return;
+    }
+    e.ino = a->ino;
+    FillStat(*a, &e.attr);
+    fuse_reply_entry(req, &e);
+  });
+}
+
+void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
+  Guard(req, "getattr", [&] {
+    auto a = Fs(req).GetAttr(ino);
+    if (!a.ok()) {
+      fuse_reply_err(req, ToErrno(a.status()));
+      return;
+    }
+    struct stat st;
+    FillStat(*a, &st);
+    fuse_reply_attr(req, &st, kTimeout);
+  });
+}
+
+void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  Guard(req, "opendir", [&] {
+    auto entries = Fs(req).ReadDir(ino);
+    if (!entries.ok()) {
+      fuse_reply_err(req, entries.status().code() == Code::kInvalid ? ENOTDIR : ToErrno(entries.status()));
+      return;
+    }
+    fi->fh = reinterpret_cast<uint64_t>(new std::vector<DirEntry>(std::move(entries).value()));
+    fi->cache_readdir = 1;
+    fi->keep_cache = 1;
+    fuse_reply_open(req, fi);
+  });
+}
+
+void OnReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+  Guard(req, "readdir", [&] {
+    const auto& entries = *reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
+    std::vector<char> buf(size);
+    size_t used = 0;
+    for (size_t i = static_cast<size_t>(off); i < entries.size(); ++i) {
+      struct stat st{};
+      st.st_ino = entries[i].ino;
+      st.st_mode = entries[i].is_dir ? S_IFDIR : S_IFREG;
+      size_t n = fuse_add_direntry(req, buf.data() + used, size - used, entries[i].name.c_str(), &st,
+                                   static_cast<off_t>(i + 1));
+      if (n > size - used) break;
+      used += n;
+    }
+    fuse_reply_buf(req, buf.data(), used);
+  });
+}
+
+void OnReleasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
+  delete reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
+  fuse_reply_err(req, 0);
+}
+
+void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  Guard(req, "open", [&] {
+    if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC)) {
+      fuse_reply_err(req, EROFS);
+      return;
+    }
+    Status s = Fs(req).OpenFile(ino);
+    if (!s.ok()) {
+      fuse_reply_err(req, ToErrno(s));
+      return;
+    }
+    fi->keep_cache = 1;
+    fuse_reply_open(req, fi);
+  });
+}
+
+void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info*) {
+  Guard(req, "read", [&] {
+    thread_local std::vector<char> buf;
+    if (buf.size() < size) buf.resize(size);
+    auto n = Fs(req).Read(ino, static_cast<uint64_t>(off), size, buf.data());
+    if (!n.ok()) {
+      fuse_reply_err(req, ToErrno(n.status()));
+      return;
+    }
+    fuse_reply_buf(req, buf.data(), *n);
+  });
+}
+
+void OnStatfs(fuse_req_t req, fuse_ino_t) {
+  struct statvfs sv{};
+  sv.f_bsize = 1 << 20;
+  sv.f_frsize = 4096;
+  sv.f_files = Fs(req).view().num_nodes();
+  sv.f_namemax = 255;
+  sv.f_flag = ST_RDONLY;
+  fuse_reply_statfs(req, &sv);
+}
+
+void ReadOnly(fuse_req_t req) { fuse_reply_err(req, EROFS); }
+
+fuse_lowlevel_ops MakeOps() {
+  fuse_lowlevel_ops ops{};
+  ops.init = OnInit;
+  ops.lookup = OnLookup;
+  ops.getattr = OnGetattr;
+  ops.opendir = OnOpendir;
+  ops.readdir = OnReaddir;
+  ops.releasedir = OnReleasedir;
+  ops.open = OnOpen;
+  ops.read = OnRead;
+  ops.statfs = OnStatfs;
+  ops.setattr = [](fuse_req_t r, fuse_ino_t, struct stat*, int, fuse_file_info*) { ReadOnly(r); };
+  ops.mknod = [](fuse_req_t r, fuse_ino_t, const char*, mode_t, dev_t) { ReadOnly(r); };
+  ops.mkdir = [](fuse_req_t r, fuse_ino_t, const char*, mode_t) { ReadOnly(r); };
+  ops.unlink = [](fuse_req_t r, fuse_ino_t, const char*) { ReadOnly(r); };
+  ops.rmdir = [](fuse_req_t r, fuse_ino_t, const char*) { ReadOnly(r); };
+  ops.symlink = [](fuse_req_t r, const char*, fuse_ino_t, const char*) { ReadOnly(r); };
+  ops.rename = [](fuse_req_t r, fuse_ino_t, const char*, fuse_ino_t, const char*, unsigned) { ReadOnly(r); };
+  ops.link = [](fuse_req_t r, fuse_ino_t, fuse_ino_t, const char*) { ReadOnly(r); };
+  ops.write = [](fuse_req_t r, fuse_ino_t, const char*, size_t, off_t, fuse_file_info*) { ReadOnly(r); };
+  ops.create = [](fuse_req_t r, fuse_ino_t, const char*, mode_t, fuse_file_info*) { ReadOnly(r); };
+  ops.setxattr = [](fuse_req_t r, fuse_ino_t, const char*, const char*, size_t, int) { ReadOnly(r); };
+  ops.removexattr = [](fuse_req_t r, fuse_ino_t, const char*) { ReadOnly(r); };
+  ops.fallocate = [](fuse_req_t r, fuse_ino_t, int, off_t, off_t, fuse_file_info*) { ReadOnly(r); };
+  return ops;
+}
+
+}  // namespace
+
+int MountAndServe(Filesystem& fs, const std::string& mountpoint, const MountOptions& opts,
+                  const std::function<void(const Status&)>& ready) {
+  std::string o = "ro,default_permissions,fsname=ckptfs,subtype=ckptfs";
+  if (opts.allow_other) o += ",allow_other";
+  std::vector<std::string> argv = {"ckptfs", "-o", o};
+  if (opts.debug) argv.push_back("-d");
+  std::vector<char*> cargv;
+  for (auto& a : argv) cargv.push_back(a.data());
+  fuse_args args = FUSE_ARGS_INIT(static_cast<int>(cargv.size()), cargv.data());
+  static const fuse_lowlevel_ops kOps = MakeOps();
+  fuse_session* se = fuse_session_new(&args, &kOps, sizeof(kOps), &fs);
+  if (se == nullptr) {
+    ready(Internal("cannot create a FUSE session"));
+    return 1;
+  }
+  if (fuse_set_signal_handlers(se) != 0) {
+    fuse_session_destroy(se);
+    ready(Internal("cannot install signal handlers"));
+    return 1;
+  }
+  if (fuse_session_mount(se, mountpoint.c_str()) != 0) {
+    fuse_remove_signal_handlers(se);
+    fuse_session_destroy(se);
+    ready(IoError("cannot mount at " + mountpoint + " (is /dev/fuse available and the directory empty?)"));
+    return 1;
+  }
+  ready(Status::Ok());
+  fuse_loop_config* cfg = fuse_loop_cfg_create();
+  fuse_loop_cfg_set_max_threads(cfg, opts.max_threads);
+  fuse_loop_cfg_set_idle_threads(cfg, 4);
+  int rc = fuse_session_loop_mt(se, cfg);
+  fuse_loop_cfg_destroy(cfg);
+  fuse_session_unmount(se);
+  fuse_remove_signal_handlers(se);
+  fuse_session_destroy(se);
+  fuse_opt_free_args(&args);
+  return rc == 0 ? 0 : 1;
+}
+
+}  // namespace ckptfs

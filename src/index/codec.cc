@@ -1,0 +1,182 @@
+#include "index/codec.h"
+
+#include <vector>
+
+namespace ckptfs::index {
+namespace {
+
+class Writer {
+ public:
+  template <typename T>
+  void Num(T v) {
+    char b[sizeof(T)];
+    StoreLE(b, v);
+    out_.append(b, sizeof(T));
+  }
+  void Str(std::string_view s) {
+    Num<uint32_t>(static_cast<uint32_t>(s.size()));
+    out_.append(s);
+  }
+  void Ints(const std::vector<int64_t>& v) {
+    Num<uint32_t>(static_cast<uint32_t>(v.size()));
+    for (int64_t x : v) Num<int64_t>(x);
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::string_view s) : s_(s) {}
+  template <typename T>
+  bool Num(T* v) {
+    if (s_.size() < sizeof(T)) return false;
+    *v = LoadLE<T>(s_.data());
+    s_.remove_prefix(sizeof(T));
+    return true;
+  }
+  bool Str(std::string* v) {
+    uint32_t n;
+    if (!Num(&n) || s_.size() < n) return false;
+    v->assign(s_.substr(0, n));
+    s_.remove_prefix(n);
+    return true;
+  }
+  bool Ints(std::vector<int64_t>* v) {
+    uint32_t n;
+    if (!Num(&n) || s_.size() / 8 < n) return false;
+    v->resize(n);
+    for (auto& x : *v) Num(&x);
+    return true;
+  }
+  bool Done() const { return s_.empty(); }
+
+ private:
+  std::string_view s_;
+};
+
+template <typename E>
+bool Enum(Reader& r, E* e, uint8_t max) {
+  uint8_t v;
+  if (!r.Num(&v) || v > max) return false;
+  *e = static_cast<E>(v);
+  return true;
+}
+
+Status Corrupt(const char* what) { return Invalid(std::string("cannot decode index record: corrupt ") + what); }
+
+}  // namespace
+
+std::string EncodeFile(const SourceFile& f) {
+  Writer w;
+  w.Str(f.rel_path);
+  w.Num(f.size);
+  w.Num(f.mtime_ns);
+  w.Num(f.inode);
+  return w.Take();
+}
+
+Result<SourceFile> DecodeFile(std::string_view s) {
+  Reader r(s);
+  SourceFile f;
+  if (!r.Str(&f.rel_path) || !r.Num(&f.size) || !r.Num(&f.mtime_ns) || !r.Num(&f.inode) || !r.Done()) {
+    return Corrupt("file");
+  }
+  return f;
+}
+
+std::string EncodeTensor(const TensorRecord& t) {
+  Writer w;
+  w.Str(t.key);
+  w.Num(static_cast<uint8_t>(t.role));
+  w.Str(t.fqn);
+  w.Str(t.state);
+  w.Num(static_cast<uint8_t>(t.encoding));
+  w.Num(static_cast<uint8_t>(t.dtype));
+  w.Ints(t.shape);
+  w.Num(t.byte_size);
+  w.Num(t.num_fragments);
+  w.Str(t.error);
+  return w.Take();
+}
+
+Result<TensorRecord> DecodeTensor(std::string_view s) {
+  Reader r(s);
+  TensorRecord t;
+  if (!r.Str(&t.key) || !Enum(r, &t.role, 2) || !r.Str(&t.fqn) || !r.Str(&t.state) || !Enum(r, &t.encoding, 1) ||
+      !Enum(r, &t.dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Ints(&t.shape) || !r.Num(&t.byte_size) ||
+      !r.Num(&t.num_fragments) || !r.Str(&t.error) || !r.Done()) {
+    return Corrupt("tensor");
+  }
+  return t;
+}
+
+std::string EncodeFragment(const Fragment& f) {
+  Writer w;
+  w.Num(f.file.v);
+  w.Ints(f.offsets);
+  w.Ints(f.lengths);
+  w.Ints(f.strides);
+  w.Num(static_cast<uint8_t>(f.dtype));
+  w.Num(f.data_offset);
+  w.Num(f.data_length);
+  w.Num(static_cast<uint8_t>(f.compression));
+  w.Num(f.item_offset);
+  w.Num(f.item_length);
+  return w.Take();
+}
+
+Result<Fragment> DecodeFragment(std::string_view s) {
+  Reader r(s);
+  Fragment f;
+  if (!r.Num(&f.file.v) || !r.Ints(&f.offsets) || !r.Ints(&f.lengths) || !r.Ints(&f.strides) ||
+      !Enum(r, &f.dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Num(&f.data_offset) ||
+      !r.Num(&f.data_length) || !Enum(r, &f.compression, 1) || !r.Num(&f.item_offset) || !r.Num(&f.item_length) ||
+      !r.Done()) {
+    return Corrupt("fragment");
+  }
+  return f;
+}
+
+std::string EncodeInfo(const CheckpointInfo& i) {
+  Writer w;
+  w.Str(i.family);
+  w.Str(i.format_note);
+  w.Num(i.step);
+  w.Num(i.world_size);
+  w.Num<uint32_t>(static_cast<uint32_t>(i.problems.size()));
+  for (const auto& p : i.problems) w.Str(p);
+  return w.Take();
+}
+
+Result<CheckpointInfo> DecodeInfo(std::string_view s) {
+  Reader r(s);
+  CheckpointInfo i;
+  uint32_t n;
+  if (!r.Str(&i.family) || !r.Str(&i.format_note) || !r.Num(&i.step) || !r.Num(&i.world_size) || !r.Num(&n)) {
+    return Corrupt("checkpoint info");
+  }
+  for (uint32_t k = 0; k < n; ++k) {
+    std::string p;
+    if (!r.Str(&p)) return Corrupt("checkpoint info");
+    i.problems.push_back(std::move(p));
+  }
+  if (!r.Done()) return Corrupt("checkpoint info");
+  return i;
+}
+
+std::string KeyU32(char tag, uint32_t a) {
+  std::string k(1, tag);
+  for (int s = 24; s >= 0; s -= 8) k.push_back(static_cast<char>((a >> s) & 0xFF));
+  return k;
+}
+
+std::string KeyU32U32(char tag, uint32_t a, uint32_t b) {
+  std::string k = KeyU32(tag, a);
+  for (int s = 24; s >= 0; s -= 8) k.push_back(static_cast<char>((b >> s) & 0xFF));
+  return k;
+}
+
+}  // namespace ckptfs::index

@@ -1,0 +1,216 @@
+#include "ckptfs/index.h"
+
+#include <rocksdb/db.h>
+#include <rocksdb/options.h>
+#include <rocksdb/table.h>
+#include <rocksdb/write_batch.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+
+#include "ckptfs/formats.h"
+#include "index/codec.h"
+
+namespace ckptfs {
+
+namespace fs = std::filesystem;
+using index::KeyU32;
+using index::KeyU32U32;
+
+struct Index::Db {
+  std::unique_ptr<rocksdb::DB> db;
+};
+
+Index::~Index() = default;
+
+namespace {
+
+constexpr const char* kSchemaKey = "m:schema";
+constexpr const char* kInfoKey = "m:info";
+
+rocksdb::Options DbOptions() {
+  rocksdb::Options o;
+  // Small and read-mostly: one SST, no background compaction after the build,
+  // a tiny block cache (fragments are cached by the callers that need them).
+  o.max_open_files = 64;
+  o.keep_log_file_num = 1;
+  o.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  rocksdb::BlockBasedTableOptions t;
+  t.block_cache = nullptr;
+  t.no_block_cache = false;
+  o.table_factory.reset(rocksdb::NewBlockBasedTableFactory(t));
+  return o;
+}
+
+Status FromRocks(const rocksdb::Status& s, const std::string& verb, const std::string& dir) {
+  if (s.ok()) return Status::Ok();
+  return IoError("cannot " + verb + " index " + dir + ": " + s.ToString());
+}
+
+std::string SchemaValue() { return "ckptfs-index-v" + std::to_string(Index::kSchemaVersion); }
+
+}  // namespace
+
+Status CheckFingerprint(const std::string& src_dir, const std::vector<SourceFile>& files) {
+  for (const auto& f : files) {
+    std::string path = src_dir + "/" + f.rel_path;
+    struct stat st{};
+    bool exists = ::stat(path.c_str(), &st) == 0;
+    if (f.mtime_ns == -1) {
+      if (exists) return Stale(path + " appeared after indexing");
+      continue;
+    }
+    if (!exists) return Stale(path + " disappeared after indexing");
+    int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    if (static_cast<uint64_t>(st.st_size) != f.size) {
+      return Stale(path + " changed size after indexing (" + std::to_string(f.size) + " -> " +
+                   std::to_string(st.st_size) + " bytes)");
+    }
+    if (mtime != f.mtime_ns || st.st_ino != f.inode) return Stale(path + " was modified after indexing");
+  }
+  return Status::Ok();
+}
+
+Status Index::Build(const Checkpoint& ck, const std::string& dir) {
+  std::error_code ec;
+  fs::path target(dir);
+  fs::create_directories(target.parent_path(), ec);
+  if (ec) return IoError("cannot create " + target.parent_path().string() + ": " + ec.message());
+  std::string tmp = dir + ".tmp." + std::to_string(::getpid());
+  fs::remove_all(tmp, ec);
+  {
+    rocksdb::Options o = DbOptions();
+    o.create_if_missing = true;
+    o.error_if_exists = true;
+    rocksdb::DB* raw = nullptr;
+    RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(o, tmp, &raw), "create", tmp));
+    std::unique_ptr<rocksdb::DB> db(raw);
+    rocksdb::WriteBatch batch;
+    batch.Put(kSchemaKey, SchemaValue());
+    batch.Put(kInfoKey, index::EncodeInfo(ck.info));
+    for (size_t i = 0; i < ck.files.size(); ++i) {
+      batch.Put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
+    }
+    for (size_t i = 0; i < ck.tensors.size(); ++i) {
+      batch.Put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(ck.tensors[i]));
+      for (size_t j = 0; j < ck.fragments[i].size(); ++j) {
+        batch.Put(KeyU32U32('g', static_cast<uint32_t>(i), static_cast<uint32_t>(j)),
+                  index::EncodeFragment(ck.fragments[i][j]));
+      }
+    }
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    RETURN_IF_ERROR(FromRocks(db->Write(wo, &batch), "write", tmp));
+    RETURN_IF_ERROR(FromRocks(db->Flush(rocksdb::FlushOptions()), "flush", tmp));
+    RETURN_IF_ERROR(FromRocks(db->Close(), "close", tmp));
+  }
+  // Swap in: the old (stale) index moves aside first; rename(2) is atomic.
+  std::string old = dir + ".old." + std::to_string(::getpid());
+  bool had_old = fs::exists(dir, ec);
+  if (had_old && ::rename(dir.c_str(), old.c_str()) != 0) {
+    fs::remove_all(tmp, ec);
+    return ErrnoStatus("replace", dir, errno);
+  }
+  if (::rename(tmp.c_str(), dir.c_str()) != 0) {
+    int e = errno;
+    fs::remove_all(tmp, ec);
+    return ErrnoStatus("install index at", dir, e);
+  }
+  if (had_old) fs::remove_all(old, ec);  // best effort: a leftover .old is harmless
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<Index>> Index::Open(const std::string& dir, const std::string& src_dir) {
+  std::unique_ptr<Index> ix(new Index());
+  ix->dir_ = dir;
+  ix->src_dir_ = src_dir;
+  ix->db_ = std::make_unique<Db>();
+  struct stat st{};
+  if (::stat(dir.c_str(), &st) != 0) return NotFound("no index at " + dir);
+  rocksdb::DB* raw = nullptr;
+  RETURN_IF_ERROR(FromRocks(rocksdb::DB::OpenForReadOnly(DbOptions(), dir, &raw), "open", dir));
+  ix->db_->db.reset(raw);
+  rocksdb::DB* db = raw;
+  std::string v;
+  if (!db->Get(rocksdb::ReadOptions(), kSchemaKey, &v).ok() || v != SchemaValue()) {
+    return Stale("index " + dir + " has schema '" + v + "', this ckptfs writes '" + SchemaValue() + "'");
+  }
+  if (!db->Get(rocksdb::ReadOptions(), kInfoKey, &v).ok()) return Invalid("cannot open index " + dir + ": no info record");
+  ASSIGN_OR_RETURN(ix->info_, index::DecodeInfo(v));
+  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek("f"); it->Valid() && it->key().starts_with("f"); it->Next()) {
+    ASSIGN_OR_RETURN(SourceFile f, index::DecodeFile(std::string_view(it->value().data(), it->value().size())));
+    ix->files_.push_back(std::move(f));
+  }
+  for (it->Seek("t"); it->Valid() && it->key().starts_with("t"); it->Next()) {
+    ASSIGN_OR_RETURN(TensorRecord t, index::DecodeTensor(std::string_view(it->value().data(), it->value().size())));
+    ix->num_fragments_ += t.num_fragments;
+    ix->tensors_.push_back(std::move(t));
+  }
+  RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir));
+  RETURN_IF_ERROR(CheckFingerprint(src_dir, ix->files_));
+  return ix;
+}
+
+Result<std::vector<Fragment>> Index::Fragments(TensorId id) const {
+  if (id.v >= tensors_.size()) return NotFound("no tensor " + std::to_string(id.v) + " in the index");
+  std::vector<Fragment> out;
+  out.reserve(tensors_[id.v].num_fragments);
+  std::string prefix = KeyU32('g', id.v);
+  std::unique_ptr<rocksdb::Iterator> it(db_->db->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    ASSIGN_OR_RETURN(Fragment f, index::DecodeFragment(std::string_view(it->value().data(), it->value().size())));
+    if (f.file.v >= files_.size()) return Invalid("cannot read index " + dir_ + ": fragment names an unknown file");
+    out.push_back(std::move(f));
+  }
+  RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir_));
+  if (out.size() != tensors_[id.v].num_fragments) {
+    return Invalid("cannot read index " + dir_ + ": tensor '" + tensors_[id.v].key + "' has " +
+                   std::to_string(out.size()) + " fragments, expected " + std::to_string(tensors_[id.v].num_fragments));
+  }
+  return out;
+}
+
+std::string DefaultIndexDir(const std::string& src_dir) {
+  if (::access(src_dir.c_str(), W_OK) == 0) return src_dir + "/" + kIndexDirName + "/index";
+  std::string base;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0') {
+    base = x;
+  } else if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0') {
+    base = std::string(h) + "/.cache";
+  } else {
+    base = "/tmp/ckptfs-cache-" + std::to_string(::getuid());
+  }
+  std::error_code ec;
+  std::string canon = fs::weakly_canonical(src_dir, ec).string();
+  return base + "/ckptfs/" + Hex64(std::hash<std::string>{}(canon.empty() ? src_dir : canon));
+}
+
+Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild) {
+  OpenResult r;
+  std::string dir = index_dir.empty() ? DefaultIndexDir(src_dir) : index_dir;
+  if (!force_rebuild) {
+    auto opened = Index::Open(dir, src_dir);
+    if (opened.ok()) {
+      r.index = std::move(opened).value();
+      return r;
+    }
+    if (opened.status().code() != Code::kNotFound) {
+      r.why_rebuilt = opened.status().message();
+      LogInfo("rebuilding index " + dir + ": " + r.why_rebuilt);
+    }
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(src_dir));
+  RETURN_IF_ERROR(Index::Build(ck, dir));
+  r.build_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.built = true;
+  ASSIGN_OR_RETURN(r.index, Index::Open(dir, src_dir));
+  return r;
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,120 @@
+// CPU element transforms. Widening is exact: every bf16, f16 and fp8 value is
+// a float32 value. NaN payloads are kept where the source has them (bf16,
+// f16); fp8 NaNs become the canonical quiet NaN with the source's sign.
+#include <array>
+#include <cmath>
+#include <cstring>
+
+#include "ckptfs/io.h"
+
+namespace ckptfs {
+namespace {
+
+float HalfToFloat(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400) == 0);
+      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Decodes an 8-bit float with the given exponent/mantissa widths and bias.
+// fnuz: no negative zero, 0x80 is the only NaN, no infinities.
+float DecodeFp8(uint8_t b, int exp_bits, int man_bits, int bias, bool fnuz) {
+  const bool neg = (b & 0x80) != 0;
+  const int e = (b >> man_bits) & ((1 << exp_bits) - 1);
+  const int m = b & ((1 << man_bits) - 1);
+  const float nan = std::copysign(std::nanf(""), neg ? -1.0f : 1.0f);
+  if (fnuz) {
+    if (b == 0x80) return std::nanf("");
+  } else if (exp_bits == 4) {  // e4m3fn: only S.1111.111 is NaN, no infinities
+    if (e == 15 && m == 7) return nan;
+  } else if (e == (1 << exp_bits) - 1) {  // e5m2: IEEE-like
+    if (m == 0) return neg ? -INFINITY : INFINITY;
+    return nan;
+  }
+  float v;
+  if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);
+  } else {
+    v = std::ldexp(static_cast<float>(m + (1 << man_bits)), e - bias - man_bits);
+  }
+  return neg ? -v : v;
+}
+
+using Table = std::array<float, 256>;
+Table MakeTable(int exp_bits, int man_bits, int bias, bool fnuz) {
+  Table t{};
+  for (int i = 0; i < 256; ++i) t[i] = DecodeFp8(static_cast<uint8_t>(i), exp_bits, man_bits, bias, fnuz);
+  return t;
+}
+
+const Table* Fp8Table(DType d) {
+  static const Table e4m3fn = MakeTable(4, 3, 7, false);
+  static const Table e5m2 = MakeTable(5, 2, 15, false);
+  static const Table e4m3fnuz = MakeTable(4, 3, 8, true);
+  static const Table e5m2fnuz = MakeTable(5, 2, 16, true);
+  switch (d) {
+    case DType::kF8E4M3FN: return &e4m3fn;
+    case DType::kF8E5M2: return &e5m2;
+    case DType::kF8E4M3FNUZ: return &e4m3fnuz;
+    case DType::kF8E5M2FNUZ: return &e5m2fnuz;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+bool CanConvert(DType from, DType to) {
+  if (from == to) return DTypeSize(from) > 0;
+  if (to != DType::kF32) return false;
+  return from == DType::kBF16 || from == DType::kF16 || Fp8Table(from) != nullptr;
+}
+
+Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd, uint64_t n) {
+  const size_t ss = DTypeSize(sd);
+  if (sd == dd) {
+    if (stride == 1) {
+      std::memcpy(dst, src, n * ss);
+    } else {
+      for (uint64_t i = 0; i < n; ++i) std::memcpy(dst + i * ss, src + static_cast<int64_t>(i) * stride * static_cast<int64_t>(ss), ss);
+    }
+    return Status::Ok();
+  }
+  if (dd != DType::kF32) return Internal("no conversion from " + std::string(DTypeName(sd)) + " to " + std::string(DTypeName(dd)));
+  const int64_t step = stride * static_cast<int64_t>(ss);
+  float* out = reinterpret_cast<float*>(dst);
+  if (sd == DType::kBF16) {
+    for (uint64_t i = 0; i < n; ++i) {
+      uint32_t bits = static_cast<uint32_t>(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step)) << 16;
+      std::memcpy(out + i, &bits, 4);
+    }
+  } else if (sd == DType::kF16) {
+    for (uint64_t i = 0; i < n; ++i) out[i] = HalfToFloat(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step));
+  } else if (const Table* t = Fp8Table(sd)) {
+    for (uint64_t i = 0; i < n; ++i) out[i] = (*t)[static_cast<uint8_t>(src[static_cast<int64_t>(i) * step])];
+  } else {
+    return Internal("no conversion from " + std::string(DTypeName(sd)) + " to float32");
+  }
+  return Status::Ok();
+}
+
+}  // namespace ckptfs

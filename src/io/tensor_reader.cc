@@ -1,0 +1,346 @@
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <set>
+
+#include "ckptfs/io.h"
+#include "formats/dcp/dcp_reader.h"
+
+namespace ckptfs {
+namespace {
+
+constexpr size_t kFragCacheTensors = 4096;
+constexpr uint64_t kItemCacheBytes = 64ull << 20;
+constexpr uint64_t kStagingKeep = 16ull << 20;  // per-thread staging kept between reads
+constexpr uint64_t kHashChunk = 8ull << 20;
+
+// One strided gather: coalesced dims, element strides in source and output.
+struct Gather {
+  std::vector<int64_t> len, sstr, dstr;
+  const char* src = nullptr;     // resolved after the batch (staging or item)
+  uint64_t staging_off = 0;      // when reading through staging
+  std::shared_ptr<const std::string> item;  // when the source is a zstd item
+  uint64_t item_off = 0;
+  DType sdtype = DType::kInvalid;
+  uint64_t dst_off = 0;          // bytes into the output buffer
+};
+
+Status GatherRun(const char* src, DType sd, int64_t sstride, char* dst, DType dd, int64_t dstride, uint64_t n) {
+  if (dstride == 1) return ConvertRun(src, sd, sstride, dst, dd, n);
+  const int64_t ss = static_cast<int64_t>(DTypeSize(sd)), ds = static_cast<int64_t>(DTypeSize(dd));
+  for (uint64_t i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(ConvertRun(src + static_cast<int64_t>(i) * sstride * ss, sd, 1,
+                               dst + static_cast<int64_t>(i) * dstride * ds, dd, 1));
+  }
+  return Status::Ok();
+}
+
+Status RunGather(const Gather& g, char* out, DType out_dtype) {
+  const int64_t ss = static_cast<int64_t>(DTypeSize(g.sdtype)), ds = static_cast<int64_t>(DTypeSize(out_dtype));
+  const size_t k = g.len.size();
+  if (k == 0) return ConvertRun(g.src, g.sdtype, 1, out + g.dst_off, out_dtype, 1);
+  std::vector<int64_t> idx(k, 0);
+  while (true) {
+    int64_t so = 0, dof = 0;
+    for (size_t d = 0; d + 1 < k; ++d) {
+      so += idx[d] * g.sstr[d];
+      dof += idx[d] * g.dstr[d];
+    }
+    RETURN_IF_ERROR(GatherRun(g.src + so * ss, g.sdtype, g.sstr[k - 1], out + g.dst_off + dof * ds, out_dtype,
+                              g.dstr[k - 1], static_cast<uint64_t>(g.len[k - 1])));
+    size_t d = k - 1;
+    while (d > 0) {
+      --d;
+      if (++idx[d] < g.len[d]) break;
+      idx[d] = 0;
+      if (d == 0) return Status::Ok();
+    }
+    if (k == 1) return Status::Ok();
+  }
+}
+
+thread_local std::vector<char> tl_staging;
+
+}  // namespace
+
+TensorReader::~TensorReader() {
+  for (int fd : fds_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, EngineKind kind) {
+  std::unique_ptr<TensorReader> r(new TensorReader(index, kind));
+  for (const auto& f : index.files()) {
+    std::string path = index.src_dir() + "/" + f.rel_path;
+    int fd = f.mtime_ns == -1 ? -1 : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    r->fds_.push_back(fd);
+    r->open_errors_.push_back(fd >= 0 ? "" : f.mtime_ns == -1 ? "cannot open " + path + ": missing at indexing time"
+                                                               : ErrnoStatus("open", path, errno).message());
+  }
+  if (kind == EngineKind::kUring && MakeUringEngine(4) == nullptr) {
+    return Unsupported("io_uring is not available on this system (use --engine=pread)");
+  }
+  return r;
+}
+
+ReadEngine& TensorReader::Engine() {
+  struct PerThread {
+    std::unique_ptr<ReadEngine> uring, pread;
+    bool uring_tried = false;
+  };
+  thread_local PerThread e;
+  if (kind_ != EngineKind::kPread) {
+    if (!e.uring_tried) {
+      e.uring_tried = true;
+      e.uring = MakeUringEngine();
+      if (e.uring == nullptr) LogWarn("io_uring unavailable on this thread; using pread");
+    }
+    if (e.uring) return *e.uring;
+  }
+  if (!e.pread) e.pread = MakePreadEngine();
+  return *e.pread;
+}
+
+const char* TensorReader::engine_name() const { return kind_ == EngineKind::kPread ? "pread" : "io_uring"; }
+
+Status TensorReader::CheckFd(FileId file) const {
+  const SourceFile& sf = index_.files()[file.v];
+  int fd = fds_[file.v];
+  if (fd < 0) return NotFound(open_errors_[file.v]);
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) return ErrnoStatus("stat", sf.rel_path, errno);
+  int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  if (static_cast<uint64_t>(st.st_size) != sf.size || mtime != sf.mtime_ns) {
+    return Stale(index_.src_dir() + "/" + sf.rel_path + " changed after indexing; remount to rebuild the index");
+  }
+  return Status::Ok();
+}
+
+Status TensorReader::CheckFresh(TensorId id) {
+  if (id.v >= index_.tensors().size()) return Status::Ok();
+  if (!index_.tensors()[id.v].error.empty()) return Status::Ok();  // reported on read
+  ASSIGN_OR_RETURN(auto frags, FragmentsOf(id));
+  std::vector<SourceFile> files;
+  std::set<uint32_t> seen;
+  for (const auto& f : *frags) {
+    if (seen.insert(f.file.v).second) files.push_back(index_.files()[f.file.v]);
+  }
+  Status s = CheckFingerprint(index_.src_dir(), files);
+  if (!s.ok()) return Stale(s.message() + "; remount to rebuild the index");
+  return Status::Ok();
+}
+
+Result<std::shared_ptr<const std::vector<Fragment>>> TensorReader::FragmentsOf(TensorId id) {
+  {
+    std::lock_guard<std::mutex> lock(frag_mu_);
+    auto it = frag_cache_.find(id.v);
+    if (it != frag_cache_.end()) return it->second;
+  }
+  ASSIGN_OR_RETURN(std::vector<Fragment> v, index_.Fragments(id));
+  auto p = std::make_shared<const std::vector<Fragment>>(std::move(v));
+  std::lock_guard<std::mutex> lock(frag_mu_);
+  if (frag_cache_.size() >= kFragCacheTensors) frag_cache_.clear();
+  frag_cache_[id.v] = p;
+  return p;
+}
+
+Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f) {
+  std::string key = std::to_string(f.file.v) + ":" + std::to_string(f.item_offset);
+  {
+    std::lock_guard<std::mutex> lock(item_mu_);
+    for (auto it = item_cache_.begin(); it != item_cache_.end(); ++it) {
+      if (it->first == key) {
+        auto v = it->second;
+        item_cache_.erase(it);
+        item_cache_.emplace_back(key, v);
+        return v;
+      }
+    }
+  }
+  const std::string& rel = index_.files()[f.file.v].rel_path;
+  RETURN_IF_ERROR(CheckFd(f.file));
+  std::string raw(f.item_length, '\0');
+  IoRequest req{fds_[f.file.v], f.item_offset, f.item_length, raw.data()};
+  RETURN_IF_ERROR(Engine().ReadBatch(std::span<IoRequest>(&req, 1)).Annotate(rel));
+  ASSIGN_OR_RETURN(std::string plain,
+                   formats::ZstdDecompress(raw, 4ull << 30, rel + " @ " + std::to_string(f.item_offset)));
+  auto v = std::make_shared<const std::string>(std::move(plain));
+  std::lock_guard<std::mutex> lock(item_mu_);
+  item_cache_.emplace_back(key, v);
+  item_cache_bytes_ += v->size();
+  while (item_cache_bytes_ > kItemCacheBytes && item_cache_.size() > 1) {
+    item_cache_bytes_ -= item_cache_.front().second->size();
+    item_cache_.erase(item_cache_.begin());
+  }
+  return v;
+}
+
+Status TensorReader::Read(TensorId id, DType out, uint64_t offset, uint64_t len, char* dst) {
+  if (id.v >= index_.tensors().size()) return Internal("tensor id out of range");
+  const TensorRecord& t = index_.tensors()[id.v];
+  auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
+  if (!t.error.empty()) return Invalid("cannot read '" + t.key + "': " + t.error);
+  if (len == 0) return Status::Ok();
+  auto frags_or = FragmentsOf(id);
+  if (!frags_or.ok()) return fail(frags_or.status());
+  const std::vector<Fragment>& frags = **frags_or;
+
+  if (t.encoding == Encoding::kBytes) {
+    if (frags.size() != 1) return Invalid("cannot read '" + t.key + "': bytes entry without its item");
+    const Fragment& f = frags[0];
+    if (offset + len > f.data_length) return Invalid("cannot read '" + t.key + "': range past the entry");
+    if (f.compression == Compression::kZstd) {
+      auto item = Item(f);
+      if (!item.ok()) return fail(item.status());
+      if (f.data_offset + offset + len > (*item)->size()) return Invalid("cannot read '" + t.key + "': item too short");
+      std::memcpy(dst, (*item)->data() + f.data_offset + offset, len);
+      return Status::Ok();
+    }
+    Status fresh = CheckFd(f.file);
+    if (!fresh.ok()) return fail(fresh);
+    IoRequest req{fds_[f.file.v], f.data_offset + offset, len, dst};
+    Status s = Engine().ReadBatch(std::span<IoRequest>(&req, 1));
+    return s.ok() ? s : fail(s.Annotate(index_.files()[f.file.v].rel_path));
+  }
+
+  const uint64_t osz = DTypeSize(out);
+  if (osz == 0 || !CanConvert(t.dtype, out)) return Internal("cannot render '" + t.key + "' as " + std::string(DTypeName(out)));
+  const uint64_t numel = t.Numel();
+  if (offset + len > numel * osz) return Invalid("cannot read '" + t.key + "': range past the tensor");
+  const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
+  std::string unaligned;
+  char* base = dst;
+  if (offset % osz != 0 || len % osz != 0) {
+    unaligned.resize((e1 - e0) * osz);
+    base = unaligned.data();
+  }
+
+  // Plan: boxes of the request x fragments.
+  const size_t rank = t.shape.size();
+  std::vector<int64_t> gstr(rank, 1);
+  for (size_t d = rank; d-- > 1;) gstr[d - 1] = gstr[d] * t.shape[d];
+  std::vector<Gather> gathers;
+  std::vector<IoRequest> reqs;
+  std::vector<std::pair<size_t, uint64_t>> staged;  // (request index, staging offset)
+  std::set<uint32_t> files_touched;
+  uint64_t staging = 0, covered = 0;
+  for (const Box& b : DecomposeRange(t.shape, e0, e1)) {
+    for (const Fragment& f : frags) {
+      std::vector<int64_t> lo(rank), hi(rank);
+      bool empty = false;
+      uint64_t count = 1;
+      for (size_t d = 0; d < rank; ++d) {
+        lo[d] = std::max(b.offsets[d], f.offsets[d]);
+        hi[d] = std::min(b.offsets[d] + b.lengths[d], f.offsets[d] + f.lengths[d]);
+        if (lo[d] >= hi[d]) empty = true;
+        else count *= static_cast<uint64_t>(hi[d] - lo[d]);
+      }
+      if (empty) continue;
+      covered += count;
+      int64_t src_elem = 0, dst_elem = -static_cast<int64_t>(e0);
+      Gather g;
+      for (size_t d = 0; d < rank; ++d) {
+        src_elem += (lo[d] - f.offsets[d]) * f.strides[d];
+        dst_elem += lo[d] * gstr[d];
+        if (hi[d] - lo[d] == 1) continue;
+        int64_t l = hi[d] - lo[d];
+        // Merge into the previous dim when it steps exactly over this one.
+        if (!g.len.empty() && g.sstr.back() == f.strides[d] * l && g.dstr.back() == gstr[d] * l) {
+          g.len.back() *= l;
+          g.sstr.back() = f.strides[d];
+          g.dstr.back() = gstr[d];
+        } else {
+          g.len.push_back(l);
+          g.sstr.push_back(f.strides[d]);
+          g.dstr.push_back(gstr[d]);
+        }
+      }
+      const uint64_t esz = DTypeSize(f.dtype);
+      uint64_t span = 1;
+      for (size_t d = 0; d < g.len.size(); ++d) span += static_cast<uint64_t>((g.len[d] - 1) * g.sstr[d]);
+      const uint64_t src_byte = static_cast<uint64_t>(src_elem) * esz, span_bytes = span * esz;
+      if (src_byte + span_bytes > f.data_length) {
+        return Invalid("cannot read '" + t.key + "': fragment in " + index_.files()[f.file.v].rel_path +
+                       " is shorter than its shape (index corrupt?)");
+      }
+      g.sdtype = f.dtype;
+      g.dst_off = static_cast<uint64_t>(dst_elem) * osz;
+      if (f.compression == Compression::kZstd) {
+        auto item = Item(f);
+        if (!item.ok()) return fail(item.status());
+        if (f.data_offset + src_byte + span_bytes > (*item)->size()) return Invalid("cannot read '" + t.key + "': item too short");
+        g.item = *item;
+        g.item_off = f.data_offset + src_byte;
+        gathers.push_back(std::move(g));
+        continue;
+      }
+      files_touched.insert(f.file.v);
+      const bool contiguous = g.len.size() <= 1 && (g.len.empty() || (g.sstr[0] == 1 && g.dstr[0] == 1));
+      if (contiguous && f.dtype == out) {
+        reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + src_byte, span_bytes, base + g.dst_off});
+        continue;
+      }
+      staged.emplace_back(reqs.size(), staging);
+      reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + src_byte, span_bytes, nullptr});
+      g.staging_off = staging;
+      staging += span_bytes;
+      gathers.push_back(std::move(g));
+    }
+  }
+  if (covered != e1 - e0) {
+    return Invalid("cannot read '" + t.key + "': " + std::to_string(e1 - e0 - covered) +
+                   " requested elements are in no fragment (a hole in the checkpoint)");
+  }
+  for (uint32_t fid : files_touched) {
+    Status s = CheckFd(FileId{fid});
+    if (!s.ok()) return fail(s);
+  }
+  if (tl_staging.size() < staging) tl_staging.resize(staging);
+  for (auto [ri, off] : staged) reqs[ri].dst = tl_staging.data() + off;
+  Status io = Engine().ReadBatch(reqs);
+  if (!io.ok()) return fail(io);
+  for (Gather& g : gathers) {
+    g.src = g.item ? g.item->data() + g.item_off : tl_staging.data() + g.staging_off;
+    RETURN_IF_ERROR(RunGather(g, base, out));
+  }
+  if (tl_staging.size() > kStagingKeep) {
+    tl_staging.clear();
+    tl_staging.shrink_to_fit();
+  }
+  if (base != dst) std::memcpy(dst, base + (offset - e0 * osz), len);
+  return Status::Ok();
+}
+
+Result<uint64_t> TensorReader::Xxh3Raw(TensorId id) {
+  {
+    std::lock_guard<std::mutex> lock(hash_mu_);
+    auto it = hash_cache_.find(id.v);
+    if (it != hash_cache_.end()) return it->second;
+  }
+  const TensorRecord& t = index_.tensors()[id.v];
+  const DType raw = t.encoding == Encoding::kBytes ? DType::kU8 : t.dtype;
+  XXH3_state_t* st = XXH3_createState();
+  XXH3_64bits_reset(st);
+  std::string buf;
+  for (uint64_t off = 0; off < t.byte_size; off += kHashChunk) {
+    uint64_t n = std::min(kHashChunk, t.byte_size - off);
+    buf.resize(n);
+    Status s = Read(id, raw, off, n, buf.data());
+    if (!s.ok()) {
+      XXH3_freeState(st);
+      return s;
+    }
+    XXH3_64bits_update(st, buf.data(), n);
+  }
+  uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  std::lock_guard<std::mutex> lock(hash_mu_);
+  hash_cache_[id.v] = h;
+  return h;
+}
+
+}  // namespace ckptfs
