@@ -1,0 +1,137 @@
+#include "ckptfs/index.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "../test_util.h"
+#include "index/codec.h"
+
+namespace ckptfs {
+namespace {
+
+using ckptfs::testing::TempDir;
+namespace fs = std::filesystem;
+
+Checkpoint Tiny(const std::string& dir) {
+  Checkpoint ck;
+  ck.info.family = "synthetic";
+  ck.info.step = 7;
+  ck.info.problems = {"p1"};
+  ck.files.push_back(SourceFile{"a.bin", 0, 0, 0});
+  ckptfs::testing::WriteFile(dir + "/a.bin", std::string(64, 'x'));
+  ckptfs::testing::FillStat(dir, &ck.files[0]);
+  for (int i = 0; i < 3; ++i) {
+    TensorRecord t;
+    t.key = "k" + std::to_string(i);
+    t.dtype = DType::kF32;
+    t.shape = {2, 2};
+    t.byte_size = 16;
+    t.num_fragments = 2;
+    ck.tensors.push_back(t);
+    std::vector<Fragment> fr(2);
+    for (int j = 0; j < 2; ++j) {
+      fr[j].file = FileId{0};
+      fr[j].offsets = {j, 0};
+      fr[j].lengths = {1, 2};
+      fr[j].strides = {2, 1};
+      fr[j].dtype = DType::kF32;
+      fr[j].data_offset = static_cast<uint64_t>(8 * j + 16 * i);
+      fr[j].data_length = 8;
+    }
+    ck.fragments.push_back(fr);
+  }
+  return ck;
+}
+
+TEST(CodecTest, RoundTripsAndRejectsCorruption) {
+  Fragment f;
+  f.file = FileId{3};
+  f.offsets = {1, 2};
+  f.lengths = {3, 4};
+  f.strides = {4, 1};
+  f.dtype = DType::kBF16;
+  f.data_offset = 1ull << 40;
+  f.compression = Compression::kZstd;
+  std::string e = index::EncodeFragment(f);
+  auto d = index::DecodeFragment(e);
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->data_offset, 1ull << 40);
+  EXPECT_EQ(d->strides, f.strides);
+  EXPECT_EQ(d->compression, Compression::kZstd);
+  for (size_t n = 0; n < e.size(); ++n) EXPECT_FALSE(index::DecodeFragment(e.substr(0, n)).ok());
+  EXPECT_FALSE(index::DecodeFragment(e + "x").ok());
+  EXPECT_LT(index::KeyU32('g', 1), index::KeyU32('g', 256));  // numeric order
+}
+
+TEST(IndexTest, BuildOpenAndPrefixScan) {
+  TempDir t;
+  Checkpoint ck = Tiny(t.path());
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_TRUE(ix.ok()) << ix.status().message();
+  EXPECT_EQ((*ix)->info().step, 7);
+  EXPECT_EQ((*ix)->tensors().size(), 3u);
+  EXPECT_EQ((*ix)->num_fragments(), 6u);
+  auto fr = (*ix)->Fragments(TensorId{1});
+  ASSERT_TRUE(fr.ok());
+  ASSERT_EQ(fr->size(), 2u);
+  EXPECT_EQ((*fr)[1].data_offset, 24u);
+  EXPECT_FALSE((*ix)->Fragments(TensorId{9}).ok());
+  EXPECT_FALSE(fs::exists(t.path() + "/ix.tmp." + std::to_string(::getpid())));
+}
+
+TEST(IndexTest, StaleSourceIsRefusedAndRebuilt) {
+  TempDir t;
+  Checkpoint ck = Tiny(t.path());
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ckptfs::testing::WriteFile(t.path() + "/a.bin", std::string(64, 'y'));  // same size, new mtime
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_FALSE(ix.ok());
+  EXPECT_EQ(ix.status().code(), Code::kStale);
+  EXPECT_NE(ix.status().message().find("a.bin"), std::string::npos);
+  fs::remove(t.path() + "/a.bin");
+  EXPECT_NE(Index::Open(t.path() + "/ix", t.path()).status().message().find("disappeared"), std::string::npos);
+}
+
+TEST(IndexTest, RebuildReplacesAtomically) {
+  TempDir t;
+  Checkpoint ck = Tiny(t.path());
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  ck.info.step = 8;
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_TRUE(ix.ok());
+  EXPECT_EQ((*ix)->info().step, 8);
+  for (const auto& e : fs::directory_iterator(t.path())) {
+    EXPECT_EQ(e.path().filename().string().find(".old."), std::string::npos);
+  }
+}
+
+TEST(IndexTest, OpenOrBuildOnRealDcpAndDefaultLocation) {
+  TempDir t;
+  std::string src = t.path() + "/ck";
+  fs::copy(std::string(CKPTFS_TEST_DATA) + "/dcp_single", src, fs::copy_options::recursive);
+  EXPECT_EQ(DefaultIndexDir(src), src + "/.ckptfs/index");
+  auto r = OpenOrBuild(src, "");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_TRUE(r->built);
+  r->index.reset();
+  auto again = OpenOrBuild(src, "");
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->built);
+  // Touch .metadata: the next open rebuilds and says why.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  std::string m = ckptfs::testing::ReadFile(src + "/.metadata");
+  ckptfs::testing::WriteFile(src + "/.metadata", m);
+  again->index.reset();
+  auto third = OpenOrBuild(src, "");
+  ASSERT_TRUE(third.ok());
+  EXPECT_TRUE(third->built);
+  EXPECT_NE(third->why_rebuilt.find(".metadata"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ckptfs

@@ -1,0 +1,295 @@
+// Read-engine conformance: random tensors split into random boxes along any
+// dimension (uneven, empty, transposed storage), written to a data file,
+// indexed, then read back in random byte ranges by every engine and compared
+// with the tensor itself. Also conversions and range decomposition.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fcntl.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "../test_util.h"
+#include "ckptfs/index.h"
+#include "ckptfs/io.h"
+
+namespace ckptfs {
+namespace {
+
+using ckptfs::testing::TempDir;
+
+TEST(DecomposeRangeTest, BoxesTileTheRangeInOrder) {
+  std::mt19937 rng(7);
+  for (int iter = 0; iter < 500; ++iter) {
+    size_t rank = rng() % 4;
+    std::vector<int64_t> shape(rank);
+    uint64_t numel = 1;
+    for (auto& s : shape) {
+      s = 1 + rng() % 5;
+      numel *= static_cast<uint64_t>(s);
+    }
+    uint64_t a = rng() % (numel + 1), b = rng() % (numel + 1);
+    if (a > b) std::swap(a, b);
+    std::vector<Box> boxes = DecomposeRange(shape, a, b);
+    EXPECT_LE(boxes.size(), std::max<size_t>(1, 2 * rank));
+    std::vector<uint64_t> flat;
+    for (const Box& bx : boxes) {
+      // enumerate the box in row-major order
+      std::vector<int64_t> idx(rank, 0);
+      uint64_t vol = 1;
+      for (auto l : bx.lengths) vol *= static_cast<uint64_t>(l);
+      for (uint64_t k = 0; k < vol; ++k) {
+        uint64_t rem = k, f = 0;
+        for (size_t d = rank; d-- > 0;) {
+          idx[d] = bx.offsets[d] + static_cast<int64_t>(rem % static_cast<uint64_t>(bx.lengths[d]));
+          rem /= static_cast<uint64_t>(bx.lengths[d]);
+        }
+        for (size_t d = 0; d < rank; ++d) f = f * static_cast<uint64_t>(shape[d]) + static_cast<uint64_t>(idx[d]);
+        flat.push_back(f);
+      }
+    }
+    std::vector<uint64_t> want(b - a);
+    std::iota(want.begin(), want.end(), a);
+    EXPECT_EQ(flat, want);
+  }
+}
+
+TEST(ConvertTest, WideningIsExact) {
+  const uint16_t bf[] = {0x3f80, 0xc020, 0x0001, 0x7f80};
+  float out[4];
+  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(bf), DType::kBF16, 1, reinterpret_cast<char*>(out), DType::kF32, 4).ok());
+  EXPECT_EQ(out[0], 1.0f);
+  EXPECT_EQ(out[1], -2.5f);
+  EXPECT_GT(out[2], 0.0f);
+  EXPECT_TRUE(std::isinf(out[3]));
+  const uint16_t h[] = {0x3c00, 0xc000, 0x0001, 0x7bff, 0xfc00};
+  float ho[5];
+  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(h), DType::kF16, 1, reinterpret_cast<char*>(ho), DType::kF32, 5).ok());
+  EXPECT_EQ(ho[0], 1.0f);
+  EXPECT_EQ(ho[1], -2.0f);
+  EXPECT_EQ(ho[2], std::ldexp(1.0f, -24));
+  EXPECT_EQ(ho[3], 65504.0f);
+  EXPECT_TRUE(std::isinf(ho[4]) && ho[4] < 0);
+  // fp8 e4m3fn: 0x38 = 1.0, 0x7e = 448 (max), 0x7f = NaN, 0x01 = 2^-9.
+  const uint8_t f8[] = {0x38, 0x7e, 0x7f, 0x01, 0xb8};
+  float fo[5];
+  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(f8), DType::kF8E4M3FN, 1, reinterpret_cast<char*>(fo), DType::kF32, 5).ok());
+  EXPECT_EQ(fo[0], 1.0f);
+  EXPECT_EQ(fo[1], 448.0f);
+  EXPECT_TRUE(std::isnan(fo[2]));
+  EXPECT_EQ(fo[3], std::ldexp(1.0f, -9));
+  EXPECT_EQ(fo[4], -1.0f);
+  // e5m2: 0x3c = 1.0, 0x7c = inf, 0x7b = 57344.
+  const uint8_t e5[] = {0x3c, 0x7c, 0x7b};
+  float eo[3];
+  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(e5), DType::kF8E5M2, 1, reinterpret_cast<char*>(eo), DType::kF32, 3).ok());
+  EXPECT_EQ(eo[0], 1.0f);
+  EXPECT_TRUE(std::isinf(eo[1]));
+  EXPECT_EQ(eo[2], 57344.0f);
+  EXPECT_FALSE(CanConvert(DType::kF32, DType::kF16));
+}
+
+struct Synthetic {
+  Checkpoint ck;
+  std::vector<std::vector<char>> full;  // per tensor, C-order source bytes
+};
+
+// Writes tensors split into random boxes; each box stored C-order or
+// transposed (reversed strides) in one data file.
+Synthetic MakeSynthetic(const std::string& dir, uint32_t seed, int n_tensors) {
+  std::mt19937 rng(seed);
+  Synthetic s;
+  s.ck.info.family = "synthetic";
+  s.ck.files.push_back(SourceFile{"data.bin", 0, 0, 0});
+  std::string data;
+  const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kI64, DType::kF16, DType::kU8};
+  for (int ti = 0; ti < n_tensors; ++ti) {
+    TensorRecord t;
+    t.key = "t" + std::to_string(ti);
+    t.fqn = t.key;
+    t.state = "param";
+    t.role = Role::kParam;
+    t.dtype = dtypes[rng() % 5];
+    size_t rank = rng() % 4;
+    for (size_t d = 0; d < rank; ++d) t.shape.push_back(static_cast<int64_t>(rng() % 9));
+    if (rng() % 4 == 0 && rank > 0) t.shape[rng() % rank] = 1;
+    const size_t esz = DTypeSize(t.dtype);
+    const uint64_t numel = t.Numel();
+    t.byte_size = numel * esz;
+    std::vector<char> full(numel * esz);
+    for (auto& c : full) c = static_cast<char>(rng());
+    // Split each dim into 1-3 uneven parts (possibly empty).
+    std::vector<std::vector<int64_t>> cuts(rank);
+    for (size_t d = 0; d < rank; ++d) {
+      cuts[d] = {0, t.shape[d]};
+      int extra = static_cast<int>(rng() % 3);
+      for (int k = 0; k < extra; ++k) cuts[d].push_back(t.shape[d] ? static_cast<int64_t>(rng() % (t.shape[d] + 1)) : 0);
+      std::sort(cuts[d].begin(), cuts[d].end());
+    }
+    size_t combos = 1;
+    for (size_t d = 0; d < rank; ++d) combos *= cuts[d].size() - 1;
+    std::vector<Fragment> frags;
+    for (size_t c = 0; c < combos; ++c) {
+      std::vector<size_t> ci(rank);
+      size_t rem = c;
+      for (size_t d = rank; d-- > 0;) {
+        ci[d] = rem % (cuts[d].size() - 1);
+        rem /= cuts[d].size() - 1;
+      }
+      Fragment f;
+      f.file = FileId{0};
+      f.dtype = t.dtype;
+      uint64_t vol = 1;
+      for (size_t d = 0; d < rank; ++d) {
+        f.offsets.push_back(cuts[d][ci[d]]);
+        f.lengths.push_back(cuts[d][ci[d] + 1] - cuts[d][ci[d]]);
+        vol *= static_cast<uint64_t>(f.lengths.back());
+      }
+      bool transposed = rank >= 2 && rng() % 2;
+      f.strides.assign(rank, 1);
+      if (transposed) {  // column-major storage of the box
+        for (size_t d = 1; d < rank; ++d) f.strides[d] = f.strides[d - 1] * f.lengths[d - 1];
+      } else {
+        for (size_t d = rank; d-- > 1;) f.strides[d - 1] = f.strides[d] * f.lengths[d];
+      }
+      data.append(rng() % 50, '\x5a');  // unrelated bytes between fragments
+      f.data_offset = data.size();
+      f.data_length = vol * esz;
+      std::string bytes(vol * esz, '\0');
+      for (uint64_t k = 0; k < vol; ++k) {  // local row-major index -> storage position
+        uint64_t r2 = k, gflat = 0, spos = 0;
+        std::vector<int64_t> li(rank);
+        for (size_t d = rank; d-- > 0;) {
+          li[d] = static_cast<int64_t>(r2 % static_cast<uint64_t>(f.lengths[d]));
+          r2 /= static_cast<uint64_t>(f.lengths[d]);
+        }
+        for (size_t d = 0; d < rank; ++d) {
+          gflat = gflat * static_cast<uint64_t>(t.shape[d]) + static_cast<uint64_t>(f.offsets[d] + li[d]);
+          spos += static_cast<uint64_t>(li[d] * f.strides[d]);
+        }
+        std::memcpy(bytes.data() + spos * esz, full.data() + gflat * esz, esz);
+      }
+      data += bytes;
+      frags.push_back(f);
+    }
+    t.num_fragments = static_cast<uint32_t>(frags.size());
+    s.ck.tensors.push_back(t);
+    s.ck.fragments.push_back(frags);
+    s.full.push_back(full);
+  }
+  ckptfs::testing::WriteFile(dir + "/data.bin", data);
+  ckptfs::testing::FillStat(dir, &s.ck.files[0]);
+  return s;
+}
+
+class ReadEngineConformance : public ::testing::TestWithParam<EngineKind> {};
+
+TEST_P(ReadEngineConformance, RandomRangesEqualTheTensor) {
+  TempDir t;
+  Synthetic s = MakeSynthetic(t.path(), 11, 60);
+  ASSERT_TRUE(Index::Build(s.ck, t.path() + "/index").ok());
+  auto ix = Index::Open(t.path() + "/index", t.path());
+  ASSERT_TRUE(ix.ok()) << ix.status().message();
+  auto reader = TensorReader::Open(**ix, GetParam());
+  if (!reader.ok() && GetParam() == EngineKind::kUring) GTEST_SKIP() << reader.status().message();
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  std::mt19937 rng(3);
+  for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
+    const auto& full = s.full[i];
+    std::vector<char> out(full.size());
+    ASSERT_TRUE((*reader)->Read(TensorId{i}, s.ck.tensors[i].dtype, 0, full.size(), out.data()).ok());
+    EXPECT_EQ(out, full) << "tensor " << i;
+    for (int k = 0; k < 20 && !full.empty(); ++k) {
+      uint64_t a = rng() % full.size(), b = rng() % (full.size() + 1);
+      if (a > b) std::swap(a, b);
+      std::vector<char> part(b - a);
+      Status st = (*reader)->Read(TensorId{i}, s.ck.tensors[i].dtype, a, b - a, part.data());
+      ASSERT_TRUE(st.ok()) << st.message();
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), full.begin() + static_cast<ptrdiff_t>(a)))
+          << "tensor " << i << " range " << a << "-" << b;
+    }
+    if (s.ck.tensors[i].dtype == DType::kBF16 && !full.empty()) {  // widened read
+      std::vector<char> wide(full.size() * 2);
+      ASSERT_TRUE((*reader)->Read(TensorId{i}, DType::kF32, 0, wide.size(), wide.data()).ok());
+      for (size_t e = 0; e < full.size() / 2; ++e) {
+        EXPECT_EQ(wide[4 * e + 2], full[2 * e]);
+        EXPECT_EQ(wide[4 * e + 3], full[2 * e + 1]);
+        EXPECT_EQ(wide[4 * e], 0);
+      }
+    }
+  }
+}
+
+TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
+  TempDir t;
+  Synthetic s = MakeSynthetic(t.path(), 5, 20);
+  size_t victim = SIZE_MAX;
+  for (size_t i = 0; i < s.ck.tensors.size(); ++i) {
+    if (s.ck.fragments[i].size() >= 2 && s.ck.tensors[i].Numel() > 0) {
+      // drop a non-empty fragment
+      for (size_t j = 0; j < s.ck.fragments[i].size(); ++j) {
+        uint64_t vol = 1;
+        for (auto l : s.ck.fragments[i][j].lengths) vol *= static_cast<uint64_t>(l);
+        if (vol > 0) {
+          s.ck.fragments[i].erase(s.ck.fragments[i].begin() + static_cast<ptrdiff_t>(j));
+          s.ck.tensors[i].num_fragments--;
+          victim = i;
+          break;
+        }
+      }
+      if (victim != SIZE_MAX) break;
+    }
+  }
+  ASSERT_NE(victim, SIZE_MAX);
+  ASSERT_TRUE(Index::Build(s.ck, t.path() + "/index").ok());
+  auto ix = Index::Open(t.path() + "/index", t.path());
+  ASSERT_TRUE(ix.ok());
+  auto reader = TensorReader::Open(**ix, GetParam());
+  if (!reader.ok()) GTEST_SKIP() << reader.status().message();
+  std::vector<char> out(s.full[victim].size());
+  Status st = (*reader)->Read(TensorId{static_cast<uint32_t>(victim)}, s.ck.tensors[victim].dtype, 0, out.size(), out.data());
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("hole"), std::string::npos) << st.message();
+}
+
+TEST_P(ReadEngineConformance, ModifiedSourceIsStale) {
+  TempDir t;
+  Synthetic s = MakeSynthetic(t.path(), 9, 5);
+  ASSERT_TRUE(Index::Build(s.ck, t.path() + "/index").ok());
+  auto ix = Index::Open(t.path() + "/index", t.path());
+  ASSERT_TRUE(ix.ok());
+  auto reader = TensorReader::Open(**ix, GetParam());
+  if (!reader.ok()) GTEST_SKIP() << reader.status().message();
+  std::string data = ckptfs::testing::ReadFile(t.path() + "/data.bin");
+  ckptfs::testing::WriteFile(t.path() + "/data.bin", data + "x");
+  uint32_t id = 0;
+  while (id < s.ck.tensors.size() && s.full[id].empty()) ++id;
+  ASSERT_LT(id, s.ck.tensors.size());
+  std::vector<char> out(s.full[id].size());
+  Status st = (*reader)->Read(TensorId{id}, s.ck.tensors[id].dtype, 0, out.size(), out.data());
+  EXPECT_EQ(st.code(), Code::kStale) << st.message();
+  EXPECT_EQ((*reader)->CheckFresh(TensorId{id}).code(), Code::kStale);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, ReadEngineConformance, ::testing::Values(EngineKind::kPread, EngineKind::kUring),
+                         [](const auto& info) { return info.param == EngineKind::kPread ? "pread" : "io_uring"; });
+
+TEST(EngineTest, ShortReadPastEndIsAnError) {
+  TempDir t;
+  ckptfs::testing::WriteFile(t.path() + "/f", "hello");
+  int fd = ::open((t.path() + "/f").c_str(), O_RDONLY);
+  char buf[16];
+  for (auto& e : {MakePreadEngine(), MakeUringEngine()}) {
+    if (!e) continue;
+    IoRequest ok{fd, 1, 3, buf};
+    ASSERT_TRUE(e->ReadBatch(std::span<IoRequest>(&ok, 1)).ok()) << e->name();
+    EXPECT_EQ(std::string(buf, 3), "ell");
+    IoRequest past{fd, 2, 10, buf};
+    EXPECT_FALSE(e->ReadBatch(std::span<IoRequest>(&past, 1)).ok()) << e->name();
+  }
+  ::close(fd);
+}
+
+}  // namespace
+}  // namespace ckptfs
