@@ -366,9 +366,13 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   Checkpoint ck;
   ck.info.family = "pytorch-dcp";
   const PyValue* version = root.Attr("version");
-  bool legacy = root.callable && root.callable->s.find("_shard") != std::string::npos;
+  // torch 1.13 writes neither storage_meta nor planner_data (module names are
+  // canonicalised by the VM, so the class path cannot tell the versions apart).
+  const bool has_planner = planner != nullptr && planner->kind == PyKind::kDict;
   ck.info.format_note = std::string("DCP metadata") + (version && version->IsStr() ? " version " + version->s : "") +
-                        (root.Attr("storage_meta") ? " (torch 2.x)" : legacy ? " (torch 1.13 _shard.checkpoint)" : "");
+                        (root.Attr("storage_meta") ? " (torch 2.x)"
+                         : has_planner             ? " (torch 2.0-2.2)"
+                                                   : " (torch 1.13 _shard.checkpoint layout)");
 
   // Source files: .metadata first, then every data file in storage_data order.
   std::map<std::string, uint32_t> file_ids;

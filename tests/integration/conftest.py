@@ -1,0 +1,95 @@
+"""Real-mount test harness: the ckptfs binary, real checkpoints written by torch,
+and a `mount` helper that mounts in a private directory with a timeout and
+always unmounts. Tests skip (by feature) when /dev/fuse is unusable."""
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+MOUNT_TIMEOUT = 60
+
+
+def ckptfs_bin():
+    b = os.environ.get("CKPTFS_BIN") or str(ROOT / "build" / "ckptfs")
+    if not os.access(b, os.X_OK):
+        pytest.skip(f"ckptfs binary not built at {b}")
+    return b
+
+
+@pytest.fixture(scope="session")
+def bin_path():
+    return ckptfs_bin()
+
+
+def fuse_usable():
+    return os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
+
+
+@pytest.fixture(scope="session")
+def dcp_fixtures(tmp_path_factory):
+    """All DCP scenarios of make_dcp.py, written once per session by torch
+    (or reused from $CKPTFS_FIXTURE_CACHE, a directory kept between runs)."""
+    out = os.environ.get("CKPTFS_FIXTURE_CACHE") or str(tmp_path_factory.mktemp("dcp"))
+    subprocess.run([sys.executable, str(FIXTURES / "make_dcp.py"), out], check=True, timeout=900,
+                   stdout=subprocess.DEVNULL)
+    return Path(out)
+
+
+def run(args, **kw):
+    return subprocess.run(args, capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw)
+
+
+class Mounted:
+    def __init__(self, path, log, proc):
+        self.path = Path(path)
+        self.log = Path(log)
+        self.proc = proc
+
+    def log_text(self):
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@contextlib.contextmanager
+def mount(src, tmp_path, name="mnt", index=None, extra=()):
+    if not fuse_usable():
+        pytest.skip("no usable /dev/fuse or fusermount3")
+    mnt = Path(tmp_path) / name
+    mnt.mkdir(parents=True, exist_ok=True)
+    log = Path(tmp_path) / f"{name}.log"
+    args = [ckptfs_bin(), "mount", "-f", str(src), str(mnt)]
+    if index:
+        args += ["--index", str(index)]
+    args += list(extra)
+    with open(log, "w") as lf:
+        proc = subprocess.Popen(args, stdout=lf, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + MOUNT_TIMEOUT
+        while not os.path.ismount(mnt):
+            if proc.poll() is not None:
+                raise RuntimeError(f"ckptfs mount exited {proc.returncode}: {log.read_text()}")
+            if time.time() > deadline:
+                raise RuntimeError(f"mount did not come up in {MOUNT_TIMEOUT}s: {log.read_text()}")
+            time.sleep(0.05)
+        yield Mounted(mnt, log, proc)
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, timeout=60)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True, timeout=60)
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def mounter(tmp_path):
+    def _m(src, name="mnt", **kw):
+        return mount(src, tmp_path, name=name, **kw)
+    return _m

@@ -1,0 +1,192 @@
+"""PyTorch DCP through a real ckptfs mount, checked with real clients: numpy,
+torch, cmp, cp, diff. References come from torch itself
+(torch.distributed.checkpoint.format_utils.dcp_to_torch_save)."""
+import errno
+import filecmp
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import ROOT, ckptfs_bin, run
+
+SCENARIOS = ["single", "dtensor_dim0_w2", "dtensor_dim0_w4", "dtensor_dim1_w2", "dtensor_dim1_w4", "zstd"]
+
+
+def flatten(obj, prefix=""):
+    """The DCP flat keys of a nested state dict (dict keys and list indices joined by '.')."""
+    out = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(obj, list) and any(isinstance(v, (torch.Tensor, dict, list)) for v in obj):
+        for i, v in enumerate(obj):
+            out.update(flatten(v, f"{prefix}{i}."))
+    else:
+        out[prefix[:-1]] = obj
+    return out
+
+
+def reference(src, tmp_path):
+    out = tmp_path / "ref.pt"
+    dcp_to_torch_save(str(src), str(out))
+    return flatten(torch.load(out, weights_only=False))
+
+
+def view_path(key, tensor):
+    if not isinstance(tensor, torch.Tensor):
+        return f"other/{key}", None
+    if key.startswith("model."):
+        return f"params/{key[len('model.'):]}/param.npy", f"params/{key[len('model.'):]}/param.raw"
+    if key.startswith("optimizer.state."):
+        fqn, state = key[len("optimizer.state."):].rsplit(".", 1)
+        return f"params/{fqn}/{state}.npy", f"params/{fqn}/{state}.raw"
+    if "." not in key or key.startswith(("extra.",)):
+        return f"other/{key}.npy", f"other/{key}.raw"
+    return f"params/{key}/param.npy", f"params/{key}/param.raw"
+
+
+def expected_npy(t):
+    if t.dtype == torch.bfloat16 or str(t.dtype).startswith("torch.float8"):
+        return t.float().numpy()
+    return t.numpy()
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_every_tensor_equals_what_torch_loads(scenario, dcp_fixtures, mounter, tmp_path):
+    src = dcp_fixtures / scenario
+    if not (src / ".metadata").exists():
+        pytest.skip(f"{scenario} not produced by this torch")
+    ref = reference(src, tmp_path)
+    work = tmp_path / "raw"
+    work.mkdir()
+    with mounter(src, index=tmp_path / "index") as m:
+        n_tensors = 0
+        for key, val in ref.items():
+            npy, raw = view_path(key, val)
+            if scenario == "zstd" and isinstance(val, torch.Tensor):
+                npy, raw = f"params/{key}/param.npy", f"params/{key}/param.raw"
+            p = m.path / npy
+            assert p.exists(), f"{key} -> {npy} missing"
+            if raw is None:  # bytes entry: a torch.save blob, loadable as is
+                assert torch.load(p, weights_only=False) == val, key
+                continue
+            n_tensors += 1
+            got = np.load(p)
+            want = expected_npy(val)
+            assert got.dtype == want.dtype and got.shape == want.shape, key
+            np.testing.assert_array_equal(got, want, err_msg=key)
+            # .raw twin: the exact source bytes, compared with cmp(1).
+            ref_raw = work / (key + ".bin")
+            ref_raw.write_bytes(val.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if val.numel() else b"")
+            r = subprocess.run(["cmp", str(ref_raw), str(m.path / raw)], capture_output=True, text=True)
+            assert r.returncode == 0, f"{key}: {r.stdout}{r.stderr}"
+            assert os.stat(m.path / raw).st_size == val.numel() * val.element_size()
+        assert n_tensors > 0
+        assert "error" not in m.log_text().lower()
+
+
+def test_torch113_checkpoint(mounter, tmp_path):
+    src = tmp_path / "ckpt"
+    shutil.copytree(ROOT / "tests/data/dcp_torch113/ckpt", src)
+    want = np.load(ROOT / "tests/data/dcp_torch113/expected.npz")
+    with mounter(src) as m:
+        np.testing.assert_array_equal(np.load(m.path / "params/model.w/param.npy"), want["w"])
+        np.testing.assert_array_equal(np.load(m.path / "params/model.bf/param.npy"), want["bf"])
+        np.testing.assert_array_equal(np.load(m.path / "params/model.bias/param.npy"), want["bias"])
+        assert torch.load(m.path / "other/step", weights_only=False) == 42
+        info = (m.path / "checkpoint.json").read_text()
+        assert "1.13" in info and '"step": 42' in info
+    assert (src / ".ckptfs" / "index").is_dir()  # default location in a writable checkpoint
+
+
+def test_cp_r_and_diff_of_two_mounts(dcp_fixtures, mounter, tmp_path):
+    src = dcp_fixtures / "dtensor_dim1_w4"
+    with mounter(src, "a", index=tmp_path / "ix") as a, mounter(src, "b", index=tmp_path / "ix") as b:
+        dst = tmp_path / "copy"
+        subprocess.run(["cp", "-r", str(a.path / "params"), str(dst)], check=True, timeout=120)
+        cmp = filecmp.dircmp(a.path / "params", dst)
+        assert not cmp.left_only and not cmp.right_only
+        for d in (a.path / "params").iterdir():
+            for f in d.iterdir():
+                assert filecmp.cmp(f, dst / d.name / f.name, shallow=False), f
+        r = subprocess.run(["diff", "-r", str(a.path), str(b.path)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout == "", r.stdout
+
+
+def test_diff_of_two_steps_lists_exactly_the_changed_tensors(dcp_fixtures, mounter, tmp_path):
+    ra = reference(dcp_fixtures / "steps_a", tmp_path / "a_") if (tmp_path / "a_").mkdir() is None else None
+    rb = reference(dcp_fixtures / "steps_b", tmp_path / "b_") if (tmp_path / "b_").mkdir() is None else None
+    changed = set()
+    for key, va in ra.items():
+        if not isinstance(va, torch.Tensor):
+            continue
+        npy, raw = view_path(key, va)
+        if not torch.equal(va, rb[key]):
+            changed.update({npy, raw, str(Path(npy).parent / "info.json")})
+    assert "params/norm.weight/param.npy" not in changed  # frozen: same in both steps
+    assert changed
+    with mounter(dcp_fixtures / "steps_a", "a", index=tmp_path / "ia") as a, \
+            mounter(dcp_fixtures / "steps_b", "b", index=tmp_path / "ib") as b:
+        r = subprocess.run(["diff", "-rq", str(a.path / "params"), str(b.path / "params")],
+                           capture_output=True, text=True, timeout=120)
+        listed = set()
+        for line in r.stdout.splitlines():
+            assert line.startswith("Files "), line
+            left = line.split(" ")[1]
+            listed.add(str(Path(left).relative_to(a.path)))
+        assert listed == changed
+
+
+def test_cli_cat_equals_mount_bytes(dcp_fixtures, mounter, tmp_path):
+    src = dcp_fixtures / "dtensor_dim0_w4"
+    out = tmp_path / "cat.npy"
+    with open(out, "wb") as f:
+        r = subprocess.run([ckptfs_bin(), "cat", str(src), "proj.weight", "--index", str(tmp_path / "ix")],
+                           stdout=f, stderr=subprocess.PIPE, timeout=120)
+    assert r.returncode == 0, r.stderr
+    raw = tmp_path / "cat.raw"
+    with open(raw, "wb") as f:
+        subprocess.run([ckptfs_bin(), "cat", str(src), "optimizer.state.proj.weight.exp_avg", "--format", "raw",
+                        "--index", str(tmp_path / "ix")], stdout=f, check=True, timeout=120)
+    with mounter(src, index=tmp_path / "ix") as m:
+        assert filecmp.cmp(out, m.path / "params/proj.weight/param.npy", shallow=False)
+        assert filecmp.cmp(raw, m.path / "params/proj.weight/exp_avg.raw", shallow=False)
+
+
+def test_writes_are_erofs(dcp_fixtures, mounter, tmp_path):
+    with mounter(dcp_fixtures / "single", index=tmp_path / "ix") as m:
+        for op in (lambda: open(m.path / "params/proj.weight/param.npy", "r+b"),
+                   lambda: open(m.path / "new.txt", "w"),
+                   lambda: os.mkdir(m.path / "d"),
+                   lambda: os.unlink(m.path / "README.txt")):
+            with pytest.raises(OSError) as e:
+                op()
+            assert e.value.errno == errno.EROFS
+
+
+def test_daemon_mode_and_umount(dcp_fixtures, tmp_path):
+    from conftest import fuse_usable
+    if not fuse_usable():
+        pytest.skip("no usable /dev/fuse")
+    mnt = tmp_path / "d"
+    mnt.mkdir()
+    r = run([ckptfs_bin(), "mount", str(dcp_fixtures / "single"), str(mnt), "--index", str(tmp_path / "ix"),
+             "--log", str(tmp_path / "daemon.log")])
+    try:
+        assert r.returncode == 0, r.stderr
+        assert os.path.ismount(mnt)
+        assert np.load(mnt / "params/proj.weight/param.npy").shape == (10, 6)
+    finally:
+        u = run([ckptfs_bin(), "umount", str(mnt)])
+    assert u.returncode == 0, u.stderr
+    assert not os.path.ismount(mnt)
+    # A mount onto a missing directory fails in the parent with a clear message.
+    bad = run([ckptfs_bin(), "mount", str(dcp_fixtures / "single"), str(tmp_path / "nope"), "--index",
+               str(tmp_path / "ix"), "--log", str(tmp_path / "d2.log")])
+    assert bad.returncode != 0 and "cannot mount" in bad.stderr
