@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what ckptfs needs on Debian 12 (root), idempotently.
+#   scripts/setup.sh           build + run deps, numpy for the demo
+#   scripts/setup.sh --test    also torch, zstandard, pytest (test-only producers/clients)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PKGS=(build-essential cmake pkg-config git libfuse3-dev fuse3 librocksdb-dev liburing-dev libgtest-dev
+          nlohmann-json3-dev libxxhash-dev libzstd-dev python3 python3-venv python3-pip)
+[[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev)
+
+missing=()
+for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if ((${#missing[@]})); then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+[[ -e /dev/fuse ]] || mknod /dev/fuse c 10 229 || true
+
+# Python: a venv that sees the system's site-packages (so an installed torch is reused).
+if [[ ! -x .venv/bin/python ]]; then python3 -m venv --system-site-packages .venv; fi
+PY=.venv/bin/python
+want=(numpy)
+[[ "${1:-}" == "--test" ]] && want+=(torch zstandard pytest pytest-timeout)
+need=()
+for m in "${want[@]}"; do
+  mod=${m//-/_}
+  "$PY" -c "import ${mod}" >/dev/null 2>&1 || need+=("$m")
+done
+if ((${#need[@]})); then "$PY" -m pip install -q "${need[@]}"; fi
