@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <unordered_map>
 
 namespace ckptfs::formats {
@@ -11,21 +12,7 @@ namespace {
 constexpr uint32_t kMaxDepth = 512;
 constexpr size_t kMaxStack = 1u << 20;
 
-PyRef Make(PyKind k) {
-  auto v = std::make_shared<PyValue>();
-  v->kind = k;
-  return v;
-}
-PyRef MakeInt(int64_t i) {
-  auto v = Make(PyKind::kInt);
-  v->i = i;
-  return v;
-}
-PyRef MakeStr(PyKind k, std::string s) {
-  auto v = Make(k);
-  v->s = std::move(s);
-  return v;
-}
+using Arena = std::deque<PyValue>;  // stable addresses; destroyed iteratively
 
 bool StartsWith(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
 
@@ -54,11 +41,27 @@ bool IsAllowedGlobal(const std::string& module, const std::string& name, const P
 class Vm {
  public:
   Vm(std::string_view data, const std::string& what, const PickleOptions& opts)
-      : d_(data), what_(what), opts_(opts) {}
+      : d_(data), what_(what), opts_(opts), arena_(std::make_shared<Arena>()) {}
 
   Result<PyRef> Run();
+  const std::shared_ptr<Arena>& arena() const { return arena_; }
 
  private:
+  PyRef Make(PyKind k) {
+    PyValue& v = arena_->emplace_back();
+    v.kind = k;
+    return &v;
+  }
+  PyRef MakeInt(int64_t i) {
+    PyRef v = Make(PyKind::kInt);
+    v->i = i;
+    return v;
+  }
+  PyRef MakeStr(PyKind k, std::string s) {
+    PyRef v = Make(k);
+    v->s = std::move(s);
+    return v;
+  }
   Status Err(const std::string& why) const {
     return Invalid("cannot unpickle " + what_ + ": " + why + " (at byte " + std::to_string(op_pos_) + ")");
   }
@@ -113,7 +116,7 @@ class Vm {
   }
   Result<PyRef> Seq(PyKind k, std::vector<PyRef> items) {
     auto v = Make(k);
-    for (const auto& it : items) RETURN_IF_ERROR(Adopt(v.get(), it));
+    for (const auto& it : items) RETURN_IF_ERROR(Adopt(v, it));
     v->items = std::move(items);
     return v;
   }
@@ -131,7 +134,7 @@ class Vm {
     if (kv.size() % 2 != 0) return Err("odd number of items for SETITEMS");
     if (target->kind != PyKind::kDict && target->kind != PyKind::kObject) return Err("SETITEM on a non-dict");
     for (size_t i = 0; i < kv.size(); i += 2) {
-      RETURN_IF_ERROR(Adopt(target.get(), kv[i + 1]));
+      RETURN_IF_ERROR(Adopt(target, kv[i + 1]));
       target->dict.emplace_back(std::move(kv[i]), std::move(kv[i + 1]));
     }
     return Status::Ok();
@@ -141,7 +144,7 @@ class Vm {
       return Err("APPEND on a non-list");
     }
     for (auto& it : items) {
-      RETURN_IF_ERROR(Adopt(target.get(), it));
+      RETURN_IF_ERROR(Adopt(target, it));
       target->items.push_back(std::move(it));
     }
     return Status::Ok();
@@ -168,6 +171,7 @@ class Vm {
   std::vector<PyRef> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PyRef> memo_;
+  std::shared_ptr<Arena> arena_;
 };
 
 Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
@@ -199,7 +203,7 @@ Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
   } else {
     return Err("storage key is not a string");
   }
-  ASSIGN_OR_RETURN(int64_t numel, AsInt(pid->items[4].get(), "storage numel"));
+  ASSIGN_OR_RETURN(int64_t numel, AsInt(pid->items[4], "storage numel"));
   if (numel < 0) return Err("negative storage size");
   v->storage_numel = static_cast<uint64_t>(numel);
   return v;
@@ -223,11 +227,11 @@ Result<PyRef> Vm::RebuildTensor(const std::string& fn, const std::vector<PyRef>&
   } else if (a[0]->untyped) {
     return Err(fn + " on an UntypedStorage without a dtype");
   }
-  ASSIGN_OR_RETURN(int64_t off, AsInt(a[1].get(), "storage_offset"));
+  ASSIGN_OR_RETURN(int64_t off, AsInt(a[1], "storage_offset"));
   if (off < 0) return Err("negative storage offset");
   t.storage_offset = static_cast<uint64_t>(off);
-  ASSIGN_OR_RETURN(t.shape, AsIntVector(a[2].get(), "size"));
-  ASSIGN_OR_RETURN(t.strides, AsIntVector(a[3].get(), "stride"));
+  ASSIGN_OR_RETURN(t.shape, AsIntVector(a[2], "size"));
+  ASSIGN_OR_RETURN(t.strides, AsIntVector(a[3], "stride"));
   if (t.shape.size() != t.strides.size()) return Err("size and stride ranks differ");
   for (size_t i = 0; i < t.shape.size(); ++i) {
     if (t.shape[i] < 0 || t.strides[i] < 0) return Err("negative size or stride");
@@ -259,7 +263,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
       if (!a.empty() && a[0]->IsSeq()) {
         for (const auto& pair : a[0]->items) {
           if (!pair->IsSeq() || pair->items.size() != 2) return Err("OrderedDict item is not a pair");
-          RETURN_IF_ERROR(Adopt(d.get(), pair->items[1]));
+          RETURN_IF_ERROR(Adopt(d, pair->items[1]));
           d->dict.emplace_back(pair->items[0], pair->items[1]);
         }
       }
@@ -297,7 +301,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
   }
   auto o = Make(PyKind::kObject);
   o->callable = callable;
-  for (const auto& x : a) RETURN_IF_ERROR(Adopt(o.get(), x));
+  for (const auto& x : a) RETURN_IF_ERROR(Adopt(o, x));
   o->args = a;
   return o;
 }
@@ -325,10 +329,9 @@ Result<PyRef> Vm::Run() {
       case '(':
         marks_.push_back(stack_.size());
         break;
-      case '0': {
-        ASSIGN_OR_RETURN(PyRef v, Pop());
+      case '0':
+        RETURN_IF_ERROR(Pop().status());
         break;
-      }
       case '1': {
         ASSIGN_OR_RETURN(auto v, PopMark());
         break;
@@ -573,10 +576,7 @@ Result<PyRef> Vm::Run() {
       }
       case 0x81:    // NEWOBJ
       case 0x92: {  // NEWOBJ_EX
-        PyRef kwargs;
-        if (op == 0x92) {
-          ASSIGN_OR_RETURN(kwargs, Pop());
-        }
+        if (op == 0x92) RETURN_IF_ERROR(Pop().status());  // kwargs: not recorded
         ASSIGN_OR_RETURN(PyRef args, Pop());
         ASSIGN_OR_RETURN(PyRef cls, Pop());
         if (args->kind != PyKind::kTuple) return Err("NEWOBJ arguments are not a tuple");
@@ -586,7 +586,7 @@ Result<PyRef> Vm::Run() {
         } else {
           o = Make(PyKind::kObject);
           o->callable = cls;
-          for (const auto& x : args->items) RETURN_IF_ERROR(Adopt(o.get(), x));
+          for (const auto& x : args->items) RETURN_IF_ERROR(Adopt(o, x));
           o->args = args->items;
         }
         RETURN_IF_ERROR(Push(o));
@@ -596,7 +596,7 @@ Result<PyRef> Vm::Run() {
         ASSIGN_OR_RETURN(PyRef state, Pop());
         ASSIGN_OR_RETURN(PyRef obj, Top());
         if (obj->kind == PyKind::kObject) {
-          RETURN_IF_ERROR(Adopt(obj.get(), state));
+          RETURN_IF_ERROR(Adopt(obj, state));
           obj->state = state;
         }
         // BUILD on a dict (a module state_dict's _metadata attribute) or a
@@ -680,7 +680,7 @@ std::string CanonicalModule(std::string_view module) {
 
 const PyValue* PyValue::Get(std::string_view key) const {
   for (const auto& [k, v] : dict) {
-    if (k && k->kind == PyKind::kStr && k->s == key) return v.get();
+    if (k && k->kind == PyKind::kStr && k->s == key) return v;
   }
   return nullptr;
 }
@@ -719,20 +719,21 @@ Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what
   if (v == nullptr) return Invalid(std::string(what) + " is missing");
   const PyValue* seq = v;
   // torch.Size that was not interpreted (e.g. via NEWOBJ) carries the tuple as arg 0.
-  if (v->kind == PyKind::kObject && v->ClassName() == "Size" && !v->args.empty()) seq = v->args[0].get();
+  if (v->kind == PyKind::kObject && v->ClassName() == "Size" && !v->args.empty()) seq = v->args[0];
   if (!seq->IsSeq()) return Invalid(std::string(what) + " is not a tuple");
   std::vector<int64_t> out;
   out.reserve(seq->items.size());
   for (const auto& it : seq->items) {
-    ASSIGN_OR_RETURN(int64_t x, AsInt(it.get(), what));
+    ASSIGN_OR_RETURN(int64_t x, AsInt(it, what));
     out.push_back(x);
   }
   return out;
 }
 
-Result<PyRef> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts) {
+Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts) {
   Vm vm(data, what, opts);
-  return vm.Run();
+  ASSIGN_OR_RETURN(PyRef root, vm.Run());
+  return PyHandle(vm.arena(), root);  // aliasing: the handle owns the arena
 }
 
 }  // namespace ckptfs::formats

@@ -30,7 +30,11 @@
 namespace ckptfs::formats {
 
 struct PyValue;
-using PyRef = std::shared_ptr<PyValue>;
+// Values reference each other by plain pointers into the VM's arena (pickle
+// memo references can form cycles, so shared ownership between values would
+// leak). The caller holds the root as a PyHandle, which owns the whole arena.
+using PyRef = PyValue*;
+using PyHandle = std::shared_ptr<PyValue>;
 
 enum class PyKind : uint8_t {
   kNone, kBool, kInt, kBigInt, kFloat, kStr, kBytes,
@@ -66,7 +70,7 @@ struct PyValue {
   bool untyped = false;  // UntypedStorage: numel counts bytes
   uint64_t storage_numel = 0;
   TensorRef tensor;
-  uint32_t depth = 0;  // nesting depth, bounded so that destruction cannot overflow the stack
+  uint32_t depth = 0;  // nesting depth, bounded so that recursive consumers cannot overflow the stack
 
   // Convenience accessors (nullptr / empty when absent or of another kind).
   const PyValue* Get(std::string_view key) const;  // dict lookup by str key
@@ -84,7 +88,7 @@ struct PickleOptions {
 };
 
 // Unpickles `data`; `what` names the source in errors ("x.distcp @ 431 data.pkl").
-Result<PyRef> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts = {});
+Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts = {});
 
 // Canonical module name used for matching (see the header note).
 std::string CanonicalModule(std::string_view module);

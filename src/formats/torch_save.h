@@ -18,7 +18,7 @@ namespace ckptfs::formats {
 struct TorchSaveArchive {
   std::string prefix;  // "archive" in DCP items, the file stem otherwise
   ZipDirectory zip;
-  PyRef root;
+  PyHandle root;
 };
 
 // Parses the directory and data.pkl (bounded to 256 MiB).

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import ROOT, ckptfs_bin, run
 
-SCENARIOS = ["single", "dtensor_dim0_w2", "dtensor_dim0_w4", "dtensor_dim1_w2", "dtensor_dim1_w4", "zstd"]
+SCENARIOS = ["single", "replicated_w2", "dtensor_dim0_w2", "dtensor_dim0_w4", "dtensor_dim1_w2", "dtensor_dim1_w4", "zstd"]
 
 
 def flatten(obj, prefix=""):
@@ -46,7 +46,7 @@ def view_path(key, tensor):
     if key.startswith("optimizer.state."):
         fqn, state = key[len("optimizer.state."):].rsplit(".", 1)
         return f"params/{fqn}/{state}.npy", f"params/{fqn}/{state}.raw"
-    if "." not in key or key.startswith(("extra.",)):
+    if "." not in key or key.startswith(("extra.",)) or key in ("half", "ids"):
         return f"other/{key}.npy", f"other/{key}.raw"
     return f"params/{key}/param.npy", f"params/{key}/param.raw"
 

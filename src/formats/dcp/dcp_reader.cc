@@ -61,7 +61,7 @@ Result<DType> PropertiesDType(const PyValue* props) {
   if (props == nullptr) return Invalid("tensor properties missing");
   const PyValue* dt = nullptr;
   if (props->state && props->state->kind == PyKind::kTuple && !props->state->items.empty()) {
-    dt = props->state->items[0].get();  // (dtype, layout, requires_grad, memory_format, pin_memory)
+    dt = props->state->items[0];  // (dtype, layout, requires_grad, memory_format, pin_memory)
   } else {
     dt = props->Attr("dtype");
   }
