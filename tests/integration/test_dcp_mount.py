@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import ROOT, ckptfs_bin, run
 
-SCENARIOS = ["single", "replicated_w2", "dtensor_dim0_w2", "dtensor_dim0_w4", "dtensor_dim1_w2", "dtensor_dim1_w4", "zstd"]
+SCENARIOS = ["single", "replicated_w2", "fsdp2_w3", "fsdp2_bf16_w2", "dtensor_dim0_w2", "dtensor_dim0_w4", "dtensor_dim1_w2", "dtensor_dim1_w4", "zstd"]
 
 
 def flatten(obj, prefix=""):
