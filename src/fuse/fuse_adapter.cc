@@ -7,9 +7,13 @@
 #define FUSE_USE_VERSION 312
 #include <fuse3/fuse_lowlevel.h>
 
+#include <sys/sysmacros.h>
+
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "ckptfs/mount.h"
@@ -171,6 +175,25 @@ void OnStatfs(fuse_req_t req, fuse_ino_t) {
 
 void ReadOnly(fuse_req_t req) { fuse_reply_err(req, EROFS); }
 
+// The kernel offers FUSE only its default readahead (128 KiB) at INIT and a
+// filesystem may lower it, not raise it, so buffered reads would arrive as
+// 128 KiB requests. Once the mount answers, raise the mount's bdi readahead to
+// the 1 MiB request size. Runs on its own thread: the stat() is served by the
+// session loop. Needs root (sysfs); otherwise reads stay at 128 KiB (logged).
+void RaiseReadahead(const std::string& mountpoint) {
+  struct stat st{};
+  if (::stat(mountpoint.c_str(), &st) != 0) return;
+  char path[96];
+  std::snprintf(path, sizeof(path), "/sys/class/bdi/%u:%u/read_ahead_kb", major(st.st_dev), minor(st.st_dev));
+  FILE* f = std::fopen(path, "we");
+  if (f == nullptr || std::fprintf(f, "%u\n", kMaxRequest / 1024) < 0 || std::fclose(f) != 0) {
+    LogInfo(std::string("cannot raise readahead via ") + path + ": " + std::strerror(errno) +
+            " (reads stay at the kernel's default size)");
+    return;
+  }
+  LogInfo(std::string("readahead set to 1 MiB via ") + path);
+}
+
 fuse_lowlevel_ops MakeOps() {
   fuse_lowlevel_ops ops{};
   ops.init = OnInit;
@@ -227,6 +250,7 @@ int MountAndServe(Filesystem& fs, const std::string& mountpoint, const MountOpti
     return 1;
   }
   ready(Status::Ok());
+  std::thread(RaiseReadahead, mountpoint).detach();
   fuse_loop_config* cfg = fuse_loop_cfg_create();
   fuse_loop_cfg_set_max_threads(cfg, opts.max_threads);
   fuse_loop_cfg_set_idle_threads(cfg, 4);
