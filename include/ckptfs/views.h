@@ -55,6 +55,7 @@ struct Node {
   std::string name;
   bool is_dir = false;
   std::map<std::string, uint64_t, std::less<>> children;  // directories
+  uint32_t subdirs = 0;                                      // directories: for st_nlink
   // Files: the layout; when `lazy`, made on first use under View::lazy_mu_
   // (`made` says it is done; both only change under that lock).
   FileLayout layout;

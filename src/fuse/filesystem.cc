@@ -20,12 +20,7 @@ Attr Filesystem::AttrOf(const Node& n, uint64_t size) const {
   a.is_dir = n.is_dir;
   a.size = size;
   a.mtime_ns = mtime_ns_;
-  if (n.is_dir) {
-    a.nlink = 2;
-    for (const auto& [name, ino] : n.children) {
-      if (view_->Get(ino)->is_dir) ++a.nlink;
-    }
-  }
+  if (n.is_dir) a.nlink = 2 + n.subdirs;
   return a;
 }
 

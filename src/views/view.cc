@@ -84,7 +84,10 @@ uint64_t View::AddDir(uint64_t parent, const std::string& name) {
   n->is_dir = true;
   uint64_t ino = n->ino;
   nodes_.push_back(std::move(n));
-  if (parent != 0) nodes_[parent - 1]->children.emplace(name, ino);
+  if (parent != 0) {
+    nodes_[parent - 1]->children.emplace(name, ino);
+    nodes_[parent - 1]->subdirs++;
+  }
   return ino;
 }
 
