@@ -7,7 +7,7 @@
 #include <set>
 
 #include "ckptfs/io.h"
-#include "formats/dcp/dcp_reader.h"
+#include "formats/zstd.h"
 
 namespace ckptfs {
 namespace {

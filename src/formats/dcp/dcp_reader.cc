@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zstd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,6 +16,7 @@
 #include "formats/byte_reader.h"
 #include "formats/pickle.h"
 #include "formats/torch_save.h"
+#include "formats/zstd.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -304,43 +304,6 @@ int64_t FindStep(const std::string& dir, const Checkpoint& ck, const OpenFiles& 
 }
 
 }  // namespace
-
-Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what) {
-  std::string out;
-  ZSTD_DStream* ds = ZSTD_createDStream();
-  if (ds == nullptr) return Internal("cannot allocate a zstd stream");
-  ZSTD_inBuffer ib{in.data(), in.size(), 0};
-  std::string buf(ZSTD_DStreamOutSize(), '\0');
-  size_t ret = 1;
-  while (ib.pos < ib.size) {
-    ZSTD_outBuffer ob{buf.data(), buf.size(), 0};
-    ret = ZSTD_decompressStream(ds, &ob, &ib);
-    if (ZSTD_isError(ret)) {
-      ZSTD_freeDStream(ds);
-      return Invalid("cannot decompress " + what + ": " + ZSTD_getErrorName(ret));
-    }
-    out.append(buf.data(), ob.pos);
-    if (out.size() > max_out) {
-      ZSTD_freeDStream(ds);
-      return Invalid("cannot decompress " + what + ": output larger than " + std::to_string(max_out));
-    }
-    if (ob.pos == 0 && ret != 0 && ib.pos == ib.size) break;
-  }
-  // Flush what the decoder still holds.
-  while (ret != 0) {
-    ZSTD_outBuffer ob{buf.data(), buf.size(), 0};
-    ret = ZSTD_decompressStream(ds, &ob, &ib);
-    if (ZSTD_isError(ret)) {
-      ZSTD_freeDStream(ds);
-      return Invalid("cannot decompress " + what + ": " + ZSTD_getErrorName(ret));
-    }
-    if (ob.pos == 0) break;
-    out.append(buf.data(), ob.pos);
-  }
-  ZSTD_freeDStream(ds);
-  if (ret != 0) return Invalid("cannot decompress " + what + ": truncated zstd stream");
-  return out;
-}
 
 bool LooksLikeDcp(const std::string& dir) {
   struct stat st{};

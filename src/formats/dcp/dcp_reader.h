@@ -20,9 +20,6 @@ namespace ckptfs::formats {
 bool LooksLikeDcp(const std::string& dir);
 Result<Checkpoint> ReadDcp(const std::string& dir);
 
-// Decompresses one zstd stream (frames concatenated), bounded by max_out.
-Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what);
-
 }  // namespace ckptfs::formats
 
 #endif  // CKPTFS_FORMATS_DCP_DCP_READER_H_
