@@ -16,6 +16,8 @@
 #ifndef CKPTFS_INDEX_H_
 #define CKPTFS_INDEX_H_
 
+#include <sys/stat.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -58,7 +60,11 @@ class Index {
   uint64_t num_fragments_ = 0;
 };
 
-// Compares the recorded fingerprint with the files under src_dir now.
+// The one staleness rule: compares a file's recorded fingerprint (size,
+// mtime, inode; mtime_ns == -1 means "missing when indexed") with what the
+// file is now (`now` == nullptr: it does not exist). kStale names the file.
+Status CompareFingerprint(const std::string& path, const SourceFile& recorded, const struct stat* now);
+// CompareFingerprint for every file, stat'ing each by path under src_dir.
 Status CheckFingerprint(const std::string& src_dir, const std::vector<SourceFile>& files);
 
 // Where the index of src_dir lives: <src>/.ckptfs/index when the checkpoint

@@ -55,22 +55,23 @@ std::string SchemaValue() { return "ckptfs-index-v" + std::to_string(Index::kSch
 
 }  // namespace
 
+Status CompareFingerprint(const std::string& path, const SourceFile& f, const struct stat* now) {
+  if (f.mtime_ns == -1) return now == nullptr ? Status::Ok() : Stale(path + " appeared after indexing");
+  if (now == nullptr) return Stale(path + " disappeared after indexing");
+  if (static_cast<uint64_t>(now->st_size) != f.size) {
+    return Stale(path + " changed size after indexing (" + std::to_string(f.size) + " -> " +
+                 std::to_string(now->st_size) + " bytes)");
+  }
+  int64_t mtime = static_cast<int64_t>(now->st_mtim.tv_sec) * 1000000000 + now->st_mtim.tv_nsec;
+  if (mtime != f.mtime_ns || now->st_ino != f.inode) return Stale(path + " was modified after indexing");
+  return Status::Ok();
+}
+
 Status CheckFingerprint(const std::string& src_dir, const std::vector<SourceFile>& files) {
   for (const auto& f : files) {
     std::string path = src_dir + "/" + f.rel_path;
     struct stat st{};
-    bool exists = ::stat(path.c_str(), &st) == 0;
-    if (f.mtime_ns == -1) {
-      if (exists) return Stale(path + " appeared after indexing");
-      continue;
-    }
-    if (!exists) return Stale(path + " disappeared after indexing");
-    int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-    if (static_cast<uint64_t>(st.st_size) != f.size) {
-      return Stale(path + " changed size after indexing (" + std::to_string(f.size) + " -> " +
-                   std::to_string(st.st_size) + " bytes)");
-    }
-    if (mtime != f.mtime_ns || st.st_ino != f.inode) return Stale(path + " was modified after indexing");
+    RETURN_IF_ERROR(CompareFingerprint(path, f, ::stat(path.c_str(), &st) == 0 ? &st : nullptr));
   }
   return Status::Ok();
 }

@@ -112,12 +112,10 @@ Status TensorReader::CheckFd(FileId file) const {
   int fd = fds_[file.v];
   if (fd < 0) return NotFound(open_errors_[file.v]);
   struct stat st{};
-  if (::fstat(fd, &st) != 0) return ErrnoStatus("stat", sf.rel_path, errno);
-  int64_t mtime = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  if (static_cast<uint64_t>(st.st_size) != sf.size || mtime != sf.mtime_ns) {
-    return Stale(index_.src_dir() + "/" + sf.rel_path + " changed after indexing; remount to rebuild the index");
-  }
-  return Status::Ok();
+  const std::string path = index_.src_dir() + "/" + sf.rel_path;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus("stat", path, errno);
+  Status s = CompareFingerprint(path, sf, &st);
+  return s.ok() ? s : Stale(s.message() + "; remount to rebuild the index");
 }
 
 Status TensorReader::CheckFresh(TensorId id) {

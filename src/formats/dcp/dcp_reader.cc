@@ -111,7 +111,6 @@ bool SplitByKnownFqn(const std::string& rest, const std::set<std::string>& fqns,
       *state = rest.substr(dot + 1);
       return true;
     }
-    if (dot == 0) break;
   }
   return false;
 }
