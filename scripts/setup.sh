@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PKGS=(build-essential cmake pkg-config git libfuse3-dev fuse3 librocksdb-dev liburing-dev libgtest-dev
-          nlohmann-json3-dev libxxhash-dev libzstd-dev python3 python3-venv python3-pip)
+          nlohmann-json3-dev libxxhash-dev libzstd-dev zlib1g-dev python3 python3-venv python3-pip)
 [[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev)
 
 missing=()
@@ -22,7 +22,7 @@ fi
 if [[ ! -x .venv/bin/python ]]; then python3 -m venv --system-site-packages .venv; fi
 PY=.venv/bin/python
 want=(numpy)
-[[ "${1:-}" == "--test" ]] && want+=(torch zstandard pytest pytest-timeout)
+[[ "${1:-}" == "--test" ]] && want+=(torch zstandard pytest pytest-timeout deepspeed)
 need=()
 for m in "${want[@]}"; do
   mod=${m//-/_}

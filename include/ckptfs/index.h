@@ -8,6 +8,7 @@
 //   'f' u32     -> SourceFile          't' u32  -> TensorRecord
 //   'g' u32 u32 -> Fragment (tensor id, ordinal): a tensor's fragments are one
 //                  prefix scan.
+//   'x' u32     -> ExportFile (synthesized files: universal/ archives)
 // A build writes to "<dir>.tmp.<pid>" and renames it into place, so a reader
 // never sees a half-written index. Open() refuses an index whose schema
 // version differs or whose source fingerprint (path, size, mtime, inode of
@@ -29,7 +30,7 @@ namespace ckptfs {
 
 class Index {
  public:
-  static constexpr uint32_t kSchemaVersion = 1;
+  static constexpr uint32_t kSchemaVersion = 2;
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);
@@ -45,6 +46,7 @@ class Index {
   const CheckpointInfo& info() const { return info_; }
   const std::vector<SourceFile>& files() const { return files_; }
   const std::vector<TensorRecord>& tensors() const { return tensors_; }
+  const std::vector<ExportFile>& exports() const { return exports_; }
   uint64_t num_fragments() const { return num_fragments_; }
   // All fragments of one tensor, in ordinal order: one prefix scan.
   Result<std::vector<Fragment>> Fragments(TensorId id) const;
@@ -57,6 +59,7 @@ class Index {
   CheckpointInfo info_;
   std::vector<SourceFile> files_;
   std::vector<TensorRecord> tensors_;
+  std::vector<ExportFile> exports_;
   uint64_t num_fragments_ = 0;
 };
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ckptfs/common.h"
+#include "ckptfs/geometry.h"
 #include "ckptfs/index.h"
 #include "ckptfs/model.h"
 
@@ -55,12 +56,6 @@ enum class EngineKind : uint8_t { kAuto, kUring, kPread };
 Status ConvertRun(const char* src, DType src_dtype, int64_t src_stride, char* dst, DType dst_dtype, uint64_t n);
 bool CanConvert(DType from, DType to);
 
-// Splits the flat element range [begin, end) of a row-major tensor of `shape`
-// into at most 2*rank disjoint boxes (offsets, lengths).
-struct Box {
-  std::vector<int64_t> offsets, lengths;
-};
-std::vector<Box> DecomposeRange(const std::vector<int64_t>& shape, uint64_t begin, uint64_t end);
 
 class TensorReader {
  public:
@@ -71,6 +66,9 @@ class TensorReader {
   Status Read(TensorId id, DType out, uint64_t offset, uint64_t len, char* dst);
   // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.
   Result<uint64_t> Xxh3Raw(TensorId id);
+  // CRC-32 (zlib polynomial) of the tensor rendered as `out` (kBytes: its
+  // bytes); cached. Zip archives the views synthesize carry it.
+  Result<uint32_t> Crc32(TensorId id, DType out);
   // The tensor's source files still match the index (stat by path: catches
   // replaced files too). Called on open.
   Status CheckFresh(TensorId id);
@@ -95,6 +93,7 @@ class TensorReader {
   uint64_t item_cache_bytes_ = 0;
   std::mutex hash_mu_;
   std::unordered_map<uint32_t, uint64_t> hash_cache_;
+  std::unordered_map<uint64_t, uint32_t> crc_cache_;  // (id << 8 | out dtype), under hash_mu_
 };
 
 }  // namespace ckptfs

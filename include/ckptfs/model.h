@@ -40,12 +40,16 @@ enum class DType : uint8_t {
 size_t DTypeSize(DType d);
 std::string_view DTypeName(DType d);          // torch spelling: "float32", "bfloat16"
 DType DTypeFromTorchName(std::string_view n);  // "float32" / "FloatStorage" ...
+// torch's typed-storage class ("FloatStorage"); empty when there is none.
+std::string_view StorageClassName(DType d);
 // numpy descr for .npy headers ("<f4"); empty when numpy has no such dtype.
 std::string_view NumpyDescr(DType d);
 // The dtype a .npy view uses: bf16 and fp8 widen to float32, others keep theirs.
 DType NpyDType(DType d);
 
-enum class Role : uint8_t { kParam = 0, kOptimState = 1, kOther = 2 };
+// kHidden: reachable only through an ExportFile (e.g. a verbatim copy of a
+// source file inside universal/), never listed under params/ or other/.
+enum class Role : uint8_t { kParam = 0, kOptimState = 1, kOther = 2, kHidden = 3 };
 enum class Encoding : uint8_t {
   kTensor = 0,  // fragments are N-d boxes of elements
   kBytes = 1,   // one fragment: an opaque byte range served verbatim
@@ -107,12 +111,33 @@ struct CheckpointInfo {
   std::vector<std::string> problems;  // checkpoint-level findings
 };
 
+// A synthesized file of the tree (e.g. universal/zero/<p>/fp32.pt), laid out
+// by a family reader from metadata: literal bytes (archive headers, pickles)
+// interleaved with tensors' elements and checksums computed at read time.
+enum class PartKind : uint8_t {
+  kLiteral = 0,
+  kTensor = 1,  // tensor `tensor` in C order as `out_dtype` (kBytes: verbatim)
+  kCrc32 = 2,   // 4 bytes LE: CRC-32 (zlib) of that same rendering
+};
+struct ExportPart {
+  PartKind kind = PartKind::kLiteral;
+  std::string literal;  // kLiteral
+  uint32_t tensor = 0;  // kTensor, kCrc32: index into Checkpoint::tensors
+  DType out_dtype = DType::kInvalid;
+  uint64_t size = 0;  // bytes this part occupies in the file
+};
+struct ExportFile {
+  std::string path;  // relative to the mount root, '/'-separated
+  std::vector<ExportPart> parts;
+};
+
 // What a family reader produces from metadata alone.
 struct Checkpoint {
   CheckpointInfo info;
   std::vector<SourceFile> files;
   std::vector<TensorRecord> tensors;
   std::vector<std::vector<Fragment>> fragments;  // parallel to tensors
+  std::vector<ExportFile> exports;
 };
 
 }  // namespace ckptfs

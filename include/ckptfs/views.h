@@ -11,7 +11,8 @@
 // first use and then fixed.
 //
 // Tree:  README.txt, checkpoint.json, params/<fqn>/{param,<state>}.{npy,raw},
-//        params/<fqn>/info.json, other/<key>[.npy|.raw].
+//        params/<fqn>/info.json, other/<key>[.npy|.raw], and the family
+//        reader's synthesized files (ExportFile: universal/, latest_universal).
 #ifndef CKPTFS_VIEWS_H_
 #define CKPTFS_VIEWS_H_
 
@@ -28,14 +29,14 @@
 
 namespace ckptfs {
 
-enum class SegmentKind : uint8_t { kLiteral, kTensor, kHash };
+enum class SegmentKind : uint8_t { kLiteral, kTensor, kHash, kCrc32 };
 
 struct Segment {
   SegmentKind kind = SegmentKind::kLiteral;
   uint64_t size = 0;
   std::string literal;          // kLiteral
-  TensorId tensor;              // kTensor, kHash
-  DType out_dtype = DType::kInvalid;  // kTensor: element type written
+  TensorId tensor;              // kTensor, kHash, kCrc32
+  DType out_dtype = DType::kInvalid;  // kTensor, kCrc32: element type written
 };
 
 struct FileLayout {
@@ -83,6 +84,7 @@ class View {
   uint64_t AddDir(uint64_t parent, const std::string& name);
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor, bool lazy);
   Status MakeInfoJson(Node& n) const;
+  Status AddExport(uint64_t root, const ExportFile& x);
 
   const Index& index_;
   std::vector<std::unique_ptr<Node>> nodes_;  // ino - 1

@@ -68,6 +68,11 @@ DType DTypeFromTorchName(std::string_view n) {
   return DType::kInvalid;
 }
 
+std::string_view StorageClassName(DType d) {
+  const DTypeInfo* i = Find(d);
+  return i ? i->storage_class : "";
+}
+
 std::string_view NumpyDescr(DType d) {
   const DTypeInfo* i = Find(d);
   return i ? i->numpy : "";

@@ -1,12 +1,15 @@
 #include "ckptfs/formats.h"
 #include "formats/dcp/dcp_reader.h"
+#include "formats/deepspeed/ds_reader.h"
 
 namespace ckptfs {
 
 Result<Checkpoint> ReadCheckpoint(const std::string& dir) {
   if (formats::LooksLikeDcp(dir)) return formats::ReadDcp(dir);
+  if (formats::LooksLikeDeepSpeed(dir)) return formats::ReadDeepSpeed(dir);
   return Unsupported("cannot detect a checkpoint in " + dir +
-                     ": no .metadata (PyTorch DCP) found; an incomplete DCP save leaves only .metadata.tmp");
+                     ": no .metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp) and no "
+                     "latest / mp_rank_XX_model_states.pt (DeepSpeed)");
 }
 
 }  // namespace ckptfs

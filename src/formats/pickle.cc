@@ -586,6 +586,7 @@ Result<PyRef> Vm::Run() {
         } else {
           o = Make(PyKind::kObject);
           o->callable = cls;
+          o->newobj = true;
           for (const auto& x : args->items) RETURN_IF_ERROR(Adopt(o, x));
           o->args = args->items;
         }

@@ -65,6 +65,7 @@ struct PyValue {
   std::vector<PyRef> args;                    // object: call arguments
   PyRef callable;      // object: the class / function
   PyRef state;         // object: BUILD state
+  bool newobj = false; // object: made by NEWOBJ (cls.__new__) rather than REDUCE
   // storage
   DType storage_dtype = DType::kInvalid;
   bool untyped = false;  // UntypedStorage: numel counts bytes

@@ -89,6 +89,17 @@ Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char
         case SegmentKind::kTensor:
           st = reader_->Read(s.tensor, s.out_dtype, in, n, dst);
           break;
+        case SegmentKind::kCrc32: {
+          auto c = reader_->Crc32(s.tensor, s.out_dtype);
+          if (!c.ok()) {
+            st = c.status();
+          } else {
+            char le[4];
+            StoreLE<uint32_t>(le, *c);
+            std::memcpy(dst, le + in, n);
+          }
+          break;
+        }
         case SegmentKind::kHash: {
           auto h = reader_->Xxh3Raw(s.tensor);
           if (!h.ok()) {

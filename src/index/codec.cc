@@ -105,7 +105,7 @@ std::string EncodeTensor(const TensorRecord& t) {
 Result<TensorRecord> DecodeTensor(std::string_view s) {
   Reader r(s);
   TensorRecord t;
-  if (!r.Str(&t.key) || !Enum(r, &t.role, 2) || !r.Str(&t.fqn) || !r.Str(&t.state) || !Enum(r, &t.encoding, 1) ||
+  if (!r.Str(&t.key) || !Enum(r, &t.role, 3) || !r.Str(&t.fqn) || !r.Str(&t.state) || !Enum(r, &t.encoding, 1) ||
       !Enum(r, &t.dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Ints(&t.shape) || !r.Num(&t.byte_size) ||
       !r.Num(&t.num_fragments) || !r.Str(&t.error) || !r.Done()) {
     return Corrupt("tensor");
@@ -165,6 +165,36 @@ Result<CheckpointInfo> DecodeInfo(std::string_view s) {
   }
   if (!r.Done()) return Corrupt("checkpoint info");
   return i;
+}
+
+std::string EncodeExport(const ExportFile& x) {
+  Writer w;
+  w.Str(x.path);
+  w.Num<uint32_t>(static_cast<uint32_t>(x.parts.size()));
+  for (const ExportPart& p : x.parts) {
+    w.Num(static_cast<uint8_t>(p.kind));
+    w.Str(p.literal);
+    w.Num(p.tensor);
+    w.Num(static_cast<uint8_t>(p.out_dtype));
+    w.Num(p.size);
+  }
+  return w.Take();
+}
+
+Result<ExportFile> DecodeExport(std::string_view s) {
+  Reader r(s);
+  ExportFile x;
+  uint32_t n;
+  if (!r.Str(&x.path) || !r.Num(&n) || n > s.size()) return Corrupt("export");
+  x.parts.resize(n);
+  for (ExportPart& p : x.parts) {
+    if (!Enum(r, &p.kind, 2) || !r.Str(&p.literal) || !r.Num(&p.tensor) ||
+        !Enum(r, &p.out_dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Num(&p.size)) {
+      return Corrupt("export");
+    }
+  }
+  if (!r.Done()) return Corrupt("export");
+  return x;
 }
 
 std::string KeyU32(char tag, uint32_t a) {

@@ -17,10 +17,12 @@ std::string EncodeFile(const SourceFile& f);
 std::string EncodeTensor(const TensorRecord& t);
 std::string EncodeFragment(const Fragment& f);
 std::string EncodeInfo(const CheckpointInfo& i);
+std::string EncodeExport(const ExportFile& x);
 Result<SourceFile> DecodeFile(std::string_view s);
 Result<TensorRecord> DecodeTensor(std::string_view s);
 Result<Fragment> DecodeFragment(std::string_view s);
 Result<CheckpointInfo> DecodeInfo(std::string_view s);
+Result<ExportFile> DecodeExport(std::string_view s);
 
 // Big-endian u32, so RocksDB's bytewise order equals numeric order.
 std::string KeyU32(char tag, uint32_t a);

@@ -103,6 +103,15 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
                   index::EncodeFragment(ck.fragments[i][j]));
       }
     }
+    for (size_t i = 0; i < ck.exports.size(); ++i) {
+      for (const ExportPart& part : ck.exports[i].parts) {
+        if (part.kind != PartKind::kLiteral && part.tensor >= ck.tensors.size()) {
+          fs::remove_all(tmp, ec);
+          return Invalid("cannot build index: export " + ck.exports[i].path + " names an unknown tensor");
+        }
+      }
+      batch.Put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
+    }
     rocksdb::WriteOptions wo;
     wo.sync = true;
     RETURN_IF_ERROR(FromRocks(db->Write(wo, &batch), "write", tmp));
@@ -151,6 +160,15 @@ Result<std::unique_ptr<Index>> Index::Open(const std::string& dir, const std::st
     ASSIGN_OR_RETURN(TensorRecord t, index::DecodeTensor(std::string_view(it->value().data(), it->value().size())));
     ix->num_fragments_ += t.num_fragments;
     ix->tensors_.push_back(std::move(t));
+  }
+  for (it->Seek("x"); it->Valid() && it->key().starts_with("x"); it->Next()) {
+    ASSIGN_OR_RETURN(ExportFile x, index::DecodeExport(std::string_view(it->value().data(), it->value().size())));
+    for (const ExportPart& part : x.parts) {
+      if (part.kind != PartKind::kLiteral && part.tensor >= ix->tensors_.size()) {
+        return Invalid("cannot read index " + dir + ": export " + x.path + " names an unknown tensor");
+      }
+    }
+    ix->exports_.push_back(std::move(x));
   }
   RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir));
   RETURN_IF_ERROR(CheckFingerprint(src_dir, ix->files_));

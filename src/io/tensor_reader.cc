@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <set>
@@ -339,6 +340,29 @@ Result<uint64_t> TensorReader::Xxh3Raw(TensorId id) {
   std::lock_guard<std::mutex> lock(hash_mu_);
   hash_cache_[id.v] = h;
   return h;
+}
+
+Result<uint32_t> TensorReader::Crc32(TensorId id, DType out) {
+  if (id.v >= index_.tensors().size()) return NotFound("no tensor " + std::to_string(id.v));
+  const uint64_t key = (uint64_t{id.v} << 8) | static_cast<uint8_t>(out);
+  {
+    std::lock_guard<std::mutex> lock(hash_mu_);
+    auto it = crc_cache_.find(key);
+    if (it != crc_cache_.end()) return it->second;
+  }
+  const TensorRecord& t = index_.tensors()[id.v];
+  const uint64_t size = t.encoding == Encoding::kBytes ? t.byte_size : t.Numel() * DTypeSize(out);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  std::string buf;
+  for (uint64_t off = 0; off < size; off += kHashChunk) {
+    uint64_t n = std::min(kHashChunk, size - off);
+    buf.resize(n);
+    RETURN_IF_ERROR(Read(id, out, off, n, buf.data()));
+    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(buf.data()), n);
+  }
+  std::lock_guard<std::mutex> lock(hash_mu_);
+  crc_cache_[key] = static_cast<uint32_t>(crc);
+  return static_cast<uint32_t>(crc);
 }
 
 }  // namespace ckptfs

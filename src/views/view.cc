@@ -51,7 +51,12 @@ std::string ReadmeText(const Index& ix) {
          "  params/<fqn>/*.raw         the same tensors as exact source bytes, C order, no header\n"
          "  params/<fqn>/info.json     dtype, shape, source fragments, xxh3-64 of the raw bytes\n"
          "  other/<key>                every other entry: torch.save blobs as stored\n"
-         "                             (torch.load them), other tensors as .npy/.raw\n\n"
+         "                             (torch.load them), other tensors as .npy/.raw\n" +
+         std::string(ix.exports().empty() ? "" :
+         "  universal/                 DeepSpeed universal checkpoint (ds_to_universal.py's tree),\n"
+         "                             torch.save archives generated on read; point DeepSpeed's\n"
+         "                             load_checkpoint(<mount>) with checkpoint.load_universal at it\n") +
+         "\n"
          ".npy files hold numpy dtypes: bfloat16 and float8 are widened to float32 (exactly);\n"
          "the .raw twin keeps the source dtype. A file whose source is damaged or changed\n"
          "returns EIO (or ESTALE) and the daemon log says why; everything else keeps working.\n"
@@ -133,6 +138,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index) {
     TensorId id{i};
     total_bytes += t.byte_size;
     if (!t.error.empty()) broken.push_back({{"key", t.key}, {"error", t.error}});
+    if (t.role == Role::kHidden) continue;
     if (t.encoding == Encoding::kBytes) {
       FileLayout l;
       l.Add(TensorSeg(id, t, DType::kU8));
@@ -169,6 +175,8 @@ Result<std::unique_ptr<View>> View::Build(const Index& index) {
     v->AddFile(dir, stem + ".raw", std::move(raw), id, false);
   }
 
+  for (const ExportFile& x : index.exports()) RETURN_IF_ERROR(v->AddExport(root, x));
+
   const CheckpointInfo& info = index.info();
   json j;
   j["family"] = info.family;
@@ -179,7 +187,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index) {
   j["counts"] = {{"tensors", tensors.size()},        {"params", n_params},
                  {"optimizer_states", n_states},     {"other", n_other},
                  {"fragments", index.num_fragments()}, {"files", index.files().size()},
-                 {"bytes", total_bytes}};
+                 {"bytes", total_bytes}, {"synthesized_files", index.exports().size()}};
   j["index"] = index.dir();
   j["broken"] = broken;
   json problems = json::array();
@@ -190,6 +198,48 @@ Result<std::unique_ptr<View>> View::Build(const Index& index) {
   l.Add(Literal(j.dump(2) + "\n"));
   v->nodes_[ckjson - 1]->layout = std::move(l);
   return v;
+}
+
+Status View::AddExport(uint64_t root, const ExportFile& x) {
+  uint64_t dir = root;
+  size_t pos = 0;
+  while (true) {
+    size_t slash = x.path.find('/', pos);
+    if (slash == std::string::npos) break;
+    dir = AddDir(dir, x.path.substr(pos, slash - pos));
+    pos = slash + 1;
+  }
+  FileLayout l;
+  TensorId first{};
+  bool have = false;
+  for (const ExportPart& p : x.parts) {
+    Segment seg;
+    switch (p.kind) {
+      case PartKind::kLiteral:
+        seg = Literal(p.literal);
+        break;
+      case PartKind::kTensor:
+        seg = TensorSeg(TensorId{p.tensor}, index_.tensors()[p.tensor], p.out_dtype);
+        break;
+      case PartKind::kCrc32:
+        seg.kind = SegmentKind::kCrc32;
+        seg.tensor = TensorId{p.tensor};
+        seg.out_dtype = p.out_dtype;
+        seg.size = 4;
+        break;
+    }
+    if (seg.size != p.size) {
+      return Invalid("cannot build the view: " + x.path + " has a part of " + std::to_string(p.size) +
+                     " bytes whose content is " + std::to_string(seg.size));
+    }
+    if (p.kind != PartKind::kLiteral && !have) {
+      first = TensorId{p.tensor};
+      have = true;
+    }
+    l.Add(std::move(seg));
+  }
+  AddFile(dir, x.path.substr(pos), std::move(l), first, false);
+  return Status::Ok();
 }
 
 const Node* View::Get(uint64_t ino) const {

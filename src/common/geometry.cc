@@ -1,4 +1,4 @@
-#include "ckptfs/io.h"
+#include "ckptfs/geometry.h"
 
 namespace ckptfs {
 namespace {

@@ -1,0 +1,1280 @@
+#include "formats/deepspeed/ds_reader.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <set>
+
+#include "ckptfs/geometry.h"
+#include "formats/byte_reader.h"
+#include "formats/pickle.h"
+#include "formats/pickle_writer.h"
+#include "formats/torch_save.h"
+#include "formats/torch_save_writer.h"
+
+namespace ckptfs::formats {
+namespace {
+
+namespace fs = std::filesystem;
+
+const PickleOptions& DsPickleOptions() {
+  static const PickleOptions o{{"deepspeed"}};
+  return o;
+}
+
+const std::regex& ModelRe() {
+  static const std::regex r(R"(^mp_rank_(\d+)_model_states\.pt$)");
+  return r;
+}
+const std::regex& Zero3ModelRe() {
+  static const std::regex r(R"(^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$)");
+  return r;
+}
+const std::regex& OptimRe() {
+  static const std::regex r(R"(^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$)");
+  return r;
+}
+
+std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> s(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
+  return s;
+}
+
+int64_t NumelOf(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t x : shape) n *= x;
+  return n;
+}
+
+std::string ShapeStr(const std::vector<int64_t>& s) {
+  std::string o = "[";
+  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+  return o + "]";
+}
+
+// A tensor inside one source archive: where its elements lie.
+struct Loc {
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape, strides;
+  uint64_t data_offset = 0, data_length = 0;  // absolute in the file
+  int64_t Numel() const { return NumelOf(shape); }
+  bool Contiguous() const { return strides == ContiguousStrides(shape); }
+};
+
+// One opened .pt of the checkpoint.
+struct Source {
+  FileId file;
+  std::string rel;
+  int fd = -1;
+  std::unique_ptr<FileSliceReader> reader;
+  TorchSaveArchive archive;
+  std::string error;  // non-empty: unusable, and why
+  const PyValue* root() const { return archive.root.get(); }
+  ~Source() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+struct Files {
+  std::string dir;
+  Checkpoint* ck = nullptr;
+
+  // Registers, stats and parses `rel` (an absent file is recorded as missing).
+  std::unique_ptr<Source> Open(const std::string& rel, bool parse = true) {
+    auto s = std::make_unique<Source>();
+    s->rel = rel;
+    s->file = FileId{static_cast<uint32_t>(ck->files.size())};
+    ck->files.push_back(SourceFile{rel, 0, 0, 0});
+    SourceFile& f = ck->files.back();
+    std::string path = dir + "/" + rel;
+    s->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    struct stat st{};
+    if (s->fd < 0 || ::fstat(s->fd, &st) != 0) {
+      s->error = ErrnoStatus("open", path, errno).message();
+      f.mtime_ns = -1;
+      return s;
+    }
+    f.size = static_cast<uint64_t>(st.st_size);
+    f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    f.inode = st.st_ino;
+    if (!parse) return s;
+    s->reader = std::make_unique<FileSliceReader>(s->fd, 0, f.size, rel);
+    auto a = ReadTorchSave(*s->reader, DsPickleOptions());
+    if (!a.ok()) {
+      s->error = "cannot parse " + rel + ": " + a.status().message();
+    } else {
+      s->archive = std::move(a).value();
+    }
+    return s;
+  }
+};
+
+Result<Loc> Resolve(const Source& s, const PyValue* v, const std::string& what) {
+  if (v == nullptr || v->kind != PyKind::kTensor) return Invalid(s.rel + ": " + what + " is not a tensor");
+  ASSIGN_OR_RETURN(ResolvedTensor rt, ResolveTensor(*s.reader, s.archive, v->tensor));
+  Loc l;
+  l.dtype = v->tensor.dtype;
+  l.shape = v->tensor.shape;
+  l.strides = v->tensor.strides;
+  l.data_offset = rt.data_offset;
+  l.data_length = rt.data_length;
+  return l;
+}
+
+// param_shapes: a list (one per group) of OrderedDict name -> torch.Size.
+using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+Result<std::vector<Shapes>> ParamShapes(const Source& s, const PyValue* v) {
+  std::vector<Shapes> out;
+  if (v == nullptr || v->kind == PyKind::kNone) return out;
+  if (v->kind == PyKind::kDict) {  // older DeepSpeed: one dict for all
+    out.emplace_back();
+    for (const auto& [k, x] : v->dict) {
+      if (!k->IsStr()) return Invalid(s.rel + ": param_shapes has a non-string name");
+      ASSIGN_OR_RETURN(auto shape, AsIntVector(x, "param_shapes[" + k->s + "]"));
+      out.back().emplace_back(k->s, std::move(shape));
+    }
+    return out;
+  }
+  if (!v->IsSeq()) return Invalid(s.rel + ": param_shapes is not a list");
+  for (PyRef g : v->items) {
+    if (g->kind != PyKind::kDict) return Invalid(s.rel + ": a param_shapes group is not a dict");
+    out.emplace_back();
+    for (const auto& [k, x] : g->dict) {
+      if (!k->IsStr()) return Invalid(s.rel + ": param_shapes has a non-string name");
+      ASSIGN_OR_RETURN(auto shape, AsIntVector(x, "param_shapes[" + k->s + "]"));
+      out.back().emplace_back(k->s, std::move(shape));
+    }
+  }
+  return out;
+}
+
+std::vector<std::string> StrList(const PyValue* v) {
+  std::vector<std::string> out;
+  if (v == nullptr || !v->IsSeq()) return out;
+  for (PyRef x : v->items) {
+    if (x->IsStr()) out.push_back(x->s);
+  }
+  return out;
+}
+
+// Python's re.match: anchored at the start only.
+bool ReMatch(const std::string& pattern, const std::string& name) {
+  try {
+    return std::regex_search(name, std::regex(pattern), std::regex_constants::match_continuous);
+  } catch (const std::regex_error&) {
+    return false;
+  }
+}
+
+struct ModelStates {
+  std::unique_ptr<Source> src;
+  std::vector<Shapes> groups;
+  std::vector<std::pair<std::string, const PyValue*>> module;  // state_dict entries, in order
+  std::set<std::string> buffers;
+  const PyValue* uci = nullptr;
+  std::string error;
+};
+
+struct OptimGroup {
+  std::optional<Loc> fp32, exp_avg, exp_avg_sq, step;
+  const PyValue* step_value = nullptr;  // a Python number (older torch)
+  int64_t recorded_pad = -1;
+  int64_t partition_count = -1;
+  const PyValue* mapping = nullptr;  // OrderedDict name -> fragment_address
+  std::vector<int64_t> align;        // per-parameter alignment gaps (param_alignment_paddings)
+};
+
+struct OptimRank {
+  std::unique_ptr<Source> src;
+  int stage = 0;  // 1, 2, 3
+  bool bf16_optimizer = false;
+  std::vector<OptimGroup> groups;
+  const PyValue* osd = nullptr;  // optimizer_state_dict
+  std::string error;
+};
+
+Status ParseOptim(OptimRank& o) {
+  const Source& s = *o.src;
+  const PyValue* root = s.root();
+  const PyValue* osd = root ? root->Get("optimizer_state_dict") : nullptr;
+  if (osd == nullptr || osd->kind != PyKind::kDict) return Invalid(s.rel + ": no optimizer_state_dict");
+  o.osd = osd;
+  const PyValue* zs = osd->Get("zero_stage");
+  if (zs == nullptr) {
+    if (osd->Get("single_partition_of_fp32_groups") == nullptr) {
+      return Invalid(s.rel + ": no zero_stage and no single_partition_of_fp32_groups: not a ZeRO optimizer state");
+    }
+    o.stage = 1;
+    o.bf16_optimizer = true;  // BF16_Optimizer writes no zero_stage
+  } else {
+    const PyValue* z = zs;
+    if (z->kind == PyKind::kObject && !z->args.empty()) z = z->args[0];  // ZeroStageEnum(n)
+    ASSIGN_OR_RETURN(int64_t stage, AsInt(z, s.rel + ": zero_stage"));
+    if (stage < 1 || stage > 3) return Unsupported(s.rel + ": unknown ZeRO stage " + std::to_string(stage));
+    o.stage = static_cast<int>(stage);
+  }
+  if (o.stage <= 2) {
+    const PyValue* base = osd->Get("base_optimizer_state");
+    const PyValue* fp32 = osd->Get("single_partition_of_fp32_groups");
+    if (base == nullptr || fp32 == nullptr || !fp32->IsSeq()) {
+      return Invalid(s.rel + ": no base_optimizer_state / single_partition_of_fp32_groups");
+    }
+    const PyValue* state = base->Get("state");
+    if (state == nullptr || state->kind != PyKind::kDict) {
+      return Unsupported(s.rel + ": base_optimizer_state has no 'state' dict (legacy elastic checkpoint)");
+    }
+    const PyValue* paddings = osd->Get("group_paddings");
+    const PyValue* counts = osd->Get("partition_count");
+    const PyValue* maps = osd->Get("param_slice_mappings");
+    const PyValue* align = osd->Get("param_alignment_paddings");
+    o.groups.resize(fp32->items.size());
+    for (size_t g = 0; g < o.groups.size(); ++g) {
+      OptimGroup& og = o.groups[g];
+      const std::string gs = "group " + std::to_string(g);
+      ASSIGN_OR_RETURN(og.fp32, Resolve(s, fp32->items[g], "single_partition_of_fp32_groups[" + std::to_string(g) + "]"));
+      const PyValue* st = nullptr;
+      for (const auto& [k, v] : state->dict) {
+        if (k->kind == PyKind::kInt && k->i == static_cast<int64_t>(g)) st = v;
+      }
+      if (st != nullptr) {
+        if (const PyValue* x = st->Get("exp_avg")) {
+          ASSIGN_OR_RETURN(og.exp_avg, Resolve(s, x, gs + " exp_avg"));
+        }
+        if (const PyValue* x = st->Get("exp_avg_sq")) {
+          ASSIGN_OR_RETURN(og.exp_avg_sq, Resolve(s, x, gs + " exp_avg_sq"));
+        }
+        if (const PyValue* x = st->Get("step")) {
+          if (x->kind == PyKind::kTensor) {
+            ASSIGN_OR_RETURN(og.step, Resolve(s, x, gs + " step"));
+          } else {
+            og.step_value = x;
+          }
+        }
+      }
+      if (paddings && paddings->IsSeq() && g < paddings->items.size()) {
+        ASSIGN_OR_RETURN(og.recorded_pad, AsInt(paddings->items[g], s.rel + ": group_paddings"));
+      }
+      if (counts && counts->IsSeq() && g < counts->items.size()) {
+        ASSIGN_OR_RETURN(og.partition_count, AsInt(counts->items[g], s.rel + ": partition_count"));
+      } else if (counts && counts->kind == PyKind::kInt) {
+        og.partition_count = counts->i;
+      }
+      if (maps && maps->IsSeq() && g < maps->items.size()) og.mapping = maps->items[g];
+      if (align && align->IsSeq() && g < align->items.size()) {
+        ASSIGN_OR_RETURN(og.align, AsIntVector(align->items[g], s.rel + ": param_alignment_paddings"));
+      }
+    }
+  } else {
+    const PyValue* flat = osd->Get("fp32_flat_groups");
+    const PyValue* inner = osd->Get("optimizer_state_dict");
+    const PyValue* state = inner ? inner->Get("state") : nullptr;
+    if (flat == nullptr || !flat->IsSeq()) return Invalid(s.rel + ": ZeRO-3 state without fp32_flat_groups");
+    int64_t count = -1;
+    if (const PyValue* c = osd->Get("partition_count")) {
+      if (c->kind == PyKind::kInt) count = c->i;
+      if (c->IsSeq() && !c->items.empty()) {
+        ASSIGN_OR_RETURN(count, AsInt(c->items[0], s.rel + ": partition_count"));
+      }
+    }
+    o.groups.resize(flat->items.size());
+    for (size_t g = 0; g < o.groups.size(); ++g) {
+      OptimGroup& og = o.groups[g];
+      og.partition_count = count;
+      ASSIGN_OR_RETURN(og.fp32, Resolve(s, flat->items[g], "fp32_flat_groups[" + std::to_string(g) + "]"));
+      const PyValue* st = nullptr;
+      if (state != nullptr) {
+        for (const auto& [k, v] : state->dict) {
+          if (k->kind == PyKind::kInt && k->i == static_cast<int64_t>(g)) st = v;
+        }
+      }
+      if (st != nullptr) {
+        const std::string gs = "sub-group " + std::to_string(g);
+        if (const PyValue* x = st->Get("exp_avg")) {
+          ASSIGN_OR_RETURN(og.exp_avg, Resolve(s, x, gs + " exp_avg"));
+        }
+        if (const PyValue* x = st->Get("exp_avg_sq")) {
+          ASSIGN_OR_RETURN(og.exp_avg_sq, Resolve(s, x, gs + " exp_avg_sq"));
+        }
+        if (const PyValue* x = st->Get("step")) {
+          if (x->kind == PyKind::kTensor) {
+            ASSIGN_OR_RETURN(og.step, Resolve(s, x, gs + " step"));
+          } else {
+            og.step_value = x;
+          }
+        }
+      }
+    }
+  }
+  for (const OptimGroup& og : o.groups) {
+    for (const auto* l : {&og.fp32, &og.exp_avg, &og.exp_avg_sq}) {
+      if (l->has_value() && (!(*l)->Contiguous() || (*l)->shape.size() != 1)) {
+        return Unsupported(s.rel + ": a flat partition that is not a contiguous 1-D tensor");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status ParseModel(ModelStates& m, bool want_module) {
+  const Source& s = *m.src;
+  const PyValue* root = s.root();
+  if (root == nullptr || root->kind != PyKind::kDict) return Invalid(s.rel + ": not a dict");
+  ASSIGN_OR_RETURN(m.groups, ParamShapes(s, root->Get("param_shapes")));
+  if (want_module) {
+    const PyValue* mod = root->Get("module");
+    if (mod != nullptr && mod->kind == PyKind::kDict) {
+      for (const auto& [k, v] : mod->dict) {
+        if (k->IsStr() && v->kind == PyKind::kTensor) m.module.emplace_back(k->s, v);
+      }
+    }
+  }
+  for (const auto& b : StrList(root->Get("buffer_names"))) m.buffers.insert(b);
+  m.uci = root->Get("universal_checkpoint_info");
+  if (m.uci != nullptr && m.uci->kind != PyKind::kDict) m.uci = nullptr;
+  return Status::Ok();
+}
+
+// How TP slices of a parameter merge into the global tensor (ds_to_universal's
+// merge_tp_slices).
+enum class Merge { kCat, kReplicated, kSub2, kAverage, kSubParams };
+struct Rule {
+  Merge kind = Merge::kCat;
+  int cat_dim = 0;
+  bool vocab = false;
+};
+
+struct Patterns {
+  std::vector<std::string> replicated, average, row, vocab, sub2, sub_params;
+  int64_t original_vocab = -1;
+  bool present = false;
+
+  explicit Patterns(const PyValue* uci) {
+    if (uci == nullptr) return;
+    present = true;
+    replicated = StrList(uci->Get("tp_replicated_parameter_patterns"));
+    average = StrList(uci->Get("parameter_to_average_patterns"));
+    row = StrList(uci->Get("parameter_with_row_parallelism_patterns"));
+    vocab = StrList(uci->Get("vocabulary_parameter_patterns"));
+    sub2 = StrList(uci->Get("parameter_with_2_sub_params_cat_dim_0"));
+    if (const PyValue* sp = uci->Get("parameter_with_sub_params"); sp && sp->IsSeq()) {
+      for (PyRef x : sp->items) {
+        for (const auto& p : StrList(x->kind == PyKind::kDict ? x->Get("patterns") : x->Attr("patterns"))) {
+          sub_params.push_back(p);
+        }
+      }
+    }
+    if (const PyValue* v = uci->Get("original_vocab_size"); v && v->kind == PyKind::kInt) original_vocab = v->i;
+  }
+  static bool Any(const std::vector<std::string>& ps, const std::string& n) {
+    return std::any_of(ps.begin(), ps.end(), [&](const std::string& p) { return ReMatch(p, n); });
+  }
+  Rule For(const std::string& name) const {
+    Rule r;
+    if (Any(replicated, name)) {
+      r.kind = Merge::kReplicated;
+    } else if (Any(average, name)) {
+      r.kind = Merge::kAverage;
+    } else if (Any(sub2, name)) {
+      r.kind = Merge::kSub2;
+    } else if (Any(sub_params, name)) {
+      r.kind = Merge::kSubParams;
+    } else {
+      r.cat_dim = Any(row, name) ? 1 : 0;
+    }
+    r.vocab = Any(vocab, name);
+    return r;
+  }
+};
+
+// One piece of a TP-local parameter held by one DP rank: the flat range
+// [start, start+numel) of the TP-local tensor, at element `at` of the rank's
+// flat partition of group `group`.
+struct Piece {
+  int dp = 0;
+  int64_t start = 0, numel = 0, at = 0;
+};
+
+struct LocalParam {
+  bool present = false;
+  int group = -1;
+  std::vector<int64_t> shape;
+  std::vector<Piece> pieces;
+};
+
+struct Param {
+  std::string name;
+  std::vector<LocalParam> tp;  // per TP rank
+  std::string error;           // geometry contradiction
+};
+
+// Maps a box of TP rank t's local tensor to boxes of the global tensor; each
+// result carries the local offsets of its first element.
+struct Placed {
+  Box global;
+  std::vector<int64_t> local_offsets;
+};
+
+class Merger {
+ public:
+  Merger(Rule rule, std::vector<std::vector<int64_t>> local_shapes, int64_t vocab_rows)
+      : rule_(rule), local_(std::move(local_shapes)), vocab_rows_(vocab_rows) {}
+
+  Result<std::vector<int64_t>> GlobalShape() const {
+    const auto& l0 = local_[0];
+    if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
+      if (rule_.kind == Merge::kCat && l0.size() <= static_cast<size_t>(rule_.cat_dim)) {
+        return Invalid("a tensor of shape " + ShapeStr(l0) + " cannot be concatenated on dim " +
+                       std::to_string(rule_.cat_dim));
+      }
+      return Clip(l0);
+    }
+    const size_t dim = rule_.kind == Merge::kSub2 ? 0 : static_cast<size_t>(rule_.cat_dim);
+    if (l0.size() <= dim) {
+      return Invalid("a tensor of shape " + ShapeStr(l0) + " cannot be concatenated on dim " + std::to_string(dim));
+    }
+    std::vector<int64_t> g = l0;
+    g[dim] = 0;
+    for (const auto& l : local_) {
+      if (l.size() != l0.size()) return Invalid("TP slices have different ranks");
+      for (size_t d = 0; d < l.size(); ++d) {
+        if (d != dim && l[d] != l0[d]) return Invalid("TP slices " + ShapeStr(l0) + " and " + ShapeStr(l) + " differ");
+      }
+      if (l[dim] != l0[dim]) return Unsupported("uneven TP slices along the merge dimension");
+      if (rule_.kind == Merge::kSub2 && l[0] % 2 != 0) return Invalid("a two-sub-parameter slice has odd rows");
+      g[dim] += l[dim];
+    }
+    return Clip(g);
+  }
+
+  std::vector<Placed> Place(int t, const Box& b) const {
+    std::vector<Placed> out;
+    auto emit = [&](Box g, std::vector<int64_t> local) {
+      if (rule_.vocab && !g.offsets.empty()) {
+        int64_t lo = g.offsets[0], hi = g.offsets[0] + g.lengths[0];
+        hi = std::min(hi, vocab_rows_ < 0 ? hi : vocab_rows_);
+        if (lo >= hi) return;
+        g.lengths[0] = hi - lo;
+      }
+      out.push_back(Placed{std::move(g), std::move(local)});
+    };
+    if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
+      emit(b, b.offsets);
+      return out;
+    }
+    if (rule_.kind == Merge::kSub2) {
+      const int64_t h = local_[t][0] / 2, total_h = h * static_cast<int64_t>(local_.size());
+      const int64_t lo = b.offsets[0], hi = b.offsets[0] + b.lengths[0];
+      for (int half = 0; half < 2; ++half) {
+        int64_t a = std::max(lo, half * h), z = std::min(hi, (half + 1) * h);
+        if (a >= z) continue;
+        Box g = b;
+        g.offsets[0] = half * total_h + t * h + (a - half * h);
+        g.lengths[0] = z - a;
+        std::vector<int64_t> local = b.offsets;
+        local[0] = a;
+        emit(std::move(g), std::move(local));
+      }
+      return out;
+    }
+    Box g = b;
+    g.offsets[rule_.cat_dim] += t * local_[t][rule_.cat_dim];
+    emit(std::move(g), b.offsets);
+    return out;
+  }
+
+  bool UsesRank(int t) const { return t == 0 || (rule_.kind != Merge::kReplicated); }
+
+ private:
+  std::vector<int64_t> Clip(std::vector<int64_t> g) const {
+    if (rule_.vocab && !g.empty() && vocab_rows_ >= 0) g[0] = std::min(g[0], vocab_rows_);
+    return g;
+  }
+  Rule rule_;
+  std::vector<std::vector<int64_t>> local_;
+  int64_t vocab_rows_;
+};
+
+int64_t FlatIndex(const std::vector<int64_t>& idx, const std::vector<int64_t>& strides) {
+  int64_t f = 0;
+  for (size_t d = 0; d < idx.size(); ++d) f += idx[d] * strides[d];
+  return f;
+}
+
+// Fragments of one box-mapped source: the TP-local tensor of rank t whose
+// flat range [start, start+numel) sits at byte `base` (element `start`).
+void AddRangeFragments(const Merger& m, int t, const std::vector<int64_t>& local_shape, int64_t start, int64_t numel,
+                       FileId file, DType dt, uint64_t base, std::vector<Fragment>& out) {
+  const auto strides = ContiguousStrides(local_shape);
+  const uint64_t isz = DTypeSize(dt);
+  for (const Box& b : DecomposeRange(local_shape, static_cast<uint64_t>(start), static_cast<uint64_t>(start + numel))) {
+    for (Placed& p : m.Place(t, b)) {
+      Fragment f;
+      f.file = file;
+      f.dtype = dt;
+      f.strides = strides;
+      const int64_t first = FlatIndex(p.local_offsets, strides);
+      int64_t last = first;
+      for (size_t d = 0; d < p.global.lengths.size(); ++d) last += (p.global.lengths[d] - 1) * strides[d];
+      f.data_offset = base + static_cast<uint64_t>(first - start) * isz;
+      f.data_length = static_cast<uint64_t>(last - first + 1) * isz;
+      f.offsets = std::move(p.global.offsets);
+      f.lengths = std::move(p.global.lengths);
+      out.push_back(std::move(f));
+    }
+  }
+}
+
+struct Reader {
+  std::string dir, prefix;
+  Checkpoint ck;
+  Files files;
+  std::vector<ModelStates> models;                 // per TP rank
+  std::vector<std::vector<OptimRank>> optim;       // [dp][tp]
+  int tp = 0, dp = 0, stage = 0;
+  bool bf16_optimizer = false;
+  std::vector<Param> params;                       // flat-group order of TP rank 0
+  std::map<std::string, size_t> param_index;
+  std::vector<std::string> problems;
+
+  Status Run();
+  Status Discover();
+  void Geometry();
+  void Geometry12(int t);
+  void Geometry3(int t);
+  Status Emit();
+  uint32_t AddTensor(TensorRecord t, std::vector<Fragment> frags);
+  void ExportState(const std::string& name, const std::string& state, uint32_t tensor, const Rule& rule, bool dict);
+  Status ExportOptimizerState();
+  void ExportCopies();
+};
+
+uint32_t Reader::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
+  t.num_fragments = static_cast<uint32_t>(frags.size());
+  if (t.encoding == Encoding::kTensor) t.byte_size = t.Numel() * DTypeSize(t.dtype);
+  ck.tensors.push_back(std::move(t));
+  ck.fragments.push_back(std::move(frags));
+  return static_cast<uint32_t>(ck.tensors.size() - 1);
+}
+
+Status Reader::Discover() {
+  std::error_code ec;
+  std::string latest = dir + "/latest";
+  if (fs::is_regular_file(latest, ec)) {
+    ASSIGN_OR_RETURN(std::string tag, ReadWholeFile(latest, 4096));
+    while (!tag.empty() && std::isspace(static_cast<unsigned char>(tag.back()))) tag.pop_back();
+    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir + "/" + tag, ec)) {
+      return Invalid("cannot parse " + latest + ": names '" + tag + "', which is not a directory here");
+    }
+    prefix = tag + "/";
+  }
+  std::map<int, std::string> model_files;
+  std::map<std::pair<int, int>, std::string> z3_models, optim_files;
+  std::string opt_prefix;
+  for (const auto& e : fs::directory_iterator(dir + "/" + prefix, ec)) {
+    std::string n = e.path().filename().string();
+    std::smatch m;
+    if (std::regex_match(n, m, ModelRe())) {
+      model_files[std::stoi(m[1])] = n;
+    } else if (std::regex_match(n, m, Zero3ModelRe())) {
+      z3_models[{std::stoi(m[1]), std::stoi(m[2])}] = n;
+    } else if (std::regex_match(n, m, OptimRe())) {
+      optim_files[{std::stoi(m[2]), std::stoi(m[3])}] = n;
+      opt_prefix = m[1];
+    } else if (n.starts_with("layer_") && n.ends_with("model_states.pt")) {
+      problems.push_back("pipeline layer file " + prefix + n +
+                         " is not read (PipelineEngine layer files are not supported yet): its weights have no param view");
+    } else if (n.starts_with("expp_rank_")) {
+      problems.push_back("MoE expert optimizer file " + prefix + n + " is not read (MoE is not supported yet)");
+    }
+  }
+  if (ec) return ErrnoStatus("list", dir + "/" + prefix, ec.value());
+  if (model_files.empty() && z3_models.empty()) {
+    return Invalid("cannot parse " + dir + "/" + prefix + ": no mp_rank_XX_model_states.pt (not a DeepSpeed checkpoint tag directory)");
+  }
+  files.dir = dir;
+  files.ck = &ck;
+  // TP ranks: the model-states files (stage 3: those of DP rank 0).
+  std::set<int> mps;
+  for (const auto& [mp, n] : model_files) mps.insert(mp);
+  for (const auto& [k, n] : z3_models) mps.insert(k.second);
+  tp = mps.empty() ? 0 : *mps.rbegin() + 1;
+  std::set<int> dps;
+  for (const auto& [k, n] : optim_files) dps.insert(k.first);
+  for (const auto& [k, n] : z3_models) dps.insert(k.first);
+  dp = dps.empty() ? 0 : *dps.rbegin() + 1;
+  models.resize(tp);
+  for (int t = 0; t < tp; ++t) {
+    std::string n;
+    if (auto it = model_files.find(t); it != model_files.end()) {
+      n = it->second;
+    } else if (auto it3 = z3_models.find({0, t}); it3 != z3_models.end()) {
+      n = it3->second;
+    } else {
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "mp_rank_%02d_model_states.pt", t);
+      n = buf;
+    }
+    models[t].src = files.Open(prefix + n);
+    if (models[t].src->error.empty()) {
+      Status st = ParseModel(models[t], model_files.count(t) > 0);
+      if (!st.ok()) models[t].error = st.message();
+    } else {
+      models[t].error = models[t].src->error;
+    }
+    if (!models[t].error.empty() && t == 0) return Invalid(models[0].error);
+  }
+  // Stage-3 model files of other DP ranks are part of the checkpoint too.
+  for (const auto& [k, n] : z3_models) {
+    if (k.first != 0) files.Open(prefix + n, /*parse=*/false);
+  }
+  optim.resize(dp);
+  for (int d = 0; d < dp; ++d) {
+    optim[d].resize(tp);
+    for (int t = 0; t < tp; ++t) {
+      OptimRank& o = optim[d][t];
+      std::string n;
+      if (auto it = optim_files.find({d, t}); it != optim_files.end()) {
+        n = it->second;
+      } else {
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "%szero_pp_rank_%d_mp_rank_%02d_optim_states.pt", opt_prefix.c_str(), d, t);
+        n = buf;
+      }
+      o.src = files.Open(prefix + n);
+      if (!o.src->error.empty()) {
+        o.error = o.src->error;
+      } else {
+        Status st = ParseOptim(o);
+        if (!st.ok()) o.error = st.message();
+      }
+      if (!o.error.empty()) {
+        problems.push_back(o.error);
+        continue;
+      }
+      if (stage == 0) {
+        stage = o.stage;
+        bf16_optimizer = o.bf16_optimizer;
+      } else if (o.stage != stage) {
+        o.error = o.src->rel + ": ZeRO stage " + std::to_string(o.stage) + " differs from the other ranks' " +
+                  std::to_string(stage);
+        problems.push_back(o.error);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// ZeRO-1/2 and BF16_Optimizer: groups flattened in param_shapes order (with
+// optional per-parameter alignment gaps), padded to a multiple of 2*D at the
+// end only, split into D partitions of S elements.
+void Reader::Geometry12(int t) {
+  const ModelStates& m = models[t];
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    const Shapes& shapes = m.groups[g];
+    const OptimRank* any = nullptr;
+    for (int d = 0; d < dp && any == nullptr; ++d) {
+      if (optim[d][t].error.empty() && g < optim[d][t].groups.size()) any = &optim[d][t];
+    }
+    std::vector<int64_t> align = any ? any->groups[g].align : std::vector<int64_t>{};
+    if (!align.empty() && align.size() != shapes.size()) align.clear();
+    std::vector<int64_t> off(shapes.size());
+    int64_t n_total = 0;
+    for (size_t k = 0; k < shapes.size(); ++k) {
+      off[k] = n_total;
+      n_total += NumelOf(shapes[k].second) + (align.empty() ? 0 : align[k]);
+    }
+    const int64_t D = dp;
+    if (any && any->groups[g].partition_count >= 0 && any->groups[g].partition_count != D) {
+      problems.push_back(any->src->rel + ": group " + std::to_string(g) + " has partition_count " +
+                         std::to_string(any->groups[g].partition_count) + " but " + std::to_string(D) +
+                         " DP ranks were found (expert-parallel groups are not supported)");
+    }
+    const int64_t A = 2 * D;
+    const int64_t P = (n_total + A - 1) / A * A;
+    const int64_t S = P / D;
+    for (size_t k = 0; k < shapes.size(); ++k) {
+      const auto& [name, shape] = shapes[k];
+      auto [it, inserted] = param_index.emplace(name, params.size());
+      if (inserted) {
+        params.push_back(Param{name, std::vector<LocalParam>(tp), ""});
+      }
+      Param& p = params[it->second];
+      LocalParam& lp = p.tp[t];
+      lp.present = true;
+      lp.group = static_cast<int>(g);
+      lp.shape = shape;
+      const int64_t n = NumelOf(shape);
+      for (int r = 0; r < D; ++r) {
+        int64_t lo = std::max(off[k], r * S), hi = std::min(off[k] + n, (r + 1) * S);
+        if (lo < hi) lp.pieces.push_back(Piece{r, lo - off[k], hi - lo, lo - r * S});
+      }
+    }
+    // Cross-checks against what each rank recorded.
+    for (int r = 0; r < D; ++r) {
+      OptimRank& o = optim[r][t];
+      if (!o.error.empty()) continue;
+      if (g >= o.groups.size()) {
+        o.error = o.src->rel + ": has " + std::to_string(o.groups.size()) + " param groups, param_shapes of " +
+                  m.src->rel + " has " + std::to_string(m.groups.size());
+        problems.push_back(o.error);
+        continue;
+      }
+      const OptimGroup& og = o.groups[g];
+      const int64_t real = std::clamp<int64_t>(n_total - r * S, 0, S), pad = S - real;
+      if (og.recorded_pad >= 0 && og.recorded_pad != pad) {
+        problems.push_back(o.src->rel + ": group_paddings[" + std::to_string(g) + "] records " +
+                           std::to_string(og.recorded_pad) + ", the geometry (N=" + std::to_string(n_total) +
+                           ", D=" + std::to_string(D) + ", S=" + std::to_string(S) + ") gives " + std::to_string(pad) +
+                           (og.recorded_pad > S ? " (padding spans several ranks: the DP=768 case)" : "") +
+                           "; the recorded value is ignored");
+      }
+      // Slice mappings: name -> fragment_address(numel, start).
+      if (og.mapping != nullptr && og.mapping->kind == PyKind::kDict) {
+        std::map<std::string, std::pair<int64_t, int64_t>> want;
+        for (size_t k = 0; k < shapes.size(); ++k) {
+          const int64_t n = NumelOf(shapes[k].second);
+          int64_t lo = std::max(off[k], r * S), hi = std::min(off[k] + n, (r + 1) * S);
+          if (lo < hi) want[shapes[k].first] = {hi - lo, lo - r * S};
+        }
+        for (const auto& [kk, addr] : og.mapping->dict) {
+          if (!kk->IsStr()) continue;
+          const PyValue* numel = addr->Attr("numel");
+          const PyValue* start = addr->Attr("start");
+          if ((numel == nullptr || start == nullptr) && addr->kind == PyKind::kObject && addr->args.size() == 2) {
+            numel = addr->args[0];
+            start = addr->args[1];
+          }
+          auto it = want.find(kk->s);
+          auto pit = param_index.find(kk->s);
+          std::string why;
+          if (numel == nullptr || start == nullptr || numel->kind != PyKind::kInt || start->kind != PyKind::kInt) {
+            why = "an unreadable fragment_address";
+          } else if (it == want.end()) {
+            why = "a fragment (numel=" + std::to_string(numel->i) + ", start=" + std::to_string(start->i) +
+                  ") where the geometry puts none";
+          } else if (it->second != std::make_pair(numel->i, start->i)) {
+            why = "(numel=" + std::to_string(numel->i) + ", start=" + std::to_string(start->i) +
+                  ") where the geometry gives (numel=" + std::to_string(it->second.first) +
+                  ", start=" + std::to_string(it->second.second) + ")";
+          }
+          if (it != want.end()) want.erase(it);
+          if (!why.empty() && pit != param_index.end() && params[pit->second].error.empty()) {
+            params[pit->second].error = o.src->rel + ": param_slice_mappings[" + std::to_string(g) + "] gives '" +
+                                        kk->s + "' " + why + " from param_shapes";
+          }
+        }
+        for (const auto& [name, v] : want) {
+          auto pit = param_index.find(name);
+          if (pit != param_index.end() && params[pit->second].error.empty()) {
+            params[pit->second].error = o.src->rel + ": param_slice_mappings[" + std::to_string(g) + "] has no '" +
+                                        name + "', which param_shapes places on this rank";
+          }
+        }
+      }
+      // The saved partitions must hold every element a fragment needs.
+      int64_t need = 0;
+      for (size_t k = 0; k < shapes.size(); ++k) {
+        const int64_t n = NumelOf(shapes[k].second);
+        int64_t hi = std::min(off[k] + n, (r + 1) * S);
+        if (hi > r * S) need = std::max(need, hi - r * S);
+      }
+      for (const auto& [loc, what] : {std::pair{&og.fp32, "fp32 partition"}, std::pair{&og.exp_avg, "exp_avg"},
+                                      std::pair{&og.exp_avg_sq, "exp_avg_sq"}}) {
+        if (loc->has_value() && (*loc)->Numel() < need) {
+          for (size_t k = 0; k < shapes.size(); ++k) {
+            auto& p = params[param_index[shapes[k].first]];
+            if (p.error.empty()) {
+              p.error = o.src->rel + ": group " + std::to_string(g) + " " + what + " holds " +
+                        std::to_string((*loc)->Numel()) + " elements; param_shapes need " + std::to_string(need) +
+                        " on this rank (N=" + std::to_string(n_total) + ", D=" + std::to_string(D) + ")";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ZeRO-3: every parameter is split on its own: ceil(n/D) elements per rank,
+// concatenated per sub-group in param_shapes order.
+void Reader::Geometry3(int t) {
+  const ModelStates& m = models[t];
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    int64_t off = 0;
+    for (const auto& [name, shape] : m.groups[g]) {
+      auto [it, inserted] = param_index.emplace(name, params.size());
+      if (inserted) params.push_back(Param{name, std::vector<LocalParam>(tp), ""});
+      LocalParam& lp = params[it->second].tp[t];
+      lp.present = true;
+      lp.group = static_cast<int>(g);
+      lp.shape = shape;
+      const int64_t n = NumelOf(shape), part = (n + dp - 1) / std::max(dp, 1);
+      for (int r = 0; r < dp; ++r) {
+        int64_t real = std::clamp<int64_t>(n - r * part, 0, part);
+        if (real > 0) lp.pieces.push_back(Piece{r, r * part, real, off});
+      }
+      off += part;
+    }
+    for (int r = 0; r < dp; ++r) {
+      OptimRank& o = optim[r][t];
+      if (!o.error.empty() || g >= o.groups.size()) continue;
+      for (const auto* l : {&o.groups[g].fp32, &o.groups[g].exp_avg, &o.groups[g].exp_avg_sq}) {
+        if (l->has_value() && (*l)->Numel() < off) {
+          for (const auto& [name, shape] : m.groups[g]) {
+            auto& p = params[param_index[name]];
+            if (p.error.empty()) {
+              p.error = o.src->rel + ": sub-group " + std::to_string(g) + " holds " + std::to_string((*l)->Numel()) +
+                        " elements; param_shapes need " + std::to_string(off);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+void Reader::Geometry() {
+  for (int t = 0; t < tp; ++t) {
+    if (!models[t].error.empty()) continue;
+    if (stage == 3) {
+      Geometry3(t);
+    } else {
+      Geometry12(t);
+    }
+  }
+}
+
+std::string DictKey(const std::string& name, const std::string& state) { return name + "/" + state; }
+
+// One torch.save archive `zero/<name>/<state>.pt` with a dict (or, for
+// ZeRO-3, a bare flat tensor), the way ds_to_universal.py saves it.
+void Reader::ExportState(const std::string& name, const std::string& state, uint32_t tensor, const Rule& rule,
+                         bool dict) {
+  const TensorRecord& t = ck.tensors[tensor];
+  PickleWriter w;
+  std::vector<int64_t> shape = t.shape;
+  if (!dict) shape = {static_cast<int64_t>(t.Numel())};
+  auto tensor_out = [&]() {
+    (void)w.Tensor("0", DType::kF32, t.Numel(), 0, shape, ContiguousStrides(shape));
+  };
+  if (dict) {
+    w.BeginDict();
+    if (rule.kind == Merge::kCat || rule.kind == Merge::kSub2) {
+      w.Str("cat_dim");
+      w.Int(rule.kind == Merge::kSub2 ? 0 : rule.cat_dim);
+    }
+    if (rule.kind == Merge::kSub2) {
+      w.Str("param_n_sub_params");
+      w.Int(2);
+    }
+    if (rule.vocab) {
+      w.Str("vocab_tensor");
+      w.Bool(true);
+    }
+    w.Str("param");
+    tensor_out();
+    w.EndDict();
+  } else {
+    tensor_out();
+  }
+  ExportFile x;
+  x.path = "universal/zero/" + name + "/" + state + ".pt";
+  x.parts = TorchSaveParts(state, w.Finish(), {ArchiveStorage{tensor, DType::kF32, t.Numel() * 4}});
+  ck.exports.push_back(std::move(x));
+}
+
+Status Reader::Emit() {
+  ck.info.family = "deepspeed";
+  const PyValue* root0 = models[0].src->root();
+  std::string version;
+  if (const PyValue* v = root0->Get("ds_version"); v && v->IsStr()) version = v->s;
+  if (const PyValue* v = root0->Get("global_steps"); v && v->kind == PyKind::kInt) ck.info.step = v->i;
+  if (const PyValue* v = root0->Get("iteration"); ck.info.step < 0 && v && v->kind == PyKind::kInt) ck.info.step = v->i;
+  ck.info.world_size = static_cast<uint32_t>(std::max(tp, 1) * std::max(dp, 1));
+  std::string stage_name = stage == 0 ? "no ZeRO optimizer files" : "ZeRO-" + std::to_string(stage);
+  if (bf16_optimizer) stage_name = "BF16_Optimizer (ZeRO-1 geometry)";
+  ck.info.format_note = stage_name + ", TP=" + std::to_string(tp) + " DP=" + std::to_string(dp) +
+                        (version.empty() ? "" : ", ds_version " + version);
+  Patterns pats(models[0].uci);
+  if (!pats.present && stage != 0 && stage != 3) {
+    problems.push_back(models[0].src->rel + " has no universal_checkpoint_info: every parameter is concatenated on "
+                       "dim 0 across TP ranks (as ds_to_universal.py --inject_missing_state does)");
+  }
+  const bool ucp = stage == 1 || stage == 2 || stage == 3;
+
+  // Optimizer-backed parameters.
+  std::set<std::string> have_fp32;
+  for (Param& p : params) {
+    Rule rule = stage == 3 ? Rule{} : pats.For(p.name);
+    if (tp == 1 && rule.kind == Merge::kReplicated) rule.kind = Merge::kReplicated;
+    std::vector<std::vector<int64_t>> local;
+    std::string err = p.error;
+    for (int t = 0; t < tp && err.empty(); ++t) {
+      if (!p.tp[t].present) {
+        if (rule.kind == Merge::kReplicated && t > 0) {
+          local.push_back(p.tp[0].shape);
+          continue;
+        }
+        err = "parameter '" + p.name + "' is missing from TP rank " + std::to_string(t) + "'s param_shapes" +
+              (models[t].error.empty() ? "" : " (" + models[t].error + ")");
+      } else {
+        local.push_back(p.tp[t].shape);
+      }
+    }
+    if (err.empty() && rule.kind == Merge::kAverage) {
+      err = "parameter '" + p.name + "' is averaged over TP ranks (parameter_to_average_patterns), which ckptfs does not compute yet";
+    }
+    if (err.empty() && rule.kind == Merge::kSubParams) {
+      err = "parameter '" + p.name + "' has sub-parameter shapes (parameter_with_sub_params), which ckptfs does not merge yet";
+    }
+    Merger merger(rule, local, pats.original_vocab);
+    std::vector<int64_t> gshape;
+    if (err.empty()) {
+      auto gs = merger.GlobalShape();
+      if (!gs.ok()) {
+        err = "parameter '" + p.name + "': " + gs.status().message();
+      } else {
+        gshape = *gs;
+      }
+    }
+    for (const char* state : {"fp32", "exp_avg", "exp_avg_sq"}) {
+      TensorRecord rec;
+      rec.key = DictKey(p.name, state);
+      rec.role = Role::kOptimState;
+      rec.fqn = p.name;
+      rec.state = state;
+      rec.dtype = DType::kF32;
+      rec.shape = gshape;
+      rec.error = err;
+      std::vector<Fragment> frags;
+      for (int t = 0; t < tp && rec.error.empty(); ++t) {
+        if (!merger.UsesRank(t)) continue;
+        const LocalParam& lp = p.tp[t];
+        for (const Piece& pc : lp.pieces) {
+          const OptimRank& o = optim[pc.dp][t];
+          if (!o.error.empty()) {
+            rec.error = "parameter '" + p.name + "' needs " + o.src->rel + ": " + o.error;
+            break;
+          }
+          const OptimGroup& og = o.groups[static_cast<size_t>(lp.group)];
+          const std::optional<Loc>& l = std::string(state) == "fp32" ? og.fp32 : std::string(state) == "exp_avg" ? og.exp_avg : og.exp_avg_sq;
+          if (!l.has_value()) {
+            rec.error = o.src->rel + ": group " + std::to_string(lp.group) + " has no " + state;
+            break;
+          }
+          if (l->dtype != DType::kF32) {
+            rec.dtype = l->dtype;
+          }
+          if (pc.at + pc.numel > l->Numel()) {
+            rec.error = o.src->rel + ": group " + std::to_string(lp.group) + " " + state + " has " +
+                        std::to_string(l->Numel()) + " elements, '" + p.name + "' needs [" + std::to_string(pc.at) +
+                        ", " + std::to_string(pc.at + pc.numel) + ")";
+            break;
+          }
+          AddRangeFragments(merger, t, lp.shape, pc.start, pc.numel, o.src->file, l->dtype,
+                            l->data_offset + static_cast<uint64_t>(pc.at) * DTypeSize(l->dtype), frags);
+        }
+      }
+      if (!rec.error.empty()) frags.clear();
+      const bool bad = !rec.error.empty();
+      uint32_t id = AddTensor(std::move(rec), std::move(frags));
+      if (!bad && ucp && ck.tensors[id].dtype == DType::kF32) {
+        ExportState(p.name, state, id, rule, stage != 3);
+        if (std::string(state) == "fp32") have_fp32.insert(p.name);
+      } else if (bad && ucp && std::string(state) == "fp32") {
+        have_fp32.insert(p.name);  // ds_to_universal would fail here too: no silent substitute
+      }
+    }
+    // step: one scalar per group; ranks agree (checked by `ckptfs verify`).
+    if (stage != 3 && err.empty() && p.tp[0].present && p.tp[0].group >= 0) {
+      const OptimRank& o = optim[0][0];
+      if (o.error.empty() && static_cast<size_t>(p.tp[0].group) < o.groups.size()) {
+        const OptimGroup& og = o.groups[static_cast<size_t>(p.tp[0].group)];
+        PickleWriter w;
+        std::vector<ArchiveStorage> storages;
+        if (og.step.has_value() && og.step->Numel() == 1) {
+          TensorRecord rec;
+          rec.key = DictKey(p.name, "step");
+          rec.role = Role::kOptimState;
+          rec.fqn = p.name;
+          rec.state = "step";
+          rec.dtype = og.step->dtype;
+          rec.shape = og.step->shape;
+          Fragment f;
+          f.file = o.src->file;
+          f.dtype = og.step->dtype;
+          f.offsets.assign(rec.shape.size(), 0);
+          f.lengths = rec.shape;
+          f.strides = og.step->strides;
+          f.data_offset = og.step->data_offset;
+          f.data_length = DTypeSize(og.step->dtype);
+          uint32_t id = AddTensor(std::move(rec), {std::move(f)});
+          Status st = w.Tensor("0", og.step->dtype, 1, 0, og.step->shape, ContiguousStrides(og.step->shape));
+          if (st.ok()) storages.push_back(ArchiveStorage{id, og.step->dtype, DTypeSize(og.step->dtype)});
+        } else if (og.step_value != nullptr) {
+          (void)w.Value(*og.step_value, [](PickleWriter&, const PyValue&) { return Unsupported("tensor"); });
+        }
+        if (ucp && (og.step.has_value() || og.step_value != nullptr)) {
+          ExportFile x;
+          x.path = "universal/zero/" + p.name + "/step.pt";
+          x.parts = TorchSaveParts("step", w.Finish(), storages);
+          ck.exports.push_back(std::move(x));
+        }
+      }
+    }
+  }
+
+  // The model's own copy (module): param.npy per parameter, TP-merged like
+  // the optimizer states; buffers under other/. ZeRO-3 saves no module.
+  std::map<std::string, uint32_t> module_record;  // mp_rank_00's tensor, for the fp32.pt fallback
+  for (const auto& [name, v] : models[0].module) {
+    const bool buffer = models[0].buffers.count(name) > 0;
+    Rule rule = buffer ? Rule{Merge::kReplicated, 0, false} : pats.For(name);
+    std::vector<std::vector<int64_t>> local;
+    std::vector<std::optional<Loc>> locs(tp);
+    std::string err;
+    for (int t = 0; t < tp; ++t) {
+      if (t > 0 && rule.kind == Merge::kReplicated) {
+        local.push_back(local[0]);
+        continue;
+      }
+      if (!models[t].error.empty()) {
+        err = "'" + name + "' needs " + models[t].error;
+        break;
+      }
+      const PyValue* tv = nullptr;
+      for (const auto& [n2, v2] : models[t].module) {
+        if (n2 == name) tv = v2;
+      }
+      if (tv == nullptr) {
+        err = "'" + name + "' is missing from " + models[t].src->rel;
+        break;
+      }
+      auto l = Resolve(*models[t].src, tv, "module['" + name + "']");
+      if (!l.ok()) {
+        err = l.status().message();
+        break;
+      }
+      locs[t] = *l;
+      local.push_back(l->shape);
+    }
+    if (err.empty() && rule.kind == Merge::kAverage) err = "'" + name + "' is averaged over TP ranks, which ckptfs does not compute yet";
+    if (err.empty() && rule.kind == Merge::kSubParams) err = "'" + name + "' has sub-parameter shapes, which ckptfs does not merge yet";
+    Merger merger(rule, local, pats.original_vocab);
+    TensorRecord rec;
+    rec.key = name;
+    rec.role = buffer ? Role::kOther : Role::kParam;
+    rec.fqn = name;
+    rec.state = buffer ? "" : "param";
+    rec.dtype = locs[0].has_value() ? locs[0]->dtype : DType::kF32;
+    std::vector<Fragment> frags;
+    if (err.empty()) {
+      auto gs = merger.GlobalShape();
+      if (!gs.ok()) {
+        err = "'" + name + "': " + gs.status().message();
+      } else {
+        rec.shape = *gs;
+      }
+    }
+    for (int t = 0; t < tp && err.empty(); ++t) {
+      if (!merger.UsesRank(t)) continue;
+      const Loc& l = *locs[t];
+      const int64_t n = l.Numel();
+      Box whole;
+      whole.offsets.assign(l.shape.size(), 0);
+      whole.lengths = l.shape;
+      for (Placed& pl : merger.Place(t, whole)) {
+        Fragment f;
+        f.file = models[t].src->file;
+        f.dtype = l.dtype;
+        f.strides = l.strides;
+        f.data_offset = l.data_offset + static_cast<uint64_t>(FlatIndex(pl.local_offsets, l.strides)) * DTypeSize(l.dtype);
+        f.data_length = l.data_length;
+        f.offsets = std::move(pl.global.offsets);
+        f.lengths = std::move(pl.global.lengths);
+        if (n > 0) frags.push_back(std::move(f));
+      }
+    }
+    rec.error = err;
+    if (!err.empty()) frags.clear();
+    uint32_t id = AddTensor(std::move(rec), std::move(frags));
+    // ds_to_universal's fallback for names without optimizer state: mp_rank_00's
+    // (TP-local) tensor as fp32.
+    if (tp == 1 || rule.kind == Merge::kReplicated) {
+      module_record[name] = id;
+    } else if (locs[0].has_value()) {
+      TensorRecord hidden;
+      hidden.key = name + " (mp_rank_00)";
+      hidden.role = Role::kHidden;
+      hidden.dtype = locs[0]->dtype;
+      hidden.shape = locs[0]->shape;
+      Fragment f;
+      f.file = models[0].src->file;
+      f.dtype = locs[0]->dtype;
+      f.offsets.assign(hidden.shape.size(), 0);
+      f.lengths = hidden.shape;
+      f.strides = locs[0]->strides;
+      f.data_offset = locs[0]->data_offset;
+      f.data_length = locs[0]->data_length;
+      module_record[name] = AddTensor(std::move(hidden), {std::move(f)});
+    }
+  }
+  if (stage == 1 || stage == 2) {
+    for (const auto& [name, v] : models[0].module) {
+      if (have_fp32.count(name) || !module_record.count(name)) continue;
+      const uint32_t id = module_record[name];
+      const TensorRecord& t = ck.tensors[id];
+      if (!t.error.empty()) continue;
+      if (t.dtype != DType::kF32 && t.dtype != DType::kBF16 && t.dtype != DType::kF16) {
+        problems.push_back("universal/zero/" + name + "/fp32.pt is not generated: '" + name + "' is " +
+                           std::string(DTypeName(t.dtype)) + ", and ckptfs widens only floating types to float32");
+        continue;
+      }
+      PickleWriter w;
+      w.BeginDict();
+      w.Str("param");
+      (void)w.Tensor("0", DType::kF32, t.Numel(), 0, t.shape, ContiguousStrides(t.shape));
+      w.EndDict();
+      ExportFile x;
+      x.path = "universal/zero/" + name + "/fp32.pt";
+      x.parts = TorchSaveParts("fp32", w.Finish(), {ArchiveStorage{id, DType::kF32, t.Numel() * 4}});
+      ck.exports.push_back(std::move(x));
+    }
+  }
+  if (ucp) {
+    Status st = ExportOptimizerState();
+    if (!st.ok()) problems.push_back("universal/zero/optimizer_state.pt is not available: " + st.message());
+    ExportCopies();
+    ExportFile latest;
+    latest.path = "latest_universal";
+    latest.parts.push_back(ExportPart{PartKind::kLiteral, "universal", 0, DType::kInvalid, 9});
+    ck.exports.push_back(std::move(latest));
+  }
+  ck.info.problems = std::move(problems);
+  return Status::Ok();
+}
+
+// universal/zero/optimizer_state.pt: rank (dp 0, tp 0)'s optimizer_state_dict
+// without the sharded entries, plus param_groups (ZeRO-3: all of it).
+Status Reader::ExportOptimizerState() {
+  if (optim.empty() || optim[0].empty()) return Invalid("no optimizer state files");
+  const OptimRank& o = optim[0][0];
+  if (!o.error.empty()) return Invalid(o.error);
+  const PyValue* osd = o.osd;
+  PickleWriter w;
+  std::vector<ArchiveStorage> storages;
+  std::map<std::string, size_t> storage_slot;
+  Status tensor_status;
+  auto tensor_fn = [&](PickleWriter& pw, const PyValue& v) -> Status {
+    // The whole source storage becomes one record of the new archive.
+    const TensorRef& ref = v.tensor;
+    auto [it, inserted] = storage_slot.emplace(ref.storage_key, storages.size());
+    const ZipEntry* e = o.src->archive.zip.Find(o.src->archive.prefix + "/data/" + ref.storage_key);
+    if (e == nullptr) return Invalid(o.src->rel + ": no record for storage " + ref.storage_key);
+    const uint64_t storage_numel = e->size / DTypeSize(ref.dtype);
+    if (inserted) {
+      TensorRef whole = ref;
+      whole.storage_offset = 0;
+      whole.shape = {static_cast<int64_t>(storage_numel)};
+      whole.strides = {1};
+      ASSIGN_OR_RETURN(ResolvedTensor rt, ResolveTensor(*o.src->reader, o.src->archive, whole));
+      TensorRecord rec;
+      rec.key = o.src->rel + " storage " + ref.storage_key;
+      rec.role = Role::kHidden;
+      rec.encoding = Encoding::kBytes;
+      rec.dtype = DType::kU8;
+      rec.byte_size = storage_numel * DTypeSize(ref.dtype);
+      Fragment f;
+      f.file = o.src->file;
+      f.dtype = DType::kU8;
+      f.data_offset = rt.data_offset;
+      f.data_length = rec.byte_size;
+      storages.push_back(ArchiveStorage{AddTensor(std::move(rec), {std::move(f)}), DType::kU8,
+                                        storage_numel * DTypeSize(ref.dtype)});
+    }
+    return pw.Tensor(std::to_string(it->second), ref.dtype, storage_numel, ref.storage_offset, ref.shape, ref.strides);
+  };
+  w.BeginDict();
+  static const std::set<std::string> kSharded = {"base_optimizer_state", "param_slice_mappings",
+                                                  "single_partition_of_fp32_groups"};
+  for (const auto& [k, v] : osd->dict) {
+    if (stage != 3 && k->IsStr() && kSharded.count(k->s)) continue;
+    if (k->IsStr() && k->s == "param_groups") continue;
+    RETURN_IF_ERROR(w.Value(*k, tensor_fn));
+    RETURN_IF_ERROR(w.Value(*v, tensor_fn));
+  }
+  const PyValue* groups = stage == 3 ? (osd->Get("optimizer_state_dict") ? osd->Get("optimizer_state_dict")->Get("param_groups") : nullptr)
+                                     : (osd->Get("base_optimizer_state") ? osd->Get("base_optimizer_state")->Get("param_groups") : nullptr);
+  if (groups == nullptr) return Invalid(o.src->rel + ": no param_groups");
+  w.Str("param_groups");
+  RETURN_IF_ERROR(w.Value(*groups, tensor_fn));
+  w.EndDict();
+  ExportFile x;
+  x.path = "universal/zero/optimizer_state.pt";
+  x.parts = TorchSaveParts("optimizer_state", w.Finish(), storages);
+  ck.exports.push_back(std::move(x));
+  return Status::Ok();
+}
+
+// Verbatim copies of the mp_rank_* model-states files (ds_to_universal copies
+// them; DeepSpeed's universal loader reads client state from them).
+void Reader::ExportCopies() {
+  for (const ModelStates& m : models) {
+    const Source& s = *m.src;
+    if (!s.error.empty()) continue;
+    const std::string base = s.rel.substr(s.rel.rfind('/') + 1);
+    if (!std::regex_match(base, ModelRe())) continue;
+    TensorRecord rec;
+    rec.key = s.rel;
+    rec.role = Role::kHidden;
+    rec.encoding = Encoding::kBytes;
+    rec.dtype = DType::kU8;
+    rec.byte_size = ck.files[s.file.v].size;
+    Fragment f;
+    f.file = s.file;
+    f.dtype = DType::kU8;
+    f.data_offset = 0;
+    f.data_length = rec.byte_size;
+    const uint64_t size = rec.byte_size;
+    uint32_t id = AddTensor(std::move(rec), {std::move(f)});
+    ExportFile x;
+    x.path = "universal/" + base;
+    x.parts.push_back(ExportPart{PartKind::kTensor, "", id, DType::kU8, size});
+    ck.exports.push_back(std::move(x));
+  }
+}
+
+Status Reader::Run() {
+  RETURN_IF_ERROR(Discover());
+  Geometry();
+  return Emit();
+}
+
+}  // namespace
+
+bool LooksLikeDeepSpeed(const std::string& dir) {
+  std::error_code ec;
+  if (fs::is_regular_file(dir + "/latest", ec)) return true;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::string n = e.path().filename().string();
+    if (std::regex_match(n, ModelRe()) || std::regex_match(n, Zero3ModelRe())) return true;
+  }
+  return false;
+}
+
+Result<Checkpoint> ReadDeepSpeed(const std::string& dir) {
+  Reader r;
+  r.dir = dir;
+  RETURN_IF_ERROR(r.Run());
+  return std::move(r.ck);
+}
+
+}  // namespace ckptfs::formats
