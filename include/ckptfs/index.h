@@ -30,7 +30,7 @@ namespace ckptfs {
 
 class Index {
  public:
-  static constexpr uint32_t kSchemaVersion = 2;
+  static constexpr uint32_t kSchemaVersion = 3;  // bump whenever a reader's output changes, too
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);

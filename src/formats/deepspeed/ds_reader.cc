@@ -537,6 +537,7 @@ struct Reader {
   Checkpoint ck;
   Files files;
   std::vector<ModelStates> models;                 // per TP rank
+  std::vector<std::unique_ptr<Source>> z3_copies;  // ZeRO-3 model states of DP ranks > 0 (copied, not parsed)
   std::vector<std::vector<OptimRank>> optim;       // [dp][tp]
   int tp = 0, dp = 0, stage = 0;
   bool bf16_optimizer = false;
@@ -633,7 +634,7 @@ Status Reader::Discover() {
   }
   // Stage-3 model files of other DP ranks are part of the checkpoint too.
   for (const auto& [k, n] : z3_models) {
-    if (k.first != 0) files.Open(prefix + n, /*parse=*/false);
+    if (k.first != 0) z3_copies.push_back(files.Open(prefix + n, /*parse=*/false));
   }
   optim.resize(dp);
   for (int d = 0; d < dp; ++d) {
@@ -913,8 +914,10 @@ Status Reader::Emit() {
   // Optimizer-backed parameters.
   std::set<std::string> have_fp32;
   for (Param& p : params) {
-    Rule rule = stage == 3 ? Rule{} : pats.For(p.name);
-    if (tp == 1 && rule.kind == Merge::kReplicated) rule.kind = Merge::kReplicated;
+    // Plain ZeRO-3 merges over DP only and saves bare flat tensors; with TP it
+    // takes the stage-1/2 TP merge (ds_to_universal.py does the same).
+    const bool as_dict = stage != 3 || tp > 1;
+    Rule rule = as_dict ? pats.For(p.name) : Rule{};
     std::vector<std::vector<int64_t>> local;
     std::string err = p.error;
     for (int t = 0; t < tp && err.empty(); ++t) {
@@ -987,7 +990,7 @@ Status Reader::Emit() {
       const bool bad = !rec.error.empty();
       uint32_t id = AddTensor(std::move(rec), std::move(frags));
       if (!bad && ucp && ck.tensors[id].dtype == DType::kF32) {
-        ExportState(p.name, state, id, rule, stage != 3);
+        ExportState(p.name, state, id, rule, as_dict);
         if (std::string(state) == "fp32") have_fp32.insert(p.name);
       } else if (bad && ucp && std::string(state) == "fp32") {
         have_fp32.insert(p.name);  // ds_to_universal would fail here too: no silent substitute
@@ -1227,11 +1230,13 @@ Status Reader::ExportOptimizerState() {
 // Verbatim copies of the mp_rank_* model-states files (ds_to_universal copies
 // them; DeepSpeed's universal loader reads client state from them).
 void Reader::ExportCopies() {
-  for (const ModelStates& m : models) {
-    const Source& s = *m.src;
+  std::vector<const Source*> sources;
+  for (const ModelStates& m : models) sources.push_back(m.src.get());
+  for (const auto& z : z3_copies) sources.push_back(z.get());
+  for (const Source* sp : sources) {
+    const Source& s = *sp;
     if (!s.error.empty()) continue;
     const std::string base = s.rel.substr(s.rel.rfind('/') + 1);
-    if (!std::regex_match(base, ModelRe())) continue;
     TensorRecord rec;
     rec.key = s.rel;
     rec.role = Role::kHidden;
