@@ -269,3 +269,100 @@ def test_deepspeed_loads_mounted_universal_at_other_dp(name, new_dp, ds_root, mo
     for pname in source:
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
             assert torch.equal(loaded[pname][state], source[pname][state]), (pname, state)
+
+
+# ---- bad input: damaged copies of a real checkpoint -------------------------
+
+def damaged_copy(ds_root, tmp_path, name="z2_fp32_dp2"):
+    ck, _ = produce(ds_root, name)
+    dst = tmp_path / f"{name}.damaged"
+    shutil.copytree(ck, dst, ignore=shutil.ignore_patterns(".ckptfs"))
+    return dst, dst / (dst / "latest").read_text().strip()
+
+
+def owners(tag_dir, rank):
+    """Parameters with a fragment on DP rank `rank` (from DeepSpeed's own slice mappings)."""
+    sd = torch.load(next(tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")), weights_only=False)
+    return {n for g in sd["optimizer_state_dict"]["param_slice_mappings"] for n in g}
+
+
+def check_partial(m, broken, intact, needle):
+    cj = json.loads((m.path / "checkpoint.json").read_text())
+    listed = {b["key"].split("/")[0] for b in cj["broken"]}
+    assert broken <= listed, (broken, listed)
+    assert all(needle in b["error"] for b in cj["broken"] if b["key"].split("/")[0] in broken)
+    for n in broken:
+        with pytest.raises(OSError) as e:
+            (m.path / "params" / n / "fp32.npy").read_bytes()
+        assert e.value.errno == 5  # EIO
+    for n in intact:
+        assert np.load(m.path / "params" / n / "fp32.npy").size > 0
+    assert needle in m.log_text()
+
+
+def test_missing_dp_rank_file(ds_root, tmp_path, mounter, bin_path):
+    ck, tag = damaged_copy(ds_root, tmp_path)
+    on1 = owners(tag, 1)
+    on0_only = owners(tag, 0) - on1
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with mounter(ck) as m:
+        check_partial(m, on1, on0_only, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+        # the model's own copy is intact
+        assert np.load(m.path / "params" / sorted(on1)[0] / "param.npy").size > 0
+    r = run([bin_path, "cat", str(ck), f"params/{sorted(on1)[0]}/fp32.npy"])
+    assert r.returncode != 0 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in r.stderr
+
+
+def test_corrupt_optimizer_pickle(ds_root, tmp_path, mounter):
+    ck, tag = damaged_copy(ds_root, tmp_path)
+    on0 = owners(tag, 0)
+    f = tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(f.read_bytes())
+    i = data.find(b"data.pkl") + 200  # into the pickle stream: garbage opcodes
+    data[i:i + 64] = b"\xff" * 64
+    f.write_bytes(bytes(data))
+    with mounter(ck) as m:
+        check_partial(m, on0, set(), "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+
+def test_partition_sizes_contradict_param_shapes(ds_root, tmp_path, mounter):
+    """param_shapes say one tensor is bigger than the ranks' partitions and slice
+    mappings can hold: the parameters involved are refused by name."""
+    ck, tag = damaged_copy(ds_root, tmp_path)
+    ms = tag / "mp_rank_00_model_states.pt"
+    sd = torch.load(ms, weights_only=False)
+    name = next(iter(sd["param_shapes"][0]))
+    shape = sd["param_shapes"][0][name]
+    sd["param_shapes"][0][name] = torch.Size([shape[0] + 3] + list(shape[1:]))
+    torch.save(sd, ms)
+    with mounter(ck) as m:
+        cj = json.loads((m.path / "checkpoint.json").read_text())
+        msgs = [b["error"] for b in cj["broken"] if b["key"].startswith(name + "/")]
+        assert msgs and all("param_slice_mappings" in x or "holds" in x for x in msgs), cj["broken"]
+        with pytest.raises(OSError):
+            (m.path / "params" / name / "fp32.npy").read_bytes()
+
+
+def test_unknown_zero_stage(ds_root, tmp_path, mounter, bin_path):
+    ck, tag = damaged_copy(ds_root, tmp_path)
+    for f in tag.glob("*optim_states.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["optimizer_state_dict"]["zero_stage"] = 7
+        torch.save(sd, f)
+    with mounter(ck) as m:
+        cj = json.loads((m.path / "checkpoint.json").read_text())
+        assert any("unknown ZeRO stage 7" in p for p in cj["problems"]), cj["problems"]
+        # weights from the model states still serve
+        names = [p.name for p in (m.path / "params").iterdir()]
+        assert names and all((m.path / "params" / n / "param.npy").exists() for n in names)
+        assert not (m.path / "universal").exists() or not any((m.path / "universal").rglob("fp32.pt"))
+    r = run([bin_path, "info", str(ck)])
+    assert r.returncode == 0 and "unknown ZeRO stage 7" in (r.stdout + r.stderr) or r.returncode != 0
+
+
+def test_missing_model_states_is_a_clear_error(ds_root, tmp_path, bin_path):
+    ck, tag = damaged_copy(ds_root, tmp_path)
+    (tag / "mp_rank_00_model_states.pt").unlink()
+    r = run([bin_path, "info", str(ck)])
+    assert r.returncode != 0
+    assert "mp_rank_00_model_states.pt" in r.stderr

@@ -598,6 +598,11 @@ Status Reader::Discover() {
   }
   if (ec) return ErrnoStatus("list", dir + "/" + prefix, ec.value());
   if (model_files.empty() && z3_models.empty()) {
+    if (!optim_files.empty()) {
+      return Invalid("cannot read " + dir + "/" + prefix + "mp_rank_00_model_states.pt: missing (" +
+                     std::to_string(optim_files.size()) + " optimizer state files are present, but the parameter "
+                     "shapes live in the model states)");
+    }
     return Invalid("cannot parse " + dir + "/" + prefix + ": no mp_rank_XX_model_states.pt (not a DeepSpeed checkpoint tag directory)");
   }
   files.dir = dir;
@@ -632,6 +637,13 @@ Status Reader::Discover() {
     }
     if (!models[t].error.empty() && t == 0) return Invalid(models[0].error);
   }
+  // The DP degree is what the writer recorded, not what happens to be on disk:
+  // a missing last rank must show up as missing.
+  if (const PyValue* v = models[0].src->root()->Get("dp_world_size"); v && v->kind == PyKind::kInt && v->i > dp) {
+    if (v->i > 1 << 20) return Invalid(models[0].src->rel + ": implausible dp_world_size " + std::to_string(v->i));
+    dp = static_cast<int>(v->i);
+  }
+  if (dp == 0 && !optim_files.empty()) dp = 1;
   // Stage-3 model files of other DP ranks are part of the checkpoint too.
   for (const auto& [k, n] : z3_models) {
     if (k.first != 0) z3_copies.push_back(files.Open(prefix + n, /*parse=*/false));
