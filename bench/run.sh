@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [--gib 2.0]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 scripts/build.sh
-.venv/bin/python bench/dcp_bench.py "$@"
+which="${1:-all}"; [[ $# -gt 0 ]] && shift
+if [[ "$which" == dcp || "$which" == all ]]; then .venv/bin/python bench/dcp_bench.py "$@"; fi
+if [[ "$which" == ds || "$which" == all ]]; then .venv/bin/python bench/ds_bench.py "$@"; fi
