@@ -165,14 +165,31 @@ std::vector<std::string> StrList(const PyValue* v) {
   return out;
 }
 
-// Python's re.match: anchored at the start only.
-bool ReMatch(const std::string& pattern, const std::string& name) {
-  try {
-    return std::regex_search(name, std::regex(pattern), std::regex_constants::match_continuous);
-  } catch (const std::regex_error&) {
-    return false;
+// Python's re.match: anchored at the start only. Patterns are compiled once
+// (ECMAScript syntax covers what universal_checkpoint_info uses: \d, \., +, *).
+class PatternList {
+ public:
+  PatternList() = default;
+  explicit PatternList(std::vector<std::string> ps) {
+    for (auto& p : ps) {
+      try {
+        res_.emplace_back(p);
+      } catch (const std::regex_error&) {
+        bad_.push_back(p);
+      }
+    }
   }
-}
+  bool Match(const std::string& name) const {
+    return std::any_of(res_.begin(), res_.end(), [&](const std::regex& r) {
+      return std::regex_search(name, r, std::regex_constants::match_continuous);
+    });
+  }
+  const std::vector<std::string>& bad() const { return bad_; }
+
+ private:
+  std::vector<std::regex> res_;
+  std::vector<std::string> bad_;
+};
 
 struct ModelStates {
   std::unique_ptr<Source> src;
@@ -352,29 +369,37 @@ struct Rule {
 };
 
 struct Patterns {
-  std::vector<std::string> replicated, average, row, vocab, sub2, sub_params;
+  PatternList replicated, average, row, vocab, sub2, sub_params;
   int64_t original_vocab = -1;
   bool present = false;
 
   explicit Patterns(const PyValue* uci) {
     if (uci == nullptr) return;
     present = true;
-    replicated = StrList(uci->Get("tp_replicated_parameter_patterns"));
-    average = StrList(uci->Get("parameter_to_average_patterns"));
-    row = StrList(uci->Get("parameter_with_row_parallelism_patterns"));
-    vocab = StrList(uci->Get("vocabulary_parameter_patterns"));
-    sub2 = StrList(uci->Get("parameter_with_2_sub_params_cat_dim_0"));
+    replicated = PatternList(StrList(uci->Get("tp_replicated_parameter_patterns")));
+    average = PatternList(StrList(uci->Get("parameter_to_average_patterns")));
+    row = PatternList(StrList(uci->Get("parameter_with_row_parallelism_patterns")));
+    vocab = PatternList(StrList(uci->Get("vocabulary_parameter_patterns")));
+    sub2 = PatternList(StrList(uci->Get("parameter_with_2_sub_params_cat_dim_0")));
+    std::vector<std::string> sp_list;
     if (const PyValue* sp = uci->Get("parameter_with_sub_params"); sp && sp->IsSeq()) {
       for (PyRef x : sp->items) {
         for (const auto& p : StrList(x->kind == PyKind::kDict ? x->Get("patterns") : x->Attr("patterns"))) {
-          sub_params.push_back(p);
+          sp_list.push_back(p);
         }
       }
     }
+    sub_params = PatternList(std::move(sp_list));
     if (const PyValue* v = uci->Get("original_vocab_size"); v && v->kind == PyKind::kInt) original_vocab = v->i;
   }
-  static bool Any(const std::vector<std::string>& ps, const std::string& n) {
-    return std::any_of(ps.begin(), ps.end(), [&](const std::string& p) { return ReMatch(p, n); });
+  static bool Any(const PatternList& ps, const std::string& n) { return ps.Match(n); }
+  // Patterns std::regex cannot compile (Python-only syntax): reported, never silently ignored.
+  std::vector<std::string> Unusable() const {
+    std::vector<std::string> out;
+    for (const PatternList* l : {&replicated, &average, &row, &vocab, &sub2, &sub_params}) {
+      out.insert(out.end(), l->bad().begin(), l->bad().end());
+    }
+    return out;
   }
   Rule For(const std::string& name) const {
     Rule r;
@@ -920,6 +945,11 @@ Status Reader::Emit() {
   if (!pats.present && stage != 0 && stage != 3) {
     problems.push_back(models[0].src->rel + " has no universal_checkpoint_info: every parameter is concatenated on "
                        "dim 0 across TP ranks (as ds_to_universal.py --inject_missing_state does)");
+  }
+  for (const auto& bad : pats.Unusable()) {
+    problems.push_back(models[0].src->rel + ": universal_checkpoint_info pattern '" + bad +
+                       "' is not a regular expression ckptfs can compile; parameters it would match are merged as "
+                       "if it were absent");
   }
   const bool ucp = stage == 1 || stage == 2 || stage == 3;
 
