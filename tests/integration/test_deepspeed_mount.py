@@ -145,34 +145,37 @@ def uc_info(ck):
     return sd.get("universal_checkpoint_info"), tag
 
 
-def merge_reference(ck, files=None):
-    """The engine's TP-local full states merged over TP, written independently of
-    ckptfs: replicated -> rank 0, row parallel -> cat dim 1, SwiGLU -> W halves
-    then V halves, else cat dim 0; vocabulary rows cut to the original size."""
+def tp_merge(name, slices, info):
+    """TP slices -> the global tensor, written independently of ckptfs:
+    replicated -> rank 0, row parallel -> cat dim 1, SwiGLU -> W halves then V
+    halves, else cat dim 0; vocabulary rows cut to the original size."""
     import re
+
+    def match(key):
+        return any(re.match(p, name) for p in info.get(key, []))
+
+    if len(slices) == 1 or match("tp_replicated_parameter_patterns"):
+        full = slices[0]
+    elif match("parameter_with_2_sub_params_cat_dim_0"):
+        halves = [s.chunk(2, 0) for s in slices]
+        full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    else:
+        full = torch.cat(slices, 1 if match("parameter_with_row_parallelism_patterns") else 0)
+    if match("vocabulary_parameter_patterns"):
+        full = full[: info["original_vocab_size"]]
+    return full
+
+
+def merge_reference(ck, files=None):
+    """The engine's TP-local full states (reference_tp<t>.pt) merged over TP."""
     refs = files or sorted(ck.glob("reference_tp*.pt"))
     tps = [torch.load(p, weights_only=False) for p in refs]
     info, _ = uc_info(ck)
     info = info or {}
-
-    def match(key, name):
-        return any(re.match(p, name) for p in info.get(key, []))
-
     out = {}
     for name in tps[0]:
-        out[name] = {}
-        for state in ("fp32", "exp_avg", "exp_avg_sq"):
-            slices = [t[name][state].float() for t in tps]
-            if len(slices) == 1 or match("tp_replicated_parameter_patterns", name):
-                full = slices[0]
-            elif match("parameter_with_2_sub_params_cat_dim_0", name):
-                halves = [s.chunk(2, 0) for s in slices]
-                full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-            else:
-                full = torch.cat(slices, 1 if match("parameter_with_row_parallelism_patterns", name) else 0)
-            if match("vocabulary_parameter_patterns", name):
-                full = full[: info["original_vocab_size"]]
-            out[name][state] = full
+        out[name] = {state: tp_merge(name, [t[name][state].float() for t in tps], info)
+                     for state in ("fp32", "exp_avg", "exp_avg_sq")}
     return out
 
 
@@ -197,13 +200,8 @@ def test_param_npy_is_the_module_copy(scenario, mounter):
     info, tag = uc_info(ck)
     if not (ck / tag / "mp_rank_00_model_states.pt").exists():
         pytest.skip("ZeRO-3 saves no module weights")
-    import re
     mods = [torch.load(p, weights_only=False)["module"] for p in sorted((ck / tag).glob("mp_rank_*_model_states.pt"))]
     info = info or {}
-
-    def match(key, n):
-        return any(re.match(p, n) for p in info.get(key, []))
-
     bufs = set(torch.load(ck / tag / "mp_rank_00_model_states.pt", weights_only=False)["buffer_names"])
     with mounter(ck) as m:
         for n, t0 in mods[0].items():
@@ -212,15 +210,7 @@ def test_param_npy_is_the_module_copy(scenario, mounter):
                 got = np.load(m.path / "other" / f"{n}.npy")
                 assert np.array_equal(got, t0.float().numpy())
                 continue
-            if len(slices) == 1 or match("tp_replicated_parameter_patterns", n):
-                full = slices[0]
-            elif match("parameter_with_2_sub_params_cat_dim_0", n):
-                h = [s.chunk(2, 0) for s in slices]
-                full = torch.cat([x[0] for x in h] + [x[1] for x in h], 0)
-            else:
-                full = torch.cat(slices, 1 if match("parameter_with_row_parallelism_patterns", n) else 0)
-            if match("vocabulary_parameter_patterns", n):
-                full = full[: info["original_vocab_size"]]
+            full = tp_merge(n, slices, info)
             got = np.load(m.path / "params" / n / "param.npy")
             assert np.array_equal(got, full.float().numpy()), n
             raw = (m.path / "params" / n / "param.raw").read_bytes()

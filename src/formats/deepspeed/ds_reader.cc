@@ -218,6 +218,32 @@ struct OptimRank {
   std::string error;
 };
 
+// The torch optimizer's per-group state {step, exp_avg, exp_avg_sq} of flat
+// group `g` (absent when the group never took a step: no fragments need it).
+Status ParseAdamState(const Source& s, const PyValue* state, size_t g, const std::string& what, OptimGroup& og) {
+  const PyValue* st = nullptr;
+  if (state != nullptr) {
+    for (const auto& [k, v] : state->dict) {
+      if (k->kind == PyKind::kInt && k->i == static_cast<int64_t>(g)) st = v;
+    }
+  }
+  if (st == nullptr) return Status::Ok();
+  if (const PyValue* x = st->Get("exp_avg")) {
+    ASSIGN_OR_RETURN(og.exp_avg, Resolve(s, x, what + " exp_avg"));
+  }
+  if (const PyValue* x = st->Get("exp_avg_sq")) {
+    ASSIGN_OR_RETURN(og.exp_avg_sq, Resolve(s, x, what + " exp_avg_sq"));
+  }
+  if (const PyValue* x = st->Get("step")) {
+    if (x->kind == PyKind::kTensor) {
+      ASSIGN_OR_RETURN(og.step, Resolve(s, x, what + " step"));
+    } else {
+      og.step_value = x;  // a Python number (older torch)
+    }
+  }
+  return Status::Ok();
+}
+
 Status ParseOptim(OptimRank& o) {
   const Source& s = *o.src;
   const PyValue* root = s.root();
@@ -257,25 +283,7 @@ Status ParseOptim(OptimRank& o) {
       OptimGroup& og = o.groups[g];
       const std::string gs = "group " + std::to_string(g);
       ASSIGN_OR_RETURN(og.fp32, Resolve(s, fp32->items[g], "single_partition_of_fp32_groups[" + std::to_string(g) + "]"));
-      const PyValue* st = nullptr;
-      for (const auto& [k, v] : state->dict) {
-        if (k->kind == PyKind::kInt && k->i == static_cast<int64_t>(g)) st = v;
-      }
-      if (st != nullptr) {
-        if (const PyValue* x = st->Get("exp_avg")) {
-          ASSIGN_OR_RETURN(og.exp_avg, Resolve(s, x, gs + " exp_avg"));
-        }
-        if (const PyValue* x = st->Get("exp_avg_sq")) {
-          ASSIGN_OR_RETURN(og.exp_avg_sq, Resolve(s, x, gs + " exp_avg_sq"));
-        }
-        if (const PyValue* x = st->Get("step")) {
-          if (x->kind == PyKind::kTensor) {
-            ASSIGN_OR_RETURN(og.step, Resolve(s, x, gs + " step"));
-          } else {
-            og.step_value = x;
-          }
-        }
-      }
+      RETURN_IF_ERROR(ParseAdamState(s, state, g, gs, og));
       if (paddings && paddings->IsSeq() && g < paddings->items.size()) {
         ASSIGN_OR_RETURN(og.recorded_pad, AsInt(paddings->items[g], s.rel + ": group_paddings"));
       }
@@ -306,28 +314,7 @@ Status ParseOptim(OptimRank& o) {
       OptimGroup& og = o.groups[g];
       og.partition_count = count;
       ASSIGN_OR_RETURN(og.fp32, Resolve(s, flat->items[g], "fp32_flat_groups[" + std::to_string(g) + "]"));
-      const PyValue* st = nullptr;
-      if (state != nullptr) {
-        for (const auto& [k, v] : state->dict) {
-          if (k->kind == PyKind::kInt && k->i == static_cast<int64_t>(g)) st = v;
-        }
-      }
-      if (st != nullptr) {
-        const std::string gs = "sub-group " + std::to_string(g);
-        if (const PyValue* x = st->Get("exp_avg")) {
-          ASSIGN_OR_RETURN(og.exp_avg, Resolve(s, x, gs + " exp_avg"));
-        }
-        if (const PyValue* x = st->Get("exp_avg_sq")) {
-          ASSIGN_OR_RETURN(og.exp_avg_sq, Resolve(s, x, gs + " exp_avg_sq"));
-        }
-        if (const PyValue* x = st->Get("step")) {
-          if (x->kind == PyKind::kTensor) {
-            ASSIGN_OR_RETURN(og.step, Resolve(s, x, gs + " step"));
-          } else {
-            og.step_value = x;
-          }
-        }
-      }
+      RETURN_IF_ERROR(ParseAdamState(s, state, g, "sub-group " + std::to_string(g), og));
     }
   }
   for (const OptimGroup& og : o.groups) {
