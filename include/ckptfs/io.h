@@ -16,6 +16,7 @@
 #define CKPTFS_IO_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -79,6 +80,8 @@ class TensorReader {
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
   Status CheckFd(FileId file) const;
+  // Renders the whole tensor as `out` in chunks, handing each to `fn`.
+  Status Stream(TensorId id, DType out, const std::function<void(const char*, size_t)>& fn);
   ReadEngine& Engine();
 
   const Index& index_;

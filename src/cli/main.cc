@@ -198,7 +198,8 @@ int CmdInfo(const Args& a) {
     std::printf("%-*s  %-15s  %-9s  %-18s  %10s  %5s\n", static_cast<int>(w), "KEY", "ROLE", "DTYPE", "SHAPE",
                 "BYTES", "FRAGS");
     for (const auto& t : ix.tensors()) {
-      std::string role = t.encoding == Encoding::kBytes ? "bytes"
+      std::string role = t.role == Role::kHidden         ? "universal/"  // backs synthesized files only
+                         : t.encoding == Encoding::kBytes ? "bytes"
                          : t.role == Role::kParam     ? "param"
                          : t.role == Role::kOptimState ? t.state
                                                         : "other";

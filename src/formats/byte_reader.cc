@@ -83,4 +83,20 @@ Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
   return res;
 }
 
+Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f) {
+  const std::string path = dir + "/" + f.rel_path;
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat st{};
+  if (fd < 0 || ::fstat(fd, &st) != 0) {
+    Status err = ErrnoStatus("open", path, errno);
+    if (fd >= 0) ::close(fd);
+    f.mtime_ns = -1;
+    return err;
+  }
+  f.size = static_cast<uint64_t>(st.st_size);
+  f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  f.inode = st.st_ino;
+  return fd;
+}
+
 }  // namespace ckptfs::formats

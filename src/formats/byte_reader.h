@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "ckptfs/common.h"
+#include "ckptfs/model.h"
 
 namespace ckptfs::formats {
 
@@ -58,6 +59,11 @@ class FileSliceReader final : public ByteReader {
 
 // Reads a whole regular file, refusing files larger than max_bytes.
 Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes);
+
+// Opens <dir>/<f.rel_path> read-only and records its fingerprint in `f` (size,
+// mtime, inode: what the index checks for staleness). A file that cannot be
+// opened is recorded as missing (mtime_ns = -1) and the error says why.
+Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f);
 
 }  // namespace ckptfs::formats
 

@@ -54,9 +54,9 @@ struct Entry {
   std::string name;
   uint64_t size = 0;
   uint64_t offset = 0;  // local header
-  bool deferred = false;  // tensor: CRC in the descriptor
+  std::string data;       // literal records: the bytes
   uint32_t crc = 0;       // literal records
-  const ArchiveStorage* storage = nullptr;
+  const ArchiveStorage* storage = nullptr;  // tensor records (CRC in the data descriptor)
 };
 
 void LocalHeader(PartList& out, Entry& e) {
@@ -64,11 +64,11 @@ void LocalHeader(PartList& out, Entry& e) {
   const bool z64 = e.size >= kMax32 || e.offset >= kMax32;
   out.Le<uint32_t>(kLocalSig);
   out.Le<uint16_t>(z64 ? 45 : 20);
-  out.Le<uint16_t>(e.deferred ? 0x08 : 0);
+  out.Le<uint16_t>(e.storage ? 0x08 : 0);
   out.Le<uint16_t>(0);  // STORED
   out.Le<uint16_t>(0);  // time
   out.Le<uint16_t>(kDosDate);
-  out.Le<uint32_t>(e.deferred ? 0 : e.crc);
+  out.Le<uint32_t>(e.storage ? 0 : e.crc);
   out.Le<uint32_t>(z64 ? static_cast<uint32_t>(kMax32) : static_cast<uint32_t>(e.size));
   out.Le<uint32_t>(z64 ? static_cast<uint32_t>(kMax32) : static_cast<uint32_t>(e.size));
   out.Le<uint16_t>(static_cast<uint16_t>(e.name.size()));
@@ -98,32 +98,31 @@ uint64_t PartsSize(const std::vector<ExportPart>& parts) {
 
 std::vector<ExportPart> TorchSaveParts(const std::string& archive_name, const std::string& pickle,
                                        const std::vector<ArchiveStorage>& storages) {
-  const std::string byteorder = "little", version = "3\n";
   std::vector<Entry> entries;
-  auto literal_entry = [&](std::string name, const std::string& data) {
+  auto literal_entry = [&](const std::string& name, std::string data) {
     Entry e;
     e.name = archive_name + "/" + name;
     e.size = data.size();
     e.crc = static_cast<uint32_t>(crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data.data()), data.size()));
+    e.data = std::move(data);
     entries.push_back(std::move(e));
   };
   literal_entry("data.pkl", pickle);
-  literal_entry("byteorder", byteorder);
+  literal_entry("byteorder", "little");
   for (size_t i = 0; i < storages.size(); ++i) {
     Entry e;
     e.name = archive_name + "/data/" + std::to_string(i);
     e.size = storages[i].nbytes;
-    e.deferred = true;
     e.storage = &storages[i];
     entries.push_back(std::move(e));
   }
-  literal_entry("version", version);
+  literal_entry("version", "3\n");
 
   PartList out;
   for (Entry& e : entries) {
     LocalHeader(out, e);
     if (e.storage == nullptr) {
-      out.Lit(e.name.ends_with("/data.pkl") ? pickle : e.name.ends_with("/byteorder") ? byteorder : version);
+      out.Lit(e.data);
       continue;
     }
     out.Tensor(*e.storage);
@@ -146,11 +145,11 @@ std::vector<ExportPart> TorchSaveParts(const std::string& archive_name, const st
     out.Le<uint32_t>(kCentralSig);
     out.Le<uint16_t>(extra ? 45 : 20);  // made by
     out.Le<uint16_t>(extra ? 45 : 20);  // needed
-    out.Le<uint16_t>(e.deferred ? 0x08 : 0);
+    out.Le<uint16_t>(e.storage ? 0x08 : 0);
     out.Le<uint16_t>(0);
     out.Le<uint16_t>(0);
     out.Le<uint16_t>(kDosDate);
-    if (e.deferred) {
+    if (e.storage) {
       out.Crc(*e.storage);
     } else {
       out.Le<uint32_t>(e.crc);

@@ -57,8 +57,12 @@ Result<std::vector<DirEntry>> Filesystem::ReadDir(uint64_t ino) const {
 Status Filesystem::OpenFile(uint64_t ino) {
   auto layout = view_->Layout(ino);
   if (!layout.ok()) return layout.status();
+  std::vector<uint32_t> checked;  // an archive names its tensor in several segments
   for (const Segment& s : (*layout)->segments) {
-    if (s.kind == SegmentKind::kLiteral) continue;
+    if (s.kind == SegmentKind::kLiteral || std::find(checked.begin(), checked.end(), s.tensor.v) != checked.end()) {
+      continue;
+    }
+    checked.push_back(s.tensor.v);
     Status st = reader_->CheckFresh(s.tensor);
     if (!st.ok()) {
       LogError(view_->PathOf(ino) + ": " + st.message());

@@ -314,29 +314,32 @@ Status TensorReader::Read(TensorId id, DType out, uint64_t offset, uint64_t len,
   return Status::Ok();
 }
 
+Status TensorReader::Stream(TensorId id, DType out, const std::function<void(const char*, size_t)>& fn) {
+  const TensorRecord& t = index_.tensors()[id.v];
+  const uint64_t size = t.encoding == Encoding::kBytes ? t.byte_size : t.Numel() * DTypeSize(out);
+  std::string buf;
+  for (uint64_t off = 0; off < size; off += kHashChunk) {
+    const uint64_t n = std::min(kHashChunk, size - off);
+    buf.resize(n);
+    RETURN_IF_ERROR(Read(id, out, off, n, buf.data()));
+    fn(buf.data(), n);
+  }
+  return Status::Ok();
+}
+
 Result<uint64_t> TensorReader::Xxh3Raw(TensorId id) {
+  if (id.v >= index_.tensors().size()) return NotFound("no tensor " + std::to_string(id.v));
   {
     std::lock_guard<std::mutex> lock(hash_mu_);
     auto it = hash_cache_.find(id.v);
     if (it != hash_cache_.end()) return it->second;
   }
   const TensorRecord& t = index_.tensors()[id.v];
-  const DType raw = t.encoding == Encoding::kBytes ? DType::kU8 : t.dtype;
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_64bits_reset(st);
-  std::string buf;
-  for (uint64_t off = 0; off < t.byte_size; off += kHashChunk) {
-    uint64_t n = std::min(kHashChunk, t.byte_size - off);
-    buf.resize(n);
-    Status s = Read(id, raw, off, n, buf.data());
-    if (!s.ok()) {
-      XXH3_freeState(st);
-      return s;
-    }
-    XXH3_64bits_update(st, buf.data(), n);
-  }
-  uint64_t h = XXH3_64bits_digest(st);
-  XXH3_freeState(st);
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
+  XXH3_64bits_reset(st.get());
+  RETURN_IF_ERROR(Stream(id, t.encoding == Encoding::kBytes ? DType::kU8 : t.dtype,
+                         [&](const char* p, size_t n) { XXH3_64bits_update(st.get(), p, n); }));
+  const uint64_t h = XXH3_64bits_digest(st.get());
   std::lock_guard<std::mutex> lock(hash_mu_);
   hash_cache_[id.v] = h;
   return h;
@@ -350,16 +353,10 @@ Result<uint32_t> TensorReader::Crc32(TensorId id, DType out) {
     auto it = crc_cache_.find(key);
     if (it != crc_cache_.end()) return it->second;
   }
-  const TensorRecord& t = index_.tensors()[id.v];
-  const uint64_t size = t.encoding == Encoding::kBytes ? t.byte_size : t.Numel() * DTypeSize(out);
   uLong crc = crc32(0L, Z_NULL, 0);
-  std::string buf;
-  for (uint64_t off = 0; off < size; off += kHashChunk) {
-    uint64_t n = std::min(kHashChunk, size - off);
-    buf.resize(n);
-    RETURN_IF_ERROR(Read(id, out, off, n, buf.data()));
-    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(buf.data()), n);
-  }
+  RETURN_IF_ERROR(Stream(id, out, [&](const char* p, size_t n) {
+    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(p), n);
+  }));
   std::lock_guard<std::mutex> lock(hash_mu_);
   crc_cache_[key] = static_cast<uint32_t>(crc);
   return static_cast<uint32_t>(crc);

@@ -1,7 +1,6 @@
 #include "formats/dcp/dcp_reader.h"
 
 #include <dirent.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -387,20 +386,12 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   files.fds.assign(ck.files.size(), -1);
   files.errors.assign(ck.files.size(), "");
   for (size_t i = 0; i < ck.files.size(); ++i) {
-    SourceFile& f = ck.files[i];
-    std::string path = dir + "/" + f.rel_path;
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    struct stat st{};
-    if (fd < 0 || ::fstat(fd, &st) != 0) {
-      files.errors[i] = ErrnoStatus("open", path, errno).message();
-      f.mtime_ns = -1;  // recorded as missing
-      if (fd >= 0) ::close(fd);
-      continue;
+    auto fd = OpenAndFingerprint(dir, ck.files[i]);
+    if (fd.ok()) {
+      files.fds[i] = *fd;
+    } else {
+      files.errors[i] = fd.status().message();
     }
-    files.fds[i] = fd;
-    f.size = static_cast<uint64_t>(st.st_size);
-    f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-    f.inode = st.st_ino;
   }
 
   // Tensors and their work items.

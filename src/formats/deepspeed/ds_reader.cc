@@ -1,7 +1,5 @@
 #include "formats/deepspeed/ds_reader.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -93,20 +91,14 @@ struct Files {
     s->rel = rel;
     s->file = FileId{static_cast<uint32_t>(ck->files.size())};
     ck->files.push_back(SourceFile{rel, 0, 0, 0});
-    SourceFile& f = ck->files.back();
-    std::string path = dir + "/" + rel;
-    s->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    struct stat st{};
-    if (s->fd < 0 || ::fstat(s->fd, &st) != 0) {
-      s->error = ErrnoStatus("open", path, errno).message();
-      f.mtime_ns = -1;
+    auto fd = OpenAndFingerprint(dir, ck->files.back());
+    if (!fd.ok()) {
+      s->error = fd.status().message();
       return s;
     }
-    f.size = static_cast<uint64_t>(st.st_size);
-    f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-    f.inode = st.st_ino;
+    s->fd = *fd;
     if (!parse) return s;
-    s->reader = std::make_unique<FileSliceReader>(s->fd, 0, f.size, rel);
+    s->reader = std::make_unique<FileSliceReader>(s->fd, 0, ck->files[s->file.v].size, rel);
     auto a = ReadTorchSave(*s->reader, DsPickleOptions());
     if (!a.ok()) {
       s->error = "cannot parse " + rel + ": " + a.status().message();
@@ -134,17 +126,16 @@ using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 Result<std::vector<Shapes>> ParamShapes(const Source& s, const PyValue* v) {
   std::vector<Shapes> out;
   if (v == nullptr || v->kind == PyKind::kNone) return out;
-  if (v->kind == PyKind::kDict) {  // older DeepSpeed: one dict for all
-    out.emplace_back();
-    for (const auto& [k, x] : v->dict) {
-      if (!k->IsStr()) return Invalid(s.rel + ": param_shapes has a non-string name");
-      ASSIGN_OR_RETURN(auto shape, AsIntVector(x, "param_shapes[" + k->s + "]"));
-      out.back().emplace_back(k->s, std::move(shape));
-    }
-    return out;
+  // Older DeepSpeed wrote one dict for all parameters: a single group.
+  std::vector<const PyValue*> groups;
+  if (v->kind == PyKind::kDict) {
+    groups.push_back(v);
+  } else if (v->IsSeq()) {
+    groups.assign(v->items.begin(), v->items.end());
+  } else {
+    return Invalid(s.rel + ": param_shapes is not a list");
   }
-  if (!v->IsSeq()) return Invalid(s.rel + ": param_shapes is not a list");
-  for (PyRef g : v->items) {
+  for (const PyValue* g : groups) {
     if (g->kind != PyKind::kDict) return Invalid(s.rel + ": a param_shapes group is not a dict");
     out.emplace_back();
     for (const auto& [k, x] : g->dict) {
@@ -195,6 +186,7 @@ struct ModelStates {
   std::unique_ptr<Source> src;
   std::vector<Shapes> groups;
   std::vector<std::pair<std::string, const PyValue*>> module;  // state_dict entries, in order
+  std::map<std::string, const PyValue*> module_by_name;       // the same, by name
   std::set<std::string> buffers;
   const PyValue* uci = nullptr;
   std::string error;
@@ -336,7 +328,9 @@ Status ParseModel(ModelStates& m, bool want_module) {
     const PyValue* mod = root->Get("module");
     if (mod != nullptr && mod->kind == PyKind::kDict) {
       for (const auto& [k, v] : mod->dict) {
-        if (k->IsStr() && v->kind == PyKind::kTensor) m.module.emplace_back(k->s, v);
+        if (k->IsStr() && v->kind == PyKind::kTensor && m.module_by_name.emplace(k->s, v).second) {
+          m.module.emplace_back(k->s, v);
+        }
       }
     }
   }
@@ -561,10 +555,17 @@ struct Reader {
   Status Discover();
   void Geometry();
   void Geometry12(int t);
+  void CheckSliceMappings(const OptimRank& o, size_t g, std::map<std::string, std::pair<int64_t, int64_t>> placed);
+  void Break(const std::string& name, const std::string& why);  // first reason wins
   void Geometry3(int t);
   Status Emit();
   uint32_t AddTensor(TensorRecord t, std::vector<Fragment> frags);
-  void ExportState(const std::string& name, const std::string& state, uint32_t tensor, const Rule& rule, bool dict);
+  Status ExportState(const std::string& name, const std::string& state, uint32_t tensor, const Rule& rule, bool dict);
+  void AddArchive(const std::string& path, const std::string& stem, const std::string& pickle,
+                  const std::vector<ArchiveStorage>& storages);
+  Status EmitStep(const Param& p, bool ucp);
+  void EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::string>& have_fp32);
+  std::map<std::string, uint32_t> EmitModule(const Patterns& pats);
   Status ExportOptimizerState();
   void ExportCopies();
 };
@@ -742,7 +743,16 @@ void Reader::Geometry12(int t) {
         if (lo < hi) lp.pieces.push_back(Piece{r, lo - off[k], hi - lo, lo - r * S});
       }
     }
-    // Cross-checks against what each rank recorded.
+    // What the geometry puts on each rank: (numel, start) per parameter, and
+    // how long the rank's saved partitions must be.
+    std::vector<std::map<std::string, std::pair<int64_t, int64_t>>> placed(D);
+    std::vector<int64_t> need(D, 0);
+    for (const auto& [name, shape] : shapes) {
+      for (const Piece& pc : params[param_index[name]].tp[t].pieces) {
+        placed[pc.dp][name] = {pc.numel, pc.at};
+        need[pc.dp] = std::max(need[pc.dp], pc.at + pc.numel);
+      }
+    }
     for (int r = 0; r < D; ++r) {
       OptimRank& o = optim[r][t];
       if (!o.error.empty()) continue;
@@ -753,7 +763,7 @@ void Reader::Geometry12(int t) {
         continue;
       }
       const OptimGroup& og = o.groups[g];
-      const int64_t real = std::clamp<int64_t>(n_total - r * S, 0, S), pad = S - real;
+      const int64_t pad = S - std::clamp<int64_t>(n_total - r * S, 0, S);
       if (og.recorded_pad >= 0 && og.recorded_pad != pad) {
         problems.push_back(o.src->rel + ": group_paddings[" + std::to_string(g) + "] records " +
                            std::to_string(og.recorded_pad) + ", the geometry (N=" + std::to_string(n_total) +
@@ -761,70 +771,56 @@ void Reader::Geometry12(int t) {
                            (og.recorded_pad > S ? " (padding spans several ranks: the DP=768 case)" : "") +
                            "; the recorded value is ignored");
       }
-      // Slice mappings: name -> fragment_address(numel, start).
-      if (og.mapping != nullptr && og.mapping->kind == PyKind::kDict) {
-        std::map<std::string, std::pair<int64_t, int64_t>> want;
-        for (size_t k = 0; k < shapes.size(); ++k) {
-          const int64_t n = NumelOf(shapes[k].second);
-          int64_t lo = std::max(off[k], r * S), hi = std::min(off[k] + n, (r + 1) * S);
-          if (lo < hi) want[shapes[k].first] = {hi - lo, lo - r * S};
-        }
-        for (const auto& [kk, addr] : og.mapping->dict) {
-          if (!kk->IsStr()) continue;
-          const PyValue* numel = addr->Attr("numel");
-          const PyValue* start = addr->Attr("start");
-          if ((numel == nullptr || start == nullptr) && addr->kind == PyKind::kObject && addr->args.size() == 2) {
-            numel = addr->args[0];
-            start = addr->args[1];
-          }
-          auto it = want.find(kk->s);
-          auto pit = param_index.find(kk->s);
-          std::string why;
-          if (numel == nullptr || start == nullptr || numel->kind != PyKind::kInt || start->kind != PyKind::kInt) {
-            why = "an unreadable fragment_address";
-          } else if (it == want.end()) {
-            why = "a fragment (numel=" + std::to_string(numel->i) + ", start=" + std::to_string(start->i) +
-                  ") where the geometry puts none";
-          } else if (it->second != std::make_pair(numel->i, start->i)) {
-            why = "(numel=" + std::to_string(numel->i) + ", start=" + std::to_string(start->i) +
-                  ") where the geometry gives (numel=" + std::to_string(it->second.first) +
-                  ", start=" + std::to_string(it->second.second) + ")";
-          }
-          if (it != want.end()) want.erase(it);
-          if (!why.empty() && pit != param_index.end() && params[pit->second].error.empty()) {
-            params[pit->second].error = o.src->rel + ": param_slice_mappings[" + std::to_string(g) + "] gives '" +
-                                        kk->s + "' " + why + " from param_shapes";
-          }
-        }
-        for (const auto& [name, v] : want) {
-          auto pit = param_index.find(name);
-          if (pit != param_index.end() && params[pit->second].error.empty()) {
-            params[pit->second].error = o.src->rel + ": param_slice_mappings[" + std::to_string(g) + "] has no '" +
-                                        name + "', which param_shapes places on this rank";
-          }
-        }
-      }
-      // The saved partitions must hold every element a fragment needs.
-      int64_t need = 0;
-      for (size_t k = 0; k < shapes.size(); ++k) {
-        const int64_t n = NumelOf(shapes[k].second);
-        int64_t hi = std::min(off[k] + n, (r + 1) * S);
-        if (hi > r * S) need = std::max(need, hi - r * S);
-      }
+      CheckSliceMappings(o, g, std::move(placed[r]));
       for (const auto& [loc, what] : {std::pair{&og.fp32, "fp32 partition"}, std::pair{&og.exp_avg, "exp_avg"},
                                       std::pair{&og.exp_avg_sq, "exp_avg_sq"}}) {
-        if (loc->has_value() && (*loc)->Numel() < need) {
-          for (size_t k = 0; k < shapes.size(); ++k) {
-            auto& p = params[param_index[shapes[k].first]];
-            if (p.error.empty()) {
-              p.error = o.src->rel + ": group " + std::to_string(g) + " " + what + " holds " +
-                        std::to_string((*loc)->Numel()) + " elements; param_shapes need " + std::to_string(need) +
-                        " on this rank (N=" + std::to_string(n_total) + ", D=" + std::to_string(D) + ")";
-            }
-          }
-        }
+        if (!loc->has_value() || (*loc)->Numel() >= need[r]) continue;
+        const std::string why = o.src->rel + ": group " + std::to_string(g) + " " + what + " holds " +
+                                std::to_string((*loc)->Numel()) + " elements; param_shapes need " +
+                                std::to_string(need[r]) + " on this rank (N=" + std::to_string(n_total) +
+                                ", D=" + std::to_string(D) + ")";
+        for (const auto& [name, shape] : shapes) Break(name, why);
       }
     }
+  }
+}
+
+void Reader::Break(const std::string& name, const std::string& why) {
+  auto it = param_index.find(name);
+  if (it != param_index.end() && params[it->second].error.empty()) params[it->second].error = why;
+}
+
+// param_slice_mappings[g] of rank `o` (name -> fragment_address(numel, start))
+// must say exactly what the geometry placed there; a parameter it contradicts
+// is broken (which side is wrong cannot be told).
+void Reader::CheckSliceMappings(const OptimRank& o, size_t g,
+                                std::map<std::string, std::pair<int64_t, int64_t>> placed) {
+  const OptimGroup& og = o.groups[g];
+  if (og.mapping == nullptr || og.mapping->kind != PyKind::kDict) return;
+  const std::string where = o.src->rel + ": param_slice_mappings[" + std::to_string(g) + "] ";
+  for (const auto& [key, addr] : og.mapping->dict) {
+    if (!key->IsStr()) continue;
+    const PyValue* numel = addr->Attr("numel");
+    const PyValue* start = addr->Attr("start");
+    if ((numel == nullptr || start == nullptr) && addr->kind == PyKind::kObject && addr->args.size() == 2) {
+      numel = addr->args[0];
+      start = addr->args[1];
+    }
+    auto it = placed.find(key->s);
+    if (numel == nullptr || start == nullptr || numel->kind != PyKind::kInt || start->kind != PyKind::kInt) {
+      Break(key->s, where + "has an unreadable fragment_address for '" + key->s + "'");
+    } else if (it == placed.end()) {
+      Break(key->s, where + "gives '" + key->s + "' a fragment (numel=" + std::to_string(numel->i) + ", start=" +
+                        std::to_string(start->i) + ") where param_shapes put none");
+    } else if (it->second != std::make_pair(numel->i, start->i)) {
+      Break(key->s, where + "gives '" + key->s + "' (numel=" + std::to_string(numel->i) + ", start=" +
+                        std::to_string(start->i) + ") where param_shapes give (numel=" +
+                        std::to_string(it->second.first) + ", start=" + std::to_string(it->second.second) + ")");
+    }
+    if (it != placed.end()) placed.erase(it);
+  }
+  for (const auto& [name, v] : placed) {
+    Break(name, where + "has no '" + name + "', which param_shapes place on this rank");
   }
 }
 
@@ -852,15 +848,10 @@ void Reader::Geometry3(int t) {
       OptimRank& o = optim[r][t];
       if (!o.error.empty() || g >= o.groups.size()) continue;
       for (const auto* l : {&o.groups[g].fp32, &o.groups[g].exp_avg, &o.groups[g].exp_avg_sq}) {
-        if (l->has_value() && (*l)->Numel() < off) {
-          for (const auto& [name, shape] : m.groups[g]) {
-            auto& p = params[param_index[name]];
-            if (p.error.empty()) {
-              p.error = o.src->rel + ": sub-group " + std::to_string(g) + " holds " + std::to_string((*l)->Numel()) +
-                        " elements; param_shapes need " + std::to_string(off);
-            }
-          }
-        }
+        if (!l->has_value() || (*l)->Numel() >= off) continue;
+        const std::string why = o.src->rel + ": sub-group " + std::to_string(g) + " holds " +
+                                std::to_string((*l)->Numel()) + " elements; param_shapes need " + std::to_string(off);
+        for (const auto& [name, shape] : m.groups[g]) Break(name, why);
       }
     }
   }
@@ -880,16 +871,15 @@ void Reader::Geometry() {
 std::string DictKey(const std::string& name, const std::string& state) { return name + "/" + state; }
 
 // One torch.save archive `zero/<name>/<state>.pt` with a dict (or, for
-// ZeRO-3, a bare flat tensor), the way ds_to_universal.py saves it.
-void Reader::ExportState(const std::string& name, const std::string& state, uint32_t tensor, const Rule& rule,
-                         bool dict) {
+// ZeRO-3, a bare flat tensor), the way ds_to_universal.py saves it. The
+// dict's extra keys follow the merge rule; a replicated rule adds none, which
+// is also the form of the fp32.pt written from module entries.
+Status Reader::ExportState(const std::string& name, const std::string& state, uint32_t tensor, const Rule& rule,
+                           bool dict) {
   const TensorRecord& t = ck.tensors[tensor];
   PickleWriter w;
   std::vector<int64_t> shape = t.shape;
   if (!dict) shape = {static_cast<int64_t>(t.Numel())};
-  auto tensor_out = [&]() {
-    (void)w.Tensor("0", DType::kF32, t.Numel(), 0, shape, ContiguousStrides(shape));
-  };
   if (dict) {
     w.BeginDict();
     if (rule.kind == Merge::kCat || rule.kind == Merge::kSub2) {
@@ -905,15 +895,57 @@ void Reader::ExportState(const std::string& name, const std::string& state, uint
       w.Bool(true);
     }
     w.Str("param");
-    tensor_out();
-    w.EndDict();
-  } else {
-    tensor_out();
   }
+  RETURN_IF_ERROR(w.Tensor("0", DType::kF32, t.Numel(), 0, shape, ContiguousStrides(shape)));
+  if (dict) w.EndDict();
+  AddArchive("universal/zero/" + name + "/" + state + ".pt", state, w.Finish(),
+             {ArchiveStorage{tensor, DType::kF32, t.Numel() * 4}});
+  return Status::Ok();
+}
+
+void Reader::AddArchive(const std::string& path, const std::string& stem, const std::string& pickle,
+                        const std::vector<ArchiveStorage>& storages) {
   ExportFile x;
-  x.path = "universal/zero/" + name + "/" + state + ".pt";
-  x.parts = TorchSaveParts(state, w.Finish(), {ArchiveStorage{tensor, DType::kF32, t.Numel() * 4}});
+  x.path = path;
+  x.parts = TorchSaveParts(stem, pickle, storages);
   ck.exports.push_back(std::move(x));
+}
+
+// params/<p>/step and universal/zero/<p>/step.pt: the group's step on (dp 0,
+// tp 0); that the ranks agree is for `ckptfs verify` to check.
+Status Reader::EmitStep(const Param& p, bool ucp) {
+  const OptimRank& o = optim[0][0];
+  if (!o.error.empty() || static_cast<size_t>(p.tp[0].group) >= o.groups.size()) return Status::Ok();
+  const OptimGroup& og = o.groups[static_cast<size_t>(p.tp[0].group)];
+  PickleWriter w;
+  std::vector<ArchiveStorage> storages;
+  if (og.step.has_value() && og.step->Numel() == 1) {
+    const Loc& l = *og.step;
+    TensorRecord rec;
+    rec.key = DictKey(p.name, "step");
+    rec.role = Role::kOptimState;
+    rec.fqn = p.name;
+    rec.state = "step";
+    rec.dtype = l.dtype;
+    rec.shape = l.shape;
+    Fragment f;
+    f.file = o.src->file;
+    f.dtype = l.dtype;
+    f.offsets.assign(l.shape.size(), 0);
+    f.lengths = l.shape;
+    f.strides = l.strides;
+    f.data_offset = l.data_offset;
+    f.data_length = DTypeSize(l.dtype);
+    uint32_t id = AddTensor(std::move(rec), {std::move(f)});
+    RETURN_IF_ERROR(w.Tensor("0", l.dtype, 1, 0, l.shape, ContiguousStrides(l.shape)));
+    storages.push_back(ArchiveStorage{id, l.dtype, DTypeSize(l.dtype)});
+  } else if (og.step_value != nullptr) {
+    RETURN_IF_ERROR(w.Value(*og.step_value, [](PickleWriter&, const PyValue&) { return Unsupported("a tensor"); }));
+  } else {
+    return Status::Ok();
+  }
+  if (ucp) AddArchive("universal/zero/" + p.name + "/step.pt", "step", w.Finish(), storages);
+  return Status::Ok();
 }
 
 Status Reader::Emit() {
@@ -940,133 +972,136 @@ Status Reader::Emit() {
   }
   const bool ucp = stage == 1 || stage == 2 || stage == 3;
 
-  // Optimizer-backed parameters.
+  // Optimizer-backed parameters, then the module copy and universal/.
   std::set<std::string> have_fp32;
-  for (Param& p : params) {
-    // Plain ZeRO-3 merges over DP only and saves bare flat tensors; with TP it
-    // takes the stage-1/2 TP merge (ds_to_universal.py does the same).
-    const bool as_dict = stage != 3 || tp > 1;
-    Rule rule = as_dict ? pats.For(p.name) : Rule{};
-    std::vector<std::vector<int64_t>> local;
-    std::string err = p.error;
-    for (int t = 0; t < tp && err.empty(); ++t) {
-      if (!p.tp[t].present) {
-        if (rule.kind == Merge::kReplicated && t > 0) {
-          local.push_back(p.tp[0].shape);
-          continue;
-        }
-        err = "parameter '" + p.name + "' is missing from TP rank " + std::to_string(t) + "'s param_shapes" +
-              (models[t].error.empty() ? "" : " (" + models[t].error + ")");
-      } else {
-        local.push_back(p.tp[t].shape);
+  for (Param& p : params) EmitParam(p, pats, ucp, have_fp32);
+  std::map<std::string, uint32_t> module_record = EmitModule(pats);
+  if (stage == 1 || stage == 2) {
+    for (const auto& [name, v] : models[0].module) {
+      if (have_fp32.count(name) || !module_record.count(name)) continue;
+      const uint32_t id = module_record[name];
+      const TensorRecord& t = ck.tensors[id];
+      if (!t.error.empty()) continue;
+      if (t.dtype != DType::kF32 && t.dtype != DType::kBF16 && t.dtype != DType::kF16) {
+        problems.push_back("universal/zero/" + name + "/fp32.pt is not generated: '" + name + "' is " +
+                           std::string(DTypeName(t.dtype)) + ", and ckptfs widens only floating types to float32");
+        continue;
       }
-    }
-    if (err.empty() && rule.kind == Merge::kAverage) {
-      err = "parameter '" + p.name + "' is averaged over TP ranks (parameter_to_average_patterns), which ckptfs does not compute yet";
-    }
-    if (err.empty() && rule.kind == Merge::kSubParams) {
-      err = "parameter '" + p.name + "' has sub-parameter shapes (parameter_with_sub_params), which ckptfs does not merge yet";
-    }
-    Merger merger(rule, local, pats.original_vocab);
-    std::vector<int64_t> gshape;
-    if (err.empty()) {
-      auto gs = merger.GlobalShape();
-      if (!gs.ok()) {
-        err = "parameter '" + p.name + "': " + gs.status().message();
-      } else {
-        gshape = *gs;
-      }
-    }
-    for (const char* state : {"fp32", "exp_avg", "exp_avg_sq"}) {
-      TensorRecord rec;
-      rec.key = DictKey(p.name, state);
-      rec.role = Role::kOptimState;
-      rec.fqn = p.name;
-      rec.state = state;
-      rec.dtype = DType::kF32;
-      rec.shape = gshape;
-      rec.error = err;
-      std::vector<Fragment> frags;
-      for (int t = 0; t < tp && rec.error.empty(); ++t) {
-        if (!merger.UsesRank(t)) continue;
-        const LocalParam& lp = p.tp[t];
-        for (const Piece& pc : lp.pieces) {
-          const OptimRank& o = optim[pc.dp][t];
-          if (!o.error.empty()) {
-            rec.error = "parameter '" + p.name + "' needs " + o.src->rel + ": " + o.error;
-            break;
-          }
-          const OptimGroup& og = o.groups[static_cast<size_t>(lp.group)];
-          const std::optional<Loc>& l = std::string(state) == "fp32" ? og.fp32 : std::string(state) == "exp_avg" ? og.exp_avg : og.exp_avg_sq;
-          if (!l.has_value()) {
-            rec.error = o.src->rel + ": group " + std::to_string(lp.group) + " has no " + state;
-            break;
-          }
-          if (l->dtype != DType::kF32) {
-            rec.dtype = l->dtype;
-          }
-          if (pc.at + pc.numel > l->Numel()) {
-            rec.error = o.src->rel + ": group " + std::to_string(lp.group) + " " + state + " has " +
-                        std::to_string(l->Numel()) + " elements, '" + p.name + "' needs [" + std::to_string(pc.at) +
-                        ", " + std::to_string(pc.at + pc.numel) + ")";
-            break;
-          }
-          AddRangeFragments(merger, t, lp.shape, pc.start, pc.numel, o.src->file, l->dtype,
-                            l->data_offset + static_cast<uint64_t>(pc.at) * DTypeSize(l->dtype), frags);
-        }
-      }
-      if (!rec.error.empty()) frags.clear();
-      const bool bad = !rec.error.empty();
-      uint32_t id = AddTensor(std::move(rec), std::move(frags));
-      if (!bad && ucp && ck.tensors[id].dtype == DType::kF32) {
-        ExportState(p.name, state, id, rule, as_dict);
-        if (std::string(state) == "fp32") have_fp32.insert(p.name);
-      } else if (bad && ucp && std::string(state) == "fp32") {
-        have_fp32.insert(p.name);  // ds_to_universal would fail here too: no silent substitute
-      }
-    }
-    // step: one scalar per group; ranks agree (checked by `ckptfs verify`).
-    if (stage != 3 && err.empty() && p.tp[0].present && p.tp[0].group >= 0) {
-      const OptimRank& o = optim[0][0];
-      if (o.error.empty() && static_cast<size_t>(p.tp[0].group) < o.groups.size()) {
-        const OptimGroup& og = o.groups[static_cast<size_t>(p.tp[0].group)];
-        PickleWriter w;
-        std::vector<ArchiveStorage> storages;
-        if (og.step.has_value() && og.step->Numel() == 1) {
-          TensorRecord rec;
-          rec.key = DictKey(p.name, "step");
-          rec.role = Role::kOptimState;
-          rec.fqn = p.name;
-          rec.state = "step";
-          rec.dtype = og.step->dtype;
-          rec.shape = og.step->shape;
-          Fragment f;
-          f.file = o.src->file;
-          f.dtype = og.step->dtype;
-          f.offsets.assign(rec.shape.size(), 0);
-          f.lengths = rec.shape;
-          f.strides = og.step->strides;
-          f.data_offset = og.step->data_offset;
-          f.data_length = DTypeSize(og.step->dtype);
-          uint32_t id = AddTensor(std::move(rec), {std::move(f)});
-          Status st = w.Tensor("0", og.step->dtype, 1, 0, og.step->shape, ContiguousStrides(og.step->shape));
-          if (st.ok()) storages.push_back(ArchiveStorage{id, og.step->dtype, DTypeSize(og.step->dtype)});
-        } else if (og.step_value != nullptr) {
-          (void)w.Value(*og.step_value, [](PickleWriter&, const PyValue&) { return Unsupported("tensor"); });
-        }
-        if (ucp && (og.step.has_value() || og.step_value != nullptr)) {
-          ExportFile x;
-          x.path = "universal/zero/" + p.name + "/step.pt";
-          x.parts = TorchSaveParts("step", w.Finish(), storages);
-          ck.exports.push_back(std::move(x));
-        }
-      }
+      Status st = ExportState(name, "fp32", id, Rule{Merge::kReplicated, 0, false}, /*dict=*/true);
+      if (!st.ok()) problems.push_back("universal/zero/" + name + "/fp32.pt: " + st.message());
     }
   }
+  if (ucp) {
+    Status st = ExportOptimizerState();
+    if (!st.ok()) problems.push_back("universal/zero/optimizer_state.pt is not available: " + st.message());
+    ExportCopies();
+    ExportFile latest;
+    latest.path = "latest_universal";
+    latest.parts.push_back(ExportPart{PartKind::kLiteral, "universal", 0, DType::kInvalid, 9});
+    ck.exports.push_back(std::move(latest));
+  }
+  ck.info.problems = std::move(problems);
+  return Status::Ok();
+}
 
-  // The model's own copy (module): param.npy per parameter, TP-merged like
-  // the optimizer states; buffers under other/. ZeRO-3 saves no module.
-  std::map<std::string, uint32_t> module_record;  // mp_rank_00's tensor, for the fp32.pt fallback
+// The fp32 master and Adam states of one optimizer-backed parameter: params/
+// records (TP-merged, DP fragments joined) and their universal/ archives.
+void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::string>& have_fp32) {
+  // Plain ZeRO-3 merges over DP only and saves bare flat tensors; with TP it
+  // takes the stage-1/2 TP merge (ds_to_universal.py does the same).
+  const bool as_dict = stage != 3 || tp > 1;
+  Rule rule = as_dict ? pats.For(p.name) : Rule{};
+  std::vector<std::vector<int64_t>> local;
+  std::string err = p.error;
+  for (int t = 0; t < tp && err.empty(); ++t) {
+    if (!p.tp[t].present) {
+      if (rule.kind == Merge::kReplicated && t > 0) {
+        local.push_back(p.tp[0].shape);
+        continue;
+      }
+      err = "parameter '" + p.name + "' is missing from TP rank " + std::to_string(t) + "'s param_shapes" +
+            (models[t].error.empty() ? "" : " (" + models[t].error + ")");
+    } else {
+      local.push_back(p.tp[t].shape);
+    }
+  }
+  if (err.empty() && rule.kind == Merge::kAverage) {
+    err = "parameter '" + p.name + "' is averaged over TP ranks (parameter_to_average_patterns), which ckptfs does not compute yet";
+  }
+  if (err.empty() && rule.kind == Merge::kSubParams) {
+    err = "parameter '" + p.name + "' has sub-parameter shapes (parameter_with_sub_params), which ckptfs does not merge yet";
+  }
+  Merger merger(rule, local, pats.original_vocab);
+  std::vector<int64_t> gshape;
+  if (err.empty()) {
+    auto gs = merger.GlobalShape();
+    if (!gs.ok()) {
+      err = "parameter '" + p.name + "': " + gs.status().message();
+    } else {
+      gshape = *gs;
+    }
+  }
+  for (const char* state : {"fp32", "exp_avg", "exp_avg_sq"}) {
+    TensorRecord rec;
+    rec.key = DictKey(p.name, state);
+    rec.role = Role::kOptimState;
+    rec.fqn = p.name;
+    rec.state = state;
+    rec.dtype = DType::kF32;
+    rec.shape = gshape;
+    rec.error = err;
+    std::vector<Fragment> frags;
+    for (int t = 0; t < tp && rec.error.empty(); ++t) {
+      if (!merger.UsesRank(t)) continue;
+      const LocalParam& lp = p.tp[t];
+      for (const Piece& pc : lp.pieces) {
+        const OptimRank& o = optim[pc.dp][t];
+        if (!o.error.empty()) {
+          rec.error = "parameter '" + p.name + "' needs " + o.src->rel + ": " + o.error;
+          break;
+        }
+        const OptimGroup& og = o.groups[static_cast<size_t>(lp.group)];
+        const std::optional<Loc>& l = std::string(state) == "fp32" ? og.fp32 : std::string(state) == "exp_avg" ? og.exp_avg : og.exp_avg_sq;
+        if (!l.has_value()) {
+          rec.error = o.src->rel + ": group " + std::to_string(lp.group) + " has no " + state;
+          break;
+        }
+        if (l->dtype != DType::kF32) {
+          rec.dtype = l->dtype;
+        }
+        if (pc.at + pc.numel > l->Numel()) {
+          rec.error = o.src->rel + ": group " + std::to_string(lp.group) + " " + state + " has " +
+                      std::to_string(l->Numel()) + " elements, '" + p.name + "' needs [" + std::to_string(pc.at) +
+                      ", " + std::to_string(pc.at + pc.numel) + ")";
+          break;
+        }
+        AddRangeFragments(merger, t, lp.shape, pc.start, pc.numel, o.src->file, l->dtype,
+                          l->data_offset + static_cast<uint64_t>(pc.at) * DTypeSize(l->dtype), frags);
+      }
+    }
+    if (!rec.error.empty()) frags.clear();
+    const bool bad = !rec.error.empty();
+    uint32_t id = AddTensor(std::move(rec), std::move(frags));
+    if (!bad && ucp && ck.tensors[id].dtype == DType::kF32) {
+      Status st = ExportState(p.name, state, id, rule, as_dict);
+      if (!st.ok()) problems.push_back("universal/zero/" + p.name + "/" + state + ".pt: " + st.message());
+      if (std::string(state) == "fp32") have_fp32.insert(p.name);
+    } else if (bad && ucp && std::string(state) == "fp32") {
+      have_fp32.insert(p.name);  // ds_to_universal would fail here too: no silent substitute
+    }
+  }
+  if (stage != 3 && err.empty() && p.tp[0].present && p.tp[0].group >= 0) {
+    Status st = EmitStep(p, ucp);
+    if (!st.ok()) problems.push_back("no step for '" + p.name + "': " + st.message());
+  }
+}
+
+// The model's own copy (module): param per parameter, TP-merged like the
+// optimizer states; buffers under other/. ZeRO-3 saves no module. Returns, per
+// name, the record holding mp_rank_00's tensor (ds_to_universal.py's fp32.pt
+// fallback for names without optimizer state).
+std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
+  std::map<std::string, uint32_t> module_record;
   for (const auto& [name, v] : models[0].module) {
     const bool buffer = models[0].buffers.count(name) > 0;
     Rule rule = buffer ? Rule{Merge::kReplicated, 0, false} : pats.For(name);
@@ -1082,10 +1117,8 @@ Status Reader::Emit() {
         err = "'" + name + "' needs " + models[t].error;
         break;
       }
-      const PyValue* tv = nullptr;
-      for (const auto& [n2, v2] : models[t].module) {
-        if (n2 == name) tv = v2;
-      }
+      auto found = models[t].module_by_name.find(name);
+      const PyValue* tv = found == models[t].module_by_name.end() ? nullptr : found->second;
       if (tv == nullptr) {
         err = "'" + name + "' is missing from " + models[t].src->rel;
         break;
@@ -1128,8 +1161,9 @@ Status Reader::Emit() {
         f.file = models[t].src->file;
         f.dtype = l.dtype;
         f.strides = l.strides;
-        f.data_offset = l.data_offset + static_cast<uint64_t>(FlatIndex(pl.local_offsets, l.strides)) * DTypeSize(l.dtype);
-        f.data_length = l.data_length;
+        const uint64_t skip = static_cast<uint64_t>(FlatIndex(pl.local_offsets, l.strides)) * DTypeSize(l.dtype);
+        f.data_offset = l.data_offset + skip;
+        f.data_length = l.data_length - skip;
         f.offsets = std::move(pl.global.offsets);
         f.lengths = std::move(pl.global.lengths);
         if (n > 0) frags.push_back(std::move(f));
@@ -1159,39 +1193,7 @@ Status Reader::Emit() {
       module_record[name] = AddTensor(std::move(hidden), {std::move(f)});
     }
   }
-  if (stage == 1 || stage == 2) {
-    for (const auto& [name, v] : models[0].module) {
-      if (have_fp32.count(name) || !module_record.count(name)) continue;
-      const uint32_t id = module_record[name];
-      const TensorRecord& t = ck.tensors[id];
-      if (!t.error.empty()) continue;
-      if (t.dtype != DType::kF32 && t.dtype != DType::kBF16 && t.dtype != DType::kF16) {
-        problems.push_back("universal/zero/" + name + "/fp32.pt is not generated: '" + name + "' is " +
-                           std::string(DTypeName(t.dtype)) + ", and ckptfs widens only floating types to float32");
-        continue;
-      }
-      PickleWriter w;
-      w.BeginDict();
-      w.Str("param");
-      (void)w.Tensor("0", DType::kF32, t.Numel(), 0, t.shape, ContiguousStrides(t.shape));
-      w.EndDict();
-      ExportFile x;
-      x.path = "universal/zero/" + name + "/fp32.pt";
-      x.parts = TorchSaveParts("fp32", w.Finish(), {ArchiveStorage{id, DType::kF32, t.Numel() * 4}});
-      ck.exports.push_back(std::move(x));
-    }
-  }
-  if (ucp) {
-    Status st = ExportOptimizerState();
-    if (!st.ok()) problems.push_back("universal/zero/optimizer_state.pt is not available: " + st.message());
-    ExportCopies();
-    ExportFile latest;
-    latest.path = "latest_universal";
-    latest.parts.push_back(ExportPart{PartKind::kLiteral, "universal", 0, DType::kInvalid, 9});
-    ck.exports.push_back(std::move(latest));
-  }
-  ck.info.problems = std::move(problems);
-  return Status::Ok();
+  return module_record;
 }
 
 // universal/zero/optimizer_state.pt: rank (dp 0, tp 0)'s optimizer_state_dict
@@ -1249,10 +1251,7 @@ Status Reader::ExportOptimizerState() {
   w.Str("param_groups");
   RETURN_IF_ERROR(w.Value(*groups, tensor_fn));
   w.EndDict();
-  ExportFile x;
-  x.path = "universal/zero/optimizer_state.pt";
-  x.parts = TorchSaveParts("optimizer_state", w.Finish(), storages);
-  ck.exports.push_back(std::move(x));
+  AddArchive("universal/zero/optimizer_state.pt", "optimizer_state", w.Finish(), storages);
   return Status::Ok();
 }
 
