@@ -46,6 +46,10 @@ std::string_view StorageClassName(DType d);
 std::string_view NumpyDescr(DType d);
 // The dtype a .npy view uses: bf16 and fp8 widen to float32, others keep theirs.
 DType NpyDType(DType d);
+// IEEE half -> float (exact).
+float HalfToFloat(uint16_t h);
+// One element at `p` as a double (float and integer dtypes); false for others.
+bool ElementAsDouble(const char* p, DType d, double* out);
 
 // kHidden: reachable only through an ExportFile (e.g. a verbatim copy of a
 // source file inside universal/), never listed under params/ or other/.

@@ -1,6 +1,7 @@
 #include "ckptfs/model.h"
 
 #include <array>
+#include <cstring>
 
 namespace ckptfs {
 namespace {
@@ -88,6 +89,57 @@ DType NpyDType(DType d) {
       return DType::kF32;
     default:
       return d;
+  }
+}
+
+float HalfToFloat(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F;
+  uint32_t man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        man <<= 1;
+      } while ((man & 0x400) == 0);
+      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
+    }
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+bool ElementAsDouble(const char* p, DType d, double* out) {
+  auto load = [p](auto v) {
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  };
+  switch (d) {
+    case DType::kF32: *out = load(float{}); return true;
+    case DType::kF64: *out = load(double{}); return true;
+    case DType::kF16: *out = HalfToFloat(load(uint16_t{})); return true;
+    case DType::kBF16: {
+      uint32_t bits = static_cast<uint32_t>(load(uint16_t{})) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      *out = f;
+      return true;
+    }
+    case DType::kI8: *out = load(int8_t{}); return true;
+    case DType::kU8: *out = load(uint8_t{}); return true;
+    case DType::kI16: *out = load(int16_t{}); return true;
+    case DType::kI32: *out = load(int32_t{}); return true;
+    case DType::kI64: *out = static_cast<double>(load(int64_t{})); return true;
+    default: return false;
   }
 }
 

@@ -111,7 +111,7 @@ const char* TensorReader::engine_name() const { return kind_ == EngineKind::kPre
 Status TensorReader::CheckFd(FileId file) const {
   const SourceFile& sf = index_.files()[file.v];
   int fd = fds_[file.v];
-  if (fd < 0) return NotFound(open_errors_[file.v]);
+  if (fd < 0) return IoError(open_errors_[file.v]);  // a missing shard: EIO on read, not ENOENT
   struct stat st{};
   const std::string path = index_.src_dir() + "/" + sf.rel_path;
   if (::fstat(fd, &st) != 0) return ErrnoStatus("stat", path, errno);

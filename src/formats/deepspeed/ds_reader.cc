@@ -15,7 +15,9 @@
 #include "formats/pickle.h"
 #include "formats/pickle_writer.h"
 #include "formats/torch_save.h"
+#include "formats/torch_file.h"
 #include "formats/torch_save_writer.h"
+#include "formats/tp_merge.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -40,87 +42,6 @@ const std::regex& OptimRe() {
   return r;
 }
 
-std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> s(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
-  return s;
-}
-
-int64_t NumelOf(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t x : shape) n *= x;
-  return n;
-}
-
-std::string ShapeStr(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
-
-// A tensor inside one source archive: where its elements lie.
-struct Loc {
-  DType dtype = DType::kInvalid;
-  std::vector<int64_t> shape, strides;
-  uint64_t data_offset = 0, data_length = 0;  // absolute in the file
-  int64_t Numel() const { return NumelOf(shape); }
-  bool Contiguous() const { return strides == ContiguousStrides(shape); }
-};
-
-// One opened .pt of the checkpoint.
-struct Source {
-  FileId file;
-  std::string rel;
-  int fd = -1;
-  std::unique_ptr<FileSliceReader> reader;
-  TorchSaveArchive archive;
-  std::string error;  // non-empty: unusable, and why
-  const PyValue* root() const { return archive.root.get(); }
-  ~Source() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-struct Files {
-  std::string dir;
-  Checkpoint* ck = nullptr;
-
-  // Registers, stats and parses `rel` (an absent file is recorded as missing).
-  std::unique_ptr<Source> Open(const std::string& rel, bool parse = true) {
-    auto s = std::make_unique<Source>();
-    s->rel = rel;
-    s->file = FileId{static_cast<uint32_t>(ck->files.size())};
-    ck->files.push_back(SourceFile{rel, 0, 0, 0});
-    auto fd = OpenAndFingerprint(dir, ck->files.back());
-    if (!fd.ok()) {
-      s->error = fd.status().message();
-      return s;
-    }
-    s->fd = *fd;
-    if (!parse) return s;
-    s->reader = std::make_unique<FileSliceReader>(s->fd, 0, ck->files[s->file.v].size, rel);
-    auto a = ReadTorchSave(*s->reader, DsPickleOptions());
-    if (!a.ok()) {
-      s->error = "cannot parse " + rel + ": " + a.status().message();
-    } else {
-      s->archive = std::move(a).value();
-    }
-    return s;
-  }
-};
-
-Result<Loc> Resolve(const Source& s, const PyValue* v, const std::string& what) {
-  if (v == nullptr || v->kind != PyKind::kTensor) return Invalid(s.rel + ": " + what + " is not a tensor");
-  ASSIGN_OR_RETURN(ResolvedTensor rt, ResolveTensor(*s.reader, s.archive, v->tensor));
-  Loc l;
-  l.dtype = v->tensor.dtype;
-  l.shape = v->tensor.shape;
-  l.strides = v->tensor.strides;
-  l.data_offset = rt.data_offset;
-  l.data_length = rt.data_length;
-  return l;
-}
-
 // param_shapes: a list (one per group) of OrderedDict name -> torch.Size.
 using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 Result<std::vector<Shapes>> ParamShapes(const Source& s, const PyValue* v) {
@@ -143,15 +64,6 @@ Result<std::vector<Shapes>> ParamShapes(const Source& s, const PyValue* v) {
       ASSIGN_OR_RETURN(auto shape, AsIntVector(x, "param_shapes[" + k->s + "]"));
       out.back().emplace_back(k->s, std::move(shape));
     }
-  }
-  return out;
-}
-
-std::vector<std::string> StrList(const PyValue* v) {
-  std::vector<std::string> out;
-  if (v == nullptr || !v->IsSeq()) return out;
-  for (PyRef x : v->items) {
-    if (x->IsStr()) out.push_back(x->s);
   }
   return out;
 }
@@ -340,15 +252,6 @@ Status ParseModel(ModelStates& m, bool want_module) {
   return Status::Ok();
 }
 
-// How TP slices of a parameter merge into the global tensor (ds_to_universal's
-// merge_tp_slices).
-enum class Merge { kCat, kReplicated, kSub2, kAverage, kSubParams };
-struct Rule {
-  Merge kind = Merge::kCat;
-  int cat_dim = 0;
-  bool vocab = false;
-};
-
 struct Patterns {
   PatternList replicated, average, row, vocab, sub2, sub_params;
   int64_t original_vocab = -1;
@@ -420,123 +323,6 @@ struct Param {
   std::vector<LocalParam> tp;  // per TP rank
   std::string error;           // geometry contradiction
 };
-
-// Maps a box of TP rank t's local tensor to boxes of the global tensor; each
-// result carries the local offsets of its first element.
-struct Placed {
-  Box global;
-  std::vector<int64_t> local_offsets;
-};
-
-class Merger {
- public:
-  Merger(Rule rule, std::vector<std::vector<int64_t>> local_shapes, int64_t vocab_rows)
-      : rule_(rule), local_(std::move(local_shapes)), vocab_rows_(vocab_rows) {}
-
-  Result<std::vector<int64_t>> GlobalShape() const {
-    const auto& l0 = local_[0];
-    if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
-      if (rule_.kind == Merge::kCat && l0.size() <= static_cast<size_t>(rule_.cat_dim)) {
-        return Invalid("a tensor of shape " + ShapeStr(l0) + " cannot be concatenated on dim " +
-                       std::to_string(rule_.cat_dim));
-      }
-      return Clip(l0);
-    }
-    const size_t dim = rule_.kind == Merge::kSub2 ? 0 : static_cast<size_t>(rule_.cat_dim);
-    if (l0.size() <= dim) {
-      return Invalid("a tensor of shape " + ShapeStr(l0) + " cannot be concatenated on dim " + std::to_string(dim));
-    }
-    std::vector<int64_t> g = l0;
-    g[dim] = 0;
-    for (const auto& l : local_) {
-      if (l.size() != l0.size()) return Invalid("TP slices have different ranks");
-      for (size_t d = 0; d < l.size(); ++d) {
-        if (d != dim && l[d] != l0[d]) return Invalid("TP slices " + ShapeStr(l0) + " and " + ShapeStr(l) + " differ");
-      }
-      if (l[dim] != l0[dim]) return Unsupported("uneven TP slices along the merge dimension");
-      if (rule_.kind == Merge::kSub2 && l[0] % 2 != 0) return Invalid("a two-sub-parameter slice has odd rows");
-      g[dim] += l[dim];
-    }
-    return Clip(g);
-  }
-
-  std::vector<Placed> Place(int t, const Box& b) const {
-    std::vector<Placed> out;
-    auto emit = [&](Box g, std::vector<int64_t> local) {
-      if (rule_.vocab && !g.offsets.empty()) {
-        int64_t lo = g.offsets[0], hi = g.offsets[0] + g.lengths[0];
-        hi = std::min(hi, vocab_rows_ < 0 ? hi : vocab_rows_);
-        if (lo >= hi) return;
-        g.lengths[0] = hi - lo;
-      }
-      out.push_back(Placed{std::move(g), std::move(local)});
-    };
-    if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
-      emit(b, b.offsets);
-      return out;
-    }
-    if (rule_.kind == Merge::kSub2) {
-      const int64_t h = local_[t][0] / 2, total_h = h * static_cast<int64_t>(local_.size());
-      const int64_t lo = b.offsets[0], hi = b.offsets[0] + b.lengths[0];
-      for (int half = 0; half < 2; ++half) {
-        int64_t a = std::max(lo, half * h), z = std::min(hi, (half + 1) * h);
-        if (a >= z) continue;
-        Box g = b;
-        g.offsets[0] = half * total_h + t * h + (a - half * h);
-        g.lengths[0] = z - a;
-        std::vector<int64_t> local = b.offsets;
-        local[0] = a;
-        emit(std::move(g), std::move(local));
-      }
-      return out;
-    }
-    Box g = b;
-    g.offsets[rule_.cat_dim] += t * local_[t][rule_.cat_dim];
-    emit(std::move(g), b.offsets);
-    return out;
-  }
-
-  bool UsesRank(int t) const { return t == 0 || (rule_.kind != Merge::kReplicated); }
-
- private:
-  std::vector<int64_t> Clip(std::vector<int64_t> g) const {
-    if (rule_.vocab && !g.empty() && vocab_rows_ >= 0) g[0] = std::min(g[0], vocab_rows_);
-    return g;
-  }
-  Rule rule_;
-  std::vector<std::vector<int64_t>> local_;
-  int64_t vocab_rows_;
-};
-
-int64_t FlatIndex(const std::vector<int64_t>& idx, const std::vector<int64_t>& strides) {
-  int64_t f = 0;
-  for (size_t d = 0; d < idx.size(); ++d) f += idx[d] * strides[d];
-  return f;
-}
-
-// Fragments of one box-mapped source: the TP-local tensor of rank t whose
-// flat range [start, start+numel) sits at byte `base` (element `start`).
-void AddRangeFragments(const Merger& m, int t, const std::vector<int64_t>& local_shape, int64_t start, int64_t numel,
-                       FileId file, DType dt, uint64_t base, std::vector<Fragment>& out) {
-  const auto strides = ContiguousStrides(local_shape);
-  const uint64_t isz = DTypeSize(dt);
-  for (const Box& b : DecomposeRange(local_shape, static_cast<uint64_t>(start), static_cast<uint64_t>(start + numel))) {
-    for (Placed& p : m.Place(t, b)) {
-      Fragment f;
-      f.file = file;
-      f.dtype = dt;
-      f.strides = strides;
-      const int64_t first = FlatIndex(p.local_offsets, strides);
-      int64_t last = first;
-      for (size_t d = 0; d < p.global.lengths.size(); ++d) last += (p.global.lengths[d] - 1) * strides[d];
-      f.data_offset = base + static_cast<uint64_t>(first - start) * isz;
-      f.data_length = static_cast<uint64_t>(last - first + 1) * isz;
-      f.offsets = std::move(p.global.offsets);
-      f.lengths = std::move(p.global.lengths);
-      out.push_back(std::move(f));
-    }
-  }
-}
 
 struct Reader {
   std::string dir, prefix;
@@ -620,6 +406,7 @@ Status Reader::Discover() {
   }
   files.dir = dir;
   files.ck = &ck;
+  files.pickle = DsPickleOptions();
   // TP ranks: the model-states files (stage 3: those of DP rank 0).
   std::set<int> mps;
   for (const auto& [mp, n] : model_files) mps.insert(mp);
@@ -1151,23 +938,7 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
     }
     for (int t = 0; t < tp && err.empty(); ++t) {
       if (!merger.UsesRank(t)) continue;
-      const Loc& l = *locs[t];
-      const int64_t n = l.Numel();
-      Box whole;
-      whole.offsets.assign(l.shape.size(), 0);
-      whole.lengths = l.shape;
-      for (Placed& pl : merger.Place(t, whole)) {
-        Fragment f;
-        f.file = models[t].src->file;
-        f.dtype = l.dtype;
-        f.strides = l.strides;
-        const uint64_t skip = static_cast<uint64_t>(FlatIndex(pl.local_offsets, l.strides)) * DTypeSize(l.dtype);
-        f.data_offset = l.data_offset + skip;
-        f.data_length = l.data_length - skip;
-        f.offsets = std::move(pl.global.offsets);
-        f.lengths = std::move(pl.global.lengths);
-        if (n > 0) frags.push_back(std::move(f));
-      }
+      AddWholeFragments(merger, t, *locs[t], models[t].src->file, frags);
     }
     rec.error = err;
     if (!err.empty()) frags.clear();

@@ -1,0 +1,744 @@
+#include "formats/megatron/legacy_reader.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <optional>
+#include <regex>
+#include <set>
+
+#include "formats/megatron/megatron_common.h"
+#include "formats/torch_file.h"
+#include "formats/tp_merge.h"
+
+namespace ckptfs::formats {
+namespace {
+
+using megatron::ArgBool;
+using megatron::ArgInt;
+
+constexpr uint64_t kMaxCompareBytes = 256ull << 20;  // replicas larger than this are not compared
+constexpr int64_t kParamAlign = 64;                   // DDP buffer: each parameter starts at a multiple
+
+const PickleOptions& MegatronPickleOptions() {
+  static const PickleOptions o{{"megatron", "transformer_engine"}};
+  return o;
+}
+
+const PyValue* GetInt(const PyValue* d, int64_t key) {
+  if (d == nullptr || d->kind != PyKind::kDict) return nullptr;
+  for (const auto& [k, v] : d->dict) {
+    if (k->kind == PyKind::kInt && k->i == key) return v;
+  }
+  return nullptr;
+}
+
+// One local tensor of a model chunk, in state_dict order.
+struct Entry {
+  std::string local;
+  const PyValue* v = nullptr;
+};
+
+struct OptStates {
+  FileId file;  // the file all four live in
+  std::optional<Loc> fp32, exp_avg, exp_avg_sq, step;
+};
+
+// One mp_rank_TT[_PPP] directory.
+struct RankFile {
+  int tp = 0, pp = 0;
+  std::string dir;  // relative to the iteration directory's parent (the mount source)
+  std::unique_ptr<Source> src;
+  std::unique_ptr<Source> distopt;            // distrib_optim.pt, when present
+  std::vector<std::vector<Entry>> chunks;     // model / model0, model1, ...
+  std::map<std::pair<int, std::string>, OptStates> opt;  // (chunk, local name) -> states
+  std::string opt_unavailable;                // why optimizer states are not shown
+  std::string error;
+};
+
+// Flattens nested state dicts (legacy language_model/{embedding, encoder}) to dotted names.
+void Flatten(const PyValue* d, const std::string& prefix, std::vector<Entry>& out, int* skipped) {
+  for (const auto& [k, v] : d->dict) {
+    if (!k->IsStr()) continue;
+    const std::string name = prefix.empty() ? k->s : prefix + "." + k->s;
+    if (v->kind == PyKind::kDict) {
+      Flatten(v, name, out, skipped);
+    } else if (v->kind == PyKind::kTensor && name.find("_extra_state") == std::string::npos) {
+      out.push_back(Entry{name, v});
+    } else if (v->kind == PyKind::kTensor || name.find("_extra_state") != std::string::npos) {
+      ++*skipped;  // Transformer Engine's serialized FP8 metadata: not a parameter
+    }
+  }
+}
+
+bool NoWeightDecay(const std::string& name, const std::vector<int64_t>& shape) {
+  return (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) || shape.size() == 1;
+}
+
+// A contiguous tensor viewed with `shape` (same number of elements).
+Result<Loc> AsShape(Loc l, const std::vector<int64_t>& shape, const std::string& what) {
+  if (l.Numel() != NumelOf(shape)) {
+    return Invalid(what + " has " + std::to_string(l.Numel()) + " elements, the parameter " + ShapeStr(shape));
+  }
+  if (!l.Contiguous()) return Unsupported(what + " is not contiguous");
+  l.shape = shape;
+  l.strides = ContiguousStrides(shape);
+  return l;
+}
+
+struct Holder {
+  int pp = 0, chunk = 0;
+  std::string local;
+};
+
+struct Global {
+  std::string name;
+  int64_t layer = -1;
+  std::vector<Holder> holders;  // normally one; more: the same name on several stages
+};
+
+struct Reader {
+  std::string dir;
+  megatron::IterDir iter;
+  Checkpoint ck;
+  Files files;
+  std::vector<std::unique_ptr<RankFile>> ranks;
+  std::map<std::pair<int, int>, RankFile*> by_rank;  // (tp, pp)
+  int tp = 1, pp = 1, vp = 1;
+  const PyValue* args = nullptr;
+  bool swiglu = false;
+  std::vector<std::string> problems;
+  int skipped_extra = 0;
+
+  Status Run();
+  Status Discover();
+  void ParseModel(RankFile& r);
+  void MapOptimizer(RankFile& r);
+  void MapDistOpt(RankFile& r);
+  Status Emit();
+  uint32_t AddTensor(TensorRecord t, std::vector<Fragment> frags);
+  void CompareReplicas(const std::string& name, const std::vector<std::pair<std::string, Loc>>& copies,
+                       const std::vector<const Source*>& srcs, const std::string& across);
+};
+
+uint32_t Reader::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
+  if (!t.error.empty()) frags.clear();
+  t.num_fragments = static_cast<uint32_t>(frags.size());
+  if (t.encoding == Encoding::kTensor) t.byte_size = t.Numel() * DTypeSize(t.dtype);
+  ck.tensors.push_back(std::move(t));
+  ck.fragments.push_back(std::move(frags));
+  return static_cast<uint32_t>(ck.tensors.size() - 1);
+}
+
+Status Reader::Discover() {
+  ASSIGN_OR_RETURN(iter, megatron::FindIterDir(dir));
+  static const std::regex kRank(R"(^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$)");
+  DIR* d = ::opendir(iter.path.c_str());
+  if (d == nullptr) return ErrnoStatus("open", iter.path, errno);
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  for (const auto& n : names) {
+    std::smatch m;
+    if (!std::regex_match(n, m, kRank)) continue;
+    if (m[3].matched) {
+      problems.push_back(iter.path + "/" + n + ": expert-parallel rank directories (MoE) are not merged by ckptfs; skipped");
+      continue;
+    }
+    auto r = std::make_unique<RankFile>();
+    r->tp = std::stoi(m[1].str());
+    r->pp = m[2].matched ? std::stoi(m[2].str()) : 0;
+    r->dir = (iter.rel.empty() ? "" : iter.rel + "/") + n;
+    by_rank[{r->tp, r->pp}] = r.get();
+    tp = std::max(tp, r->tp + 1);
+    pp = std::max(pp, r->pp + 1);
+    ranks.push_back(std::move(r));
+  }
+  if (ranks.empty()) return NotFound("cannot find mp_rank_XX directories in " + iter.path);
+  for (auto& r : ranks) {
+    r->src = files.Open(r->dir + "/model_optim_rng.pt");
+    if (!r->src->error.empty()) {
+      r->error = r->src->error;
+      continue;
+    }
+    if (args == nullptr) {
+      if (const PyValue* a = r->src->root()->Get("args"); a != nullptr && a->kind != PyKind::kNone) args = a;
+    }
+  }
+  // args decide the topology; a rank directory that is absent is then a
+  // missing shard (its parameters fail) rather than a smaller model.
+  if (auto v = ArgInt(args, "tensor_model_parallel_size"); v && *v > tp) tp = static_cast<int>(*v);
+  if (auto v = ArgInt(args, "pipeline_model_parallel_size"); v && *v > pp) pp = static_cast<int>(*v);
+  for (int p = 0; p < pp; ++p) {
+    for (int t = 0; t < tp; ++t) {
+      if (!by_rank.count({t, p})) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, pp > 1 ? "mp_rank_%02d_%03d" : "mp_rank_%02d", t, p);
+        problems.push_back(iter.path + "/" + buf + "/model_optim_rng.pt is missing (TP=" + std::to_string(tp) +
+                           ", PP=" + std::to_string(pp) + "): its parameters are unreadable");
+      }
+    }
+  }
+  swiglu = ArgBool(args, "swiglu").value_or(false);
+  return Status::Ok();
+}
+
+void Reader::ParseModel(RankFile& r) {
+  const PyValue* root = r.src->root();
+  if (root == nullptr || root->kind != PyKind::kDict) {
+    r.error = r.src->rel + ": top level is not a dict";
+    return;
+  }
+  if (const PyValue* m = root->Get("model"); m != nullptr && m->kind == PyKind::kDict) {
+    r.chunks.emplace_back();
+    Flatten(m, "", r.chunks.back(), &skipped_extra);
+  } else {
+    for (int v = 0;; ++v) {
+      const PyValue* m = root->Get("model" + std::to_string(v));
+      if (m == nullptr || m->kind != PyKind::kDict) break;
+      r.chunks.emplace_back();
+      Flatten(m, "", r.chunks.back(), &skipped_extra);
+    }
+  }
+  if (r.chunks.empty()) r.error = r.src->rel + ": no 'model' (or 'model0') state dict";
+  vp = std::max(vp, static_cast<int>(r.chunks.size()));
+}
+
+// The non-distributed optimizer ({optimizer: torch Adam state dict,
+// fp32_from_fp16_params} for fp16/bf16, the bare Adam state dict for fp32).
+void Reader::MapOptimizer(RankFile& r) {
+  const PyValue* opt = r.src->root()->Get("optimizer");
+  if (opt == nullptr || opt->kind != PyKind::kDict) {
+    r.opt_unavailable = "no optimizer state was saved";
+    return;
+  }
+  const PyValue* adam = opt->Get("optimizer") ? opt->Get("optimizer") : opt;
+  const PyValue* fp32_groups = opt->Get("fp32_from_fp16_params");
+  const PyValue* state = adam->Get("state");
+  const PyValue* groups = adam->Get("param_groups");
+  if (state == nullptr || state->kind != PyKind::kDict || groups == nullptr || !groups->IsSeq()) {
+    r.opt_unavailable = "the optimizer state dict has no state / param_groups";
+    return;
+  }
+  struct Cand {
+    int chunk;
+    const Entry* e;
+    std::vector<int64_t> shape;
+  };
+  std::vector<Cand> cands;
+  for (size_t c = 0; c < r.chunks.size(); ++c) {
+    for (const Entry& e : r.chunks[c]) cands.push_back(Cand{static_cast<int>(c), &e, e.v->tensor.shape});
+  }
+  // Megatron's _get_param_groups: one group per (weight decay, lr scale, expert) key.
+  std::vector<bool> no_wd_of_group;
+  for (PyRef g : groups->items) {
+    if (g->kind != PyKind::kDict) {
+      r.opt_unavailable = "a param group is not a dict";
+      return;
+    }
+    if (const PyValue* e = g->Get("is_expert_parallel"); e && e->kind == PyKind::kBool && e->b) {
+      r.opt_unavailable = "expert-parallel param groups (MoE) are not mapped";
+      return;
+    }
+    const PyValue* wd = g->Get("wd_mult") ? g->Get("wd_mult") : g->Get("weight_decay");
+    if (wd == nullptr || (wd->kind != PyKind::kFloat && wd->kind != PyKind::kInt)) {
+      r.opt_unavailable = "a param group has neither wd_mult nor weight_decay";
+      return;
+    }
+    no_wd_of_group.push_back((wd->kind == PyKind::kFloat ? wd->f : static_cast<double>(wd->i)) == 0.0);
+  }
+  for (bool f : {false, true}) {
+    if (std::count(no_wd_of_group.begin(), no_wd_of_group.end(), f) > 1) {
+      r.opt_unavailable = "several param groups share a weight-decay setting (lr scaling?), so their members cannot be told apart";
+      return;
+    }
+  }
+  const std::vector<std::string> group_names = {"weight decay", "no weight decay"};
+  for (size_t g = 0; g < groups->items.size(); ++g) {
+    const PyValue* ids = groups->items[g]->Get("params");
+    std::vector<const Cand*> members;
+    for (const Cand& c : cands) {
+      if (NoWeightDecay(c.e->local, c.shape) == no_wd_of_group[g]) members.push_back(&c);
+    }
+    if (ids == nullptr || !ids->IsSeq() || ids->items.size() != members.size()) {
+      r.opt_unavailable = "param group " + std::to_string(g) + " (" + group_names[no_wd_of_group[g]] + ") lists " +
+                          std::to_string(ids && ids->IsSeq() ? ids->items.size() : 0) + " parameters, the model has " +
+                          std::to_string(members.size());
+      return;
+    }
+    const PyValue* fp32 = fp32_groups && fp32_groups->IsSeq() && g < fp32_groups->items.size() ? fp32_groups->items[g] : nullptr;
+    for (size_t i = 0; i < members.size(); ++i) {
+      const Cand& c = *members[i];
+      const std::string what = r.src->rel + ": optimizer state of '" + c.e->local + "'";
+      auto idx = AsInt(ids->items[i], "param id");
+      if (!idx.ok()) {
+        r.opt_unavailable = "a param id is not an int";
+        return;
+      }
+      OptStates os;
+      os.file = r.src->file;
+      const PyValue* st = GetInt(state, *idx);
+      auto load = [&](const PyValue* v, const char* name) -> Result<std::optional<Loc>> {
+        if (v == nullptr) return std::optional<Loc>();
+        if (v->kind != PyKind::kTensor) return std::optional<Loc>();
+        ASSIGN_OR_RETURN(Loc l, Resolve(*r.src, v, name));
+        if (std::string(name) == "step") return std::optional<Loc>(l);
+        ASSIGN_OR_RETURN(Loc s, AsShape(l, c.shape, what + " " + name));
+        return std::optional<Loc>(s);
+      };
+      Status bad = Status::Ok();
+      auto take = [&](const PyValue* v, const char* name, std::optional<Loc>& dst) {
+        if (!bad.ok()) return;
+        auto l = load(v, name);
+        if (!l.ok()) {
+          bad = l.status();
+        } else {
+          dst = *l;
+        }
+      };
+      if (st != nullptr && st->kind == PyKind::kDict) {
+        take(st->Get("exp_avg"), "exp_avg", os.exp_avg);
+        take(st->Get("exp_avg_sq"), "exp_avg_sq", os.exp_avg_sq);
+        take(st->Get("step"), "step", os.step);
+      }
+      if (fp32 != nullptr && fp32->IsSeq()) {
+        if (i >= fp32->items.size()) {
+          bad = Invalid(r.src->rel + ": fp32_from_fp16_params[" + std::to_string(g) + "] is shorter than its param group");
+        } else {
+          take(fp32->items[i], "fp32", os.fp32);
+        }
+      }
+      if (!bad.ok()) {
+        r.opt_unavailable = bad.message();
+        r.opt.clear();
+        return;
+      }
+      r.opt[{c.chunk, c.e->local}] = std::move(os);
+    }
+  }
+}
+
+// distrib_optim.pt (get_parameter_state_dp_zero): per DDP buffer, the whole
+// (DP-gathered) fp32 param / exp_avg / exp_avg_sq with bucket-end padding removed.
+void Reader::MapDistOpt(RankFile& r) {
+  const PyValue* root = r.distopt->root();
+  if (root == nullptr || root->kind != PyKind::kDict) {
+    r.opt_unavailable = r.distopt->rel + ": top level is not a dict";
+    return;
+  }
+  const PyValue* coalesced = root->Get("buckets_coalesced");
+  if (coalesced == nullptr || coalesced->kind != PyKind::kBool || !coalesced->b) {
+    r.opt_unavailable = r.distopt->rel + ": per-bucket (pre-coalesced) layout; re-save with a current Megatron to map it";
+    return;
+  }
+  for (size_t c = 0; c < r.chunks.size(); ++c) {
+    const PyValue* gbuf = GetInt(root, static_cast<int64_t>(c));
+    if (gbuf == nullptr || gbuf->kind != PyKind::kDict || gbuf->dict.size() != 1) {
+      r.opt_unavailable = r.distopt->rel + ": buffer " + std::to_string(c) +
+                          (gbuf == nullptr ? " is missing" : " holds several dtypes (mixed-precision buffers are not mapped)");
+      return;
+    }
+    const PyValue* b = gbuf->dict[0].second;
+    auto numel = AsInt(b->Get("numel_unpadded"), "numel_unpadded");
+    // Replay param_and_grad_buffer.py: parameters in reverse, 64-aligned starts.
+    std::vector<int64_t> start(r.chunks[c].size());
+    int64_t pos = 0;
+    for (size_t i = r.chunks[c].size(); i-- > 0;) {
+      pos = (pos + kParamAlign - 1) / kParamAlign * kParamAlign;
+      start[i] = pos;
+      pos += NumelOf(r.chunks[c][i].v->tensor.shape);
+    }
+    if (!numel.ok() || *numel != pos) {
+      r.opt_unavailable = r.distopt->rel + ": buffer " + std::to_string(c) + " holds " +
+                          (numel.ok() ? std::to_string(*numel) : std::string("?")) +
+                          " elements; one bucket of this model's parameters (reverse order, 64-aligned) needs " +
+                          std::to_string(pos) + " (several buckets or another layout version)";
+      return;
+    }
+    std::map<std::string, Loc> flat;
+    for (const char* s : {"param", "exp_avg", "exp_avg_sq"}) {
+      auto l = Resolve(*r.distopt, b->Get(s), std::string("buffer ") + std::to_string(c) + " " + s);
+      if (!l.ok() || !l->Contiguous() || l->Numel() < pos) {
+        r.opt_unavailable = l.ok() ? r.distopt->rel + ": buffer " + std::to_string(c) + " " + s + " is too short"
+                                   : l.status().message();
+        return;
+      }
+      flat[s] = *l;
+    }
+    for (size_t i = 0; i < r.chunks[c].size(); ++i) {
+      const auto& shape = r.chunks[c][i].v->tensor.shape;
+      auto at = [&](const Loc& f) {
+        Loc l;
+        l.dtype = f.dtype;
+        l.shape = shape;
+        l.strides = ContiguousStrides(shape);
+        l.data_offset = f.data_offset + static_cast<uint64_t>(start[i]) * DTypeSize(f.dtype);
+        l.data_length = static_cast<uint64_t>(NumelOf(shape)) * DTypeSize(f.dtype);
+        return l;
+      };
+      OptStates os;
+      os.file = r.distopt->file;
+      os.fp32 = at(flat["param"]);
+      os.exp_avg = at(flat["exp_avg"]);
+      os.exp_avg_sq = at(flat["exp_avg_sq"]);
+      r.opt[{static_cast<int>(c), r.chunks[c][i].local}] = std::move(os);
+    }
+  }
+}
+
+// Reads each copy and compares it with the first; reports the difference.
+void Reader::CompareReplicas(const std::string& name, const std::vector<std::pair<std::string, Loc>>& copies,
+                             const std::vector<const Source*>& srcs, const std::string& across) {
+  const Loc& l0 = copies[0].second;
+  const uint64_t bytes = static_cast<uint64_t>(l0.Numel()) * DTypeSize(l0.dtype);
+  if (bytes == 0) return;
+  if (bytes > kMaxCompareBytes || !l0.Contiguous()) {
+    problems.push_back("'" + name + "': " + across + " copies not compared (" +
+                       (l0.Contiguous() ? "larger than 256 MiB" : "not contiguous") + ")");
+    return;
+  }
+  auto base = srcs[0]->reader->ReadAt(l0.data_offset, bytes);
+  if (!base.ok()) return;  // unreadable: the read itself will say so
+  for (size_t i = 1; i < copies.size(); ++i) {
+    const Loc& li = copies[i].second;
+    if (li.dtype != l0.dtype || li.shape != l0.shape || !li.Contiguous()) {
+      problems.push_back("'" + name + "': " + across + " copies differ in dtype or shape (" + copies[0].first + " " +
+                         std::string(DTypeName(l0.dtype)) + ShapeStr(l0.shape) + ", " + copies[i].first + " " +
+                         std::string(DTypeName(li.dtype)) + ShapeStr(li.shape) + "); serving " + copies[0].first);
+      continue;
+    }
+    auto other = srcs[i]->reader->ReadAt(li.data_offset, bytes);
+    if (!other.ok() || *other == *base) continue;
+    const size_t isz = DTypeSize(l0.dtype);
+    double max_diff = 0;
+    uint64_t differing = 0;
+    for (uint64_t e = 0; e < bytes / isz; ++e) {
+      if (std::equal(base->data() + e * isz, base->data() + (e + 1) * isz, other->data() + e * isz)) continue;
+      ++differing;
+      double a, b;
+      if (ElementAsDouble(base->data() + e * isz, l0.dtype, &a) && ElementAsDouble(other->data() + e * isz, l0.dtype, &b)) {
+        max_diff = std::max(max_diff, std::isnan(a - b) ? INFINITY : std::fabs(a - b));
+      }
+    }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.6g", max_diff);
+    problems.push_back("replica drift: '" + name + "' differs between " + across + " copies " + copies[0].first +
+                       " and " + copies[i].first + " (" + std::to_string(differing) + " of " +
+                       std::to_string(bytes / isz) + " elements, max |diff| " + buf + "); serving " + copies[0].first);
+  }
+}
+
+Status Reader::Emit() {
+  megatron::PipelineShape shape;
+  shape.num_layers = ArgInt(args, "num_layers").value_or(-1);
+  shape.pp = pp;
+  shape.vp = vp;
+  shape.first_stage_layers = ArgInt(args, "decoder_first_pipeline_num_layers").value_or(-1);
+  shape.last_stage_layers = ArgInt(args, "decoder_last_pipeline_num_layers").value_or(-1);
+  if (shape.num_layers < 0) {
+    // Without args, stages are assumed uniform and sized by what rank (0, 0) holds.
+    problems.push_back("no args.num_layers: pipeline stages are numbered assuming equal stages");
+  }
+
+  // Global names, in stage / chunk / state_dict order.
+  std::vector<Global> globals;
+  std::map<std::string, size_t> index;
+  std::set<int64_t> layers_seen;
+  for (int p = 0; p < pp; ++p) {
+    RankFile* r0 = nullptr;
+    for (int t = 0; t < tp && r0 == nullptr; ++t) {
+      auto it = by_rank.find({t, p});
+      if (it != by_rank.end() && it->second->error.empty()) r0 = it->second;
+    }
+    if (r0 == nullptr) continue;
+    for (size_t v = 0; v < r0->chunks.size(); ++v) {
+      int64_t offset = 0;
+      if (shape.num_layers >= 0) {
+        auto o = megatron::LayerOffset(shape, p, static_cast<int>(v));
+        if (!o.ok()) return o.status().Annotate("cannot number the layers of " + r0->src->rel);
+        offset = *o;
+      } else {
+        std::set<int64_t> local;
+        for (const Entry& e : r0->chunks[v]) {
+          int64_t i;
+          megatron::RenumberLayer(e.local, 0, &i);
+          if (i >= 0) local.insert(i);
+        }
+        offset = static_cast<int64_t>(p * static_cast<int>(r0->chunks.size()) + static_cast<int>(v)) *
+                 static_cast<int64_t>(local.size());
+      }
+      for (const Entry& e : r0->chunks[v]) {
+        int64_t layer;
+        std::string g = megatron::RenumberLayer(e.local, offset, &layer);
+        if (layer >= 0) layers_seen.insert(layer);
+        auto [it, inserted] = index.emplace(g, globals.size());
+        if (inserted) globals.push_back(Global{g, layer, {}});
+        globals[it->second].holders.push_back(Holder{p, static_cast<int>(v), e.local});
+      }
+    }
+  }
+  if (shape.num_layers >= 0) {
+    std::vector<std::string> missing;
+    for (int64_t i = 0; i < shape.num_layers; ++i) {
+      if (!layers_seen.count(i)) missing.push_back(std::to_string(i));
+    }
+    if (!missing.empty()) {
+      std::string list;
+      for (size_t i = 0; i < missing.size() && i < 16; ++i) list += (i ? ", " : "") + missing[i];
+      problems.push_back("layers missing from the checkpoint (args.num_layers = " + std::to_string(shape.num_layers) +
+                         "): " + list + (missing.size() > 16 ? ", ..." : ""));
+    }
+  }
+
+  const int64_t padded_vocab = ArgInt(args, "padded_vocab_size").value_or(-1);
+  for (const Global& g : globals) {
+    const Holder& h = g.holders[0];
+    auto rule_or = megatron::SplitRule(g.name, swiglu);
+    Rule rule = rule_or.value_or(Rule{});
+    std::string err;
+    if (!rule_or.has_value() && tp > 1) {
+      err = "no tensor-parallel split rule is known for '" + g.name + "' (TP=" + std::to_string(tp) + ")";
+    }
+    // The name held by several stages: a shared parameter or a collision.
+    if (g.holders.size() > 1 && err.empty()) {
+      std::vector<std::pair<std::string, Loc>> copies;
+      std::vector<const Source*> srcs;
+      for (const Holder& x : g.holders) {
+        auto it = by_rank.find({0, x.pp});
+        if (it == by_rank.end() || !it->second->error.empty()) continue;
+        for (const Entry& e : it->second->chunks[static_cast<size_t>(x.chunk)]) {
+          if (e.local != x.local) continue;
+          auto l = Resolve(*it->second->src, e.v, e.local);
+          if (l.ok()) {
+            copies.emplace_back(it->second->src->rel, *l);
+            srcs.push_back(it->second->src.get());
+          }
+        }
+      }
+      if (copies.size() > 1) {
+        if (g.layer >= 0) {
+          problems.push_back("name collision: '" + g.name + "' is written by " + std::to_string(g.holders.size()) +
+                             " pipeline stages (stage layer numbering overlaps); serving " + copies[0].first);
+        }
+        CompareReplicas(g.name, copies, srcs, "pipeline-stage");
+      }
+    }
+    std::vector<std::optional<Loc>> locs(static_cast<size_t>(tp));
+    std::vector<std::vector<int64_t>> local;
+    for (int t = 0; t < tp && err.empty(); ++t) {
+      auto it = by_rank.find({t, h.pp});
+      if (it == by_rank.end()) {
+        err = "'" + g.name + "' needs TP rank " + std::to_string(t) + " of stage " + std::to_string(h.pp) + ", which is missing";
+        break;
+      }
+      RankFile& r = *it->second;
+      if (!r.error.empty()) {
+        err = "'" + g.name + "' needs " + r.error;
+        break;
+      }
+      const PyValue* v = nullptr;
+      if (static_cast<size_t>(h.chunk) < r.chunks.size()) {
+        for (const Entry& e : r.chunks[static_cast<size_t>(h.chunk)]) {
+          if (e.local == h.local) v = e.v;
+        }
+      }
+      if (v == nullptr) {
+        err = "'" + g.name + "' is missing from " + r.src->rel;
+        break;
+      }
+      auto l = Resolve(*r.src, v, "model['" + h.local + "']");
+      if (!l.ok()) {
+        err = l.status().message();
+        break;
+      }
+      locs[static_cast<size_t>(t)] = *l;
+      local.push_back(l->shape);
+    }
+    Merger merger(rule, local, -1);
+    std::vector<int64_t> gshape;
+    if (err.empty()) {
+      auto gs = merger.GlobalShape();
+      if (!gs.ok()) {
+        err = "'" + g.name + "': " + gs.status().message();
+      } else {
+        gshape = *gs;
+      }
+    }
+    if (err.empty() && rule.vocab && padded_vocab > 0 && !gshape.empty() && gshape[0] != padded_vocab) {
+      problems.push_back("'" + g.name + "' has " + std::to_string(gshape[0]) + " rows; args.padded_vocab_size is " +
+                         std::to_string(padded_vocab));
+    }
+    if (err.empty() && rule.kind == Merge::kReplicated && tp > 1) {
+      std::vector<std::pair<std::string, Loc>> copies;
+      std::vector<const Source*> srcs;
+      for (int t = 0; t < tp; ++t) {
+        const RankFile& r = *by_rank.at({t, h.pp});
+        copies.emplace_back(r.src->rel, *locs[static_cast<size_t>(t)]);
+        srcs.push_back(r.src.get());
+      }
+      CompareReplicas(g.name, copies, srcs, "TP-replicated");
+    }
+    TensorRecord rec;
+    rec.key = g.name;
+    rec.role = Role::kParam;
+    rec.fqn = g.name;
+    rec.state = "param";
+    rec.dtype = locs[0].has_value() ? locs[0]->dtype : DType::kF32;
+    rec.shape = gshape;
+    rec.error = err;
+    std::vector<Fragment> frags;
+    for (int t = 0; t < tp && err.empty(); ++t) {
+      if (merger.UsesRank(t)) AddWholeFragments(merger, t, *locs[static_cast<size_t>(t)], by_rank.at({t, h.pp})->src->file, frags);
+    }
+    AddTensor(std::move(rec), std::move(frags));
+    if (!err.empty()) continue;
+
+    // Optimizer states, merged like the parameter.
+    struct StateSel {
+      const char* name;
+      std::optional<Loc> OptStates::*field;
+    };
+    for (StateSel s : {StateSel{"fp32", &OptStates::fp32}, StateSel{"exp_avg", &OptStates::exp_avg},
+                       StateSel{"exp_avg_sq", &OptStates::exp_avg_sq}}) {
+      TensorRecord st;
+      st.key = "optimizer/" + g.name + "/" + s.name;
+      st.role = Role::kOptimState;
+      st.fqn = g.name;
+      st.state = s.name;
+      st.shape = gshape;
+      st.dtype = DType::kF32;
+      std::vector<Fragment> sf;
+      bool any = false;
+      for (int t = 0; t < tp && st.error.empty(); ++t) {
+        if (!merger.UsesRank(t)) continue;
+        RankFile& r = *by_rank.at({t, h.pp});
+        auto it = r.opt.find({h.chunk, h.local});
+        if (it == r.opt.end() || !(it->second.*s.field).has_value()) {
+          if (any) st.error = "'" + g.name + "': TP rank " + std::to_string(t) + " has no " + s.name + " state";
+          if (t == 0) break;
+          continue;
+        }
+        any = true;
+        const Loc& l = *(it->second.*s.field);
+        st.dtype = l.dtype;
+        AddWholeFragments(merger, t, l, it->second.file, sf);
+      }
+      if (any) AddTensor(std::move(st), std::move(sf));
+    }
+    // step: TP rank 0's (every rank takes the same number of steps).
+    if (auto it = by_rank.at({0, h.pp})->opt.find({h.chunk, h.local});
+        it != by_rank.at({0, h.pp})->opt.end() && it->second.step.has_value()) {
+      const Loc& l = *it->second.step;
+      TensorRecord st;
+      st.key = "optimizer/" + g.name + "/step";
+      st.role = Role::kOptimState;
+      st.fqn = g.name;
+      st.state = "step";
+      st.dtype = l.dtype;
+      st.shape = l.shape;
+      std::vector<Fragment> sf;
+      AddWholeFragments(Merger(Rule{Merge::kReplicated, 0, false}, {l.shape}, -1), 0, l,
+                        by_rank.at({0, h.pp})->src->file, sf);
+      AddTensor(std::move(st), std::move(sf));
+    }
+  }
+  return Status::Ok();
+}
+
+Status Reader::Run() {
+  files.dir = dir;
+  files.ck = &ck;
+  files.pickle = MegatronPickleOptions();
+  RETURN_IF_ERROR(Discover());
+  for (auto& r : ranks) {
+    if (!r->error.empty()) continue;
+    ParseModel(*r);
+    if (!r->error.empty()) continue;
+    const std::string distopt_rel = r->dir + "/distrib_optim.pt";
+    struct stat st{};
+    if (::stat((dir + "/" + distopt_rel).c_str(), &st) == 0) {
+      r->distopt = files.Open(distopt_rel);
+      if (!r->distopt->error.empty()) {
+        r->opt_unavailable = r->distopt->error;
+      } else {
+        MapDistOpt(*r);
+      }
+    } else if (ArgBool(args, "use_distributed_optimizer").value_or(false)) {
+      r->opt_unavailable = "args.use_distributed_optimizer is set but " + distopt_rel + " is missing";
+    } else {
+      MapOptimizer(*r);
+    }
+    if (!r->opt_unavailable.empty()) {
+      problems.push_back("optimizer states of " + r->dir + " are unavailable: " + r->opt_unavailable);
+    }
+  }
+  RETURN_IF_ERROR(Emit());
+
+  const PyValue* root = nullptr;
+  for (auto& r : ranks) {
+    if (r->error.empty() && r->src->root() != nullptr) {
+      root = r->src->root();
+      break;
+    }
+  }
+  ck.info.family = "megatron-legacy";
+  std::string note = "Megatron-LM torch checkpoint";
+  if (root != nullptr) {
+    if (const PyValue* v = root->Get("checkpoint_version"); v && v->kind == PyKind::kFloat) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "%g", v->f);
+      note += ", checkpoint_version " + std::string(buf);
+      if (v->f < 2.0 && tp > 1) {
+        problems.push_back("checkpoint_version " + std::string(buf) +
+                           " stores QKV as [3, heads, dim] or [heads, dim, 3]; params/ concatenates TP ranks as saved, "
+                           "which is not the global QKV order");
+      }
+    }
+    if (auto it = ArgInt(root, "iteration"); it) ck.info.step = *it;
+  }
+  if (ck.info.step < 0) ck.info.step = iter.step;
+  note += ", TP=" + std::to_string(tp) + " PP=" + std::to_string(pp) + (vp > 1 ? " VP=" + std::to_string(vp) : "");
+  bool distopt = std::any_of(ranks.begin(), ranks.end(), [](const auto& r) { return r->distopt != nullptr; });
+  if (distopt) note += ", distributed optimizer";
+  if (skipped_extra > 0) note += ", " + std::to_string(skipped_extra) + " _extra_state entries not shown";
+  ck.info.format_note = note;
+  ck.info.world_size = static_cast<uint32_t>(ranks.size());
+  if (args != nullptr) {
+    ExportFile f;
+    f.path = "args.json";
+    std::string text = megatron::ToJson(args) + "\n";
+    f.parts.push_back(ExportPart{PartKind::kLiteral, text, 0, DType::kInvalid, text.size()});
+    ck.exports.push_back(std::move(f));
+  }
+  ck.info.problems = std::move(problems);
+  return Status::Ok();
+}
+
+}  // namespace
+
+bool LooksLikeMegatronLegacy(const std::string& dir) {
+  auto it = megatron::FindIterDir(dir);
+  if (!it.ok()) return megatron::HasTracker(dir);  // a broken tracker: let the reader report it
+  DIR* d = ::opendir(it->path.c_str());
+  if (d == nullptr) return false;
+  bool found = false;
+  while (dirent* e = ::readdir(d)) {
+    if (std::string(e->d_name).rfind("mp_rank_", 0) == 0) found = true;
+  }
+  ::closedir(d);
+  return found;
+}
+
+Result<Checkpoint> ReadMegatronLegacy(const std::string& dir) {
+  Reader r;
+  r.dir = dir;
+  RETURN_IF_ERROR(r.Run());
+  return std::move(r.ck);
+}
+
+}  // namespace ckptfs::formats

@@ -1,0 +1,213 @@
+#include "formats/megatron/megatron_common.h"
+
+#include <sys/stat.h>
+
+#include <cmath>
+#include <cstdio>
+#include <regex>
+
+#include "formats/byte_reader.h"
+
+namespace ckptfs::formats::megatron {
+namespace {
+
+bool Exists(const std::string& p) {
+  struct stat st{};
+  return ::stat(p.c_str(), &st) == 0;
+}
+
+bool EndsWith(const std::string& s, std::string_view suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+bool Contains(const std::string& s, std::string_view part) { return s.find(part) != std::string::npos; }
+
+std::string JsonStr(const std::string& s) {
+  std::string o = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      o += buf;
+    } else {
+      o += static_cast<char>(c);
+    }
+  }
+  return o + "\"";
+}
+
+}  // namespace
+
+bool HasTracker(const std::string& dir) { return Exists(dir + "/latest_checkpointed_iteration.txt"); }
+
+Result<IterDir> FindIterDir(const std::string& dir) {
+  IterDir it;
+  static const std::regex kIter(R"((?:^|/)iter_(\d+)/?$)");
+  if (!HasTracker(dir)) {
+    it.path = dir;
+    std::smatch m;
+    if (std::regex_search(dir, m, kIter)) it.step = std::stoll(m[1].str());
+    return it;
+  }
+  const std::string tracker = dir + "/latest_checkpointed_iteration.txt";
+  ASSIGN_OR_RETURN(std::string text, ReadWholeFile(tracker, 4096));
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  if (text == "release") {
+    it.rel = "release";
+  } else {
+    static const std::regex kNum(R"(^\d+$)");
+    if (!std::regex_match(text, kNum) || text.size() > 12) {
+      return Invalid("cannot parse " + tracker + ": '" + text.substr(0, 40) + "' is neither an iteration nor 'release'");
+    }
+    it.step = std::stoll(text);
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "iter_%07lld", static_cast<long long>(it.step));
+    it.rel = buf;
+  }
+  it.path = dir + "/" + it.rel;
+  if (!Exists(it.path)) {
+    return NotFound("cannot open " + it.path + ": " + tracker + " names it, but it does not exist (an interrupted save?)");
+  }
+  return it;
+}
+
+std::optional<Rule> SplitRule(const std::string& name, bool swiglu) {
+  Rule r;
+  const bool bias = EndsWith(name, ".bias");
+  if (Contains(name, "layernorm") || Contains(name, "layer_norm") || Contains(name, "norm.") ||
+      Contains(name, "position_embeddings")) {
+    r.kind = Merge::kReplicated;
+    return r;
+  }
+  for (const char* row : {".linear_proj.", ".self_attention.dense.", ".attention.dense.", ".linear_fc2.",
+                          ".dense_4h_to_h."}) {
+    if (Contains(name, row)) {
+      if (bias) {
+        r.kind = Merge::kReplicated;
+      } else {
+        r.cat_dim = 1;
+      }
+      return r;
+    }
+  }
+  for (const char* fc1 : {".linear_fc1.", ".dense_h_to_4h."}) {
+    if (Contains(name, fc1)) {
+      if (swiglu) r.kind = Merge::kSub2;
+      return r;
+    }
+  }
+  for (const char* col : {".linear_qkv.", ".query_key_value.", ".linear_q.", ".linear_kv."}) {
+    if (Contains(name, col)) return r;
+  }
+  if (Contains(name, "word_embeddings") || EndsWith(name, "output_layer.weight") ||
+      Contains(name, "word_embeddings_for_head")) {
+    r.vocab = true;
+    return r;
+  }
+  return std::nullopt;
+}
+
+std::string RenumberLayer(const std::string& name, int64_t offset, int64_t* index) {
+  static const std::regex kLayer(R"((^|\.)layers\.(\d+)\.)");
+  std::smatch m;
+  *index = -1;
+  if (!std::regex_search(name, m, kLayer)) return name;
+  *index = std::stoll(m[2].str()) + offset;
+  return m.prefix().str() + m[1].str() + "layers." + std::to_string(*index) + "." + m.suffix().str();
+}
+
+Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp) {
+  if (s.num_layers < 0) return Invalid("args has no num_layers");
+  const bool first = s.first_stage_layers >= 0, last = s.last_stage_layers >= 0;
+  if (!first && !last) {
+    if (s.num_layers % (static_cast<int64_t>(s.pp) * s.vp) != 0) {
+      return Invalid("num_layers " + std::to_string(s.num_layers) + " is not divisible by PP " + std::to_string(s.pp) +
+                     " x virtual stages " + std::to_string(s.vp));
+    }
+    return s.num_layers / s.pp / s.vp;
+  }
+  if (s.vp > 1) return Unsupported("uneven first/last pipeline stages with virtual pipeline chunks");
+  if (first && pp == 0) return s.first_stage_layers;
+  if (last && pp == s.pp - 1) return s.last_stage_layers;
+  const int64_t middle_stages = s.pp - (first ? 1 : 0) - (last ? 1 : 0);
+  const int64_t middle_layers = s.num_layers - std::max<int64_t>(s.first_stage_layers, 0) -
+                                std::max<int64_t>(s.last_stage_layers, 0);
+  if (middle_stages <= 0 || middle_layers < 0 || middle_layers % middle_stages != 0) {
+    return Invalid("uneven pipeline stages do not divide num_layers " + std::to_string(s.num_layers));
+  }
+  return middle_layers / middle_stages;
+}
+
+Result<int64_t> LayerOffset(const PipelineShape& s, int pp, int vp) {
+  ASSIGN_OR_RETURN(int64_t per_chunk, LayersPerChunk(s, pp));
+  const bool first = s.first_stage_layers >= 0, last = s.last_stage_layers >= 0;
+  if (!first && !last) {
+    // Chunk v of every stage comes before chunk v+1 of any stage.
+    return static_cast<int64_t>(vp) * (s.num_layers / s.vp) + static_cast<int64_t>(pp) * per_chunk;
+  }
+  if (first && pp == 0) return 0;
+  const int64_t middle_rank = pp - (first ? 1 : 0);
+  ASSIGN_OR_RETURN(int64_t per_middle, LayersPerChunk(s, first ? 1 : 0));
+  if (last && pp == s.pp - 1) {
+    return std::max<int64_t>(s.first_stage_layers, 0) + (s.pp - (first ? 1 : 0) - 1) * per_middle;
+  }
+  return std::max<int64_t>(s.first_stage_layers, 0) + middle_rank * per_middle;
+}
+
+std::optional<int64_t> ArgInt(const PyValue* args, const std::string& name) {
+  if (args == nullptr) return std::nullopt;
+  const PyValue* v = args->kind == PyKind::kDict ? args->Get(name) : args->Attr(name);
+  if (v == nullptr || (v->kind != PyKind::kInt && v->kind != PyKind::kBool)) return std::nullopt;
+  return v->kind == PyKind::kBool ? static_cast<int64_t>(v->b) : v->i;
+}
+
+std::optional<bool> ArgBool(const PyValue* args, const std::string& name) {
+  auto v = ArgInt(args, name);
+  if (!v.has_value()) return std::nullopt;
+  return *v != 0;
+}
+
+std::string ToJson(const PyValue* v, int indent) {
+  if (v == nullptr || v->depth > 64) return "null";
+  const std::string pad(static_cast<size_t>(indent + 2), ' '), end_pad(static_cast<size_t>(indent), ' ');
+  switch (v->kind) {
+    case PyKind::kNone: return "null";
+    case PyKind::kBool: return v->b ? "true" : "false";
+    case PyKind::kInt: return std::to_string(v->i);
+    case PyKind::kFloat: {
+      if (!std::isfinite(v->f)) return JsonStr(std::isnan(v->f) ? "nan" : v->f > 0 ? "inf" : "-inf");
+      char buf[40];
+      std::snprintf(buf, sizeof buf, "%.17g", v->f);
+      return buf;
+    }
+    case PyKind::kStr: return JsonStr(v->s);
+    case PyKind::kTuple:
+    case PyKind::kList:
+    case PyKind::kSet: {
+      std::string o = "[";
+      for (size_t i = 0; i < v->items.size(); ++i) o += (i ? ", " : "") + ToJson(v->items[i], indent);
+      return o + "]";
+    }
+    case PyKind::kDict: {
+      if (v->dict.empty()) return "{}";
+      std::string o = "{\n";
+      for (size_t i = 0; i < v->dict.size(); ++i) {
+        const auto& [k, x] = v->dict[i];
+        const std::string key = k->IsStr() ? k->s : ToJson(k, 0);
+        o += pad + JsonStr(key) + ": " + ToJson(x, indent + 2) + (i + 1 < v->dict.size() ? ",\n" : "\n");
+      }
+      return o + end_pad + "}";
+    }
+    case PyKind::kGlobal: return JsonStr(v->s + "." + v->name);
+    case PyKind::kObject:
+      if (v->state != nullptr && v->state->kind == PyKind::kDict && v->ClassName() == "Namespace") {
+        return ToJson(v->state, indent);
+      }
+      return JsonStr(v->ClassName());
+    default: return JsonStr("<" + std::string(v->kind == PyKind::kTensor ? "tensor" : "bytes") + ">");
+  }
+}
+
+}  // namespace ckptfs::formats::megatron

@@ -1,0 +1,68 @@
+// Facts shared by the Megatron-LM readers (legacy torch, torch_dist, zarr):
+// the iteration tracker, the tensor-parallel split of each parameter kind
+// (megatron/core/tensor_parallel/layers.py and the checkpoint converters),
+// and the layer numbering of pipeline stages. See
+// ../shared/formats/deepspeed-megatron.md section 4.
+#ifndef CKPTFS_FORMATS_MEGATRON_MEGATRON_COMMON_H_
+#define CKPTFS_FORMATS_MEGATRON_MEGATRON_COMMON_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckptfs/common.h"
+#include "formats/pickle.h"
+#include "formats/tp_merge.h"
+
+namespace ckptfs::formats::megatron {
+
+// The directory of one saved iteration: `dir` itself when it holds rank
+// directories or a metadata.json, else the one latest_checkpointed_iteration.txt
+// names (iter_%07d or release). `step` is set from the tracker or the name.
+struct IterDir {
+  std::string path;     // absolute or as given
+  std::string rel;      // relative to the mount source ("" or "iter_0000007")
+  int64_t step = -1;
+};
+Result<IterDir> FindIterDir(const std::string& dir);
+bool HasTracker(const std::string& dir);
+
+// How TP ranks of a parameter merge, from its name (mcore and legacy
+// GPT/BERT names). nullopt: ckptfs knows no rule for the name.
+//  * column parallel (dim 0): linear_qkv, query_key_value, linear_fc1,
+//    dense_h_to_4h, word_embeddings, output_layer (weights and biases);
+//    linear_fc1 / dense_h_to_4h as two sub-parameters when `swiglu`.
+//  * row parallel (dim 1): linear_proj, self_attention.dense, linear_fc2,
+//    dense_4h_to_h weights; their biases are replicated.
+//  * replicated: norms, position embeddings.
+std::optional<Rule> SplitRule(const std::string& name, bool swiglu);
+
+// A parameter name with "layers.<i>." renumbered: `offset` added to i.
+// Returns the name unchanged when it has no layer index; `index` gets the
+// global layer (or -1).
+std::string RenumberLayer(const std::string& name, int64_t offset, int64_t* index);
+
+// The global index of the first layer of pipeline stage `pp`, model chunk
+// `vp` (megatron/core/transformer/transformer_layer.py get_transformer_layer_offset):
+// uniform stages, virtual pipeline chunks, and uneven first/last stages.
+struct PipelineShape {
+  int64_t num_layers = -1;
+  int pp = 1, vp = 1;
+  int64_t first_stage_layers = -1, last_stage_layers = -1;  // -1: uniform
+};
+Result<int64_t> LayerOffset(const PipelineShape& s, int pp, int vp);
+// Layers held by one model chunk.
+Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp);
+
+// args.<name> as an int / bool / str when present (argparse.Namespace pickled).
+std::optional<int64_t> ArgInt(const PyValue* args, const std::string& name);
+std::optional<bool> ArgBool(const PyValue* args, const std::string& name);
+
+// A JSON rendering of a pickled value (Namespace / dict / list / scalars; torch
+// dtypes and other objects as their class name) for args.json.
+std::string ToJson(const PyValue* v, int indent = 0);
+
+}  // namespace ckptfs::formats::megatron
+
+#endif  // CKPTFS_FORMATS_MEGATRON_MEGATRON_COMMON_H_

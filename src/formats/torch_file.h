@@ -1,0 +1,67 @@
+// Shared pieces of the readers of torch.save-based families (DeepSpeed,
+// Megatron legacy): opening and parsing each .pt once, resolving a pickled
+// tensor to the byte range of its storage, and shape helpers.
+#ifndef CKPTFS_FORMATS_TORCH_FILE_H_
+#define CKPTFS_FORMATS_TORCH_FILE_H_
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ckptfs/common.h"
+#include "ckptfs/model.h"
+#include "formats/byte_reader.h"
+#include "formats/pickle.h"
+#include "formats/torch_save.h"
+
+namespace ckptfs::formats {
+
+std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape);
+int64_t NumelOf(const std::vector<int64_t>& shape);
+std::string ShapeStr(const std::vector<int64_t>& s);  // "[2, 3]"
+int64_t FlatIndex(const std::vector<int64_t>& idx, const std::vector<int64_t>& strides);
+// The str items of a list / tuple (others skipped); empty for anything else.
+std::vector<std::string> StrList(const PyValue* v);
+
+// A tensor inside one source archive: where its elements lie.
+struct Loc {
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> shape, strides;
+  uint64_t data_offset = 0, data_length = 0;  // absolute in the file
+  int64_t Numel() const { return NumelOf(shape); }
+  bool Contiguous() const { return strides == ContiguousStrides(shape); }
+};
+
+// One opened .pt of the checkpoint.
+struct Source {
+  FileId file;
+  std::string rel;
+  int fd = -1;
+  std::unique_ptr<FileSliceReader> reader;
+  TorchSaveArchive archive;
+  std::string error;  // non-empty: unusable, and why
+  const PyValue* root() const { return archive.root.get(); }
+  ~Source() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+struct Files {
+  std::string dir;
+  Checkpoint* ck = nullptr;
+  PickleOptions pickle;  // modules a family's pickles may name
+
+  // Registers, stats and parses `rel` (an absent file is recorded as missing).
+  std::unique_ptr<Source> Open(const std::string& rel, bool parse = true);
+};
+
+// The tensor `v` of source `s` (an error naming `what` when it is not one or
+// its elements leave the storage record).
+Result<Loc> Resolve(const Source& s, const PyValue* v, const std::string& what);
+
+}  // namespace ckptfs::formats
+
+#endif  // CKPTFS_FORMATS_TORCH_FILE_H_

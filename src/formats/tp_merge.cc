@@ -1,0 +1,117 @@
+#include "formats/tp_merge.h"
+
+#include <algorithm>
+
+namespace ckptfs::formats {
+
+Result<std::vector<int64_t>> Merger::GlobalShape() const {
+  const auto& l0 = local_[0];
+  if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
+    if (rule_.kind == Merge::kCat && l0.size() <= static_cast<size_t>(rule_.cat_dim)) {
+      return Invalid("a tensor of shape " + ShapeStr(l0) + " cannot be concatenated on dim " +
+                     std::to_string(rule_.cat_dim));
+    }
+    return Clip(l0);
+  }
+  const size_t dim = rule_.kind == Merge::kSub2 ? 0 : static_cast<size_t>(rule_.cat_dim);
+  if (l0.size() <= dim) {
+    return Invalid("a tensor of shape " + ShapeStr(l0) + " cannot be concatenated on dim " + std::to_string(dim));
+  }
+  std::vector<int64_t> g = l0;
+  g[dim] = 0;
+  for (const auto& l : local_) {
+    if (l.size() != l0.size()) return Invalid("TP slices have different ranks");
+    for (size_t d = 0; d < l.size(); ++d) {
+      if (d != dim && l[d] != l0[d]) return Invalid("TP slices " + ShapeStr(l0) + " and " + ShapeStr(l) + " differ");
+    }
+    if (l[dim] != l0[dim]) return Unsupported("uneven TP slices along the merge dimension");
+    if (rule_.kind == Merge::kSub2 && l[0] % 2 != 0) return Invalid("a two-sub-parameter slice has odd rows");
+    g[dim] += l[dim];
+  }
+  return Clip(g);
+}
+
+std::vector<Placed> Merger::Place(int t, const Box& b) const {
+  std::vector<Placed> out;
+  auto emit = [&](Box g, std::vector<int64_t> local) {
+    if (rule_.vocab && !g.offsets.empty()) {
+      int64_t lo = g.offsets[0], hi = g.offsets[0] + g.lengths[0];
+      hi = std::min(hi, vocab_rows_ < 0 ? hi : vocab_rows_);
+      if (lo >= hi) return;
+      g.lengths[0] = hi - lo;
+    }
+    out.push_back(Placed{std::move(g), std::move(local)});
+  };
+  if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
+    emit(b, b.offsets);
+    return out;
+  }
+  if (rule_.kind == Merge::kSub2) {
+    const int64_t h = local_[t][0] / 2, total_h = h * static_cast<int64_t>(local_.size());
+    const int64_t lo = b.offsets[0], hi = b.offsets[0] + b.lengths[0];
+    for (int half = 0; half < 2; ++half) {
+      int64_t a = std::max(lo, half * h), z = std::min(hi, (half + 1) * h);
+      if (a >= z) continue;
+      Box g = b;
+      g.offsets[0] = half * total_h + t * h + (a - half * h);
+      g.lengths[0] = z - a;
+      std::vector<int64_t> local = b.offsets;
+      local[0] = a;
+      emit(std::move(g), std::move(local));
+    }
+    return out;
+  }
+  Box g = b;
+  g.offsets[rule_.cat_dim] += t * local_[t][rule_.cat_dim];
+  emit(std::move(g), b.offsets);
+  return out;
+}
+
+std::vector<int64_t> Merger::Clip(std::vector<int64_t> g) const {
+  if (rule_.vocab && !g.empty() && vocab_rows_ >= 0) g[0] = std::min(g[0], vocab_rows_);
+  return g;
+}
+
+void AddRangeFragments(const Merger& m, int t, const std::vector<int64_t>& local_shape, int64_t start, int64_t numel,
+                       FileId file, DType dt, uint64_t base, std::vector<Fragment>& out) {
+  const auto strides = ContiguousStrides(local_shape);
+  const uint64_t isz = DTypeSize(dt);
+  for (const Box& b : DecomposeRange(local_shape, static_cast<uint64_t>(start), static_cast<uint64_t>(start + numel))) {
+    for (Placed& p : m.Place(t, b)) {
+      Fragment f;
+      f.file = file;
+      f.dtype = dt;
+      f.strides = strides;
+      const int64_t first = FlatIndex(p.local_offsets, strides);
+      int64_t last = first;
+      for (size_t d = 0; d < p.global.lengths.size(); ++d) last += (p.global.lengths[d] - 1) * strides[d];
+      f.data_offset = base + static_cast<uint64_t>(first - start) * isz;
+      f.data_length = static_cast<uint64_t>(last - first + 1) * isz;
+      f.offsets = std::move(p.global.offsets);
+      f.lengths = std::move(p.global.lengths);
+      out.push_back(std::move(f));
+    }
+  }
+}
+
+
+void AddWholeFragments(const Merger& m, int t, const Loc& l, FileId file, std::vector<Fragment>& out) {
+  if (l.Numel() == 0) return;
+  Box whole;
+  whole.offsets.assign(l.shape.size(), 0);
+  whole.lengths = l.shape;
+  for (Placed& pl : m.Place(t, whole)) {
+    Fragment f;
+    f.file = file;
+    f.dtype = l.dtype;
+    f.strides = l.strides;
+    const uint64_t skip = static_cast<uint64_t>(FlatIndex(pl.local_offsets, l.strides)) * DTypeSize(l.dtype);
+    f.data_offset = l.data_offset + skip;
+    f.data_length = l.data_length - skip;
+    f.offsets = std::move(pl.global.offsets);
+    f.lengths = std::move(pl.global.lengths);
+    out.push_back(std::move(f));
+  }
+}
+
+}  // namespace ckptfs::formats

@@ -1,0 +1,68 @@
+// How the tensor-parallel slices of one parameter merge into the global
+// tensor, shared by the DeepSpeed (universal_checkpoint_info patterns) and
+// Megatron (layer-type split rules) readers: concatenation on a dimension,
+// replication, two sub-parameters concatenated on dim 0 (SwiGLU: each rank
+// holds [W_r; V_r], the global tensor is [W_0..W_n; V_0..V_n]) and the
+// vocabulary clip of padded rows. A merge is expressed as placement of boxes
+// of each rank's local tensor into the global one, so a merged parameter is a
+// set of fragments over the rank files and no bytes are moved at index time.
+#ifndef CKPTFS_FORMATS_TP_MERGE_H_
+#define CKPTFS_FORMATS_TP_MERGE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "ckptfs/common.h"
+#include "ckptfs/geometry.h"
+#include "ckptfs/model.h"
+#include "formats/torch_file.h"
+
+namespace ckptfs::formats {
+
+// kAverage and kSubParams are DeepSpeed rules ckptfs recognises but does not
+// compute (the readers report them).
+enum class Merge { kCat, kReplicated, kSub2, kAverage, kSubParams };
+struct Rule {
+  Merge kind = Merge::kCat;
+  int cat_dim = 0;
+  bool vocab = false;
+};
+
+// Maps a box of TP rank t's local tensor to boxes of the global tensor; each
+// result carries the local offsets of its first element.
+struct Placed {
+  Box global;
+  std::vector<int64_t> local_offsets;
+};
+
+// `local_shapes`: each TP rank's tensor shape; `vocab_rows` < 0: no clip.
+class Merger {
+ public:
+  Merger(Rule rule, std::vector<std::vector<int64_t>> local_shapes, int64_t vocab_rows)
+      : rule_(rule), local_(std::move(local_shapes)), vocab_rows_(vocab_rows) {}
+
+  // An error when the local shapes cannot be merged by the rule.
+  Result<std::vector<int64_t>> GlobalShape() const;
+  // Where box `b` of rank t's local tensor lands (clipped rows dropped).
+  std::vector<Placed> Place(int t, const Box& b) const;
+  // Replicated parameters are served from rank 0 only.
+  bool UsesRank(int t) const { return t == 0 || (rule_.kind != Merge::kReplicated); }
+
+ private:
+  std::vector<int64_t> Clip(std::vector<int64_t> g) const;
+  Rule rule_;
+  std::vector<std::vector<int64_t>> local_;
+  int64_t vocab_rows_;
+};
+
+// Fragments of the whole TP-local tensor `l` of rank t (any strides) in file `file`.
+void AddWholeFragments(const Merger& m, int t, const Loc& l, FileId file, std::vector<Fragment>& out);
+
+// Fragments of one box-mapped source: the TP-local tensor of rank t whose
+// flat range [start, start+numel) sits at byte `base` (element `start`).
+void AddRangeFragments(const Merger& m, int t, const std::vector<int64_t>& local_shape, int64_t start, int64_t numel,
+                       FileId file, DType dt, uint64_t base, std::vector<Fragment>& out);
+
+}  // namespace ckptfs::formats
+
+#endif  // CKPTFS_FORMATS_TP_MERGE_H_
