@@ -1,11 +1,14 @@
 #include "ckptfs/formats.h"
 #include "formats/dcp/dcp_reader.h"
 #include "formats/deepspeed/ds_reader.h"
+#include "formats/megatron/dist_reader.h"
 #include "formats/megatron/legacy_reader.h"
 
 namespace ckptfs {
 
 Result<Checkpoint> ReadCheckpoint(const std::string& dir) {
+  // Megatron's torch_dist is a DCP checkpoint with metadata.json beside it: first.
+  if (formats::LooksLikeMegatronDist(dir)) return formats::ReadMegatronDist(dir);
   if (formats::LooksLikeDcp(dir)) return formats::ReadDcp(dir);
   if (formats::LooksLikeDeepSpeed(dir)) return formats::ReadDeepSpeed(dir);
   if (formats::LooksLikeMegatronLegacy(dir)) return formats::ReadMegatronLegacy(dir);

@@ -312,6 +312,8 @@ void Reader::MapOptimizer(RankFile& r) {
         } else {
           take(fp32->items[i], "fp32", os.fp32);
         }
+      } else if (fp32_groups == nullptr && c.e->v->tensor.dtype == DType::kF32) {
+        take(c.e->v, "fp32", os.fp32);  // FP32Optimizer: the fp32 parameters are the master weights
       }
       if (!bad.ok()) {
         r.opt_unavailable = bad.message();

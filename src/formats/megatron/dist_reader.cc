@@ -1,0 +1,184 @@
+#include "formats/megatron/dist_reader.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "formats/byte_reader.h"
+#include "formats/dcp/dcp_reader.h"
+#include "formats/megatron/megatron_common.h"
+#include "formats/torch_file.h"
+#include "formats/zarr/zarr_reader.h"
+
+namespace ckptfs::formats {
+namespace {
+
+// Fragments of layer `i` of a stacked tensor: the slice at index i of axis 0.
+std::vector<Fragment> SliceLayer(const std::vector<Fragment>& frags, int64_t i) {
+  std::vector<Fragment> out;
+  for (const Fragment& f : frags) {
+    if (f.offsets.empty() || i < f.offsets[0] || i >= f.offsets[0] + f.lengths[0]) continue;
+    Fragment s = f;
+    const uint64_t skip = static_cast<uint64_t>((i - f.offsets[0]) * f.strides[0]) * DTypeSize(f.dtype);
+    s.offsets.erase(s.offsets.begin());
+    s.lengths.erase(s.lengths.begin());
+    s.strides.erase(s.strides.begin());
+    s.data_offset += skip;
+    s.data_length = f.data_length > skip ? f.data_length - skip : 0;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// Assigns Megatron roles and splits layer stacks (see the header).
+void Classify(Checkpoint& ck) {
+  static const std::regex kOptState(R"(^optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$)");
+  static const std::regex kStack(R"(^(.*(?:^|\.)layers)\.([^0-9].*)$)");
+  std::map<std::string, std::vector<int64_t>> param_shapes;
+  for (TensorRecord& t : ck.tensors) {
+    t.role = Role::kOther;
+    t.fqn = t.key;
+    t.state.clear();
+    if (t.encoding != Encoding::kTensor) continue;
+    std::smatch m;
+    if (std::regex_match(t.key, m, kOptState)) {
+      t.role = Role::kOptimState;
+      t.fqn = m[2].str();
+      t.state = m[1].str() == "exp_avg" || m[1].str() == "exp_avg_sq" ? m[1].str() : "fp32";
+    } else if (t.key.rfind("optimizer.", 0) != 0 && t.key.rfind("rng_state", 0) != 0 &&
+               t.key.rfind("rerun_state_machine", 0) != 0) {
+      t.role = Role::kParam;
+      t.state = "param";
+      param_shapes[t.fqn] = t.shape;
+    }
+  }
+  for (TensorRecord& t : ck.tensors) {
+    if (t.role != Role::kOptimState) continue;
+    auto it = param_shapes.find(t.fqn);
+    if (it != param_shapes.end() && it->second != t.shape) {
+      ck.info.problems.push_back("'" + t.key + "' has shape " + ShapeStr(t.shape) + ", its parameter " +
+                                 ShapeStr(it->second) +
+                                 " (an N-D flattened DistOpt state of mcore <= 0.14?): kept under other/, not mapped");
+      t.role = Role::kOther;
+      t.fqn = t.key;
+      t.state.clear();
+    }
+  }
+  const size_t n = ck.tensors.size();
+  for (size_t k = 0; k < n; ++k) {
+    if (ck.tensors[k].role == Role::kOther || ck.tensors[k].shape.empty()) continue;
+    std::smatch m;
+    const std::string fqn = ck.tensors[k].fqn;
+    if (!std::regex_match(fqn, m, kStack)) continue;
+    const std::string prefix = m[1].str(), rest = m[2].str();
+    const TensorRecord whole = ck.tensors[k];
+    for (int64_t i = 0; i < whole.shape[0]; ++i) {
+      TensorRecord layer = whole;
+      layer.key = whole.key + "[" + std::to_string(i) + "]";
+      layer.fqn = prefix + "." + std::to_string(i) + "." + rest;
+      layer.shape.erase(layer.shape.begin());
+      layer.byte_size = layer.Numel() * DTypeSize(layer.dtype);
+      std::vector<Fragment> frags = layer.error.empty() ? SliceLayer(ck.fragments[k], i) : std::vector<Fragment>{};
+      layer.num_fragments = static_cast<uint32_t>(frags.size());
+      ck.tensors.push_back(std::move(layer));
+      ck.fragments.push_back(std::move(frags));
+    }
+    TensorRecord& w = ck.tensors[k];  // the stack itself: other/<key>
+    w.role = Role::kOther;
+    w.fqn = w.key;
+    w.state.clear();
+  }
+}
+
+// common.pt: served verbatim; its iteration and args describe the checkpoint.
+void AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck) {
+  SourceFile sf{rel, 0, 0, 0};
+  auto fd = OpenAndFingerprint(dir, sf);
+  if (!fd.ok()) {
+    ck.info.problems.push_back(fd.status().message());
+    return;
+  }
+  FileSliceReader reader(*fd, 0, sf.size, rel);
+  auto a = ReadTorchSave(reader, PickleOptions{{"megatron"}});
+  if (!a.ok()) {
+    ck.info.problems.push_back("cannot parse " + rel + ": " + a.status().message());
+  } else if (const PyValue* root = a->root.get(); root != nullptr && root->kind == PyKind::kDict) {
+    if (auto it = megatron::ArgInt(root, "iteration"); it) ck.info.step = *it;
+    if (const PyValue* args = root->Get("args"); args != nullptr && args->kind != PyKind::kNone) {
+      ExportFile f;
+      f.path = "args.json";
+      std::string text = megatron::ToJson(args) + "\n";
+      f.parts.push_back(ExportPart{PartKind::kLiteral, text, 0, DType::kInvalid, text.size()});
+      ck.exports.push_back(std::move(f));
+    }
+  }
+  ::close(*fd);
+  TensorRecord t;
+  t.key = "common.pt";
+  t.role = Role::kOther;
+  t.fqn = "common.pt";
+  t.encoding = Encoding::kBytes;
+  t.dtype = DType::kU8;
+  t.byte_size = sf.size;
+  t.num_fragments = 1;
+  Fragment f;
+  f.file = FileId{static_cast<uint32_t>(ck.files.size())};
+  f.dtype = DType::kU8;
+  f.data_length = sf.size;
+  ck.files.push_back(std::move(sf));
+  ck.tensors.push_back(std::move(t));
+  ck.fragments.push_back({std::move(f)});
+}
+
+}  // namespace
+
+bool LooksLikeMegatronDist(const std::string& dir) {
+  auto it = megatron::FindIterDir(dir);
+  struct stat st{};
+  return it.ok() && ::stat((it->path + "/metadata.json").c_str(), &st) == 0;
+}
+
+Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
+  ASSIGN_OR_RETURN(megatron::IterDir iter, megatron::FindIterDir(dir));
+  const std::string meta = iter.path + "/metadata.json";
+  ASSIGN_OR_RETURN(std::string text, ReadWholeFile(meta, 1 << 20));
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("sharded_backend") || !j["sharded_backend"].is_string()) {
+    return Invalid("cannot parse " + meta + ": not a dist_checkpointing config (no sharded_backend)");
+  }
+  const std::string backend = j["sharded_backend"].get<std::string>();
+  const std::string prefix = iter.rel.empty() ? "" : iter.rel + "/";
+  Checkpoint ck;
+  if (backend == "torch_dist") {
+    ASSIGN_OR_RETURN(ck, ReadDcp(iter.path));
+    for (SourceFile& f : ck.files) f.rel_path = prefix + f.rel_path;
+  } else if (backend == "zarr") {
+    RETURN_IF_ERROR(ReadZarrArrays(dir, iter.rel, ck));
+    if (ck.tensors.empty()) return Invalid("cannot read " + iter.path + ": metadata.json says zarr but no array has a .zarray");
+  } else {
+    return Unsupported("cannot read " + iter.path + ": sharded_backend '" + backend +
+                       "' (ckptfs reads torch_dist and zarr)");
+  }
+  ck.info.family = "megatron-" + backend;
+  ck.info.format_note = "Megatron-LM dist_checkpointing, " + backend + " backend" +
+                        (ck.info.format_note.empty() ? "" : " (" + ck.info.format_note + ")");
+  struct stat st{};
+  if (::stat((iter.path + "/common.pt").c_str(), &st) == 0) {
+    AddCommon(dir, prefix + "common.pt", ck);
+  } else {
+    ck.info.problems.push_back(iter.path + "/common.pt is missing (args and iteration unknown)");
+  }
+  if (ck.info.step < 0) ck.info.step = iter.step;
+  Classify(ck);
+  bool buckets = false;
+  for (const TensorRecord& t : ck.tensors) buckets |= t.key.rfind("optimizer.distributed.", 0) == 0;
+  if (buckets) {
+    ck.info.format_note += "; distributed-optimizer states are dp_reshardable buckets, shown under other/ and not mapped to parameters";
+  }
+  return ck;
+}
+
+}  // namespace ckptfs::formats

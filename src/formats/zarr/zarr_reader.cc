@@ -1,0 +1,193 @@
+#include "formats/zarr/zarr_reader.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+#include "formats/byte_reader.h"
+
+namespace ckptfs::formats {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr uint64_t kMaxZarray = 1 << 20;
+constexpr uint64_t kMaxChunks = 1 << 22;
+
+Result<DType> ZarrDType(const std::string& d) {
+  if (d == "bfloat16") return DType::kBF16;
+  static const std::pair<const char*, DType> kTable[] = {
+      {"<f4", DType::kF32}, {"<f2", DType::kF16}, {"<f8", DType::kF64}, {"<i8", DType::kI64}, {"<i4", DType::kI32},
+      {"<i2", DType::kI16}, {"|i1", DType::kI8},  {"|u1", DType::kU8},  {"|b1", DType::kBool}, {"<u2", DType::kU16},
+      {"<u4", DType::kU32}, {"<u8", DType::kU64}, {"<c8", DType::kC64}, {"<c16", DType::kC128}};
+  for (const auto& [name, dt] : kTable) {
+    if (d == name) return dt;
+  }
+  if (d == "<V2" || d == "|V2") {
+    return Unsupported("dtype '" + d + "' is a raw 2-byte void (Megatron rewrote bf16 arrays to \"bfloat16\"; this one was not)");
+  }
+  return Unsupported("dtype '" + d + "' is not supported");
+}
+
+std::vector<int64_t> Strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> s(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
+  return s;
+}
+
+std::vector<std::string> ListDir(const std::string& path) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(path.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n != "." && n != "..") out.push_back(n);
+    }
+    ::closedir(d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// One array: its record and fragments (or a per-array error).
+void ReadArray(const std::string& ckpt_root, const std::string& root, const std::string& rel_prefix, const std::string& name,
+               Checkpoint& ck) {
+  const std::string zpath = root + "/" + name + "/.zarray";
+  TensorRecord t;
+  t.key = name;
+  t.encoding = Encoding::kTensor;
+  std::vector<Fragment> frags;
+  auto fail = [&](const std::string& why) {
+    t.error = "cannot read zarr array " + zpath + ": " + why;
+    t.dtype = t.dtype == DType::kInvalid ? DType::kU8 : t.dtype;
+    ck.info.problems.push_back(t.error);
+  };
+  auto finish = [&] {
+    if (!t.error.empty()) frags.clear();
+    t.num_fragments = static_cast<uint32_t>(frags.size());
+    t.byte_size = t.Numel() * DTypeSize(t.dtype);
+    ck.tensors.push_back(std::move(t));
+    ck.fragments.push_back(std::move(frags));
+  };
+  auto text = ReadWholeFile(zpath, kMaxZarray);
+  if (!text.ok()) return fail(text.status().message()), finish();
+  json z = json::parse(*text, nullptr, false);
+  if (z.is_discarded() || !z.is_object()) return fail("not JSON"), finish();
+  try {
+    if (z.value("zarr_format", 0) != 2) return fail("zarr_format is not 2"), finish();
+    auto dt = ZarrDType(z.at("dtype").get<std::string>());
+    if (!dt.ok()) return fail(dt.status().message()), finish();
+    t.dtype = *dt;
+    t.shape = z.at("shape").get<std::vector<int64_t>>();
+    auto chunks = z.at("chunks").get<std::vector<int64_t>>();
+    if (chunks.size() != t.shape.size()) return fail("chunks and shape have different ranks"), finish();
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (t.shape[d] < 0 || chunks[d] <= 0) return fail("bad shape or chunks"), finish();
+    }
+    if (z.contains("compressor") && !z["compressor"].is_null()) {
+      return fail("compressed chunks (" + z["compressor"].dump() + ") are not supported"), finish();
+    }
+    if (z.contains("filters") && !z["filters"].is_null()) return fail("filters are not supported"), finish();
+    if (z.value("order", std::string("C")) != "C") return fail("Fortran order is not supported"), finish();
+    const std::string sep = z.value("dimension_separator", std::string("."));
+    if (sep != "." && sep != "/") return fail("bad dimension_separator"), finish();
+    // Chunk grid.
+    std::vector<int64_t> grid(t.shape.size());
+    uint64_t n_chunks = 1;
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      grid[d] = (t.shape[d] + chunks[d] - 1) / chunks[d];
+      n_chunks *= static_cast<uint64_t>(std::max<int64_t>(grid[d], 0));
+    }
+    if (n_chunks > kMaxChunks) return fail(std::to_string(n_chunks) + " chunks is more than ckptfs indexes"), finish();
+    const uint64_t chunk_bytes = static_cast<uint64_t>(std::max<int64_t>(1, [&] {
+                                   int64_t n = 1;
+                                   for (int64_t c : chunks) n *= c;
+                                   return n;
+                                 }())) * DTypeSize(t.dtype);
+    const auto strides = Strides(chunks);
+    std::vector<int64_t> idx(t.shape.size(), 0);
+    for (uint64_t c = 0; c < n_chunks; ++c) {
+      std::string key;
+      for (size_t d = 0; d < idx.size(); ++d) key += (d ? sep : "") + std::to_string(idx[d]);
+      if (idx.empty()) key = "0";
+      SourceFile sf{rel_prefix + name + "/" + key, 0, 0, 0};
+      auto fd = OpenAndFingerprint(ckpt_root, sf);
+      (void)fd;
+      Fragment f;
+      f.dtype = t.dtype;
+      f.strides = strides;
+      f.data_offset = 0;
+      f.data_length = chunk_bytes;
+      for (size_t d = 0; d < idx.size(); ++d) {
+        f.offsets.push_back(idx[d] * chunks[d]);
+        f.lengths.push_back(std::min(chunks[d], t.shape[d] - idx[d] * chunks[d]));
+      }
+      if (fd.ok()) ::close(*fd);
+      bool usable = true;
+      if (sf.mtime_ns == -1) {
+        ck.info.problems.push_back("zarr chunk " + sf.rel_path + " is missing: a hole in '" + name +
+                                   "' (reads of that region fail; ckptfs never fills it with fill_value)");
+      } else if (sf.size != chunk_bytes) {
+        ck.info.problems.push_back("zarr chunk " + sf.rel_path + " has " + std::to_string(sf.size) + " bytes, a chunk of '" +
+                                   name + "' needs " + std::to_string(chunk_bytes) + ": left out (a hole)");
+        usable = false;
+      }
+      if (usable) {
+        f.file = FileId{static_cast<uint32_t>(ck.files.size())};
+        ck.files.push_back(std::move(sf));
+        frags.push_back(std::move(f));
+      }
+      for (size_t d = idx.size(); d-- > 0;) {
+        if (++idx[d] < grid[d]) break;
+        idx[d] = 0;
+      }
+    }
+  } catch (const json::exception& e) {
+    return fail(std::string("bad .zarray: ") + e.what()), finish();
+  }
+  finish();
+}
+
+}  // namespace
+
+Status ReadZarrArrays(const std::string& ckpt_root, const std::string& rel_dir, Checkpoint& ck) {
+  const std::string root = rel_dir.empty() ? ckpt_root : ckpt_root + "/" + rel_dir;
+  const std::string rel_prefix = rel_dir.empty() ? "" : rel_dir + "/";
+  struct stat st{};
+  for (const std::string& name : ListDir(root)) {
+    const std::string sub = root + "/" + name;
+    if (::stat((sub + "/.zarray").c_str(), &st) == 0) {
+      ReadArray(ckpt_root, root, rel_prefix, name, ck);
+      continue;
+    }
+    if (::stat(sub.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+    // ShardedObjects: <key>/shard_<offsets>_<shape>.pt, served verbatim.
+    for (const std::string& f : ListDir(sub)) {
+      if (f.rfind("shard_", 0) != 0) continue;
+      SourceFile sf{rel_prefix + name + "/" + f, 0, 0, 0};
+      auto fd = OpenAndFingerprint(ckpt_root, sf);
+      if (fd.ok()) ::close(*fd);
+      TensorRecord t;
+      t.key = name + "/" + f;
+      t.encoding = Encoding::kBytes;
+      t.dtype = DType::kU8;
+      t.byte_size = sf.size;
+      Fragment fr;
+      fr.file = FileId{static_cast<uint32_t>(ck.files.size())};
+      fr.dtype = DType::kU8;
+      fr.data_length = sf.size;
+      if (!fd.ok()) t.error = fd.status().message();
+      ck.files.push_back(std::move(sf));
+      std::vector<Fragment> frs;
+      if (t.error.empty()) frs.push_back(std::move(fr));
+      t.num_fragments = static_cast<uint32_t>(frs.size());
+      ck.tensors.push_back(std::move(t));
+      ck.fragments.push_back(std::move(frs));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace ckptfs::formats

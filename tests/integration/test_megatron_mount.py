@@ -1,0 +1,235 @@
+"""Megatron-LM checkpoints written by the real megatron-core (CPU, gloo) through
+a real ckptfs mount: legacy torch format at TP 1/2/4 x PP 1/2 (+ virtual
+pipeline, distributed optimizer), torch_dist and the zarr layout.
+
+Every tensor is compared with a reference merged here, independently of
+ckptfs, from what mcore itself held on each rank (tests/fixtures/make_megatron.py
+dumps each rank's local tensors and, through the optimizer's own parameter ->
+state maps, its fp32 master and Adam states)."""
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, run
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+LAYERS = 4
+SCENARIOS = {
+    "legacy_tp1_pp1": ["legacy", "--tp", "1", "--pp", "1"],
+    "legacy_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--bf16"],
+    "legacy_tp4_pp1": ["legacy", "--tp", "4", "--pp", "1", "--bf16"],
+    "legacy_tp1_pp2_vp2": ["legacy", "--tp", "1", "--pp", "2", "--vp", "2", "--bf16"],
+    "legacy_distopt_tp2_dp2": ["legacy", "--tp", "2", "--dp", "2", "--dist-opt", "--bf16"],
+    "legacy_drift_tp2": ["legacy", "--tp", "2", "--bf16", "--drift"],
+    "dist_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16"],
+    "zarr_tp2_pp2": ["zarr", "--tp", "2", "--pp", "2", "--bf16"],
+}
+CLEAN = [s for s in SCENARIOS if "drift" not in s]
+
+
+def topology(args):
+    get = lambda k, d: int(args[args.index(k) + 1]) if k in args else d
+    return get("--tp", 1), get("--pp", 1), get("--dp", 1), get("--vp", 1)
+
+
+@pytest.fixture(scope="session")
+def megatron_fixtures(tmp_path_factory):
+    cache = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    root = Path(cache) / "megatron" if cache else tmp_path_factory.mktemp("megatron")
+    for name, args in SCENARIOS.items():
+        out = root / name
+        if (out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists():
+            continue
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
+                       check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return root
+
+
+def split_rule(name):
+    """Megatron's TP split, written from megatron/core/tensor_parallel/layers.py."""
+    if "layernorm" in name or "layer_norm" in name or "position_embeddings" in name:
+        return "replicated"
+    if ".linear_proj." in name or ".linear_fc2." in name:
+        return "replicated" if name.endswith(".bias") else "row"
+    if ".linear_fc1." in name:
+        return "swiglu"
+    return "column"
+
+
+def merge(rule, shards):
+    if rule == "replicated":
+        return shards[0]
+    if rule == "row":
+        return torch.cat(shards, 1)
+    if rule == "swiglu":  # each rank holds [W_r; V_r]; global [W_0..W_n; V_0..V_n]
+        halves = [s.chunk(2, 0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    return torch.cat(shards, 0)
+
+
+# mcore's local layer spec saves norms under the fused-layer names in sharded state dicts.
+SHARDED_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+def global_name(local, pp_rank, chunk, pp, vp, sharded=False):
+    if sharded:
+        for a, b in SHARDED_KEYS.items():
+            local = local.replace(a, b)
+    parts = local.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        offset = chunk * (LAYERS // vp) + pp_rank * (LAYERS // pp // vp)
+        parts[i + 1] = str(int(parts[i + 1]) + offset)
+    return ".".join(parts)
+
+
+def reference(fixture, args):
+    """{global name: {param, fp32, exp_avg, exp_avg_sq}} merged from the rank dumps."""
+    tp, pp, dp, vp = topology(args[1:])
+    dumps = {(t, p, d): torch.load(fixture / "reference" / f"tp{t}_pp{p}_dp{d}.pt", weights_only=False)
+             for t in range(tp) for p in range(pp) for d in range(dp)}
+    out = {}
+    for p in range(pp):
+        for key in dumps[(0, p, 0)]["model"]:
+            chunk, local = key.split("/", 1)
+            name = global_name(local, p, int(chunk), pp, vp, sharded=args[0] != "legacy")
+            rule = split_rule(name)
+            entry = {"param": merge(rule, [dumps[(t, p, 0)]["model"][key] for t in range(tp)])}
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                shards = []
+                for t in range(tp):
+                    shape = dumps[(t, p, 0)]["model"][key].shape
+                    flat = torch.full((int(np.prod(shape)),), float("nan"))
+                    for d in range(dp):
+                        o = dumps[(t, p, d)]["optim"].get(key)
+                        if o is not None:
+                            a, b = o["range"]
+                            flat[a:b] = o[state].float()
+                    assert not torch.isnan(flat).any(), f"DP ranks do not cover {key} {state}"
+                    shards.append(flat.view(shape))
+                entry[state] = merge(rule, shards)
+            out[name] = entry
+    return out
+
+
+def mount_src(fixture, kind):
+    return fixture  # the save directory: ckptfs follows latest_checkpointed_iteration.txt
+
+
+@pytest.mark.parametrize("scenario", CLEAN)
+def test_every_tensor_equals_the_reference_merge(megatron_fixtures, mounter, scenario):
+    fx = megatron_fixtures / scenario
+    ref = reference(fx, SCENARIOS[scenario])
+    with mounter(mount_src(fx, scenario)) as m:
+        params = m.path / "params"
+        shown = {p.name for p in params.iterdir()}
+        assert set(ref) <= shown, sorted(set(ref) - shown)[:5]
+        for name, r in ref.items():
+            got = np.load(params / name / "param.npy")
+            want = r["param"].float().numpy()
+            assert got.shape == want.shape, name
+            np.testing.assert_array_equal(got, want, err_msg=name)
+            raw = (params / name / "param.raw").read_bytes()
+            assert raw == r["param"].contiguous().view(torch.uint8).numpy().tobytes(), name
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                got = np.load(params / name / f"{state}.npy")
+                np.testing.assert_array_equal(got, r[state].numpy(), err_msg=f"{name} {state}")
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        assert info["step"] == 7
+        assert not info.get("problems"), info.get("problems")
+
+
+@pytest.mark.parametrize("scenario", ["legacy_tp2_pp2", "dist_tp2_pp2_dp2"])
+def test_cp_and_cmp_through_the_mount(megatron_fixtures, mounter, tmp_path, scenario):
+    with mounter(megatron_fixtures / scenario) as m:
+        out = tmp_path / "copy"
+        subprocess.run(["cp", "-r", str(m.path / "params"), str(out)], check=True, timeout=300)
+        cmp = filecmp.dircmp(str(m.path / "params"), str(out))
+        assert not cmp.left_only and not cmp.right_only
+        name = "decoder.layers.3.mlp.linear_fc1.weight"
+        r = subprocess.run(["cmp", str(m.path / "params" / name / "param.npy"), str(out / name / "param.npy")])
+        assert r.returncode == 0
+
+
+def test_replica_drift_is_reported_and_rank0_served(megatron_fixtures, mounter):
+    fx = megatron_fixtures / "legacy_drift_tp2"
+    rank0 = torch.load(fx / "reference" / "tp0_pp0_dp0.pt", weights_only=False)["model"]
+    with mounter(fx) as m:
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        drift = [p for p in info["problems"] if "replica drift" in p]
+        assert len(drift) == 1, info["problems"]
+        assert "decoder.layers.0.input_layernorm.weight" in drift[0] and "max |diff| 0.5" in drift[0]
+        got = np.load(m.path / "params/decoder.layers.0.input_layernorm.weight/param.npy")
+        np.testing.assert_array_equal(got, rank0["0/decoder.layers.0.input_layernorm.weight"].float().numpy())
+
+
+def test_legacy_args_and_layout(megatron_fixtures, mounter):
+    with mounter(megatron_fixtures / "legacy_tp2_pp2") as m:
+        args = json.loads((m.path / "args.json").read_text())
+        assert args["num_layers"] == LAYERS and args["tensor_model_parallel_size"] == 2
+        assert args["params_dtype"] == "torch.bfloat16"
+        w = np.load(m.path / "params/embedding.word_embeddings.weight/param.npy")
+        assert w.shape == (args["padded_vocab_size"], 32)
+    r = run([str(Path(os.environ.get("CKPTFS_BIN", "build/ckptfs")).resolve()), "info",
+             str(megatron_fixtures / "legacy_tp1_pp2_vp2")])
+    assert r.returncode == 0 and "VP=2" in r.stdout, r.stdout + r.stderr
+
+
+def test_torch_dist_stacked_layers_whole_under_other(megatron_fixtures, mounter):
+    fx = megatron_fixtures / "dist_tp2_pp2_dp2"
+    ref = reference(fx, SCENARIOS["dist_tp2_pp2_dp2"])
+    with mounter(fx) as m:
+        whole = np.load(m.path / "other/decoder.layers.mlp.linear_fc1.weight.npy")
+        assert whole.shape[0] == LAYERS
+        for i in range(LAYERS):
+            np.testing.assert_array_equal(whole[i], ref[f"decoder.layers.{i}.mlp.linear_fc1.weight"]["param"].float().numpy())
+        assert (m.path / "other/common.pt").stat().st_size > 0
+
+
+def test_zarr_missing_chunk_is_eio_not_zeros(megatron_fixtures, mounter, tmp_path):
+    src = tmp_path / "zarr"
+    shutil.copytree(megatron_fixtures / "zarr_tp2_pp2", src, ignore=shutil.ignore_patterns(".ckptfs"))
+    arr = src / "iter_0000007" / "decoder.layers.mlp.linear_fc1.weight"
+    chunk = sorted(p for p in arr.iterdir() if not p.name.startswith("."))[-1]
+    chunk.unlink()
+    with mounter(src) as m:
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        assert any(chunk.name in p and "missing" in p for p in info["problems"]), info["problems"]
+        with pytest.raises(OSError) as e:
+            (m.path / "params/decoder.layers.3.mlp.linear_fc1.weight/param.raw").read_bytes()
+        assert e.value.errno == 5
+        assert np.load(m.path / "params/decoder.layers.0.mlp.linear_fc1.weight/param.npy").shape == (64, 32)
+        assert chunk.name in m.log_text()
+
+
+def test_legacy_missing_rank_and_truncated_file(megatron_fixtures, mounter, tmp_path, bin_path):
+    src = tmp_path / "broken"
+    shutil.copytree(megatron_fixtures / "legacy_tp2_pp2", src, ignore=shutil.ignore_patterns(".ckptfs", "reference"))
+    shutil.rmtree(src / "iter_0000007" / "mp_rank_01_001")
+    with open(src / "iter_0000007" / "mp_rank_00_000" / "model_optim_rng.pt", "r+b") as f:
+        f.truncate(1000)
+    r = run([bin_path, "info", str(src)])
+    assert r.returncode != 0
+    assert "mp_rank_00_000/model_optim_rng.pt" in r.stderr and "truncated" in r.stderr, r.stderr[-2000:]
+    with mounter(src) as m:
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        text = "\n".join(info["problems"])
+        assert "mp_rank_01_001/model_optim_rng.pt is missing" in text
+        with pytest.raises(OSError) as e:
+            (m.path / "params/decoder.layers.3.mlp.linear_fc1.weight/param.raw").read_bytes()
+        assert e.value.errno == 5
+        with pytest.raises(OSError) as e:
+            (m.path / "params/decoder.layers.0.mlp.linear_fc1.weight/param.raw").read_bytes()
+        assert e.value.errno == 5
+        assert "mp_rank_00_000/model_optim_rng.pt" in m.log_text()
