@@ -21,11 +21,13 @@ fi
 # Python: a venv that sees the system's site-packages (so an installed torch is reused).
 if [[ ! -x .venv/bin/python ]]; then python3 -m venv --system-site-packages .venv; fi
 PY=.venv/bin/python
-want=(numpy)
-[[ "${1:-}" == "--test" ]] && want+=(torch zstandard pytest pytest-timeout deepspeed)
+# pip requirement:import name (test-only producers and clients after numpy).
+want=(numpy:numpy)
+[[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout
+                                     deepspeed:deepspeed megatron-core:megatron.core "zarr<3:zarr")
 need=()
-for m in "${want[@]}"; do
-  mod=${m//-/_}
-  "$PY" -c "import ${mod}" >/dev/null 2>&1 || need+=("$m")
+for w in "${want[@]}"; do
+  req=${w%%:*} mod=${w##*:}
+  "$PY" -c "import ${mod}" >/dev/null 2>&1 || need+=("$req")
 done
 if ((${#need[@]})); then "$PY" -m pip install -q "${need[@]}"; fi

@@ -1,0 +1,162 @@
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "../test_util.h"
+#include "formats/megatron/megatron_common.h"
+#include "formats/pickle.h"
+#include "formats/tp_merge.h"
+#include "formats/zarr/zarr_reader.h"
+
+namespace ckptfs::formats {
+namespace {
+
+namespace fs = std::filesystem;
+using ckptfs::testing::TempDir;
+using megatron::LayerOffset;
+using megatron::PipelineShape;
+using megatron::RenumberLayer;
+using megatron::SplitRule;
+
+void WriteFile(const std::string& path, const std::string& bytes) {
+  fs::create_directories(fs::path(path).parent_path());
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+TEST(MegatronSplitRuleTest, LayerTypes) {
+  auto r = SplitRule("decoder.layers.0.self_attention.linear_qkv.weight", true);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->kind, Merge::kCat);
+  EXPECT_EQ(r->cat_dim, 0);
+  r = SplitRule("decoder.layers.0.self_attention.linear_proj.weight", true);
+  EXPECT_EQ(r->cat_dim, 1);
+  EXPECT_EQ(SplitRule("decoder.layers.0.self_attention.linear_proj.bias", true)->kind, Merge::kReplicated);
+  EXPECT_EQ(SplitRule("decoder.layers.3.mlp.linear_fc1.weight", true)->kind, Merge::kSub2);
+  EXPECT_EQ(SplitRule("decoder.layers.3.mlp.linear_fc1.weight", false)->kind, Merge::kCat);
+  EXPECT_EQ(SplitRule("decoder.layers.3.mlp.linear_fc2.weight", true)->cat_dim, 1);
+  EXPECT_EQ(SplitRule("decoder.final_layernorm.weight", true)->kind, Merge::kReplicated);
+  EXPECT_EQ(SplitRule("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", true)->kind, Merge::kReplicated);
+  EXPECT_TRUE(SplitRule("embedding.word_embeddings.weight", true)->vocab);
+  EXPECT_TRUE(SplitRule("output_layer.weight", true)->vocab);
+  // Legacy (language_model) names.
+  EXPECT_EQ(SplitRule("language_model.encoder.layers.1.self_attention.dense.weight", false)->cat_dim, 1);
+  EXPECT_EQ(SplitRule("language_model.encoder.layers.1.mlp.dense_4h_to_h.bias", false)->kind, Merge::kReplicated);
+  EXPECT_EQ(SplitRule("language_model.encoder.layers.1.self_attention.query_key_value.bias", false)->kind, Merge::kCat);
+  EXPECT_FALSE(SplitRule("decoder.layers.0.mlp.router.weight", true).has_value());
+}
+
+TEST(MegatronLayersTest, RenumberAndOffsets) {
+  int64_t i;
+  EXPECT_EQ(RenumberLayer("decoder.layers.1.mlp.linear_fc1.weight", 6, &i), "decoder.layers.7.mlp.linear_fc1.weight");
+  EXPECT_EQ(i, 7);
+  EXPECT_EQ(RenumberLayer("language_model.encoder.layers.0.x", 2, &i), "language_model.encoder.layers.2.x");
+  EXPECT_EQ(RenumberLayer("decoder.final_layernorm.weight", 6, &i), "decoder.final_layernorm.weight");
+  EXPECT_EQ(i, -1);
+  EXPECT_EQ(RenumberLayer("mylayers.3.w", 1, &i), "mylayers.3.w");  // only a whole "layers" component
+
+  PipelineShape s{8, 2, 1, -1, -1};
+  EXPECT_EQ(*LayerOffset(s, 1, 0), 4);
+  // Virtual pipeline: chunk v of every stage before chunk v+1 (8 layers, PP 2, VP 2).
+  s.vp = 2;
+  EXPECT_EQ(*LayerOffset(s, 0, 0), 0);
+  EXPECT_EQ(*LayerOffset(s, 1, 0), 2);
+  EXPECT_EQ(*LayerOffset(s, 0, 1), 4);
+  EXPECT_EQ(*LayerOffset(s, 1, 1), 6);
+  // Uneven first / last stages: 10 layers, PP 4, first 1, last 3 -> middle 3 each.
+  PipelineShape u{10, 4, 1, 1, 3};
+  EXPECT_EQ(*LayerOffset(u, 0, 0), 0);
+  EXPECT_EQ(*LayerOffset(u, 1, 0), 1);
+  EXPECT_EQ(*LayerOffset(u, 2, 0), 4);
+  EXPECT_EQ(*LayerOffset(u, 3, 0), 7);
+  EXPECT_EQ(*megatron::LayersPerChunk(u, 3), 3);
+  PipelineShape bad{7, 2, 1, -1, -1};
+  EXPECT_FALSE(LayerOffset(bad, 1, 0).ok());
+}
+
+TEST(MegatronArgsTest, NamespaceToJson) {
+  // argparse.Namespace(num_layers=4, swiglu=True, lr=0.5, name='x"y', dt=torch.bfloat16), protocol 2.
+  const std::string pkl(
+      "\x80\x02\x63\x61\x72\x67\x70\x61\x72\x73\x65\x0a\x4e\x61\x6d\x65\x73\x70\x61\x63\x65\x0a\x71\x00"
+      "\x29\x81\x71\x01\x7d\x71\x02\x28\x58\x0a\x00\x00\x00\x6e\x75\x6d\x5f\x6c\x61\x79\x65\x72\x73\x71"
+      "\x03\x4b\x04\x58\x06\x00\x00\x00\x73\x77\x69\x67\x6c\x75\x71\x04\x88\x58\x02\x00\x00\x00\x6c\x72"
+      "\x71\x05\x47\x3f\xe0\x00\x00\x00\x00\x00\x00\x58\x04\x00\x00\x00\x6e\x61\x6d\x65\x71\x06\x58\x03"
+      "\x00\x00\x00\x78\x22\x79\x71\x07\x58\x02\x00\x00\x00\x64\x74\x71\x08\x63\x74\x6f\x72\x63\x68\x0a"
+      "\x62\x66\x6c\x6f\x61\x74\x31\x36\x0a\x71\x09\x75\x62\x2e",
+      134);
+  auto v = Unpickle(pkl, "args");
+  ASSERT_TRUE(v.ok()) << v.status().message();
+  EXPECT_EQ(*megatron::ArgInt(v->get(), "num_layers"), 4);
+  EXPECT_TRUE(*megatron::ArgBool(v->get(), "swiglu"));
+  EXPECT_FALSE(megatron::ArgInt(v->get(), "absent").has_value());
+  const std::string j = megatron::ToJson(v->get());
+  EXPECT_NE(j.find("\"num_layers\": 4"), std::string::npos) << j;
+  EXPECT_NE(j.find("\"lr\": 0.5"), std::string::npos) << j;
+  EXPECT_NE(j.find("\"name\": \"x\\\"y\""), std::string::npos) << j;
+  EXPECT_NE(j.find("\"dt\": \"torch.bfloat16\""), std::string::npos) << j;
+}
+
+TEST(MegatronTrackerTest, FollowsTheTrackerAndReportsADanglingOne) {
+  TempDir t;
+  WriteFile(t.path() + "/latest_checkpointed_iteration.txt", "12\n");
+  auto it = megatron::FindIterDir(t.path());
+  ASSERT_FALSE(it.ok());
+  EXPECT_NE(it.status().message().find("iter_0000012"), std::string::npos) << it.status().message();
+  fs::create_directories(t.path() + "/iter_0000012");
+  it = megatron::FindIterDir(t.path());
+  ASSERT_TRUE(it.ok());
+  EXPECT_EQ(it->rel, "iter_0000012");
+  EXPECT_EQ(it->step, 12);
+  WriteFile(t.path() + "/latest_checkpointed_iteration.txt", "garbage");
+  EXPECT_FALSE(megatron::FindIterDir(t.path()).ok());
+}
+
+std::string Zarray(const std::string& dtype, const std::string& shape, const std::string& chunks,
+                   const std::string& compressor = "null") {
+  return "{\"zarr_format\": 2, \"dtype\": \"" + dtype + "\", \"shape\": " + shape + ", \"chunks\": " + chunks +
+         ", \"compressor\": " + compressor + ", \"fill_value\": null, \"filters\": null, \"order\": \"C\"}";
+}
+
+TEST(ZarrReaderTest, ChunksBecomeFragmentsAndAMissingChunkIsAHole) {
+  TempDir t;
+  // 3x4 bf16 array in 2x4 chunks: chunk 1.0 is an edge chunk (1 real row, stored full).
+  WriteFile(t.path() + "/it/w/.zarray", Zarray("bfloat16", "[3, 4]", "[2, 4]"));
+  WriteFile(t.path() + "/it/w/0.0", std::string(16, 'a'));
+  WriteFile(t.path() + "/it/w/1.0", std::string(16, 'b'));
+  WriteFile(t.path() + "/it/v/.zarray", Zarray("<f4", "[4]", "[2]"));
+  WriteFile(t.path() + "/it/v/0", std::string(8, 'c'));  // chunk 1 missing
+  WriteFile(t.path() + "/it/z/.zarray", Zarray("<f4", "[4]", "[4]", "{\"id\": \"blosc\"}"));
+  WriteFile(t.path() + "/it/u/.zarray", Zarray("<V2", "[4]", "[4]"));
+  WriteFile(t.path() + "/it/s/.zarray", Zarray("<f4", "[4]", "[4]"));
+  WriteFile(t.path() + "/it/s/0", std::string(10, 'd'));  // wrong size
+  Checkpoint ck;
+  ASSERT_TRUE(ReadZarrArrays(t.path(), "it", ck).ok());
+  auto find = [&](const std::string& k) -> size_t {
+    for (size_t i = 0; i < ck.tensors.size(); ++i) {
+      if (ck.tensors[i].key == k) return i;
+    }
+    return SIZE_MAX;
+  };
+  size_t w = find("w");
+  ASSERT_NE(w, SIZE_MAX);
+  EXPECT_EQ(ck.tensors[w].dtype, DType::kBF16);
+  ASSERT_EQ(ck.fragments[w].size(), 2u);
+  EXPECT_EQ(ck.fragments[w][1].offsets, (std::vector<int64_t>{2, 0}));
+  EXPECT_EQ(ck.fragments[w][1].lengths, (std::vector<int64_t>{1, 4}));
+  EXPECT_EQ(ck.fragments[w][1].strides, (std::vector<int64_t>{4, 1}));
+  EXPECT_EQ(ck.files[ck.fragments[w][1].file.v].rel_path, "it/w/1.0");
+  size_t v = find("v");
+  ASSERT_EQ(ck.fragments[v].size(), 2u);  // the hole points at the missing file: reads of it fail naming it
+  EXPECT_EQ(ck.files[ck.fragments[v][1].file.v].mtime_ns, -1);
+  EXPECT_TRUE(ck.tensors[v].error.empty());
+  EXPECT_NE(ck.tensors[find("z")].error.find("compressed"), std::string::npos);
+  EXPECT_NE(ck.tensors[find("u")].error.find("void"), std::string::npos);
+  EXPECT_TRUE(ck.fragments[find("s")].empty());
+  std::string problems;
+  for (const auto& p : ck.info.problems) problems += p + "\n";
+  EXPECT_NE(problems.find("it/v/1 is missing"), std::string::npos) << problems;
+  EXPECT_NE(problems.find("it/s/0 has 10 bytes"), std::string::npos) << problems;
+}
+
+}  // namespace
+}  // namespace ckptfs::formats
