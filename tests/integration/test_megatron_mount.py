@@ -30,6 +30,7 @@ SCENARIOS = {
     "legacy_tp1_pp2_vp2": ["legacy", "--tp", "1", "--pp", "2", "--vp", "2", "--bf16"],
     "legacy_distopt_tp2_dp2": ["legacy", "--tp", "2", "--dp", "2", "--dist-opt", "--bf16"],
     "legacy_drift_tp2": ["legacy", "--tp", "2", "--bf16", "--drift"],
+    "legacy_names_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--legacy-names"],
     "dist_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16"],
     "zarr_tp2_pp2": ["zarr", "--tp", "2", "--pp", "2", "--bf16"],
 }
@@ -82,7 +83,18 @@ SHARDED_KEYS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
                 "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 
 
-def global_name(local, pp_rank, chunk, pp, vp, sharded=False):
+LEGACY_NAMES = [("embedding.", "language_model.embedding."),
+                ("decoder.final_layernorm.", "language_model.encoder.final_layernorm."),
+                ("decoder.layers.", "language_model.encoder.layers."), ("output_layer.", "language_model.output_layer."),
+                ("self_attention.linear_qkv.", "self_attention.query_key_value."),
+                ("self_attention.linear_proj.", "self_attention.dense."), ("pre_mlp_layernorm.", "post_attention_layernorm."),
+                ("mlp.linear_fc1.", "mlp.dense_h_to_4h."), ("mlp.linear_fc2.", "mlp.dense_4h_to_h.")]
+
+
+def global_name(local, pp_rank, chunk, pp, vp, sharded=False, legacy=False):
+    if legacy:
+        for a, b in LEGACY_NAMES:
+            local = local.replace(a, b, 1) if a in local else local
     if sharded:
         for a, b in SHARDED_KEYS.items():
             local = local.replace(a, b)
@@ -103,8 +115,9 @@ def reference(fixture, args):
     for p in range(pp):
         for key in dumps[(0, p, 0)]["model"]:
             chunk, local = key.split("/", 1)
-            name = global_name(local, p, int(chunk), pp, vp, sharded=args[0] != "legacy")
-            rule = split_rule(name)
+            rule = split_rule(local)
+            name = global_name(local, p, int(chunk), pp, vp, sharded=args[0] != "legacy",
+                               legacy="--legacy-names" in args)
             entry = {"param": merge(rule, [dumps[(t, p, 0)]["model"][key] for t in range(tp)])}
             for state in ("fp32", "exp_avg", "exp_avg_sq"):
                 shards = []
