@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds] [args...]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -7,3 +7,4 @@ scripts/build.sh
 which="${1:-all}"; [[ $# -gt 0 ]] && shift
 if [[ "$which" == dcp || "$which" == all ]]; then .venv/bin/python bench/dcp_bench.py "$@"; fi
 if [[ "$which" == ds || "$which" == all ]]; then .venv/bin/python bench/ds_bench.py "$@"; fi
+if [[ "$which" == megatron || "$which" == all ]]; then .venv/bin/python bench/megatron_bench.py "$@"; fi
