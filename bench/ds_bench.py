@@ -30,10 +30,10 @@ sys.path.insert(0, HERE)
 from dcp_bench import daemon_pid, drop_cache, timed, vm_hwm_kib  # noqa: E402
 
 
-def files_under(d):
+def files_under(d, skip=(".ckptfs",)):
     out = []
     for root, dirs, files in os.walk(d):
-        dirs[:] = [x for x in dirs if x != ".ckptfs"]
+        dirs[:] = [x for x in dirs if x not in skip]
         out += [os.path.join(root, f) for f in files]
     return sorted(out)
 

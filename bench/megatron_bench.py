@@ -30,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from dcp_bench import daemon_pid, drop_cache, timed, vm_hwm_kib  # noqa: E402
+from ds_bench import files_under  # noqa: E402
 
 BASELINE = r'''
 import glob, os, sys, torch
@@ -62,14 +63,6 @@ print(len(merged), sum(v.numel() for v in merged.values()))
 '''
 
 
-def files_under(d):
-    out = []
-    for root, dirs, files in os.walk(d):
-        dirs[:] = [x for x in dirs if x not in (".ckptfs", "reference")]
-        out += [os.path.join(root, f) for f in files]
-    return sorted(out)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -85,7 +78,7 @@ def main():
                         "--ffn", str(4 * a.hidden), "--heads", "16"], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         shutil.rmtree(os.path.join(ck, "reference"), ignore_errors=True)
-    src = files_under(ck)
+    src = files_under(ck, skip=(".ckptfs", "reference"))
     size = sum(os.path.getsize(f) for f in src)
     print(f"checkpoint: {ck}: {len(src)} files, {size / 2**30:.2f} GiB")
 

@@ -142,6 +142,13 @@ struct Checkpoint {
   std::vector<TensorRecord> tensors;
   std::vector<std::vector<Fragment>> fragments;  // parallel to tensors
   std::vector<ExportFile> exports;
+
+  // Appends a record with its fragments and returns its index. A record in
+  // error keeps no fragments; num_fragments and a kTensor's byte_size are
+  // derived here (a kBytes record's byte_size is the caller's).
+  uint32_t AddTensor(TensorRecord t, std::vector<Fragment> frags);
+  // A kBytes record serving all of `file` verbatim (`t` gives key, role, fqn).
+  uint32_t AddFileBytes(FileId file, TensorRecord t);
 };
 
 }  // namespace ckptfs

@@ -59,4 +59,22 @@ std::vector<Box> DecomposeRange(const std::vector<int64_t>& shape, uint64_t begi
   return out;
 }
 
+std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> s(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
+  return s;
+}
+
+int64_t NumelOf(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t x : shape) n *= x;
+  return n;
+}
+
+int64_t FlatIndex(const std::vector<int64_t>& idx, const std::vector<int64_t>& strides) {
+  int64_t f = 0;
+  for (size_t d = 0; d < idx.size(); ++d) f += idx[d] * strides[d];
+  return f;
+}
+
 }  // namespace ckptfs

@@ -143,4 +143,24 @@ bool ElementAsDouble(const char* p, DType d, double* out) {
   }
 }
 
+uint32_t Checkpoint::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
+  if (!t.error.empty()) frags.clear();
+  t.num_fragments = static_cast<uint32_t>(frags.size());
+  if (t.encoding == Encoding::kTensor) t.byte_size = t.Numel() * DTypeSize(t.dtype);
+  tensors.push_back(std::move(t));
+  fragments.push_back(std::move(frags));
+  return static_cast<uint32_t>(tensors.size() - 1);
+}
+
+uint32_t Checkpoint::AddFileBytes(FileId file, TensorRecord t) {
+  t.encoding = Encoding::kBytes;
+  t.dtype = DType::kU8;
+  t.byte_size = files[file.v].size;
+  Fragment f;
+  f.file = file;
+  f.dtype = DType::kU8;
+  f.data_length = t.byte_size;
+  return AddTensor(std::move(t), {std::move(f)});
+}
+
 }  // namespace ckptfs

@@ -1,9 +1,11 @@
 #include "formats/byte_reader.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 namespace ckptfs::formats {
@@ -97,6 +99,19 @@ Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f) {
   f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
   f.inode = st.st_ino;
   return fd;
+}
+
+std::vector<std::string> ListDirectory(const std::string& path) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(path.c_str())) {
+    while (dirent* e = ::readdir(d)) {
+      std::string n = e->d_name;
+      if (n != "." && n != "..") out.push_back(std::move(n));
+    }
+    ::closedir(d);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace ckptfs::formats

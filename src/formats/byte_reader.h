@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "ckptfs/common.h"
 #include "ckptfs/model.h"
@@ -59,6 +60,10 @@ class FileSliceReader final : public ByteReader {
 
 // Reads a whole regular file, refusing files larger than max_bytes.
 Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes);
+
+// The entry names of a directory (no "." / ".."), sorted; empty when it
+// cannot be listed.
+std::vector<std::string> ListDirectory(const std::string& path);
 
 // Opens <dir>/<f.rel_path> read-only and records its fingerprint in `f` (size,
 // mtime, inode: what the index checks for staleness). A file that cannot be

@@ -2,28 +2,10 @@
 
 namespace ckptfs::formats {
 
-std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> s(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
-  return s;
-}
-
-int64_t NumelOf(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t x : shape) n *= x;
-  return n;
-}
-
 std::string ShapeStr(const std::vector<int64_t>& s) {
   std::string o = "[";
   for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
   return o + "]";
-}
-
-int64_t FlatIndex(const std::vector<int64_t>& idx, const std::vector<int64_t>& strides) {
-  int64_t f = 0;
-  for (size_t d = 0; d < idx.size(); ++d) f += idx[d] * strides[d];
-  return f;
 }
 
 std::vector<std::string> StrList(const PyValue* v) {
@@ -67,6 +49,18 @@ Result<Loc> Resolve(const Source& s, const PyValue* v, const std::string& what) 
   l.data_offset = rt.data_offset;
   l.data_length = rt.data_length;
   return l;
+}
+
+Fragment WholeFragment(const Loc& l, FileId file) {
+  Fragment f;
+  f.file = file;
+  f.dtype = l.dtype;
+  f.offsets.assign(l.shape.size(), 0);
+  f.lengths = l.shape;
+  f.strides = l.strides;
+  f.data_offset = l.data_offset;
+  f.data_length = l.data_length;
+  return f;
 }
 
 }  // namespace ckptfs::formats

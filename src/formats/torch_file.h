@@ -1,6 +1,6 @@
-// Shared pieces of the readers of torch.save-based families (DeepSpeed,
-// Megatron legacy): opening and parsing each .pt once, resolving a pickled
-// tensor to the byte range of its storage, and shape helpers.
+// Shared pieces of the family readers: registering each source file once
+// (fingerprinted; a torch.save .pt also parsed), resolving a pickled tensor to
+// the byte range of its storage, and the fragment of a whole tensor.
 #ifndef CKPTFS_FORMATS_TORCH_FILE_H_
 #define CKPTFS_FORMATS_TORCH_FILE_H_
 
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ckptfs/common.h"
+#include "ckptfs/geometry.h"
 #include "ckptfs/model.h"
 #include "formats/byte_reader.h"
 #include "formats/pickle.h"
@@ -19,10 +20,7 @@
 
 namespace ckptfs::formats {
 
-std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape);
-int64_t NumelOf(const std::vector<int64_t>& shape);
 std::string ShapeStr(const std::vector<int64_t>& s);  // "[2, 3]"
-int64_t FlatIndex(const std::vector<int64_t>& idx, const std::vector<int64_t>& strides);
 // The str items of a list / tuple (others skipped); empty for anything else.
 std::vector<std::string> StrList(const PyValue* v);
 
@@ -61,6 +59,9 @@ struct Files {
 // The tensor `v` of source `s` (an error naming `what` when it is not one or
 // its elements leave the storage record).
 Result<Loc> Resolve(const Source& s, const PyValue* v, const std::string& what);
+
+// One fragment holding all of `l` (in `file`) at the origin of the tensor.
+Fragment WholeFragment(const Loc& l, FileId file);
 
 }  // namespace ckptfs::formats
 

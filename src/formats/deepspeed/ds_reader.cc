@@ -345,7 +345,6 @@ struct Reader {
   void Break(const std::string& name, const std::string& why);  // first reason wins
   void Geometry3(int t);
   Status Emit();
-  uint32_t AddTensor(TensorRecord t, std::vector<Fragment> frags);
   Status ExportState(const std::string& name, const std::string& state, uint32_t tensor, const Rule& rule, bool dict);
   void AddArchive(const std::string& path, const std::string& stem, const std::string& pickle,
                   const std::vector<ArchiveStorage>& storages);
@@ -355,14 +354,6 @@ struct Reader {
   Status ExportOptimizerState();
   void ExportCopies();
 };
-
-uint32_t Reader::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
-  t.num_fragments = static_cast<uint32_t>(frags.size());
-  if (t.encoding == Encoding::kTensor) t.byte_size = t.Numel() * DTypeSize(t.dtype);
-  ck.tensors.push_back(std::move(t));
-  ck.fragments.push_back(std::move(frags));
-  return static_cast<uint32_t>(ck.tensors.size() - 1);
-}
 
 Status Reader::Discover() {
   std::error_code ec;
@@ -723,7 +714,7 @@ Status Reader::EmitStep(const Param& p, bool ucp) {
     f.strides = l.strides;
     f.data_offset = l.data_offset;
     f.data_length = DTypeSize(l.dtype);
-    uint32_t id = AddTensor(std::move(rec), {std::move(f)});
+    uint32_t id = ck.AddTensor(std::move(rec), {std::move(f)});
     RETURN_IF_ERROR(w.Tensor("0", l.dtype, 1, 0, l.shape, ContiguousStrides(l.shape)));
     storages.push_back(ArchiveStorage{id, l.dtype, DTypeSize(l.dtype)});
   } else if (og.step_value != nullptr) {
@@ -868,7 +859,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     }
     if (!rec.error.empty()) frags.clear();
     const bool bad = !rec.error.empty();
-    uint32_t id = AddTensor(std::move(rec), std::move(frags));
+    uint32_t id = ck.AddTensor(std::move(rec), std::move(frags));
     if (!bad && ucp && ck.tensors[id].dtype == DType::kF32) {
       Status st = ExportState(p.name, state, id, rule, as_dict);
       if (!st.ok()) problems.push_back("universal/zero/" + p.name + "/" + state + ".pt: " + st.message());
@@ -942,7 +933,7 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
     }
     rec.error = err;
     if (!err.empty()) frags.clear();
-    uint32_t id = AddTensor(std::move(rec), std::move(frags));
+    uint32_t id = ck.AddTensor(std::move(rec), std::move(frags));
     // ds_to_universal's fallback for names without optimizer state: mp_rank_00's
     // (TP-local) tensor as fp32.
     if (tp == 1 || rule.kind == Merge::kReplicated) {
@@ -953,15 +944,7 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
       hidden.role = Role::kHidden;
       hidden.dtype = locs[0]->dtype;
       hidden.shape = locs[0]->shape;
-      Fragment f;
-      f.file = models[0].src->file;
-      f.dtype = locs[0]->dtype;
-      f.offsets.assign(hidden.shape.size(), 0);
-      f.lengths = hidden.shape;
-      f.strides = locs[0]->strides;
-      f.data_offset = locs[0]->data_offset;
-      f.data_length = locs[0]->data_length;
-      module_record[name] = AddTensor(std::move(hidden), {std::move(f)});
+      module_record[name] = ck.AddTensor(std::move(hidden), {WholeFragment(*locs[0], models[0].src->file)});
     }
   }
   return module_record;
@@ -1002,7 +985,7 @@ Status Reader::ExportOptimizerState() {
       f.dtype = DType::kU8;
       f.data_offset = rt.data_offset;
       f.data_length = rec.byte_size;
-      storages.push_back(ArchiveStorage{AddTensor(std::move(rec), {std::move(f)}), DType::kU8,
+      storages.push_back(ArchiveStorage{ck.AddTensor(std::move(rec), {std::move(f)}), DType::kU8,
                                         storage_numel * DTypeSize(ref.dtype)});
     }
     return pw.Tensor(std::to_string(it->second), ref.dtype, storage_numel, ref.storage_offset, ref.shape, ref.strides);
@@ -1039,16 +1022,8 @@ void Reader::ExportCopies() {
     TensorRecord rec;
     rec.key = s.rel;
     rec.role = Role::kHidden;
-    rec.encoding = Encoding::kBytes;
-    rec.dtype = DType::kU8;
-    rec.byte_size = ck.files[s.file.v].size;
-    Fragment f;
-    f.file = s.file;
-    f.dtype = DType::kU8;
-    f.data_offset = 0;
-    f.data_length = rec.byte_size;
-    const uint64_t size = rec.byte_size;
-    uint32_t id = AddTensor(std::move(rec), {std::move(f)});
+    const uint64_t size = ck.files[s.file.v].size;
+    uint32_t id = ck.AddFileBytes(s.file, std::move(rec));
     ExportFile x;
     x.path = "universal/" + base;
     x.parts.push_back(ExportPart{PartKind::kTensor, "", id, DType::kU8, size});

@@ -1,7 +1,6 @@
 #include "formats/megatron/dist_reader.h"
 
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <map>
 #include <nlohmann/json.hpp>
@@ -80,11 +79,8 @@ void Classify(Checkpoint& ck) {
       layer.key = whole.key + "[" + std::to_string(i) + "]";
       layer.fqn = prefix + "." + std::to_string(i) + "." + rest;
       layer.shape.erase(layer.shape.begin());
-      layer.byte_size = layer.Numel() * DTypeSize(layer.dtype);
-      std::vector<Fragment> frags = layer.error.empty() ? SliceLayer(ck.fragments[k], i) : std::vector<Fragment>{};
-      layer.num_fragments = static_cast<uint32_t>(frags.size());
-      ck.tensors.push_back(std::move(layer));
-      ck.fragments.push_back(std::move(frags));
+      std::vector<Fragment> frags = SliceLayer(ck.fragments[k], i);
+      ck.AddTensor(std::move(layer), std::move(frags));
     }
     TensorRecord& w = ck.tensors[k];  // the stack itself: other/<key>
     w.role = Role::kOther;
@@ -95,42 +91,22 @@ void Classify(Checkpoint& ck) {
 
 // common.pt: served verbatim; its iteration and args describe the checkpoint.
 void AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck) {
-  SourceFile sf{rel, 0, 0, 0};
-  auto fd = OpenAndFingerprint(dir, sf);
-  if (!fd.ok()) {
-    ck.info.problems.push_back(fd.status().message());
-    return;
-  }
-  FileSliceReader reader(*fd, 0, sf.size, rel);
-  auto a = ReadTorchSave(reader, PickleOptions{{"megatron"}});
-  if (!a.ok()) {
-    ck.info.problems.push_back("cannot parse " + rel + ": " + a.status().message());
-  } else if (const PyValue* root = a->root.get(); root != nullptr && root->kind == PyKind::kDict) {
+  Files files;
+  files.dir = dir;
+  files.ck = &ck;
+  files.pickle = PickleOptions{{"megatron"}};
+  auto src = files.Open(rel);
+  if (!src->error.empty()) ck.info.problems.push_back(src->error);
+  if (const PyValue* root = src->root(); root != nullptr && root->kind == PyKind::kDict) {
     if (auto it = megatron::ArgInt(root, "iteration"); it) ck.info.step = *it;
     if (const PyValue* args = root->Get("args"); args != nullptr && args->kind != PyKind::kNone) {
-      ExportFile f;
-      f.path = "args.json";
-      std::string text = megatron::ToJson(args) + "\n";
-      f.parts.push_back(ExportPart{PartKind::kLiteral, text, 0, DType::kInvalid, text.size()});
-      ck.exports.push_back(std::move(f));
+      megatron::ExportArgsJson(args, ck);
     }
   }
-  ::close(*fd);
   TensorRecord t;
   t.key = "common.pt";
-  t.role = Role::kOther;
-  t.fqn = "common.pt";
-  t.encoding = Encoding::kBytes;
-  t.dtype = DType::kU8;
-  t.byte_size = sf.size;
-  t.num_fragments = 1;
-  Fragment f;
-  f.file = FileId{static_cast<uint32_t>(ck.files.size())};
-  f.dtype = DType::kU8;
-  f.data_length = sf.size;
-  ck.files.push_back(std::move(sf));
-  ck.tensors.push_back(std::move(t));
-  ck.fragments.push_back({std::move(f)});
+  if (src->fd < 0) t.error = src->error;
+  ck.AddFileBytes(src->file, std::move(t));
 }
 
 }  // namespace

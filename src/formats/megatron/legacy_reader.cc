@@ -1,6 +1,5 @@
 #include "formats/megatron/legacy_reader.h"
 
-#include <dirent.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -55,6 +54,7 @@ struct RankFile {
   std::unique_ptr<Source> src;
   std::unique_ptr<Source> distopt;            // distrib_optim.pt, when present
   std::vector<std::vector<Entry>> chunks;     // model / model0, model1, ...
+  std::map<std::pair<int, std::string>, const PyValue*> by_name;  // (chunk, local name) -> tensor
   std::map<std::pair<int, std::string>, OptStates> opt;  // (chunk, local name) -> states
   std::string opt_unavailable;                // why optimizer states are not shown
   std::string error;
@@ -120,30 +120,14 @@ struct Reader {
   void MapOptimizer(RankFile& r);
   void MapDistOpt(RankFile& r);
   Status Emit();
-  uint32_t AddTensor(TensorRecord t, std::vector<Fragment> frags);
   void CompareReplicas(const std::string& name, const std::vector<std::pair<std::string, Loc>>& copies,
                        const std::vector<const Source*>& srcs, const std::string& across);
 };
 
-uint32_t Reader::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
-  if (!t.error.empty()) frags.clear();
-  t.num_fragments = static_cast<uint32_t>(frags.size());
-  if (t.encoding == Encoding::kTensor) t.byte_size = t.Numel() * DTypeSize(t.dtype);
-  ck.tensors.push_back(std::move(t));
-  ck.fragments.push_back(std::move(frags));
-  return static_cast<uint32_t>(ck.tensors.size() - 1);
-}
-
 Status Reader::Discover() {
   ASSIGN_OR_RETURN(iter, megatron::FindIterDir(dir));
   static const std::regex kRank(R"(^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$)");
-  DIR* d = ::opendir(iter.path.c_str());
-  if (d == nullptr) return ErrnoStatus("open", iter.path, errno);
-  std::vector<std::string> names;
-  while (dirent* e = ::readdir(d)) names.emplace_back(e->d_name);
-  ::closedir(d);
-  std::sort(names.begin(), names.end());
-  for (const auto& n : names) {
+  for (const auto& n : ListDirectory(iter.path)) {
     std::smatch m;
     if (!std::regex_match(n, m, kRank)) continue;
     if (m[3].matched) {
@@ -206,6 +190,9 @@ void Reader::ParseModel(RankFile& r) {
     }
   }
   if (r.chunks.empty()) r.error = r.src->rel + ": no 'model' (or 'model0') state dict";
+  for (size_t c = 0; c < r.chunks.size(); ++c) {
+    for (const Entry& e : r.chunks[c]) r.by_name.emplace(std::make_pair(static_cast<int>(c), e.local), e.v);
+  }
   vp = std::max(vp, static_cast<int>(r.chunks.size()));
 }
 
@@ -513,13 +500,12 @@ Status Reader::Emit() {
       for (const Holder& x : g.holders) {
         auto it = by_rank.find({0, x.pp});
         if (it == by_rank.end() || !it->second->error.empty()) continue;
-        for (const Entry& e : it->second->chunks[static_cast<size_t>(x.chunk)]) {
-          if (e.local != x.local) continue;
-          auto l = Resolve(*it->second->src, e.v, e.local);
-          if (l.ok()) {
-            copies.emplace_back(it->second->src->rel, *l);
-            srcs.push_back(it->second->src.get());
-          }
+        auto found = it->second->by_name.find({x.chunk, x.local});
+        if (found == it->second->by_name.end()) continue;
+        auto l = Resolve(*it->second->src, found->second, x.local);
+        if (l.ok()) {
+          copies.emplace_back(it->second->src->rel, *l);
+          srcs.push_back(it->second->src.get());
         }
       }
       if (copies.size() > 1) {
@@ -543,12 +529,8 @@ Status Reader::Emit() {
         err = "'" + g.name + "' needs " + r.error;
         break;
       }
-      const PyValue* v = nullptr;
-      if (static_cast<size_t>(h.chunk) < r.chunks.size()) {
-        for (const Entry& e : r.chunks[static_cast<size_t>(h.chunk)]) {
-          if (e.local == h.local) v = e.v;
-        }
-      }
+      auto found = r.by_name.find({h.chunk, h.local});
+      const PyValue* v = found == r.by_name.end() ? nullptr : found->second;
       if (v == nullptr) {
         err = "'" + g.name + "' is missing from " + r.src->rel;
         break;
@@ -597,7 +579,7 @@ Status Reader::Emit() {
     for (int t = 0; t < tp && err.empty(); ++t) {
       if (merger.UsesRank(t)) AddWholeFragments(merger, t, *locs[static_cast<size_t>(t)], by_rank.at({t, h.pp})->src->file, frags);
     }
-    AddTensor(std::move(rec), std::move(frags));
+    ck.AddTensor(std::move(rec), std::move(frags));
     if (!err.empty()) continue;
 
     // Optimizer states, merged like the parameter.
@@ -630,7 +612,7 @@ Status Reader::Emit() {
         st.dtype = l.dtype;
         AddWholeFragments(merger, t, l, it->second.file, sf);
       }
-      if (any) AddTensor(std::move(st), std::move(sf));
+      if (any) ck.AddTensor(std::move(st), std::move(sf));
     }
     // step: TP rank 0's (every rank takes the same number of steps).
     if (auto it = by_rank.at({0, h.pp})->opt.find({h.chunk, h.local});
@@ -643,10 +625,7 @@ Status Reader::Emit() {
       st.state = "step";
       st.dtype = l.dtype;
       st.shape = l.shape;
-      std::vector<Fragment> sf;
-      AddWholeFragments(Merger(Rule{Merge::kReplicated, 0, false}, {l.shape}, -1), 0, l,
-                        by_rank.at({0, h.pp})->src->file, sf);
-      AddTensor(std::move(st), std::move(sf));
+      ck.AddTensor(std::move(st), {WholeFragment(l, it->second.file)});
     }
   }
   return Status::Ok();
@@ -710,13 +689,7 @@ Status Reader::Run() {
   if (skipped_extra > 0) note += ", " + std::to_string(skipped_extra) + " _extra_state entries not shown";
   ck.info.format_note = note;
   ck.info.world_size = static_cast<uint32_t>(ranks.size());
-  if (args != nullptr) {
-    ExportFile f;
-    f.path = "args.json";
-    std::string text = megatron::ToJson(args) + "\n";
-    f.parts.push_back(ExportPart{PartKind::kLiteral, text, 0, DType::kInvalid, text.size()});
-    ck.exports.push_back(std::move(f));
-  }
+  if (args != nullptr) megatron::ExportArgsJson(args, ck);
   ck.info.problems = std::move(problems);
   return Status::Ok();
 }
@@ -726,14 +699,8 @@ Status Reader::Run() {
 bool LooksLikeMegatronLegacy(const std::string& dir) {
   auto it = megatron::FindIterDir(dir);
   if (!it.ok()) return megatron::HasTracker(dir);  // a broken tracker: let the reader report it
-  DIR* d = ::opendir(it->path.c_str());
-  if (d == nullptr) return false;
-  bool found = false;
-  while (dirent* e = ::readdir(d)) {
-    if (std::string(e->d_name).rfind("mp_rank_", 0) == 0) found = true;
-  }
-  ::closedir(d);
-  return found;
+  const auto names = ListDirectory(it->path);
+  return std::any_of(names.begin(), names.end(), [](const std::string& n) { return n.rfind("mp_rank_", 0) == 0; });
 }
 
 Result<Checkpoint> ReadMegatronLegacy(const std::string& dir) {

@@ -210,4 +210,13 @@ std::string ToJson(const PyValue* v, int indent) {
   }
 }
 
+void ExportArgsJson(const PyValue* args, Checkpoint& ck) {
+  ExportFile f;
+  f.path = "args.json";
+  std::string text = ToJson(args) + "\n";
+  const uint64_t size = text.size();
+  f.parts.push_back(ExportPart{PartKind::kLiteral, std::move(text), 0, DType::kInvalid, size});
+  ck.exports.push_back(std::move(f));
+}
+
 }  // namespace ckptfs::formats::megatron

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ckptfs/common.h"
+#include "ckptfs/model.h"
 #include "formats/pickle.h"
 #include "formats/tp_merge.h"
 
@@ -58,6 +59,9 @@ Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp);
 // args.<name> as an int / bool / str when present (argparse.Namespace pickled).
 std::optional<int64_t> ArgInt(const PyValue* args, const std::string& name);
 std::optional<bool> ArgBool(const PyValue* args, const std::string& name);
+
+// Adds /args.json (ToJson of the run's args) to the checkpoint's exports.
+void ExportArgsJson(const PyValue* args, Checkpoint& ck);
 
 // A JSON rendering of a pickled value (Namespace / dict / list / scalars; torch
 // dtypes and other objects as their class name) for args.json.

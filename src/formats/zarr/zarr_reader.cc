@@ -1,13 +1,13 @@
 #include "formats/zarr/zarr_reader.h"
 
-#include <dirent.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
+#include "ckptfs/geometry.h"
 #include "formats/byte_reader.h"
+#include "formats/torch_file.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -32,28 +32,9 @@ Result<DType> ZarrDType(const std::string& d) {
   return Unsupported("dtype '" + d + "' is not supported");
 }
 
-std::vector<int64_t> Strides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> s(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
-  return s;
-}
-
-std::vector<std::string> ListDir(const std::string& path) {
-  std::vector<std::string> out;
-  if (DIR* d = ::opendir(path.c_str())) {
-    while (dirent* e = ::readdir(d)) {
-      std::string n = e->d_name;
-      if (n != "." && n != "..") out.push_back(n);
-    }
-    ::closedir(d);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 // One array: its record and fragments (or a per-array error).
-void ReadArray(const std::string& ckpt_root, const std::string& root, const std::string& rel_prefix, const std::string& name,
-               Checkpoint& ck) {
+void ReadArray(Files& files, const std::string& root, const std::string& rel_prefix, const std::string& name) {
+  Checkpoint& ck = *files.ck;
   const std::string zpath = root + "/" + name + "/.zarray";
   TensorRecord t;
   t.key = name;
@@ -64,13 +45,7 @@ void ReadArray(const std::string& ckpt_root, const std::string& root, const std:
     t.dtype = t.dtype == DType::kInvalid ? DType::kU8 : t.dtype;
     ck.info.problems.push_back(t.error);
   };
-  auto finish = [&] {
-    if (!t.error.empty()) frags.clear();
-    t.num_fragments = static_cast<uint32_t>(frags.size());
-    t.byte_size = t.Numel() * DTypeSize(t.dtype);
-    ck.tensors.push_back(std::move(t));
-    ck.fragments.push_back(std::move(frags));
-  };
+  auto finish = [&] { ck.AddTensor(std::move(t), std::move(frags)); };
   auto text = ReadWholeFile(zpath, kMaxZarray);
   if (!text.ok()) return fail(text.status().message()), finish();
   json z = json::parse(*text, nullptr, false);
@@ -101,21 +76,18 @@ void ReadArray(const std::string& ckpt_root, const std::string& root, const std:
       n_chunks *= static_cast<uint64_t>(std::max<int64_t>(grid[d], 0));
     }
     if (n_chunks > kMaxChunks) return fail(std::to_string(n_chunks) + " chunks is more than ckptfs indexes"), finish();
-    const uint64_t chunk_bytes = static_cast<uint64_t>(std::max<int64_t>(1, [&] {
-                                   int64_t n = 1;
-                                   for (int64_t c : chunks) n *= c;
-                                   return n;
-                                 }())) * DTypeSize(t.dtype);
-    const auto strides = Strides(chunks);
+    const uint64_t chunk_bytes = static_cast<uint64_t>(NumelOf(chunks)) * DTypeSize(t.dtype);
+    const auto strides = ContiguousStrides(chunks);
     std::vector<int64_t> idx(t.shape.size(), 0);
     for (uint64_t c = 0; c < n_chunks; ++c) {
       std::string key;
       for (size_t d = 0; d < idx.size(); ++d) key += (d ? sep : "") + std::to_string(idx[d]);
       if (idx.empty()) key = "0";
-      SourceFile sf{rel_prefix + name + "/" + key, 0, 0, 0};
-      auto fd = OpenAndFingerprint(ckpt_root, sf);
-      (void)fd;
+      // Registered even when absent: its fragment then fails on read, naming it.
+      const FileId file = files.Open(rel_prefix + name + "/" + key, /*parse=*/false)->file;
+      const SourceFile& sf = ck.files[file.v];
       Fragment f;
+      f.file = file;
       f.dtype = t.dtype;
       f.strides = strides;
       f.data_offset = 0;
@@ -124,21 +96,15 @@ void ReadArray(const std::string& ckpt_root, const std::string& root, const std:
         f.offsets.push_back(idx[d] * chunks[d]);
         f.lengths.push_back(std::min(chunks[d], t.shape[d] - idx[d] * chunks[d]));
       }
-      if (fd.ok()) ::close(*fd);
-      bool usable = true;
-      if (sf.mtime_ns == -1) {
+      const bool missing = sf.mtime_ns == -1, bad_size = !missing && sf.size != chunk_bytes;
+      if (missing) {
         ck.info.problems.push_back("zarr chunk " + sf.rel_path + " is missing: a hole in '" + name +
                                    "' (reads of that region fail; ckptfs never fills it with fill_value)");
-      } else if (sf.size != chunk_bytes) {
+      } else if (bad_size) {
         ck.info.problems.push_back("zarr chunk " + sf.rel_path + " has " + std::to_string(sf.size) + " bytes, a chunk of '" +
                                    name + "' needs " + std::to_string(chunk_bytes) + ": left out (a hole)");
-        usable = false;
       }
-      if (usable) {
-        f.file = FileId{static_cast<uint32_t>(ck.files.size())};
-        ck.files.push_back(std::move(sf));
-        frags.push_back(std::move(f));
-      }
+      if (!bad_size) frags.push_back(std::move(f));
       for (size_t d = idx.size(); d-- > 0;) {
         if (++idx[d] < grid[d]) break;
         idx[d] = 0;
@@ -155,36 +121,25 @@ void ReadArray(const std::string& ckpt_root, const std::string& root, const std:
 Status ReadZarrArrays(const std::string& ckpt_root, const std::string& rel_dir, Checkpoint& ck) {
   const std::string root = rel_dir.empty() ? ckpt_root : ckpt_root + "/" + rel_dir;
   const std::string rel_prefix = rel_dir.empty() ? "" : rel_dir + "/";
+  Files files;
+  files.dir = ckpt_root;
+  files.ck = &ck;
   struct stat st{};
-  for (const std::string& name : ListDir(root)) {
+  for (const std::string& name : ListDirectory(root)) {
     const std::string sub = root + "/" + name;
     if (::stat((sub + "/.zarray").c_str(), &st) == 0) {
-      ReadArray(ckpt_root, root, rel_prefix, name, ck);
+      ReadArray(files, root, rel_prefix, name);
       continue;
     }
     if (::stat(sub.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
     // ShardedObjects: <key>/shard_<offsets>_<shape>.pt, served verbatim.
-    for (const std::string& f : ListDir(sub)) {
+    for (const std::string& f : ListDirectory(sub)) {
       if (f.rfind("shard_", 0) != 0) continue;
-      SourceFile sf{rel_prefix + name + "/" + f, 0, 0, 0};
-      auto fd = OpenAndFingerprint(ckpt_root, sf);
-      if (fd.ok()) ::close(*fd);
+      auto src = files.Open(rel_prefix + name + "/" + f, /*parse=*/false);
       TensorRecord t;
       t.key = name + "/" + f;
-      t.encoding = Encoding::kBytes;
-      t.dtype = DType::kU8;
-      t.byte_size = sf.size;
-      Fragment fr;
-      fr.file = FileId{static_cast<uint32_t>(ck.files.size())};
-      fr.dtype = DType::kU8;
-      fr.data_length = sf.size;
-      if (!fd.ok()) t.error = fd.status().message();
-      ck.files.push_back(std::move(sf));
-      std::vector<Fragment> frs;
-      if (t.error.empty()) frs.push_back(std::move(fr));
-      t.num_fragments = static_cast<uint32_t>(frs.size());
-      ck.tensors.push_back(std::move(t));
-      ck.fragments.push_back(std::move(frs));
+      t.error = src->error;
+      ck.AddFileBytes(src->file, std::move(t));
     }
   }
   return Status::Ok();
