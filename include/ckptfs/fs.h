@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "ckptfs/common.h"
 #include "ckptfs/index.h"
 #include "ckptfs/io.h"
+#include "ckptfs/verify.h"
 #include "ckptfs/views.h"
 
 namespace ckptfs {
@@ -55,6 +57,9 @@ class Filesystem {
   // Reads up to `size` bytes at `offset`; short only at end of file.
   Result<size_t> Read(uint64_t ino, uint64_t offset, size_t size, char* buf);
 
+  // `ckptfs verify` over this filesystem's index and read engine.
+  Result<Report> Verify(const VerifyOptions& opts) const;
+
   const Index& index() const { return *index_; }
   const View& view() const { return *view_; }
   const OpenResult& open_result() const { return opened_; }
@@ -65,6 +70,8 @@ class Filesystem {
  private:
   Filesystem() = default;
   Attr AttrOf(const Node& n, uint64_t size) const;
+  // .ckptfs/report.json, made by the first caller; later callers wait for it.
+  Result<std::shared_ptr<const std::string>> ReportBytes() const;
 
   OpenResult opened_;
   std::unique_ptr<Index> index_;
@@ -72,6 +79,10 @@ class Filesystem {
   std::unique_ptr<TensorReader> reader_;
   int64_t mtime_ns_ = 0;
   std::atomic<uint64_t> reads_{0}, bytes_{0};
+  // Leaf lock: guards report_; held while the report is made (a second
+  // reader of report.json waits rather than verifying twice).
+  mutable std::mutex report_mu_;
+  mutable std::shared_ptr<const std::string> report_;
 };
 
 // The one errno map (ENOENT, EIO, ESTALE, EROFS, ...).

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace ckptfs {
@@ -23,6 +24,27 @@ int64_t FlatIndex(const std::vector<int64_t>& idx, const std::vector<int64_t>& s
 // Splits the flat element range [begin, end) of a row-major tensor of `shape`
 // into at most 2*rank disjoint boxes, in flat order.
 std::vector<Box> DecomposeRange(const std::vector<int64_t>& shape, uint64_t begin, uint64_t end);
+
+// How a set of boxes covers a tensor of `shape`: the elements in no box
+// (holes) and the regions in more than one (overlaps), with coordinates.
+// Holes are found by box subtraction; when that would exceed `max_pieces`
+// boxes the hole list is cut and `exact` is false (the counts still are).
+struct Coverage {
+  uint64_t uncovered = 0;        // elements in no box
+  std::vector<Box> holes;        // at most max_report of them
+  struct Overlap {
+    size_t a = 0, b = 0;  // indices into the input boxes
+    Box box;              // their intersection
+  };
+  uint64_t overlap_pairs = 0;
+  std::vector<Overlap> overlaps;  // at most max_report of them
+  bool exact = true;
+  bool clean() const { return uncovered == 0 && overlap_pairs == 0; }
+};
+Coverage AnalyzeCoverage(const std::vector<int64_t>& shape, const std::vector<Box>& boxes, size_t max_report = 16,
+                         size_t max_pieces = 1 << 16);
+// "[o0:o0+l0, o1:o1+l1]": numpy slice notation of a box.
+std::string BoxString(const Box& b);
 
 }  // namespace ckptfs
 

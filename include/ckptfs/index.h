@@ -30,7 +30,7 @@ namespace ckptfs {
 
 class Index {
  public:
-  static constexpr uint32_t kSchemaVersion = 4;  // bump whenever a reader's output changes, too (v4: Megatron torch_dist is no longer read as plain DCP)
+  static constexpr uint32_t kSchemaVersion = 5;  // bump whenever a reader's output changes, too (v5: structured findings)
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);

@@ -98,6 +98,10 @@ struct TensorRecord {
   uint64_t byte_size = 0;  // kBytes: the blob size; kTensor: numel * dtype size
   uint32_t num_fragments = 0;
   std::string error;  // non-empty: unreadable, and why (reads return EIO)
+  // Its bytes are all served by other records too (a Megatron layer stack that
+  // also appears per layer): `ckptfs verify` reads the others, so every source
+  // byte is read once.
+  bool alias = false;
 
   uint64_t Numel() const {
     uint64_t n = 1;
@@ -106,13 +110,50 @@ struct TensorRecord {
   }
 };
 
+// A defect of the checkpoint itself (never a limitation of ckptfs), found by
+// a reader at index time or by `ckptfs verify` over the data. The checks are
+// the ones users have been bitten by; see src/verify/verify.h.
+enum class Check : uint8_t {
+  kCoverage = 0,    // holes or overlaps in a tensor's global extent
+  kCollision = 1,   // one name written by several ranks/stages, or layer numbering cut short
+  kZeroed = 2,      // optimizer-state chunks entirely zero at step > 0
+  kDrift = 3,       // copies that must be identical (TP/DP replicas) differ
+  kGeometry = 4,    // ZeRO partition/padding metadata disagrees with the recomputed geometry
+  kNumerics = 5,    // --deep: NaN or Inf values
+  kUnreadable = 6,  // bytes that could not be read (corrupt, truncated, I/O error)
+};
+enum class Severity : uint8_t {
+  kError = 0,    // the bytes a loader would get are wrong or missing
+  kWarning = 1,  // recorded metadata is wrong but ckptfs serves the right bytes
+};
+std::string_view CheckName(Check c);        // "coverage", "replica-drift", ...
+std::string_view SeverityName(Severity s);  // "error", "warning"
+
+struct Finding {
+  Check check = Check::kCoverage;
+  Severity severity = Severity::kError;
+  std::string tensor;   // checkpoint key or FQN concerned; empty: the whole checkpoint
+  std::string file;     // source file concerned, relative; may be empty
+  std::string message;  // one sentence naming the file and the problem
+  std::string detail;   // a JSON object (coordinates, max_abs_diff, ...); may be empty
+};
+
 // Facts about the whole checkpoint, shown in checkpoint.json and `ckptfs info`.
 struct CheckpointInfo {
   std::string family;       // "pytorch-dcp"
   std::string format_note;  // e.g. "torch 2.x metadata", "torch 1.13 _shard.checkpoint"
   int64_t step = -1;        // -1: unknown
   uint32_t world_size = 0;  // number of writer ranks seen
-  std::vector<std::string> problems;  // checkpoint-level findings
+  // What ckptfs could not do or chose to do (unsupported parts, fallbacks):
+  // notes, not defects of the checkpoint.
+  std::vector<std::string> problems;
+  // Defects found while indexing (replica drift, recorded-padding errors,
+  // missing chunks, ...); `ckptfs verify` adds the ones that need the data.
+  std::vector<Finding> findings;
+
+  void Flag(Check c, Severity s, std::string tensor, std::string file, std::string message, std::string detail = "") {
+    findings.push_back(Finding{c, s, std::move(tensor), std::move(file), std::move(message), std::move(detail)});
+  }
 };
 
 // A synthesized file of the tree (e.g. universal/zero/<p>/fp32.pt), laid out

@@ -11,8 +11,9 @@
 // first use and then fixed.
 //
 // Tree:  README.txt, checkpoint.json, params/<fqn>/{param,<state>}.{npy,raw},
-//        params/<fqn>/info.json, other/<key>[.npy|.raw], and the family
-//        reader's synthesized files (ExportFile: universal/, latest_universal).
+//        params/<fqn>/info.json, other/<key>[.npy|.raw], .ckptfs/report.json,
+//        and the family reader's synthesized files (ExportFile: universal/,
+//        latest_universal).
 #ifndef CKPTFS_VIEWS_H_
 #define CKPTFS_VIEWS_H_
 
@@ -63,6 +64,9 @@ struct Node {
   bool lazy = false;
   bool made = false;
   TensorId tensor;  // the tensor behind a file, for error reports
+  // .ckptfs/report.json: its bytes come from `ckptfs verify`, which the
+  // filesystem core runs on first use (the layout stays empty).
+  bool report = false;
 };
 
 class View {

@@ -143,6 +143,21 @@ bool ElementAsDouble(const char* p, DType d, double* out) {
   }
 }
 
+std::string_view CheckName(Check c) {
+  switch (c) {
+    case Check::kCoverage: return "coverage";
+    case Check::kCollision: return "name-collision";
+    case Check::kZeroed: return "zeroed-optimizer-state";
+    case Check::kDrift: return "replica-drift";
+    case Check::kGeometry: return "zero-geometry";
+    case Check::kNumerics: return "numerics";
+    case Check::kUnreadable: return "unreadable";
+  }
+  return "unknown";
+}
+
+std::string_view SeverityName(Severity s) { return s == Severity::kError ? "error" : "warning"; }
+
 uint32_t Checkpoint::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
   if (!t.error.empty()) frags.clear();
   t.num_fragments = static_cast<uint32_t>(frags.size());

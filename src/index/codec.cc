@@ -99,6 +99,7 @@ std::string EncodeTensor(const TensorRecord& t) {
   w.Num(t.byte_size);
   w.Num(t.num_fragments);
   w.Str(t.error);
+  w.Num<uint8_t>(t.alias ? 1 : 0);
   return w.Take();
 }
 
@@ -107,9 +108,12 @@ Result<TensorRecord> DecodeTensor(std::string_view s) {
   TensorRecord t;
   if (!r.Str(&t.key) || !Enum(r, &t.role, 3) || !r.Str(&t.fqn) || !r.Str(&t.state) || !Enum(r, &t.encoding, 1) ||
       !Enum(r, &t.dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Ints(&t.shape) || !r.Num(&t.byte_size) ||
-      !r.Num(&t.num_fragments) || !r.Str(&t.error) || !r.Done()) {
+      !r.Num(&t.num_fragments) || !r.Str(&t.error)) {
     return Corrupt("tensor");
   }
+  uint8_t alias = 0;
+  if (!r.Num(&alias) || alias > 1 || !r.Done()) return Corrupt("tensor");
+  t.alias = alias == 1;
   return t;
 }
 
@@ -148,6 +152,15 @@ std::string EncodeInfo(const CheckpointInfo& i) {
   w.Num(i.world_size);
   w.Num<uint32_t>(static_cast<uint32_t>(i.problems.size()));
   for (const auto& p : i.problems) w.Str(p);
+  w.Num<uint32_t>(static_cast<uint32_t>(i.findings.size()));
+  for (const Finding& f : i.findings) {
+    w.Num(static_cast<uint8_t>(f.check));
+    w.Num(static_cast<uint8_t>(f.severity));
+    w.Str(f.tensor);
+    w.Str(f.file);
+    w.Str(f.message);
+    w.Str(f.detail);
+  }
   return w.Take();
 }
 
@@ -162,6 +175,16 @@ Result<CheckpointInfo> DecodeInfo(std::string_view s) {
     std::string p;
     if (!r.Str(&p)) return Corrupt("checkpoint info");
     i.problems.push_back(std::move(p));
+  }
+  if (!r.Num(&n)) return Corrupt("checkpoint info");
+  for (uint32_t k = 0; k < n; ++k) {
+    Finding f;
+    if (!Enum(r, &f.check, static_cast<uint8_t>(Check::kUnreadable)) ||
+        !Enum(r, &f.severity, static_cast<uint8_t>(Severity::kWarning)) || !r.Str(&f.tensor) || !r.Str(&f.file) ||
+        !r.Str(&f.message) || !r.Str(&f.detail)) {
+      return Corrupt("checkpoint info");
+    }
+    i.findings.push_back(std::move(f));
   }
   if (!r.Done()) return Corrupt("checkpoint info");
   return i;

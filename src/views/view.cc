@@ -51,7 +51,9 @@ std::string ReadmeText(const Index& ix) {
          "  params/<fqn>/*.raw         the same tensors as exact source bytes, C order, no header\n"
          "  params/<fqn>/info.json     dtype, shape, source fragments, xxh3-64 of the raw bytes\n"
          "  other/<key>                every other entry: torch.save blobs as stored\n"
-         "                             (torch.load them), other tensors as .npy/.raw\n" +
+         "                             (torch.load them), other tensors as .npy/.raw\n"
+         "  .ckptfs/report.json        integrity report (= ckptfs verify --json); the first\n"
+         "                             stat or read runs the checks, which read every byte once\n" +
          std::string(ix.exports().empty() ? "" :
          "  universal/                 DeepSpeed universal checkpoint (ds_to_universal.py's tree),\n"
          "                             torch.save archives generated on read; point DeepSpeed's\n"
@@ -126,6 +128,11 @@ Result<std::unique_ptr<View>> View::Build(const Index& index) {
     readme = v->AddFile(root, "README.txt", std::move(l), TensorId{}, false);
   }
   ckjson = v->AddFile(root, "checkpoint.json", FileLayout{}, TensorId{}, false);
+  {
+    uint64_t meta = v->AddDir(root, ".ckptfs");
+    uint64_t rep = v->AddFile(meta, "report.json", FileLayout{}, TensorId{}, false);
+    v->nodes_[rep - 1]->report = true;
+  }
   uint64_t params = v->AddDir(root, "params");
   uint64_t other = v->AddDir(root, "other");
   (void)readme;
@@ -191,9 +198,18 @@ Result<std::unique_ptr<View>> View::Build(const Index& index) {
   j["index"] = index.dir();
   j["broken"] = broken;
   json problems = json::array();
+  for (const auto& f : info.findings) problems.push_back(f.message);
   for (const auto& p : info.problems) problems.push_back(p);
   for (const auto& p : v->problems_) problems.push_back(p);
   j["problems"] = problems;
+  // Index-time findings only; .ckptfs/report.json (ckptfs verify) adds the
+  // ones that need the data.
+  json findings = json::array();
+  for (const auto& f : info.findings) {
+    findings.push_back({{"check", std::string(CheckName(f.check))}, {"severity", std::string(SeverityName(f.severity))},
+                        {"tensor", f.tensor}, {"file", f.file}, {"message", f.message}});
+  }
+  j["findings"] = findings;
   FileLayout l;
   l.Add(Literal(j.dump(2) + "\n"));
   v->nodes_[ckjson - 1]->layout = std::move(l);

@@ -12,6 +12,9 @@
 #include <thread>
 #include <unordered_map>
 
+#include <nlohmann/json.hpp>
+
+#include "ckptfs/geometry.h"
 #include "formats/byte_reader.h"
 #include "formats/pickle.h"
 #include "formats/torch_save.h"
@@ -171,41 +174,48 @@ void Classify(std::vector<TensorRecord>& tensors, const PyValue* planner) {
   }
 }
 
-Status CheckTiling(const TensorRecord& t, const std::vector<Fragment>& frags) {
-  uint64_t total = 0;
+// Chunks must tile the tensor exactly (planner.md: every element in one chunk).
+// A hole or an overlap is reported with its coordinates; `detail` gets them
+// as JSON for the verify report.
+Status CheckTiling(const TensorRecord& t, const std::vector<Fragment>& frags, const std::vector<SourceFile>& files,
+                   std::string* detail) {
+  auto files_of = [&](const Fragment& f) { return f.file.v < files.size() ? files[f.file.v].rel_path : "?"; };
+  std::vector<Box> boxes;
   for (const auto& f : frags) {
     if (f.offsets.size() != t.shape.size() || f.lengths.size() != t.shape.size()) {
       return Invalid("a chunk's rank differs from the tensor's");
     }
-    uint64_t vol = 1;
     for (size_t d = 0; d < t.shape.size(); ++d) {
       if (f.offsets[d] < 0 || f.lengths[d] < 0 || f.offsets[d] + f.lengths[d] > t.shape[d]) {
         return Invalid("a chunk lies outside the tensor's shape");
       }
-      vol *= static_cast<uint64_t>(f.lengths[d]);
     }
-    total += vol;
+    boxes.push_back(Box{f.offsets, f.lengths});
   }
-  if (frags.size() <= 4096) {
-    for (size_t a = 0; a < frags.size(); ++a) {
-      for (size_t b = a + 1; b < frags.size(); ++b) {
-        bool overlap = !t.shape.empty();
-        uint64_t va = 1;
-        for (size_t d = 0; d < t.shape.size(); ++d) {
-          va *= static_cast<uint64_t>(frags[a].lengths[d]);
-          int64_t lo = std::max(frags[a].offsets[d], frags[b].offsets[d]);
-          int64_t hi = std::min(frags[a].offsets[d] + frags[a].lengths[d], frags[b].offsets[d] + frags[b].lengths[d]);
-          if (lo >= hi) overlap = false;
-        }
-        if (t.shape.empty()) overlap = true;
-        if (overlap && va > 0) return Invalid("chunks overlap");
-      }
+  const Coverage c = AnalyzeCoverage(t.shape, boxes, 8);
+  if (c.clean()) return Status::Ok();
+  nlohmann::ordered_json j;
+  j["shape"] = t.shape;
+  std::string msg;
+  if (c.uncovered) {
+    j["uncovered_elements"] = c.uncovered;
+    j["holes"] = nlohmann::ordered_json::array();
+    for (const Box& h : c.holes) j["holes"].push_back(BoxString(h));
+    msg = "chunks leave " + std::to_string(c.uncovered) + " of " + std::to_string(t.Numel()) +
+          " elements uncovered (first hole " + BoxString(c.holes.front()) + ")";
+  }
+  if (c.overlap_pairs) {
+    j["overlaps"] = nlohmann::ordered_json::array();
+    for (const auto& o : c.overlaps) {
+      j["overlaps"].push_back({{"region", BoxString(o.box)},
+                               {"files", {files_of(frags[o.a]), files_of(frags[o.b])}}});
     }
+    const auto& o = c.overlaps.front();
+    msg += std::string(msg.empty() ? "" : "; ") + std::to_string(c.overlap_pairs) + " pair(s) of chunks overlap (first " +
+           BoxString(o.box) + ", chunks in " + files_of(frags[o.a]) + " and " + files_of(frags[o.b]) + ")";
   }
-  if (total != t.Numel()) {
-    return Invalid("chunks cover " + std::to_string(total) + " of " + std::to_string(t.Numel()) + " elements");
-  }
-  return Status::Ok();
+  *detail = j.dump();
+  return Invalid(msg);
 }
 
 Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name) {
@@ -500,8 +510,12 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   for (size_t i = 0; i < ck.tensors.size(); ++i) {
     TensorRecord& t = ck.tensors[i];
     if (t.error.empty() && t.encoding == Encoding::kTensor) {
-      Status s = CheckTiling(t, ck.fragments[i]);
-      if (!s.ok()) t.error = s.Annotate("tensor '" + t.key + "' in " + meta_path).message();
+      std::string detail;
+      Status s = CheckTiling(t, ck.fragments[i], ck.files, &detail);
+      if (!s.ok()) {
+        t.error = s.Annotate("tensor '" + t.key + "' in " + meta_path).message();
+        ck.info.Flag(Check::kCoverage, Severity::kError, t.key, ".metadata", t.error, detail);
+      }
     }
     if (!t.error.empty()) ck.fragments[i].clear();
     t.num_fragments = static_cast<uint32_t>(ck.fragments[i].size());

@@ -1,5 +1,7 @@
 #include "formats/deepspeed/ds_reader.h"
 
+#include <nlohmann/json.hpp>
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -460,7 +462,11 @@ Status Reader::Discover() {
         if (!st.ok()) o.error = st.message();
       }
       if (!o.error.empty()) {
-        problems.push_back(o.error);
+        const bool missing = ck.files[o.src->file.v].mtime_ns == -1;
+        ck.info.Flag(missing ? Check::kCoverage : Check::kUnreadable, Severity::kError, "", o.src->rel,
+                     missing ? o.src->rel + " is missing (DP=" + std::to_string(dp) + "): the optimizer partitions "
+                                   "it holds are holes in every parameter of its rank"
+                             : o.error);
         continue;
       }
       if (stage == 0) {
@@ -543,11 +549,17 @@ void Reader::Geometry12(int t) {
       const OptimGroup& og = o.groups[g];
       const int64_t pad = S - std::clamp<int64_t>(n_total - r * S, 0, S);
       if (og.recorded_pad >= 0 && og.recorded_pad != pad) {
-        problems.push_back(o.src->rel + ": group_paddings[" + std::to_string(g) + "] records " +
-                           std::to_string(og.recorded_pad) + ", the geometry (N=" + std::to_string(n_total) +
-                           ", D=" + std::to_string(D) + ", S=" + std::to_string(S) + ") gives " + std::to_string(pad) +
-                           (og.recorded_pad > S ? " (padding spans several ranks: the DP=768 case)" : "") +
-                           "; the recorded value is ignored");
+        const bool spans = P - n_total > S;  // padding reaches below the last rank
+        ck.info.Flag(Check::kGeometry, Severity::kWarning, "", o.src->rel,
+                     o.src->rel + ": group_paddings[" + std::to_string(g) + "] records " +
+                         std::to_string(og.recorded_pad) + ", the geometry (N=" + std::to_string(n_total) +
+                         ", D=" + std::to_string(D) + ", S=" + std::to_string(S) + ") gives " + std::to_string(pad) +
+                         (spans ? " (padding spans several ranks: the DP=768 case)" : "") +
+                         "; a recorded-padding defect: ckptfs uses the recomputed value",
+                     nlohmann::json({{"group", g}, {"dp_rank", r}, {"recorded_padding", og.recorded_pad},
+                                     {"recomputed_padding", pad}, {"numel", n_total}, {"dp", D},
+                                     {"partition_size", S}, {"padding_spans_ranks", spans}})
+                         .dump());
       }
       CheckSliceMappings(o, g, std::move(placed[r]));
       for (const auto& [loc, what] : {std::pair{&og.fp32, "fp32 partition"}, std::pair{&og.exp_avg, "exp_avg"},
@@ -557,6 +569,10 @@ void Reader::Geometry12(int t) {
                                 std::to_string((*loc)->Numel()) + " elements; param_shapes need " +
                                 std::to_string(need[r]) + " on this rank (N=" + std::to_string(n_total) +
                                 ", D=" + std::to_string(D) + ")";
+        ck.info.Flag(Check::kGeometry, Severity::kError, "", o.src->rel, why + ": its parameters are unreadable",
+                     nlohmann::json({{"group", g}, {"dp_rank", r}, {"state", what}, {"recorded_numel", (*loc)->Numel()},
+                                     {"recomputed_numel", need[r]}, {"numel", n_total}, {"dp", D}, {"partition_size", S}})
+                         .dump());
         for (const auto& [name, shape] : shapes) Break(name, why);
       }
     }

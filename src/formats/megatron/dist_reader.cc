@@ -86,6 +86,7 @@ void Classify(Checkpoint& ck) {
     w.role = Role::kOther;
     w.fqn = w.key;
     w.state.clear();
+    w.alias = true;
   }
 }
 

@@ -10,6 +10,9 @@
 #include <regex>
 #include <set>
 
+#include <nlohmann/json.hpp>
+#include <xxhash.h>
+
 #include "formats/megatron/megatron_common.h"
 #include "formats/torch_file.h"
 #include "formats/tp_merge.h"
@@ -163,8 +166,11 @@ Status Reader::Discover() {
       if (!by_rank.count({t, p})) {
         char buf[32];
         std::snprintf(buf, sizeof buf, pp > 1 ? "mp_rank_%02d_%03d" : "mp_rank_%02d", t, p);
-        problems.push_back(iter.path + "/" + buf + "/model_optim_rng.pt is missing (TP=" + std::to_string(tp) +
-                           ", PP=" + std::to_string(pp) + "): its parameters are unreadable");
+        const std::string rel = iter.path + "/" + buf + "/model_optim_rng.pt";
+        ck.info.Flag(Check::kCoverage, Severity::kError, "", rel,
+                     rel + " is missing (TP=" + std::to_string(tp) + ", PP=" + std::to_string(pp) +
+                         "): the parameters it holds are unreadable",
+                     nlohmann::json({{"tp_rank", t}, {"pp_rank", p}, {"tp", tp}, {"pp", pp}}).dump());
       }
     }
   }
@@ -396,13 +402,17 @@ void Reader::CompareReplicas(const std::string& name, const std::vector<std::pai
   for (size_t i = 1; i < copies.size(); ++i) {
     const Loc& li = copies[i].second;
     if (li.dtype != l0.dtype || li.shape != l0.shape || !li.Contiguous()) {
-      problems.push_back("'" + name + "': " + across + " copies differ in dtype or shape (" + copies[0].first + " " +
-                         std::string(DTypeName(l0.dtype)) + ShapeStr(l0.shape) + ", " + copies[i].first + " " +
-                         std::string(DTypeName(li.dtype)) + ShapeStr(li.shape) + "); serving " + copies[0].first);
+      ck.info.Flag(Check::kDrift, Severity::kError, name, copies[i].first,
+                   "'" + name + "': " + across + " copies differ in dtype or shape (" + copies[0].first + " " +
+                       std::string(DTypeName(l0.dtype)) + ShapeStr(l0.shape) + ", " + copies[i].first + " " +
+                       std::string(DTypeName(li.dtype)) + ShapeStr(li.shape) + "); serving " + copies[0].first);
       continue;
     }
     auto other = srcs[i]->reader->ReadAt(li.data_offset, bytes);
-    if (!other.ok() || *other == *base) continue;
+    if (!other.ok()) continue;
+    // By hash first (what the report shows), then by value.
+    const uint64_t h0 = XXH3_64bits(base->data(), base->size()), hi = XXH3_64bits(other->data(), other->size());
+    if (h0 == hi) continue;
     const size_t isz = DTypeSize(l0.dtype);
     double max_diff = 0;
     uint64_t differing = 0;
@@ -416,9 +426,18 @@ void Reader::CompareReplicas(const std::string& name, const std::vector<std::pai
     }
     char buf[64];
     std::snprintf(buf, sizeof buf, "%.6g", max_diff);
-    problems.push_back("replica drift: '" + name + "' differs between " + across + " copies " + copies[0].first +
-                       " and " + copies[i].first + " (" + std::to_string(differing) + " of " +
-                       std::to_string(bytes / isz) + " elements, max |diff| " + buf + "); serving " + copies[0].first);
+    nlohmann::ordered_json d;
+    d["across"] = across;
+    d["copies"] = {{{"file", copies[0].first}, {"xxh3", Hex64(h0)}}, {{"file", copies[i].first}, {"xxh3", Hex64(hi)}}};
+    d["differing_elements"] = differing;
+    d["elements"] = bytes / isz;
+    d["max_abs_diff"] = max_diff;
+    d["served"] = copies[0].first;
+    ck.info.Flag(Check::kDrift, Severity::kError, name, copies[i].first,
+                 "replica drift: '" + name + "' differs between " + across + " copies " + copies[0].first + " and " +
+                     copies[i].first + " (" + std::to_string(differing) + " of " + std::to_string(bytes / isz) +
+                     " elements, max |diff| " + buf + "); serving " + copies[0].first,
+                 d.dump());
   }
 }
 
@@ -479,8 +498,11 @@ Status Reader::Emit() {
     if (!missing.empty()) {
       std::string list;
       for (size_t i = 0; i < missing.size() && i < 16; ++i) list += (i ? ", " : "") + missing[i];
-      problems.push_back("layers missing from the checkpoint (args.num_layers = " + std::to_string(shape.num_layers) +
-                         "): " + list + (missing.size() > 16 ? ", ..." : ""));
+      ck.info.Flag(Check::kCollision, Severity::kError, "", "",
+                   "layers missing from the checkpoint (args.num_layers = " + std::to_string(shape.num_layers) +
+                       "): " + list + (missing.size() > 16 ? ", ..." : "") +
+                       " (pipeline stages that reuse layer names leave this signature, torchtitan #474)",
+                   nlohmann::json({{"configured_layers", shape.num_layers}, {"missing_layers", missing}}).dump());
     }
   }
 
@@ -510,8 +532,12 @@ Status Reader::Emit() {
       }
       if (copies.size() > 1) {
         if (g.layer >= 0) {
-          problems.push_back("name collision: '" + g.name + "' is written by " + std::to_string(g.holders.size()) +
-                             " pipeline stages (stage layer numbering overlaps); serving " + copies[0].first);
+          std::vector<std::string> holders;
+          for (const auto& c : copies) holders.push_back(c.first);
+          ck.info.Flag(Check::kCollision, Severity::kError, g.name, copies[1].first,
+                       "name collision: '" + g.name + "' is written by " + std::to_string(g.holders.size()) +
+                           " pipeline stages (stage layer numbering overlaps); serving " + copies[0].first,
+                       nlohmann::json({{"files", holders}}).dump());
         }
         CompareReplicas(g.name, copies, srcs, "pipeline-stage");
       }

@@ -97,12 +97,14 @@ void ReadArray(Files& files, const std::string& root, const std::string& rel_pre
         f.lengths.push_back(std::min(chunks[d], t.shape[d] - idx[d] * chunks[d]));
       }
       const bool missing = sf.mtime_ns == -1, bad_size = !missing && sf.size != chunk_bytes;
-      if (missing) {
-        ck.info.problems.push_back("zarr chunk " + sf.rel_path + " is missing: a hole in '" + name +
-                                   "' (reads of that region fail; ckptfs never fills it with fill_value)");
-      } else if (bad_size) {
-        ck.info.problems.push_back("zarr chunk " + sf.rel_path + " has " + std::to_string(sf.size) + " bytes, a chunk of '" +
-                                   name + "' needs " + std::to_string(chunk_bytes) + ": left out (a hole)");
+      if (missing || bad_size) {
+        const std::string region = BoxString(Box{f.offsets, f.lengths});
+        ck.info.Flag(Check::kCoverage, Severity::kError, name, sf.rel_path,
+                     missing ? "zarr chunk " + sf.rel_path + " is missing: a hole at " + region + " of '" + name +
+                                   "' (reads of that region fail; ckptfs never fills it with fill_value)"
+                             : "zarr chunk " + sf.rel_path + " has " + std::to_string(sf.size) + " bytes, a chunk of '" +
+                                   name + "' needs " + std::to_string(chunk_bytes) + ": left out, a hole at " + region,
+                     nlohmann::json({{"holes", {region}}, {"shape", t.shape}}).dump());
       }
       if (!bad_size) frags.push_back(std::move(f));
       for (size_t d = idx.size(); d-- > 0;) {
