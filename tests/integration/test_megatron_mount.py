@@ -33,8 +33,9 @@ SCENARIOS = {
     "legacy_names_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--legacy-names"],
     "dist_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16"],
     "zarr_tp2_pp2": ["zarr", "--tp", "2", "--pp", "2", "--bf16"],
+    "zarr_lostwrites_tp2": ["zarr", "--tp", "2", "--bf16", "--lost-writes"],
 }
-CLEAN = [s for s in SCENARIOS if "drift" not in s]
+CLEAN = [s for s in SCENARIOS if "drift" not in s and "lostwrites" not in s]
 
 
 def topology(args):

@@ -497,6 +497,31 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   worker();
   for (auto& th : threads) th.join();
 
+  // A rank file that is missing: one finding per file, listing the holes it
+  // leaves (its chunks) with their coordinates.
+  std::map<uint32_t, std::vector<std::pair<std::string, std::string>>> missing;
+  for (const Work& w : work) {
+    if (files.fds[w.loc.file] >= 0 || ck.files[w.loc.file].mtime_ns != -1) continue;
+    missing[w.loc.file].emplace_back(ck.tensors[w.tensor].key,
+                                     w.bytes ? "whole entry" : BoxString(Box{w.offsets, w.sizes}));
+  }
+  for (const auto& [file, holes] : missing) {
+    const std::string& rel = ck.files[file].rel_path;
+    nlohmann::ordered_json d;
+    std::set<std::string> keys;
+    d["holes"] = nlohmann::ordered_json::array();
+    for (const auto& [key, region] : holes) {
+      keys.insert(key);
+      if (d["holes"].size() < 16) d["holes"].push_back({{"tensor", key}, {"region", region}});
+    }
+    d["tensors_affected"] = keys.size();
+    ck.info.Flag(Check::kCoverage, Severity::kError, "", rel,
+                 rel + " is missing (.metadata lists " + std::to_string(holes.size()) + " chunk(s) in it): holes in " +
+                     std::to_string(keys.size()) + " tensor(s) (first '" + holes.front().first + "' " +
+                     holes.front().second + ")",
+                 d.dump());
+  }
+
   for (size_t i = 0; i < work.size(); ++i) {
     TensorRecord& t = ck.tensors[work[i].tensor];
     if (!results[i].ok()) {
