@@ -356,3 +356,45 @@ def test_missing_model_states_is_a_clear_error(ds_root, tmp_path, bin_path):
     r = run([bin_path, "info", str(ck)])
     assert r.returncode != 0
     assert "mp_rank_00_model_states.pt" in r.stderr
+
+
+def verify_json(bin_path, src):
+    r = run([bin_path, "verify", str(src), "--json"])
+    return r.returncode, json.loads(r.stdout)
+
+
+def test_verify_clean_fixtures_have_no_finding(scenario, bin_path):
+    name, ck, _ = scenario
+    if name == "padspan_bf16opt_dp4":
+        pytest.skip("the recorded-padding incident: test_verify_flags_recorded_padding_defect")
+    rc, rep = verify_json(bin_path, ck)
+    assert rep["findings"] == [] and rc == 0, rep["findings"]
+    assert rep["summary"]["tensors_read"] > 0
+
+
+def test_verify_flags_recorded_padding_defect(ds_root, bin_path):
+    """ZeRO-1 (BF16_Optimizer) at DP=4, padding spanning ranks 2 and 3, written by
+    the real DeepSpeed with its old-style group_paddings (all padding on the last
+    rank): a recorded-padding defect that ckptfs corrects, not unreadable."""
+    ck, _ = produce(ds_root, "padspan_bf16opt_dp4")
+    rc, rep = verify_json(bin_path, ck)
+    assert rc == 1 and rep["verdict"] == "problems"
+    geo = [f for f in rep["findings"] if f["check"] == "zero-geometry"]
+    assert len(geo) == len(rep["findings"]) == 2
+    assert all(f["severity"] == "warning" for f in geo)
+    by_rank = {f["detail"]["dp_rank"]: f["detail"] for f in geo}
+    assert by_rank[3]["recorded_padding"] == 3 and by_rank[3]["recomputed_padding"] == 2
+    assert by_rank[2]["recorded_padding"] == 0 and by_rank[2]["recomputed_padding"] == 1
+    assert all(d["padding_spans_ranks"] and d["dp"] == 4 for d in by_rank.values())
+    assert not any(f["check"] == "unreadable" for f in rep["findings"])
+    assert all(t["read"] for t in rep["tensors"])  # every tensor still served
+
+
+def test_verify_missing_dp_rank_file_is_a_coverage_hole(ds_root, tmp_path, bin_path):
+    ck, tag = damaged_copy(ds_root, tmp_path)
+    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    rc, rep = verify_json(bin_path, ck)
+    assert rc == 1
+    cov = [f for f in rep["findings"] if f["check"] == "coverage"]
+    assert len(cov) == 1 and cov[0]["file"].endswith("zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert not any(f["check"] == "unreadable" for f in rep["findings"]), rep["findings"]

@@ -247,3 +247,51 @@ def test_legacy_missing_rank_and_truncated_file(megatron_fixtures, mounter, tmp_
             (m.path / "params/decoder.layers.0.mlp.linear_fc1.weight/param.raw").read_bytes()
         assert e.value.errno == 5
         assert "mp_rank_00_000/model_optim_rng.pt" in m.log_text()
+
+
+def verify_json(bin_path, src):
+    r = run([bin_path, "verify", str(src), "--json"])
+    return r.returncode, json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("scenario", CLEAN)
+def test_verify_clean_fixtures_have_no_finding(megatron_fixtures, bin_path, scenario):
+    rc, rep = verify_json(bin_path, megatron_fixtures / scenario)
+    assert rep["findings"] == [] and rc == 0, rep["findings"]
+    assert rep["summary"]["tensors_read"] > 0
+
+
+def test_verify_reports_layernorm_drift_on_tp_rank_1(megatron_fixtures, bin_path):
+    """TP=2, rank 1's copy of a layer norm perturbed after the step: found by hash,
+    measured by value."""
+    rc, rep = verify_json(bin_path, megatron_fixtures / "legacy_drift_tp2")
+    assert rc == 1
+    [f] = rep["findings"]
+    assert f["check"] == "replica-drift" and f["tensor"] == "decoder.layers.0.input_layernorm.weight"
+    d = f["detail"]
+    assert d["max_abs_diff"] == 0.5 and d["differing_elements"] == 1
+    assert d["copies"][0]["xxh3"] != d["copies"][1]["xxh3"]
+    assert d["copies"][1]["file"].endswith("mp_rank_01/model_optim_rng.pt")
+
+
+def test_verify_reports_zarr_lost_writes(megatron_fixtures, bin_path, mounter):
+    """Megatron zarr #1053: the array creators' exp_avg_sq writes were lost, their
+    chunks hold zeros while exp_avg of the same region does not."""
+    fx = megatron_fixtures / "zarr_lostwrites_tp2"
+    rc, rep = verify_json(bin_path, fx)
+    assert rc == 1
+    zeroed = [f for f in rep["findings"] if f["check"] == "zeroed-optimizer-state"]
+    assert zeroed and len(zeroed) == len(rep["findings"])
+    assert all("exp_avg_sq" in f["tensor"] and f["detail"]["step"] == 7 for f in zeroed)
+    # Every param's first chunk (the creator's) is flagged; the other TP rank's is not.
+    emb = next(f for f in zeroed if "word_embeddings" in f["tensor"])
+    assert emb["detail"]["zero_chunks"] == 1 and emb["detail"]["chunks"] == 2
+    region = emb["detail"]["regions"][0]["region"]  # "[0:32, 0:32]"
+    rows = [int(x) for x in region.strip("[]").split(",")[0].split(":")]
+    with mounter(fx) as m:
+        sq = np.load(m.path / "params/embedding.word_embeddings.weight/exp_avg_sq.npy")
+        avg = np.load(m.path / "params/embedding.word_embeddings.weight/exp_avg.npy")
+        assert not sq[rows[0]:rows[1]].any() and sq[rows[1]:].any()
+        assert avg[rows[0]:rows[1]].any()
+        mounted = json.loads((m.path / ".ckptfs/report.json").read_text())
+        assert [f["message"] for f in mounted["findings"]] == [f["message"] for f in rep["findings"]]
