@@ -152,10 +152,15 @@ TEST(ZarrReaderTest, ChunksBecomeFragmentsAndAMissingChunkIsAHole) {
   EXPECT_NE(ck.tensors[find("z")].error.find("compressed"), std::string::npos);
   EXPECT_NE(ck.tensors[find("u")].error.find("void"), std::string::npos);
   EXPECT_TRUE(ck.fragments[find("s")].empty());
-  std::string problems;
-  for (const auto& p : ck.info.problems) problems += p + "\n";
-  EXPECT_NE(problems.find("it/v/1 is missing"), std::string::npos) << problems;
-  EXPECT_NE(problems.find("it/s/0 has 10 bytes"), std::string::npos) << problems;
+  // Holes are coverage findings naming the chunk file and its region.
+  std::string found;
+  for (const auto& f : ck.info.findings) {
+    EXPECT_EQ(f.check, Check::kCoverage);
+    found += f.file + ": " + f.message + " " + f.detail + "\n";
+  }
+  EXPECT_NE(found.find("it/v/1: zarr chunk it/v/1 is missing: a hole at [2:4]"), std::string::npos) << found;
+  EXPECT_NE(found.find("it/s/0: zarr chunk it/s/0 has 10 bytes"), std::string::npos) << found;
+  EXPECT_NE(found.find(R"("holes":["[2:4]"])"), std::string::npos) << found;
 }
 
 }  // namespace
