@@ -52,7 +52,9 @@ def vm_hwm_kib(pid):
     return 0
 
 
-def main():
+def bench_checkpoint():
+    """Parses --ckpt/--gib/--bin and writes the benchmark DCP checkpoint once.
+    Returns (args, checkpoint dir, shard files, their bytes, a fresh index dir)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", default=os.path.join(HERE, "out", "dcp-2gib"))
     ap.add_argument("--gib", type=float, default=2.0)
@@ -64,7 +66,11 @@ def main():
         subprocess.run([sys.executable, os.path.join(HERE, "make_big_dcp.py"), ckpt, "--gib", str(a.gib)], check=True)
     sources = sorted(glob.glob(os.path.join(ckpt, "__*")))
     src_bytes = sum(os.path.getsize(p) for p in sources)
-    index = tempfile.mkdtemp(prefix="ckptfs-bench-index-")
+    return a, ckpt, sources, src_bytes, tempfile.mkdtemp(prefix="ckptfs-bench-index-")
+
+
+def main():
+    a, ckpt, sources, src_bytes, index = bench_checkpoint()
 
     # Index build (from metadata only).
     drop_cache(sources + [os.path.join(ckpt, ".metadata")])

@@ -15,20 +15,17 @@ Each timing is the median of 3 cold-cache runs (VM storage is noisy).
 
     python bench/verify_bench.py [--ckpt DIR] [--gib 2.0] [--bin build/ckptfs]
 """
-import argparse
-import glob
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from dcp_bench import drop_cache  # noqa: E402
+from dcp_bench import bench_checkpoint, drop_cache  # noqa: E402
 
 
 def run_rusage(args):
@@ -53,18 +50,7 @@ def py_hash(paths):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", default=os.path.join(HERE, "out", "dcp-2gib"))
-    ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--bin", default=os.path.join(HERE, "..", "build", "ckptfs"))
-    a = ap.parse_args()
-    ckpt = os.path.abspath(a.ckpt)
-    if not os.path.exists(os.path.join(ckpt, ".metadata")):
-        print(f"writing the benchmark checkpoint ({a.gib} GiB) with torch ...", flush=True)
-        subprocess.run([sys.executable, os.path.join(HERE, "make_big_dcp.py"), ckpt, "--gib", str(a.gib)], check=True)
-    sources = sorted(glob.glob(os.path.join(ckpt, "__*")))
-    src_bytes = sum(os.path.getsize(p) for p in sources)
-    index = tempfile.mkdtemp(prefix="ckptfs-bench-index-")
+    a, ckpt, sources, src_bytes, index = bench_checkpoint()
     subprocess.run([a.bin, "index", ckpt, "--index", index, "--force"], check=True, capture_output=True)
 
     cats, hashes, plain, deep = [], [], [], []

@@ -280,7 +280,8 @@ void Verifier::Plan() {
   for (const Finding& f : r_.findings) {
     if (!f.tensor.empty()) named_tensors.insert(f.tensor);
   }
-  for (uint32_t i = 0; i < tensors.size(); ++i) {
+  // Per-parameter steps matter only when the checkpoint has none of its own.
+  for (uint32_t i = 0; i < tensors.size() && ix_.info().step < 0; ++i) {
     const TensorRecord& t = tensors[i];
     if (t.role == Role::kOptimState && t.state == "step" && t.error.empty()) {
       step_of_fqn_[t.fqn] = ReadScalarStep(reader_, ix_, i);
