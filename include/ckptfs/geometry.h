@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -43,6 +44,14 @@ struct Coverage {
 };
 Coverage AnalyzeCoverage(const std::vector<int64_t>& shape, const std::vector<Box>& boxes, size_t max_report = 16,
                          size_t max_pieces = 1 << 16);
+// A coverage defect in words and as a JSON object ({"shape", "uncovered_elements",
+// "holes", "overlaps": [{"region", "files"}]}); `where(i)` names the file of
+// input box i, `what` the boxes ("chunks", "fragments").
+struct CoverageText {
+  std::string message, detail;
+};
+CoverageText DescribeCoverage(const Coverage& c, const std::vector<int64_t>& shape,
+                              const std::function<std::string(size_t)>& where, const std::string& what);
 // "[o0:o0+l0, o1:o1+l1]": numpy slice notation of a box.
 std::string BoxString(const Box& b);
 

@@ -1,6 +1,7 @@
 #include "ckptfs/geometry.h"
 
 #include <algorithm>
+#include <nlohmann/json.hpp>
 
 namespace ckptfs {
 namespace {
@@ -183,6 +184,30 @@ Coverage AnalyzeCoverage(const std::vector<int64_t>& shape, const std::vector<Bo
     for (size_t i = 0; i < left.size() && c.holes.size() < max_report; ++i) c.holes.push_back(left[i]);
   }
   return c;
+}
+
+CoverageText DescribeCoverage(const Coverage& c, const std::vector<int64_t>& shape,
+                              const std::function<std::string(size_t)>& where, const std::string& what) {
+  nlohmann::ordered_json j;
+  j["shape"] = shape;
+  std::string msg;
+  if (c.uncovered) {
+    j["uncovered_elements"] = c.uncovered;
+    j["holes"] = nlohmann::ordered_json::array();
+    for (const Box& h : c.holes) j["holes"].push_back(BoxString(h));
+    msg = std::to_string(c.uncovered) + " of " + std::to_string(NumelOf(shape)) + " elements are in no " +
+          what.substr(0, what.size() - 1) + (c.holes.empty() ? "" : " (first hole " + BoxString(c.holes.front()) + ")");
+  }
+  if (c.overlap_pairs) {
+    j["overlaps"] = nlohmann::ordered_json::array();
+    for (const auto& o : c.overlaps) {
+      j["overlaps"].push_back({{"region", BoxString(o.box)}, {"files", {where(o.a), where(o.b)}}});
+    }
+    const auto& o = c.overlaps.front();
+    msg += std::string(msg.empty() ? "" : "; ") + std::to_string(c.overlap_pairs) + " pair(s) of " + what +
+           " overlap (first " + BoxString(o.box) + ", in " + where(o.a) + " and " + where(o.b) + ")";
+  }
+  return {msg, j.dump()};
 }
 
 std::string BoxString(const Box& b) {

@@ -272,12 +272,9 @@ void Verifier::Plan() {
   const auto& files = ix_.files();
   // Files the index findings already name: errors that mention them are
   // explained there and not repeated as "unreadable".
-  std::set<std::string> named_files;
+  std::set<std::string> named_files, named_tensors;
   for (const Finding& f : r_.findings) {
     if (!f.file.empty()) named_files.insert(f.file);
-  }
-  std::set<std::string> named_tensors;
-  for (const Finding& f : r_.findings) {
     if (!f.tensor.empty()) named_tensors.insert(f.tensor);
   }
   // Per-parameter steps matter only when the checkpoint has none of its own.
@@ -324,28 +321,10 @@ void Verifier::Plan() {
       for (const Fragment& f : *frags) boxes.push_back(Box{f.offsets, f.lengths});
       const Coverage c = AnalyzeCoverage(t.shape, boxes, kMaxListed);
       if (!c.clean()) {
-        json d;
-        d["shape"] = t.shape;
-        std::string msg = "'" + t.key + "':";
-        if (c.uncovered) {
-          d["uncovered_elements"] = c.uncovered;
-          d["holes"] = json::array();
-          for (const Box& h : c.holes) d["holes"].push_back(BoxString(h));
-          msg += " " + std::to_string(c.uncovered) + " of " + std::to_string(t.Numel()) +
-                 " elements are in no fragment (first hole " + BoxString(c.holes.front()) + ")";
-        }
-        if (c.overlap_pairs) {
-          d["overlaps"] = json::array();
-          for (const auto& o : c.overlaps) {
-            d["overlaps"].push_back({{"region", BoxString(o.box)},
-                                     {"files", {files[(*frags)[o.a].file.v].rel_path, files[(*frags)[o.b].file.v].rel_path}}});
-          }
-          const auto& o = c.overlaps.front();
-          msg += std::string(c.uncovered ? ";" : "") + " " + std::to_string(c.overlap_pairs) +
-                 " pair(s) of fragments overlap (first " + BoxString(o.box) + " in " +
-                 files[(*frags)[o.a].file.v].rel_path + " and " + files[(*frags)[o.b].file.v].rel_path + ")";
-        }
-        r_.findings.push_back({Check::kCoverage, Severity::kError, t.key, "", msg, d.dump()});
+        CoverageText text = DescribeCoverage(
+            c, t.shape, [&](size_t k) { return files[(*frags)[k].file.v].rel_path; }, "fragments");
+        r_.findings.push_back({Check::kCoverage, Severity::kError, t.key, "", "'" + t.key + "': " + text.message,
+                               std::move(text.detail)});
         continue;
       }
     }

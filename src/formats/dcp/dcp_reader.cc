@@ -194,28 +194,9 @@ Status CheckTiling(const TensorRecord& t, const std::vector<Fragment>& frags, co
   }
   const Coverage c = AnalyzeCoverage(t.shape, boxes, 8);
   if (c.clean()) return Status::Ok();
-  nlohmann::ordered_json j;
-  j["shape"] = t.shape;
-  std::string msg;
-  if (c.uncovered) {
-    j["uncovered_elements"] = c.uncovered;
-    j["holes"] = nlohmann::ordered_json::array();
-    for (const Box& h : c.holes) j["holes"].push_back(BoxString(h));
-    msg = "chunks leave " + std::to_string(c.uncovered) + " of " + std::to_string(t.Numel()) +
-          " elements uncovered (first hole " + BoxString(c.holes.front()) + ")";
-  }
-  if (c.overlap_pairs) {
-    j["overlaps"] = nlohmann::ordered_json::array();
-    for (const auto& o : c.overlaps) {
-      j["overlaps"].push_back({{"region", BoxString(o.box)},
-                               {"files", {files_of(frags[o.a]), files_of(frags[o.b])}}});
-    }
-    const auto& o = c.overlaps.front();
-    msg += std::string(msg.empty() ? "" : "; ") + std::to_string(c.overlap_pairs) + " pair(s) of chunks overlap (first " +
-           BoxString(o.box) + ", chunks in " + files_of(frags[o.a]) + " and " + files_of(frags[o.b]) + ")";
-  }
-  *detail = j.dump();
-  return Invalid(msg);
+  CoverageText text = DescribeCoverage(c, t.shape, [&](size_t i) { return files_of(frags[i]); }, "chunks");
+  *detail = std::move(text.detail);
+  return Invalid(text.message);
 }
 
 Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name) {

@@ -105,6 +105,14 @@ TEST(CoverageTest, ScalarsEmptyTensorsAndTheCutFallback) {
   EXPECT_FALSE(c.exact);
   EXPECT_EQ(c.uncovered, 128u);
   EXPECT_EQ(BoxString(Box{{2, 0}, {3, 4}}), "[2:5, 0:4]");
+
+  // The words and JSON both the DCP reader and verify report.
+  Coverage both = AnalyzeCoverage({4, 2}, {Box{{0, 0}, {2, 2}}, Box{{1, 0}, {2, 2}}});
+  CoverageText t = DescribeCoverage(both, {4, 2}, [](size_t i) { return "f" + std::to_string(i); }, "chunks");
+  EXPECT_EQ(t.message, "2 of 8 elements are in no chunk (first hole [3:4, 0:2]); 1 pair(s) of chunks overlap "
+                       "(first [1:2, 0:2], in f0 and f1)");
+  EXPECT_EQ(t.detail, R"({"shape":[4,2],"uncovered_elements":2,"holes":["[3:4, 0:2]"],)"
+                      R"("overlaps":[{"region":"[1:2, 0:2]","files":["f0","f1"]}]})");
 }
 
 // A synthetic checkpoint: float32 tensors split into row blocks, all in one
