@@ -30,7 +30,7 @@ namespace ckptfs {
 
 class Index {
  public:
-  static constexpr uint32_t kSchemaVersion = 5;  // bump whenever a reader's output changes, too (v5: structured findings)
+  static constexpr uint32_t kSchemaVersion = 6;  // bump whenever a reader's output changes, too (v6: TP split rules)
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);

@@ -64,12 +64,17 @@ class TensorReader {
   ~TensorReader();
 
   // Bytes [offset, offset+len) of tensor `id` rendered in C order as `out`.
-  Status Read(TensorId id, DType out, uint64_t offset, uint64_t len, char* dst);
+  Status Read(TensorId id, DType out, uint64_t offset, uint64_t len, char* dst) {
+    return ReadBox(id, out, nullptr, offset, len, dst);
+  }
+  // The same over the sub-box `box` of the tensor (null: the whole tensor),
+  // rendered in C order of the box's own shape: a resharded view's slice.
+  Status ReadBox(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, char* dst);
   // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.
   Result<uint64_t> Xxh3Raw(TensorId id);
   // CRC-32 (zlib polynomial) of the tensor rendered as `out` (kBytes: its
   // bytes); cached. Zip archives the views synthesize carry it.
-  Result<uint32_t> Crc32(TensorId id, DType out);
+  Result<uint32_t> Crc32(TensorId id, DType out, const Box* box = nullptr);
   // The tensor's source files still match the index (stat by path: catches
   // replaced files too). Called on open.
   Status CheckFresh(TensorId id);
@@ -81,7 +86,7 @@ class TensorReader {
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
   Status CheckFd(FileId file) const;
   // Renders the whole tensor as `out` in chunks, handing each to `fn`.
-  Status Stream(TensorId id, DType out, const std::function<void(const char*, size_t)>& fn);
+  Status Stream(TensorId id, DType out, const Box* box, const std::function<void(const char*, size_t)>& fn);
   ReadEngine& Engine();
 
   const Index& index_;
@@ -96,7 +101,7 @@ class TensorReader {
   uint64_t item_cache_bytes_ = 0;
   std::mutex hash_mu_;
   std::unordered_map<uint32_t, uint64_t> hash_cache_;
-  std::unordered_map<uint64_t, uint32_t> crc_cache_;  // (id << 8 | out dtype), under hash_mu_
+  std::unordered_map<std::string, uint32_t> crc_cache_;  // (id, out dtype, box), under hash_mu_
 };
 
 }  // namespace ckptfs

@@ -19,6 +19,8 @@
 #include <string_view>
 #include <vector>
 
+#include "ckptfs/geometry.h"
+
 namespace ckptfs {
 
 struct FileId {
@@ -87,6 +89,25 @@ struct Fragment {
   uint64_t item_length = 0;
 };
 
+// How a parameter (and each optimizer state of its shape) divides among
+// tensor-parallel ranks, as the family reader knows it (Megatron layer types,
+// DeepSpeed universal_checkpoint_info). kUnknown: the reader has no rule; the
+// topo/ planner then uses a rules file or name conventions.
+enum class SplitKind : uint8_t {
+  kUnknown = 0,
+  kReplicate = 1,  // every TP rank holds the whole tensor
+  kDim = 2,        // contiguous chunks along `dim`
+  kSub2 = 3,       // two sub-parameters stacked on dim 0 ([W; V], SwiGLU): each
+                   // rank holds [W_r; V_r]
+};
+struct TensorSplit {
+  SplitKind kind = SplitKind::kUnknown;
+  int32_t dim = 0;
+  // The split dim is `groups` indivisible units (attention query groups of a
+  // fused QKV): TP must divide it. 0: any element boundary.
+  int64_t groups = 0;
+};
+
 struct TensorRecord {
   std::string key;    // the checkpoint's own flat key
   Role role = Role::kOther;
@@ -102,6 +123,7 @@ struct TensorRecord {
   // also appears per layer): `ckptfs verify` reads the others, so every source
   // byte is read once.
   bool alias = false;
+  TensorSplit split;
 
   uint64_t Numel() const {
     uint64_t n = 1;
@@ -144,6 +166,9 @@ struct CheckpointInfo {
   std::string format_note;  // e.g. "torch 2.x metadata", "torch 1.13 _shard.checkpoint"
   int64_t step = -1;        // -1: unknown
   uint32_t world_size = 0;  // number of writer ranks seen
+  // The parallel layout it was saved with, as a topo/ name ("tp2-pp2",
+  // "tp1-pp1-dp4"); empty when the format does not say (DCP).
+  std::string topology;
   // What ckptfs could not do or chose to do (unsupported parts, fallbacks):
   // notes, not defects of the checkpoint.
   std::vector<std::string> problems;
@@ -170,6 +195,7 @@ struct ExportPart {
   uint32_t tensor = 0;  // kTensor, kCrc32: index into Checkpoint::tensors
   DType out_dtype = DType::kInvalid;
   uint64_t size = 0;  // bytes this part occupies in the file
+  Box box;            // kTensor, kCrc32: only this sub-box (empty: the whole tensor)
 };
 struct ExportFile {
   std::string path;  // relative to the mount root, '/'-separated

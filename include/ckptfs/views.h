@@ -38,12 +38,16 @@ struct Segment {
   std::string literal;          // kLiteral
   TensorId tensor;              // kTensor, kHash, kCrc32
   DType out_dtype = DType::kInvalid;  // kTensor, kCrc32: element type written
+  Box box;                      // kTensor, kCrc32: only this sub-box (empty: all)
+  const Box* box_or_null() const { return box.offsets.empty() && box.lengths.empty() ? nullptr : &box; }
 };
 
 struct FileLayout {
   std::vector<Segment> segments;
+  std::vector<uint64_t> starts;  // file offset of each segment (reads find theirs by binary search)
   uint64_t size = 0;
   void Add(Segment s) {
+    starts.push_back(size);
     size += s.size;
     segments.push_back(std::move(s));
   }

@@ -30,6 +30,7 @@ class PartList {
     p.tensor = st.tensor;
     p.out_dtype = st.out_dtype;
     p.size = st.nbytes;
+    p.box = st.box;
     parts_.push_back(std::move(p));
     size_ += st.nbytes;
   }
@@ -39,6 +40,7 @@ class PartList {
     p.tensor = st.tensor;
     p.out_dtype = st.out_dtype;
     p.size = 4;
+    p.box = st.box;
     parts_.push_back(std::move(p));
     size_ += 4;
   }

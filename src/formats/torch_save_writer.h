@@ -25,6 +25,7 @@ struct ArchiveStorage {
   uint32_t tensor = 0;  // Checkpoint::tensors index whose rendering is the record data/<i>
   DType out_dtype = DType::kInvalid;
   uint64_t nbytes = 0;
+  Box box;  // only this sub-box of the tensor (empty: all of it)
 };
 
 // `pickle` is data.pkl; storage i becomes record "<name>/data/<i>" (the pickle

@@ -4,6 +4,18 @@
 
 namespace ckptfs::formats {
 
+TensorSplit SplitOf(const Rule& r) {
+  TensorSplit s;
+  switch (r.kind) {
+    case Merge::kCat: s.kind = SplitKind::kDim; s.dim = r.cat_dim; break;
+    case Merge::kReplicated:
+    case Merge::kAverage: s.kind = SplitKind::kReplicate; break;
+    case Merge::kSub2: s.kind = SplitKind::kSub2; break;
+    case Merge::kSubParams: break;
+  }
+  return s;
+}
+
 Result<std::vector<int64_t>> Merger::GlobalShape() const {
   const auto& l0 = local_[0];
   if (rule_.kind == Merge::kReplicated || local_.size() == 1) {

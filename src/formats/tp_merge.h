@@ -28,6 +28,10 @@ struct Rule {
   bool vocab = false;
 };
 
+// The same rule as the split recorded for topo/ (kAverage: every rank holds
+// the mean, i.e. a replicated tensor; kSubParams: unknown).
+TensorSplit SplitOf(const Rule& r);
+
 // Maps a box of TP rank t's local tensor to boxes of the global tensor; each
 // result carries the local offsets of its first element.
 struct Placed {

@@ -108,8 +108,13 @@ Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char
   const FileLayout& layout = **layout_or;
   if (offset >= layout.size) return size_t{0};
   size = static_cast<size_t>(std::min<uint64_t>(size, layout.size - offset));
-  uint64_t seg_start = 0;
-  for (const Segment& s : layout.segments) {
+  // The first segment that ends after `offset`.
+  size_t first = static_cast<size_t>(std::upper_bound(layout.starts.begin(), layout.starts.end(), offset) -
+                                     layout.starts.begin());
+  first = first == 0 ? 0 : first - 1;
+  for (size_t si = first; si < layout.segments.size(); ++si) {
+    const Segment& s = layout.segments[si];
+    const uint64_t seg_start = layout.starts[si];
     uint64_t seg_end = seg_start + s.size;
     uint64_t lo = std::max(offset, seg_start), hi = std::min<uint64_t>(offset + size, seg_end);
     if (lo < hi) {
@@ -121,10 +126,10 @@ Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char
           std::memcpy(dst, s.literal.data() + in, n);
           break;
         case SegmentKind::kTensor:
-          st = reader_->Read(s.tensor, s.out_dtype, in, n, dst);
+          st = reader_->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), in, n, dst);
           break;
         case SegmentKind::kCrc32: {
-          auto c = reader_->Crc32(s.tensor, s.out_dtype);
+          auto c = reader_->Crc32(s.tensor, s.out_dtype, s.box_or_null());
           if (!c.ok()) {
             st = c.status();
           } else {
@@ -149,8 +154,7 @@ Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char
         return st;
       }
     }
-    seg_start = seg_end;
-    if (seg_start >= offset + size) break;
+    if (seg_end >= offset + size) break;
   }
   reads_.fetch_add(1, std::memory_order_relaxed);
   bytes_.fetch_add(size, std::memory_order_relaxed);

@@ -100,6 +100,9 @@ std::string EncodeTensor(const TensorRecord& t) {
   w.Num(t.num_fragments);
   w.Str(t.error);
   w.Num<uint8_t>(t.alias ? 1 : 0);
+  w.Num(static_cast<uint8_t>(t.split.kind));
+  w.Num(t.split.dim);
+  w.Num(t.split.groups);
   return w.Take();
 }
 
@@ -112,7 +115,10 @@ Result<TensorRecord> DecodeTensor(std::string_view s) {
     return Corrupt("tensor");
   }
   uint8_t alias = 0;
-  if (!r.Num(&alias) || alias > 1 || !r.Done()) return Corrupt("tensor");
+  if (!r.Num(&alias) || alias > 1 || !Enum(r, &t.split.kind, static_cast<uint8_t>(SplitKind::kSub2)) ||
+      !r.Num(&t.split.dim) || !r.Num(&t.split.groups) || !r.Done()) {
+    return Corrupt("tensor");
+  }
   t.alias = alias == 1;
   return t;
 }
@@ -150,6 +156,7 @@ std::string EncodeInfo(const CheckpointInfo& i) {
   w.Str(i.format_note);
   w.Num(i.step);
   w.Num(i.world_size);
+  w.Str(i.topology);
   w.Num<uint32_t>(static_cast<uint32_t>(i.problems.size()));
   for (const auto& p : i.problems) w.Str(p);
   w.Num<uint32_t>(static_cast<uint32_t>(i.findings.size()));
@@ -168,7 +175,8 @@ Result<CheckpointInfo> DecodeInfo(std::string_view s) {
   Reader r(s);
   CheckpointInfo i;
   uint32_t n;
-  if (!r.Str(&i.family) || !r.Str(&i.format_note) || !r.Num(&i.step) || !r.Num(&i.world_size) || !r.Num(&n)) {
+  if (!r.Str(&i.family) || !r.Str(&i.format_note) || !r.Num(&i.step) || !r.Num(&i.world_size) || !r.Str(&i.topology) ||
+      !r.Num(&n)) {
     return Corrupt("checkpoint info");
   }
   for (uint32_t k = 0; k < n; ++k) {
@@ -200,6 +208,8 @@ std::string EncodeExport(const ExportFile& x) {
     w.Num(p.tensor);
     w.Num(static_cast<uint8_t>(p.out_dtype));
     w.Num(p.size);
+    w.Ints(p.box.offsets);
+    w.Ints(p.box.lengths);
   }
   return w.Take();
 }
@@ -212,7 +222,8 @@ Result<ExportFile> DecodeExport(std::string_view s) {
   x.parts.resize(n);
   for (ExportPart& p : x.parts) {
     if (!Enum(r, &p.kind, 2) || !r.Str(&p.literal) || !r.Num(&p.tensor) ||
-        !Enum(r, &p.out_dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Num(&p.size)) {
+        !Enum(r, &p.out_dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Num(&p.size) ||
+        !r.Ints(&p.box.offsets) || !r.Ints(&p.box.lengths) || p.box.offsets.size() != p.box.lengths.size()) {
       return Corrupt("export");
     }
   }

@@ -178,7 +178,7 @@ Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f)
   return v;
 }
 
-Status TensorReader::Read(TensorId id, DType out, uint64_t offset, uint64_t len, char* dst) {
+Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, char* dst) {
   if (id.v >= index_.tensors().size()) return Internal("tensor id out of range");
   const TensorRecord& t = index_.tensors()[id.v];
   auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
@@ -208,7 +208,17 @@ Status TensorReader::Read(TensorId id, DType out, uint64_t offset, uint64_t len,
 
   const uint64_t osz = DTypeSize(out);
   if (osz == 0 || !CanConvert(t.dtype, out)) return Internal("cannot render '" + t.key + "' as " + std::string(DTypeName(out)));
-  const uint64_t numel = t.Numel();
+  const size_t rank = t.shape.size();
+  // The output is the C-order rendering of `view` (the whole tensor by default).
+  Box whole{std::vector<int64_t>(rank, 0), t.shape};
+  const Box& view = box != nullptr ? *box : whole;
+  if (view.offsets.size() != rank || view.lengths.size() != rank) return Internal("box rank mismatch for '" + t.key + "'");
+  for (size_t d = 0; d < rank; ++d) {
+    if (view.offsets[d] < 0 || view.lengths[d] < 0 || view.offsets[d] + view.lengths[d] > t.shape[d]) {
+      return Internal("box " + BoxString(view) + " is outside '" + t.key + "'");
+    }
+  }
+  const uint64_t numel = static_cast<uint64_t>(NumelOf(view.lengths));
   if (offset + len > numel * osz) return Invalid("cannot read '" + t.key + "': range past the tensor");
   const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
   std::string unaligned;
@@ -218,16 +228,16 @@ Status TensorReader::Read(TensorId id, DType out, uint64_t offset, uint64_t len,
     base = unaligned.data();
   }
 
-  // Plan: boxes of the request x fragments.
-  const size_t rank = t.shape.size();
-  std::vector<int64_t> gstr(rank, 1);
-  for (size_t d = rank; d-- > 1;) gstr[d - 1] = gstr[d] * t.shape[d];
+  // Plan: boxes of the request x fragments (in global coordinates; output
+  // strides are the view's).
+  const std::vector<int64_t> gstr = ContiguousStrides(view.lengths);
   std::vector<Gather> gathers;
   std::vector<IoRequest> reqs;
   std::vector<std::pair<size_t, uint64_t>> staged;  // (request index, staging offset)
   std::set<uint32_t> files_touched;
   uint64_t staging = 0, covered = 0;
-  for (const Box& b : DecomposeRange(t.shape, e0, e1)) {
+  for (Box b : DecomposeRange(view.lengths, e0, e1)) {
+    for (size_t d = 0; d < rank; ++d) b.offsets[d] += view.offsets[d];
     for (const Fragment& f : frags) {
       std::vector<int64_t> lo(rank), hi(rank);
       bool empty = false;
@@ -244,7 +254,7 @@ Status TensorReader::Read(TensorId id, DType out, uint64_t offset, uint64_t len,
       Gather g;
       for (size_t d = 0; d < rank; ++d) {
         src_elem += (lo[d] - f.offsets[d]) * f.strides[d];
-        dst_elem += lo[d] * gstr[d];
+        dst_elem += (lo[d] - view.offsets[d]) * gstr[d];
         if (hi[d] - lo[d] == 1) continue;
         int64_t l = hi[d] - lo[d];
         // Merge into the previous dim when it steps exactly over this one.
@@ -314,14 +324,16 @@ Status TensorReader::Read(TensorId id, DType out, uint64_t offset, uint64_t len,
   return Status::Ok();
 }
 
-Status TensorReader::Stream(TensorId id, DType out, const std::function<void(const char*, size_t)>& fn) {
+Status TensorReader::Stream(TensorId id, DType out, const Box* box,
+                            const std::function<void(const char*, size_t)>& fn) {
   const TensorRecord& t = index_.tensors()[id.v];
-  const uint64_t size = t.encoding == Encoding::kBytes ? t.byte_size : t.Numel() * DTypeSize(out);
+  const uint64_t numel = box != nullptr ? static_cast<uint64_t>(NumelOf(box->lengths)) : t.Numel();
+  const uint64_t size = t.encoding == Encoding::kBytes ? t.byte_size : numel * DTypeSize(out);
   std::string buf;
   for (uint64_t off = 0; off < size; off += kHashChunk) {
     const uint64_t n = std::min(kHashChunk, size - off);
     buf.resize(n);
-    RETURN_IF_ERROR(Read(id, out, off, n, buf.data()));
+    RETURN_IF_ERROR(ReadBox(id, out, box, off, n, buf.data()));
     fn(buf.data(), n);
   }
   return Status::Ok();
@@ -337,7 +349,7 @@ Result<uint64_t> TensorReader::Xxh3Raw(TensorId id) {
   const TensorRecord& t = index_.tensors()[id.v];
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
   XXH3_64bits_reset(st.get());
-  RETURN_IF_ERROR(Stream(id, t.encoding == Encoding::kBytes ? DType::kU8 : t.dtype,
+  RETURN_IF_ERROR(Stream(id, t.encoding == Encoding::kBytes ? DType::kU8 : t.dtype, nullptr,
                          [&](const char* p, size_t n) { XXH3_64bits_update(st.get(), p, n); }));
   const uint64_t h = XXH3_64bits_digest(st.get());
   std::lock_guard<std::mutex> lock(hash_mu_);
@@ -345,16 +357,17 @@ Result<uint64_t> TensorReader::Xxh3Raw(TensorId id) {
   return h;
 }
 
-Result<uint32_t> TensorReader::Crc32(TensorId id, DType out) {
+Result<uint32_t> TensorReader::Crc32(TensorId id, DType out, const Box* box) {
   if (id.v >= index_.tensors().size()) return NotFound("no tensor " + std::to_string(id.v));
-  const uint64_t key = (uint64_t{id.v} << 8) | static_cast<uint8_t>(out);
+  std::string key = std::to_string(id.v) + ":" + std::to_string(static_cast<int>(out));
+  if (box != nullptr) key += BoxString(*box);
   {
     std::lock_guard<std::mutex> lock(hash_mu_);
     auto it = crc_cache_.find(key);
     if (it != crc_cache_.end()) return it->second;
   }
   uLong crc = crc32(0L, Z_NULL, 0);
-  RETURN_IF_ERROR(Stream(id, out, [&](const char* p, size_t n) {
+  RETURN_IF_ERROR(Stream(id, out, box, [&](const char* p, size_t n) {
     crc = crc32_z(crc, reinterpret_cast<const Bytef*>(p), n);
   }));
   std::lock_guard<std::mutex> lock(hash_mu_);

@@ -236,11 +236,16 @@ Status View::AddExport(uint64_t root, const ExportFile& x) {
         break;
       case PartKind::kTensor:
         seg = TensorSeg(TensorId{p.tensor}, index_.tensors()[p.tensor], p.out_dtype);
+        if (!p.box.lengths.empty() || !p.box.offsets.empty()) {
+          seg.box = p.box;
+          seg.size = static_cast<uint64_t>(NumelOf(p.box.lengths)) * DTypeSize(p.out_dtype);
+        }
         break;
       case PartKind::kCrc32:
         seg.kind = SegmentKind::kCrc32;
         seg.tensor = TensorId{p.tensor};
         seg.out_dtype = p.out_dtype;
+        seg.box = p.box;
         seg.size = 4;
         break;
     }

@@ -693,7 +693,7 @@ Status Reader::ExportState(const std::string& name, const std::string& state, ui
   RETURN_IF_ERROR(w.Tensor("0", DType::kF32, t.Numel(), 0, shape, ContiguousStrides(shape)));
   if (dict) w.EndDict();
   AddArchive("universal/zero/" + name + "/" + state + ".pt", state, w.Finish(),
-             {ArchiveStorage{tensor, DType::kF32, t.Numel() * 4}});
+             {ArchiveStorage{tensor, DType::kF32, t.Numel() * 4, {}}});
   return Status::Ok();
 }
 
@@ -732,7 +732,7 @@ Status Reader::EmitStep(const Param& p, bool ucp) {
     f.data_length = DTypeSize(l.dtype);
     uint32_t id = ck.AddTensor(std::move(rec), {std::move(f)});
     RETURN_IF_ERROR(w.Tensor("0", l.dtype, 1, 0, l.shape, ContiguousStrides(l.shape)));
-    storages.push_back(ArchiveStorage{id, l.dtype, DTypeSize(l.dtype)});
+    storages.push_back(ArchiveStorage{id, l.dtype, DTypeSize(l.dtype), {}});
   } else if (og.step_value != nullptr) {
     RETURN_IF_ERROR(w.Value(*og.step_value, [](PickleWriter&, const PyValue&) { return Unsupported("a tensor"); }));
   } else {
@@ -791,9 +791,14 @@ Status Reader::Emit() {
     ExportCopies();
     ExportFile latest;
     latest.path = "latest_universal";
-    latest.parts.push_back(ExportPart{PartKind::kLiteral, "universal", 0, DType::kInvalid, 9});
+    latest.parts.push_back(ExportPart{PartKind::kLiteral, "universal", 0, DType::kInvalid, 9, {}});
     ck.exports.push_back(std::move(latest));
   }
+  for (TensorRecord& t : ck.tensors) {
+    if (t.role != Role::kParam && t.role != Role::kOptimState) continue;
+    t.split = pats.present ? SplitOf(pats.For(t.fqn)) : TensorSplit{tp > 1 ? SplitKind::kDim : SplitKind::kUnknown, 0, 0};
+  }
+  ck.info.topology = "tp" + std::to_string(std::max(tp, 1)) + "-pp1-dp" + std::to_string(std::max(dp, 1));
   ck.info.problems = std::move(problems);
   return Status::Ok();
 }
@@ -1002,7 +1007,7 @@ Status Reader::ExportOptimizerState() {
       f.data_offset = rt.data_offset;
       f.data_length = rec.byte_size;
       storages.push_back(ArchiveStorage{ck.AddTensor(std::move(rec), {std::move(f)}), DType::kU8,
-                                        storage_numel * DTypeSize(ref.dtype)});
+                                        storage_numel * DTypeSize(ref.dtype), {}});
     }
     return pw.Tensor(std::to_string(it->second), ref.dtype, storage_numel, ref.storage_offset, ref.shape, ref.strides);
   };
@@ -1042,7 +1047,7 @@ void Reader::ExportCopies() {
     uint32_t id = ck.AddFileBytes(s.file, std::move(rec));
     ExportFile x;
     x.path = "universal/" + base;
-    x.parts.push_back(ExportPart{PartKind::kTensor, "", id, DType::kU8, size});
+    x.parts.push_back(ExportPart{PartKind::kTensor, "", id, DType::kU8, size, {}});
     ck.exports.push_back(std::move(x));
   }
 }

@@ -91,7 +91,8 @@ void Classify(Checkpoint& ck) {
 }
 
 // common.pt: served verbatim; its iteration and args describe the checkpoint.
-void AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck) {
+megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck) {
+  megatron::ModelFacts facts;
   Files files;
   files.dir = dir;
   files.ck = &ck;
@@ -102,12 +103,14 @@ void AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck) {
     if (auto it = megatron::ArgInt(root, "iteration"); it) ck.info.step = *it;
     if (const PyValue* args = root->Get("args"); args != nullptr && args->kind != PyKind::kNone) {
       megatron::ExportArgsJson(args, ck);
+      facts = megatron::FactsOf(args);
     }
   }
   TensorRecord t;
   t.key = "common.pt";
   if (src->fd < 0) t.error = src->error;
   ck.AddFileBytes(src->file, std::move(t));
+  return facts;
 }
 
 }  // namespace
@@ -143,13 +146,15 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
   ck.info.format_note = "Megatron-LM dist_checkpointing, " + backend + " backend" +
                         (ck.info.format_note.empty() ? "" : " (" + ck.info.format_note + ")");
   struct stat st{};
+  megatron::ModelFacts facts;
   if (::stat((iter.path + "/common.pt").c_str(), &st) == 0) {
-    AddCommon(dir, prefix + "common.pt", ck);
+    facts = AddCommon(dir, prefix + "common.pt", ck);
   } else {
     ck.info.problems.push_back(iter.path + "/common.pt is missing (args and iteration unknown)");
   }
   if (ck.info.step < 0) ck.info.step = iter.step;
   Classify(ck);
+  megatron::SetSplits(facts, ck);
   bool buckets = false;
   for (const TensorRecord& t : ck.tensors) buckets |= t.key.rfind("optimizer.distributed.", 0) == 0;
   if (buckets) {

@@ -716,6 +716,8 @@ Status Reader::Run() {
   ck.info.format_note = note;
   ck.info.world_size = static_cast<uint32_t>(ranks.size());
   if (args != nullptr) megatron::ExportArgsJson(args, ck);
+  megatron::SetSplits(megatron::FactsOf(args), ck);
+  ck.info.topology = "tp" + std::to_string(tp) + "-pp" + std::to_string(pp);
   ck.info.problems = std::move(problems);
   return Status::Ok();
 }

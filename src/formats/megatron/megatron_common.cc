@@ -109,6 +109,28 @@ std::optional<Rule> SplitRule(const std::string& name, bool swiglu) {
   return std::nullopt;
 }
 
+ModelFacts FactsOf(const PyValue* args) {
+  ModelFacts f;
+  f.swiglu = ArgBool(args, "swiglu").value_or(false);
+  f.qkv_groups = ArgInt(args, "num_attention_heads").value_or(0);
+  if (ArgBool(args, "group_query_attention").value_or(false)) {
+    f.qkv_groups = ArgInt(args, "num_query_groups").value_or(f.qkv_groups);
+  }
+  return f;
+}
+
+void SetSplits(const ModelFacts& facts, Checkpoint& ck) {
+  for (TensorRecord& t : ck.tensors) {
+    if (t.role != Role::kParam && t.role != Role::kOptimState) continue;
+    auto rule = SplitRule(t.fqn, facts.swiglu);
+    if (!rule) continue;
+    t.split = SplitOf(*rule);
+    if (t.split.kind == SplitKind::kDim && (Contains(t.fqn, ".linear_qkv.") || Contains(t.fqn, ".query_key_value."))) {
+      t.split.groups = facts.qkv_groups;
+    }
+  }
+}
+
 std::string RenumberLayer(const std::string& name, int64_t offset, int64_t* index) {
   static const std::regex kLayer(R"((^|\.)layers\.(\d+)\.)");
   std::smatch m;
@@ -215,7 +237,7 @@ void ExportArgsJson(const PyValue* args, Checkpoint& ck) {
   f.path = "args.json";
   std::string text = ToJson(args) + "\n";
   const uint64_t size = text.size();
-  f.parts.push_back(ExportPart{PartKind::kLiteral, std::move(text), 0, DType::kInvalid, size});
+  f.parts.push_back(ExportPart{PartKind::kLiteral, std::move(text), 0, DType::kInvalid, size, {}});
   ck.exports.push_back(std::move(f));
 }
 

@@ -39,6 +39,17 @@ bool HasTracker(const std::string& dir);
 //  * replicated: norms, position embeddings.
 std::optional<Rule> SplitRule(const std::string& name, bool swiglu);
 
+// What the split rules need from the run's args: swiglu, and the query groups
+// a fused QKV must not cut (num_query_groups, else num_attention_heads).
+struct ModelFacts {
+  bool swiglu = false;
+  int64_t qkv_groups = 0;
+};
+ModelFacts FactsOf(const PyValue* args);  // args may be null
+// Records each parameter's (and optimizer state's) TP split on its record for
+// the topo/ views: SplitRule by name plus the facts.
+void SetSplits(const ModelFacts& facts, Checkpoint& ck);
+
 // A parameter name with "layers.<i>." renumbered: `offset` added to i.
 // Returns the name unchanged when it has no layer index; `index` gets the
 // global layer (or -1).

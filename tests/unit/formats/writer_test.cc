@@ -115,7 +115,7 @@ TEST(TorchSaveWriterTest, ArchiveReadsBackWithAlignedRecordAndCrc) {
   w.EndDict();
   std::string content(24, '\0');
   for (int i = 0; i < 24; ++i) content[i] = static_cast<char>(i * 7);
-  auto parts = TorchSaveParts("fp32", w.Finish(), {ArchiveStorage{0, DType::kF32, 24}});
+  auto parts = TorchSaveParts("fp32", w.Finish(), {ArchiveStorage{0, DType::kF32, 24, {}}});
   std::string file = Materialize(parts, content);
   EXPECT_EQ(file.size(), PartsSize(parts));
   MemoryReader r(file, "fp32.pt");
@@ -141,7 +141,7 @@ TEST(TorchSaveWriterTest, Zip64WhenARecordPassesFourGiB) {
   const uint64_t n = 5ull << 30;
   PickleWriter w;
   ASSERT_TRUE(w.Tensor("0", DType::kU8, n, 0, {static_cast<int64_t>(n)}, {1}).ok());
-  auto parts = TorchSaveParts("big", w.Finish(), {ArchiveStorage{0, DType::kU8, n}});
+  auto parts = TorchSaveParts("big", w.Finish(), {ArchiveStorage{0, DType::kU8, n, {}}});
   testing::TempDir tmp;
   std::string path = tmp.path() + "/big.pt";
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC, 0644);
