@@ -24,7 +24,7 @@ PY=.venv/bin/python
 # pip requirement:import name (test-only producers and clients after numpy).
 want=(numpy:numpy)
 [[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout
-                                     deepspeed:deepspeed megatron-core:megatron.core "zarr<3:zarr")
+                                     deepspeed:deepspeed megatron-core:megatron.core "zarr<3:zarr" safetensors:safetensors)
 need=()
 for w in "${want[@]}"; do
   req=${w%%:*} mod=${w##*:}

@@ -39,4 +39,7 @@ if [[ "${FUZZ:-1}" == 1 ]]; then
 fi
 
 echo "== integration tests (real FUSE mounts, real torch checkpoints)"
-CKPTFS_BIN=$PWD/build/ckptfs .venv/bin/python -m pytest tests/integration -q -p no:cacheprovider --timeout=900
+# Fixtures are written once into build/fixtures (shared by the test modules that
+# use the same checkpoints; a fresh clone starts empty).
+CKPTFS_FIXTURE_CACHE=${CKPTFS_FIXTURE_CACHE:-$PWD/build/fixtures} CKPTFS_BIN=$PWD/build/ckptfs \
+  .venv/bin/python -m pytest tests/integration -q -p no:cacheprovider --timeout=900

@@ -43,6 +43,7 @@ struct FsOptions {
   std::string index_dir;  // empty: DefaultIndexDir(src)
   EngineKind engine = EngineKind::kAuto;
   bool force_rebuild = false;
+  TopoOptions topo;  // --rules, --pp-layers, --hf-shard-size
 };
 
 class Filesystem {

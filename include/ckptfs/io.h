@@ -74,7 +74,8 @@ class TensorReader {
   Result<uint64_t> Xxh3Raw(TensorId id);
   // CRC-32 (zlib polynomial) of the tensor rendered as `out` (kBytes: its
   // bytes); cached. Zip archives the views synthesize carry it.
-  Result<uint32_t> Crc32(TensorId id, DType out, const Box* box = nullptr);
+  // With `boxes`: the CRC of those sub-boxes' renderings concatenated.
+  Result<uint32_t> Crc32(TensorId id, DType out, const std::vector<Box>& boxes = {});
   // The tensor's source files still match the index (stat by path: catches
   // replaced files too). Called on open.
   Status CheckFresh(TensorId id);

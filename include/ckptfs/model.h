@@ -106,6 +106,11 @@ struct TensorSplit {
   // The split dim is `groups` indivisible units (attention query groups of a
   // fused QKV): TP must divide it. 0: any element boundary.
   int64_t groups = 0;
+  // A vocabulary tensor whose rows were clipped to the true vocabulary
+  // (DeepSpeed universal): a TP that does not divide the rows pads dim 0 with
+  // zero rows on the last rank, as DeepSpeed does when it loads a universal
+  // checkpoint at a new TP.
+  bool pad_rows = false;
 };
 
 struct TensorRecord {
@@ -195,7 +200,9 @@ struct ExportPart {
   uint32_t tensor = 0;  // kTensor, kCrc32: index into Checkpoint::tensors
   DType out_dtype = DType::kInvalid;
   uint64_t size = 0;  // bytes this part occupies in the file
-  Box box;            // kTensor, kCrc32: only this sub-box (empty: the whole tensor)
+  // kTensor: at most one box, the sub-box rendered (none: the whole tensor).
+  // kCrc32: the CRC of these boxes' renderings concatenated (none: the whole).
+  std::vector<Box> boxes;
 };
 struct ExportFile {
   std::string path;  // relative to the mount root, '/'-separated

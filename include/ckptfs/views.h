@@ -12,14 +12,20 @@
 //
 // Tree:  README.txt, checkpoint.json, params/<fqn>/{param,<state>}.{npy,raw},
 //        params/<fqn>/info.json, other/<key>[.npy|.raw], .ckptfs/report.json,
-//        and the family reader's synthesized files (ExportFile: universal/,
-//        latest_universal).
+//        the family reader's synthesized files (ExportFile: universal/,
+//        latest_universal), hf/ and topo/ (topo.h).
+//
+// topo/<name>/ directories are made on the first lookup of a valid name, so
+// the tree grows while mounted: nodes are never removed or moved, and
+// tree_mu_ guards the node list and directory children (readers share it).
 #ifndef CKPTFS_VIEWS_H_
 #define CKPTFS_VIEWS_H_
 
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
+#include <tuple>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -27,6 +33,7 @@
 #include "ckptfs/common.h"
 #include "ckptfs/index.h"
 #include "ckptfs/model.h"
+#include "ckptfs/topo.h"
 
 namespace ckptfs {
 
@@ -38,8 +45,10 @@ struct Segment {
   std::string literal;          // kLiteral
   TensorId tensor;              // kTensor, kHash, kCrc32
   DType out_dtype = DType::kInvalid;  // kTensor, kCrc32: element type written
-  Box box;                      // kTensor, kCrc32: only this sub-box (empty: all)
-  const Box* box_or_null() const { return box.offsets.empty() && box.lengths.empty() ? nullptr : &box; }
+  // kTensor: at most one sub-box rendered; kCrc32: the boxes whose
+  // concatenated renderings the CRC covers (none: the whole tensor).
+  std::vector<Box> boxes;
+  const Box* box_or_null() const { return boxes.empty() ? nullptr : &boxes[0]; }
 };
 
 struct FileLayout {
@@ -71,14 +80,24 @@ struct Node {
   // .ckptfs/report.json: its bytes come from `ckptfs verify`, which the
   // filesystem core runs on first use (the layout stays empty).
   bool report = false;
+  // topo/ERRORS: its bytes are View::TopoErrors() at the time of the read.
+  bool topo_errors = false;
 };
 
 class View {
  public:
-  static Result<std::unique_ptr<View>> Build(const Index& index);
+  static Result<std::unique_ptr<View>> Build(const Index& index, const TopoOptions& topo = {});
 
   const Node* Get(uint64_t ino) const;
+  // A missing topo/<name> with a valid name is planned and added here; a plan
+  // that fails (a dimension that does not divide) is logged, listed in
+  // topo/ERRORS and answered with nullptr (ENOENT).
   const Node* Lookup(uint64_t parent, std::string_view name) const;
+  // A directory's children (name, inode, is_dir), and its link count.
+  std::vector<std::tuple<std::string, uint64_t, bool>> List(uint64_t ino) const;
+  uint32_t NLink(uint64_t ino) const;
+  // topo/ERRORS: one line per failed topo/ lookup, "topo/<name>: <reason>".
+  std::string TopoErrors() const;
   // "params/w/param.npy" -> inode (no leading slash needed).
   Result<uint64_t> Resolve(std::string_view path) const;
   // The layout of a file, making it on first use.
@@ -88,14 +107,24 @@ class View {
   size_t num_nodes() const { return nodes_.size(); }
 
  private:
-  explicit View(const Index& index) : index_(index) {}
+  View(const Index& index, TopoOptions topo) : index_(index), topo_(std::move(topo)) {}
+  // Under tree_mu_ (exclusive) or before the view is shared.
   uint64_t AddDir(uint64_t parent, const std::string& name);
+  Status AddTopo(const Topology& t);  // topo/<t.Name()>/ and its files
+  Status AddHf(uint64_t root);
+  const Node* GetLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor, bool lazy);
   Status MakeInfoJson(Node& n) const;
   Status AddExport(uint64_t root, const ExportFile& x);
 
   const Index& index_;
+  const TopoOptions topo_;
+  // Guards nodes_ (append-only), directories' children and subdirs, and
+  // topo_errors_. Taken before lazy_mu_, never after it.
+  mutable std::shared_mutex tree_mu_;
   std::vector<std::unique_ptr<Node>> nodes_;  // ino - 1
+  uint64_t topo_dir_ = 0;
+  std::map<std::string, std::string> topo_errors_;  // failed topo/ names -> why
   // Guards lazy layouts. Leaf lock: nothing else is taken while it is held.
   mutable std::mutex lazy_mu_;
   std::vector<std::string> problems_;

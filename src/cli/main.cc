@@ -29,18 +29,22 @@ constexpr const char* kUsage = R"(ckptfs: mount training checkpoints as a lazily
 usage:
   ckptfs mount SRC MNT [-f] [--index DIR] [--log FILE] [--engine auto|uring|pread]
                        [--threads N] [--allow-other] [--debug]
+                       [--rules FILE] [--pp-layers N,N,..] [--hf-shard-size BYTES]
       Index SRC (once; reused while SRC is unchanged) and mount the view at MNT.
       Without -f the daemon detaches once the mount is live; its log goes to
       --log FILE (default /tmp/ckptfs-<uid>/<mountpoint-name>.log).
+      topo/tp<T>-pp<P>[-dp<D>]/ is made on first lookup; --rules FILE overrides
+      TP split rules and stages (JSON, see README), --pp-layers sets layers per
+      stage, --hf-shard-size the hf/ shard size (default 5000000000; K/M/G ok).
   ckptfs umount MNT
   ckptfs index SRC [--index DIR] [--force]
       Build (or check) the index; prints what was found and how long it took.
   ckptfs info SRC [--index DIR] [--json]
       Family, step, ranks and a table of every tensor. Exit 1 if any tensor is
       unreadable (each reason is printed as "cannot <verb> <file>: <reason>").
-  ckptfs ls SRC [PATH] [--index DIR]
+  ckptfs ls SRC [PATH] [--index DIR] [--rules FILE] [--pp-layers N,N,..]
       List a directory of the view without mounting.
-  ckptfs cat SRC KEY [--format npy|raw] [--index DIR]
+  ckptfs cat SRC KEY [--format npy|raw] [--index DIR] [--rules FILE] [--pp-layers ..]
       Write one file of the view to stdout: the same bytes as the mount, no FUSE.
       KEY is a view path (params/w/param.npy) or a checkpoint key / FQN.
 
@@ -72,7 +76,7 @@ bool ParseArgs(int argc, char** argv, int start, Args* a, std::string* err) {
       {"--index", true}, {"--log", true},     {"--engine", true},      {"--threads", true}, {"--format", true},
       {"-f", false},     {"--force", false},  {"--allow-other", false}, {"--debug", false}, {"--json", false},
       {"--help", false}, {"-h", false},       {"--foreground", false}, {"--deep", false},
-      {"--num-layers", true}};
+      {"--num-layers", true}, {"--rules", true}, {"--pp-layers", true}, {"--hf-shard-size", true}};
   for (int i = start; i < argc; ++i) {
     std::string s = argv[i];
     if (s.size() > 1 && s[0] == '-') {
@@ -123,6 +127,24 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   else if (e == "uring" || e == "io_uring") o.engine = EngineKind::kUring;
   else if (e == "pread") o.engine = EngineKind::kPread;
   else return Invalid("unknown --engine " + e + " (auto, uring, pread)");
+  if (a.Has("--rules")) {
+    RETURN_IF_ERROR(ParseRulesFile(std::filesystem::absolute(a.Get("--rules"), ec).string(), o.topo));
+  }
+  if (a.Has("--pp-layers")) {
+    ASSIGN_OR_RETURN(o.topo.pp_layers, ParsePpLayers(a.Get("--pp-layers")));
+  }
+  if (a.Has("--hf-shard-size")) {
+    std::string v = a.Get("--hf-shard-size");
+    uint64_t mult = 1;
+    if (!v.empty() && (v.back() == 'K' || v.back() == 'M' || v.back() == 'G')) {
+      mult = v.back() == 'K' ? 1000 : v.back() == 'M' ? 1000'000 : 1000'000'000;
+      v.pop_back();
+    }
+    char* end = nullptr;
+    const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
+    if (v.empty() || *end != '\0' || n == 0) return Invalid("--hf-shard-size '" + a.Get("--hf-shard-size") + "': expected bytes, e.g. 5G");
+    o.topo.hf_shard_bytes = n * mult;
+  }
   return o;
 }
 

@@ -38,6 +38,12 @@ class PickleWriter {
   void Reduce();  // callable, args tuple -> callable(*args)
   void NewObj();  // class, args tuple -> class.__new__(class, *args)
   void Build();   // object, state -> object with state applied
+  // Splices opcodes that push exactly one value (a Fragment() of another
+  // writer: no PROTO, no STOP, no memo).
+  void Raw(std::string_view ops) { out_.append(ops); }
+  // The opcodes written so far without the PROTO header: one value to Raw()
+  // into another pickle.
+  std::string Fragment() const { return out_.substr(2); }
   // A tensor view of storage `storage_key` (a record data/<key> of the
   // archive) as torch._utils._rebuild_tensor_v2 writes it.
   Status Tensor(const std::string& storage_key, DType dtype, uint64_t storage_numel, uint64_t storage_offset,

@@ -29,9 +29,17 @@ class PartList {
     p.kind = PartKind::kTensor;
     p.tensor = st.tensor;
     p.out_dtype = st.out_dtype;
-    p.size = st.nbytes;
-    p.box = st.box;
-    parts_.push_back(std::move(p));
+    if (st.boxes.empty()) {
+      p.size = st.nbytes;
+      parts_.push_back(std::move(p));
+    } else {
+      for (const Box& b : st.boxes) {
+        ExportPart q = p;
+        q.boxes = {b};
+        q.size = static_cast<uint64_t>(NumelOf(b.lengths)) * DTypeSize(st.out_dtype);
+        parts_.push_back(std::move(q));
+      }
+    }
     size_ += st.nbytes;
   }
   void Crc(const ArchiveStorage& st) {
@@ -40,7 +48,7 @@ class PartList {
     p.tensor = st.tensor;
     p.out_dtype = st.out_dtype;
     p.size = 4;
-    p.box = st.box;
+    p.boxes = st.boxes;
     parts_.push_back(std::move(p));
     size_ += 4;
   }

@@ -25,7 +25,9 @@ struct ArchiveStorage {
   uint32_t tensor = 0;  // Checkpoint::tensors index whose rendering is the record data/<i>
   DType out_dtype = DType::kInvalid;
   uint64_t nbytes = 0;
-  Box box;  // only this sub-box of the tensor (empty: all of it)
+  // The record is these sub-boxes' renderings concatenated (none: the whole
+  // tensor): a resharded slice, e.g. SwiGLU's [W_r; V_r].
+  std::vector<Box> boxes;
 };
 
 // `pickle` is data.pkl; storage i becomes record "<name>/data/<i>" (the pickle

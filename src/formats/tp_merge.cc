@@ -7,7 +7,11 @@ namespace ckptfs::formats {
 TensorSplit SplitOf(const Rule& r) {
   TensorSplit s;
   switch (r.kind) {
-    case Merge::kCat: s.kind = SplitKind::kDim; s.dim = r.cat_dim; break;
+    case Merge::kCat:
+      s.kind = SplitKind::kDim;
+      s.dim = r.cat_dim;
+      s.pad_rows = r.vocab && r.cat_dim == 0;
+      break;
     case Merge::kReplicated:
     case Merge::kAverage: s.kind = SplitKind::kReplicate; break;
     case Merge::kSub2: s.kind = SplitKind::kSub2; break;

@@ -9,7 +9,7 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   std::unique_ptr<Filesystem> fs(new Filesystem());
   ASSIGN_OR_RETURN(fs->opened_, OpenOrBuild(opts.src, opts.index_dir, opts.force_rebuild));
   fs->index_ = std::move(fs->opened_.index);
-  ASSIGN_OR_RETURN(fs->view_, View::Build(*fs->index_));
+  ASSIGN_OR_RETURN(fs->view_, View::Build(*fs->index_, opts.topo));
   ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine));
   if (!fs->index_->files().empty()) fs->mtime_ns_ = fs->index_->files()[0].mtime_ns;
   return fs;
@@ -21,7 +21,7 @@ Attr Filesystem::AttrOf(const Node& n, uint64_t size) const {
   a.is_dir = n.is_dir;
   a.size = size;
   a.mtime_ns = mtime_ns_;
-  if (n.is_dir) a.nlink = 2 + n.subdirs;
+  a.nlink = view_->NLink(n.ino);
   return a;
 }
 
@@ -50,6 +50,7 @@ Result<Attr> Filesystem::GetAttr(uint64_t ino) const {
     ASSIGN_OR_RETURN(auto bytes, ReportBytes());
     return AttrOf(*n, bytes->size());
   }
+  if (n->topo_errors) return AttrOf(*n, view_->TopoErrors().size());
   auto layout = view_->Layout(ino);
   if (!layout.ok()) {
     LogError(view_->PathOf(ino) + ": " + layout.status().message());
@@ -68,16 +69,18 @@ Result<std::vector<DirEntry>> Filesystem::ReadDir(uint64_t ino) const {
   const Node* n = view_->Get(ino);
   if (n == nullptr) return NotFound("no inode " + std::to_string(ino));
   if (!n->is_dir) return Status(Code::kInvalid, "not a directory");
+  auto children = view_->List(ino);
   std::vector<DirEntry> out;
-  out.reserve(n->children.size() + 2);
+  out.reserve(children.size() + 2);
   out.push_back({".", n->ino, true});
   out.push_back({"..", n->parent, true});
-  for (const auto& [name, child] : n->children) out.push_back({name, child, view_->Get(child)->is_dir});
+  for (auto& [name, child, is_dir] : children) out.push_back({std::move(name), child, is_dir});
   return out;
 }
 
 Status Filesystem::OpenFile(uint64_t ino) {
   if (const Node* n = view_->Get(ino); n != nullptr && n->report) return ReportBytes().status();
+  if (const Node* n = view_->Get(ino); n != nullptr && n->topo_errors) return Status::Ok();
   auto layout = view_->Layout(ino);
   if (!layout.ok()) return layout.status();
   std::vector<uint32_t> checked;  // an archive names its tensor in several segments
@@ -96,8 +99,13 @@ Status Filesystem::OpenFile(uint64_t ino) {
 }
 
 Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char* buf) {
-  if (const Node* n = view_->Get(ino); n != nullptr && n->report) {
-    ASSIGN_OR_RETURN(auto bytes, ReportBytes());
+  if (const Node* n = view_->Get(ino); n != nullptr && (n->report || n->topo_errors)) {
+    std::shared_ptr<const std::string> bytes;
+    if (n->report) {
+      ASSIGN_OR_RETURN(bytes, ReportBytes());
+    } else {
+      bytes = std::make_shared<const std::string>(view_->TopoErrors());
+    }
     if (offset >= bytes->size()) return size_t{0};
     const size_t k = static_cast<size_t>(std::min<uint64_t>(size, bytes->size() - offset));
     std::memcpy(buf, bytes->data() + offset, k);
@@ -129,7 +137,7 @@ Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char
           st = reader_->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), in, n, dst);
           break;
         case SegmentKind::kCrc32: {
-          auto c = reader_->Crc32(s.tensor, s.out_dtype, s.box_or_null());
+          auto c = reader_->Crc32(s.tensor, s.out_dtype, s.boxes);
           if (!c.ok()) {
             st = c.status();
           } else {

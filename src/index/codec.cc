@@ -103,6 +103,7 @@ std::string EncodeTensor(const TensorRecord& t) {
   w.Num(static_cast<uint8_t>(t.split.kind));
   w.Num(t.split.dim);
   w.Num(t.split.groups);
+  w.Num<uint8_t>(t.split.pad_rows ? 1 : 0);
   return w.Take();
 }
 
@@ -116,9 +117,12 @@ Result<TensorRecord> DecodeTensor(std::string_view s) {
   }
   uint8_t alias = 0;
   if (!r.Num(&alias) || alias > 1 || !Enum(r, &t.split.kind, static_cast<uint8_t>(SplitKind::kSub2)) ||
-      !r.Num(&t.split.dim) || !r.Num(&t.split.groups) || !r.Done()) {
+      !r.Num(&t.split.dim) || !r.Num(&t.split.groups)) {
     return Corrupt("tensor");
   }
+  uint8_t pad = 0;
+  if (!r.Num(&pad) || pad > 1 || !r.Done()) return Corrupt("tensor");
+  t.split.pad_rows = pad == 1;
   t.alias = alias == 1;
   return t;
 }
@@ -208,8 +212,11 @@ std::string EncodeExport(const ExportFile& x) {
     w.Num(p.tensor);
     w.Num(static_cast<uint8_t>(p.out_dtype));
     w.Num(p.size);
-    w.Ints(p.box.offsets);
-    w.Ints(p.box.lengths);
+    w.Num<uint32_t>(static_cast<uint32_t>(p.boxes.size()));
+    for (const Box& b : p.boxes) {
+      w.Ints(b.offsets);
+      w.Ints(b.lengths);
+    }
   }
   return w.Take();
 }
@@ -222,9 +229,14 @@ Result<ExportFile> DecodeExport(std::string_view s) {
   x.parts.resize(n);
   for (ExportPart& p : x.parts) {
     if (!Enum(r, &p.kind, 2) || !r.Str(&p.literal) || !r.Num(&p.tensor) ||
-        !Enum(r, &p.out_dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Num(&p.size) ||
-        !r.Ints(&p.box.offsets) || !r.Ints(&p.box.lengths) || p.box.offsets.size() != p.box.lengths.size()) {
+        !Enum(r, &p.out_dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Num(&p.size)) {
       return Corrupt("export");
+    }
+    uint32_t nb = 0;
+    if (!r.Num(&nb) || nb > s.size()) return Corrupt("export");
+    p.boxes.resize(nb);
+    for (Box& b : p.boxes) {
+      if (!r.Ints(&b.offsets) || !r.Ints(&b.lengths) || b.offsets.size() != b.lengths.size()) return Corrupt("export");
     }
   }
   if (!r.Done()) return Corrupt("export");

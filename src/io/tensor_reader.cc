@@ -357,19 +357,19 @@ Result<uint64_t> TensorReader::Xxh3Raw(TensorId id) {
   return h;
 }
 
-Result<uint32_t> TensorReader::Crc32(TensorId id, DType out, const Box* box) {
+Result<uint32_t> TensorReader::Crc32(TensorId id, DType out, const std::vector<Box>& boxes) {
   if (id.v >= index_.tensors().size()) return NotFound("no tensor " + std::to_string(id.v));
   std::string key = std::to_string(id.v) + ":" + std::to_string(static_cast<int>(out));
-  if (box != nullptr) key += BoxString(*box);
+  for (const Box& b : boxes) key += BoxString(b);
   {
     std::lock_guard<std::mutex> lock(hash_mu_);
     auto it = crc_cache_.find(key);
     if (it != crc_cache_.end()) return it->second;
   }
   uLong crc = crc32(0L, Z_NULL, 0);
-  RETURN_IF_ERROR(Stream(id, out, box, [&](const char* p, size_t n) {
-    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(p), n);
-  }));
+  auto update = [&](const char* p, size_t n) { crc = crc32_z(crc, reinterpret_cast<const Bytef*>(p), n); };
+  if (boxes.empty()) RETURN_IF_ERROR(Stream(id, out, nullptr, update));
+  for (const Box& b : boxes) RETURN_IF_ERROR(Stream(id, out, &b, update));
   std::lock_guard<std::mutex> lock(hash_mu_);
   crc_cache_[key] = static_cast<uint32_t>(crc);
   return static_cast<uint32_t>(crc);

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "formats/npy.h"
+#include "views/topo_files.h"
 
 namespace ckptfs {
 namespace {
@@ -118,8 +119,8 @@ uint64_t View::AddFile(uint64_t parent, const std::string& name, FileLayout layo
   return ino;
 }
 
-Result<std::unique_ptr<View>> View::Build(const Index& index) {
-  std::unique_ptr<View> v(new View(index));
+Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions& topo) {
+  std::unique_ptr<View> v(new View(index, topo));
   uint64_t root = v->AddDir(0, "");
   uint64_t readme = 0, ckjson = 0;
   {
@@ -183,6 +184,21 @@ Result<std::unique_ptr<View>> View::Build(const Index& index) {
   }
 
   for (const ExportFile& x : index.exports()) RETURN_IF_ERROR(v->AddExport(root, x));
+  {
+    Status st = v->AddHf(root);
+    if (!st.ok()) v->problems_.push_back("hf/ is not available: " + st.message());
+    v->topo_dir_ = v->AddDir(root, "topo");
+    uint64_t errors = v->AddFile(v->topo_dir_, "ERRORS", FileLayout{}, TensorId{}, false);
+    v->nodes_[errors - 1]->topo_errors = true;
+    // The source's own layout is listed from the start.
+    if (auto t = Topology::Parse(index.info().topology); t) {
+      Status ts = v->AddTopo(*t);
+      if (!ts.ok()) {
+        v->topo_errors_[t->Name()] = ts.message();
+        LogError(ts.message());
+      }
+    }
+  }
 
   const CheckpointInfo& info = index.info();
   json j;
@@ -216,7 +232,41 @@ Result<std::unique_ptr<View>> View::Build(const Index& index) {
   return v;
 }
 
+Status View::AddHf(uint64_t root) {
+  ASSIGN_OR_RETURN(auto files, topo_files::HfFiles(index_, topo_.hf_shard_bytes));
+  uint64_t dir = AddDir(root, "hf");
+  for (auto& [name, layout] : files) AddFile(dir, name, std::move(layout), TensorId{}, false);
+  return Status::Ok();
+}
+
+Status View::AddTopo(const Topology& t) {
+  ASSIGN_OR_RETURN(TopoPlan plan, PlanTopology(index_, t, topo_));
+  auto files = topo_files::TopoFiles(index_, plan);
+  if (!files.ok()) return files.status();
+  const uint64_t dir = AddDir(topo_dir_, t.Name());
+  for (auto& [path, layout] : *files) {
+    uint64_t d = dir;
+    size_t pos = 0;
+    while (true) {
+      const size_t slash = path.find('/', pos);
+      if (slash == std::string::npos) break;
+      d = AddDir(d, path.substr(pos, slash - pos));
+      pos = slash + 1;
+    }
+    TensorId first{};
+    for (const Segment& s : layout.segments) {
+      if (s.kind != SegmentKind::kLiteral) {
+        first = s.tensor;
+        break;
+      }
+    }
+    AddFile(d, path.substr(pos), std::move(layout), first, false);
+  }
+  return Status::Ok();
+}
+
 Status View::AddExport(uint64_t root, const ExportFile& x) {
+  if (!x.path.empty() && x.path[0] == '@') return Status::Ok();  // internal: for other views, not in the tree
   uint64_t dir = root;
   size_t pos = 0;
   while (true) {
@@ -225,56 +275,84 @@ Status View::AddExport(uint64_t root, const ExportFile& x) {
     dir = AddDir(dir, x.path.substr(pos, slash - pos));
     pos = slash + 1;
   }
-  FileLayout l;
+  ASSIGN_OR_RETURN(FileLayout l, topo_files::LayoutOfParts(index_, x.path, x.parts));
   TensorId first{};
-  bool have = false;
   for (const ExportPart& p : x.parts) {
-    Segment seg;
-    switch (p.kind) {
-      case PartKind::kLiteral:
-        seg = Literal(p.literal);
-        break;
-      case PartKind::kTensor:
-        seg = TensorSeg(TensorId{p.tensor}, index_.tensors()[p.tensor], p.out_dtype);
-        if (!p.box.lengths.empty() || !p.box.offsets.empty()) {
-          seg.box = p.box;
-          seg.size = static_cast<uint64_t>(NumelOf(p.box.lengths)) * DTypeSize(p.out_dtype);
-        }
-        break;
-      case PartKind::kCrc32:
-        seg.kind = SegmentKind::kCrc32;
-        seg.tensor = TensorId{p.tensor};
-        seg.out_dtype = p.out_dtype;
-        seg.box = p.box;
-        seg.size = 4;
-        break;
-    }
-    if (seg.size != p.size) {
-      return Invalid("cannot build the view: " + x.path + " has a part of " + std::to_string(p.size) +
-                     " bytes whose content is " + std::to_string(seg.size));
-    }
-    if (p.kind != PartKind::kLiteral && !have) {
+    if (p.kind != PartKind::kLiteral) {
       first = TensorId{p.tensor};
-      have = true;
+      break;
     }
-    l.Add(std::move(seg));
   }
   AddFile(dir, x.path.substr(pos), std::move(l), first, false);
   return Status::Ok();
 }
 
-const Node* View::Get(uint64_t ino) const {
+const Node* View::GetLocked(uint64_t ino) const {
   if (ino == 0 || ino > nodes_.size()) return nullptr;
   return nodes_[ino - 1].get();
 }
 
+const Node* View::Get(uint64_t ino) const {
+  std::shared_lock lock(tree_mu_);
+  return GetLocked(ino);
+}
+
 const Node* View::Lookup(uint64_t parent, std::string_view name) const {
-  const Node* p = Get(parent);
-  if (p == nullptr || !p->is_dir) return nullptr;
-  if (name == ".") return p;
-  if (name == "..") return Get(p->parent);
-  auto it = p->children.find(name);
-  return it == p->children.end() ? nullptr : Get(it->second);
+  {
+    std::shared_lock lock(tree_mu_);
+    const Node* p = GetLocked(parent);
+    if (p == nullptr || !p->is_dir) return nullptr;
+    if (name == ".") return p;
+    if (name == "..") return GetLocked(p->parent);
+    auto it = p->children.find(name);
+    if (it != p->children.end()) return GetLocked(it->second);
+    if (parent != topo_dir_) return nullptr;
+  }
+  // topo/<name>: plan it now. The view grows like a cache (nodes are only
+  // added), hence the const_cast.
+  auto t = Topology::Parse(name);
+  if (!t) return nullptr;
+  std::unique_lock lock(tree_mu_);
+  View* self = const_cast<View*>(this);
+  const std::string canon = t->Name();
+  if (canon != name) return nullptr;  // one spelling per view (tp02 is not tp2)
+  if (auto it = nodes_[topo_dir_ - 1]->children.find(name); it != nodes_[topo_dir_ - 1]->children.end()) {
+    return GetLocked(it->second);  // made by another thread meanwhile
+  }
+  if (topo_errors_.count(canon)) return nullptr;
+  LogInfo("planning topo/" + canon);
+  Status st = self->AddTopo(*t);
+  if (!st.ok()) {
+    self->topo_errors_[canon] = st.message();
+    LogError(st.message());
+    return nullptr;
+  }
+  auto it = nodes_[topo_dir_ - 1]->children.find(name);
+  return it == nodes_[topo_dir_ - 1]->children.end() ? nullptr : GetLocked(it->second);
+}
+
+std::vector<std::tuple<std::string, uint64_t, bool>> View::List(uint64_t ino) const {
+  std::shared_lock lock(tree_mu_);
+  std::vector<std::tuple<std::string, uint64_t, bool>> out;
+  const Node* n = GetLocked(ino);
+  if (n == nullptr) return out;
+  out.reserve(n->children.size());
+  for (const auto& [name, child] : n->children) out.emplace_back(name, child, GetLocked(child)->is_dir);
+  return out;
+}
+
+uint32_t View::NLink(uint64_t ino) const {
+  std::shared_lock lock(tree_mu_);
+  const Node* n = GetLocked(ino);
+  if (n == nullptr) return 1;
+  return n->is_dir ? 2 + n->subdirs : 1;
+}
+
+std::string View::TopoErrors() const {
+  std::shared_lock lock(tree_mu_);
+  std::string out;
+  for (const auto& [name, why] : topo_errors_) out += why + "\n";  // each names topo/<name>
+  return out;
 }
 
 Result<uint64_t> View::Resolve(std::string_view path) const {

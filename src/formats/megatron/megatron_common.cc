@@ -7,6 +7,7 @@
 #include <regex>
 
 #include "formats/byte_reader.h"
+#include "formats/pickle_writer.h"
 
 namespace ckptfs::formats::megatron {
 namespace {
@@ -125,6 +126,7 @@ void SetSplits(const ModelFacts& facts, Checkpoint& ck) {
     auto rule = SplitRule(t.fqn, facts.swiglu);
     if (!rule) continue;
     t.split = SplitOf(*rule);
+    t.split.pad_rows = false;  // Megatron saves the padded vocabulary
     if (t.split.kind == SplitKind::kDim && (Contains(t.fqn, ".linear_qkv.") || Contains(t.fqn, ".query_key_value."))) {
       t.split.groups = facts.qkv_groups;
     }
@@ -239,6 +241,16 @@ void ExportArgsJson(const PyValue* args, Checkpoint& ck) {
   const uint64_t size = text.size();
   f.parts.push_back(ExportPart{PartKind::kLiteral, std::move(text), 0, DType::kInvalid, size, {}});
   ck.exports.push_back(std::move(f));
+  PickleWriter w;
+  Status st = w.Value(*args, [](PickleWriter&, const PyValue&) { return Invalid("args hold a tensor"); });
+  if (!st.ok()) {
+    ck.info.problems.push_back("the run's args cannot be re-pickled (" + st.message() +
+                               "); topo/ views have no Megatron-native files");
+    return;
+  }
+  std::string ops = w.Fragment();
+  const uint64_t n = ops.size();
+  ck.exports.push_back(ExportFile{kArgsPickle, {ExportPart{PartKind::kLiteral, std::move(ops), 0, DType::kInvalid, n, {}}}});
 }
 
 }  // namespace ckptfs::formats::megatron

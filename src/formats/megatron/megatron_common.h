@@ -71,7 +71,10 @@ Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp);
 std::optional<int64_t> ArgInt(const PyValue* args, const std::string& name);
 std::optional<bool> ArgBool(const PyValue* args, const std::string& name);
 
-// Adds /args.json (ToJson of the run's args) to the checkpoint's exports.
+// Adds /args.json (ToJson of the run's args) to the checkpoint's exports, and
+// the internal export kArgsPickle: the args Namespace as pickle opcodes (a
+// PickleWriter::Fragment) that topo/'s Megatron-native files embed.
+inline constexpr const char* kArgsPickle = "@megatron/args.pkl";
 void ExportArgsJson(const PyValue* args, Checkpoint& ck);
 
 // A JSON rendering of a pickled value (Namespace / dict / list / scalars; torch

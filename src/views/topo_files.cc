@@ -1,0 +1,411 @@
+#include "views/topo_files.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include "formats/megatron/megatron_common.h"
+#include "formats/pickle_writer.h"
+#include "formats/torch_save_writer.h"
+
+namespace ckptfs::topo_files {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+Segment Lit(std::string s) {
+  Segment seg;
+  seg.kind = SegmentKind::kLiteral;
+  seg.size = s.size();
+  seg.literal = std::move(s);
+  return seg;
+}
+
+// Box `b` of tensor `id` as `out`; whole-tensor boxes read without one.
+Segment BoxSeg(const TensorRecord& t, TensorId id, const Box& b, DType out) {
+  Segment seg;
+  seg.kind = SegmentKind::kTensor;
+  seg.tensor = id;
+  seg.out_dtype = out;
+  seg.size = static_cast<uint64_t>(NumelOf(b.lengths)) * DTypeSize(out);
+  if (b.lengths != t.shape) seg.boxes = {b};
+  return seg;
+}
+
+json IntsJson(const std::vector<int64_t>& v) {
+  json a = json::array();
+  for (int64_t x : v) a.push_back(x);
+  return a;
+}
+
+std::string RankFile(const RankPlan& r) { return "tp" + std::to_string(r.tp) + "-pp" + std::to_string(r.pp); }
+
+// The flat range [a, b) of a rank tensor's local C order (its pieces
+// concatenated, then its zero tail) as global boxes; returns how many zero
+// elements follow them.
+uint64_t FlatRangeBoxes(const RankTensor& rt, uint64_t a, uint64_t b, std::vector<Box>& out) {
+  uint64_t c = 0;
+  for (const Box& p : rt.pieces) {
+    const uint64_t n = static_cast<uint64_t>(NumelOf(p.lengths));
+    const uint64_t lo = std::max(a, c), hi = std::min(b, c + n);
+    if (lo < hi) {
+      for (Box x : DecomposeRange(p.lengths, lo - c, hi - c)) {
+        for (size_t d = 0; d < x.offsets.size(); ++d) x.offsets[d] += p.offsets[d];
+        out.push_back(std::move(x));
+      }
+    }
+    c += n;
+  }
+  return b > std::max(a, c) ? b - std::max(a, c) : 0;
+}
+
+// ZeRO-style DP partitions of rank (tp, pp): per optimizer state, the flat
+// concatenation of that state over the rank's parameters, padded with zeros
+// to a multiple of 2*D elements (DeepSpeed's ZeRO-1/2 alignment) and cut into
+// D equal parts.
+Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, json& dp_json,
+                  std::vector<NamedLayout>& out) {
+  const int D = plan.topo.dp;
+  std::map<std::string, std::vector<const RankTensor*>> by_state;
+  std::vector<std::string> order;
+  for (const RankTensor& rt : r.tensors) {
+    const std::string& st = index.tensors()[rt.id.v].state;
+    if (!by_state.count(st)) order.push_back(st);
+    by_state[st].push_back(&rt);
+  }
+  struct State {
+    std::string name;
+    DType dtype;
+    std::vector<const RankTensor*> ts;
+    uint64_t numel = 0, padded = 0;
+  };
+  std::vector<State> states;
+  for (const std::string& st : order) {
+    State s{st, DType::kInvalid, by_state[st], 0, 0};
+    bool mixed = false;
+    for (const RankTensor* rt : s.ts) {
+      const DType d = index.tensors()[rt->id.v].dtype;
+      if (s.dtype == DType::kInvalid) s.dtype = d;
+      mixed |= d != s.dtype;
+      s.numel += static_cast<uint64_t>(NumelOf(rt->shape));
+    }
+    if (mixed) {
+      bool widen = true;
+      for (const RankTensor* rt : s.ts) {
+        const DType d = index.tensors()[rt->id.v].dtype;  // the read engine's widening conversions (io.h)
+        widen &= d == DType::kF32 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF8E4M3FN ||
+                 d == DType::kF8E5M2 || d == DType::kF8E4M3FNUZ || d == DType::kF8E5M2FNUZ;
+      }
+      if (!widen) {
+        return Invalid("topo/" + plan.topo.Name() + ": state '" + st + "' mixes dtypes that do not widen to float32");
+      }
+      s.dtype = DType::kF32;
+    }
+    const uint64_t align = 2 * static_cast<uint64_t>(D);
+    s.padded = (s.numel + align - 1) / align * align;
+    states.push_back(std::move(s));
+  }
+  for (int d = 0; d < D; ++d) {
+    std::vector<Segment> body;
+    json header = json::object();
+    header["__metadata__"] = {{"format", "pt"},
+                              {"ckptfs_topology", plan.topo.Name()},
+                              {"tp_rank", std::to_string(r.tp)},
+                              {"pp_rank", std::to_string(r.pp)},
+                              {"dp_rank", std::to_string(d)}};
+    json parts = json::object();
+    uint64_t off = 0;
+    for (const State& s : states) {
+      const uint64_t part = s.padded / static_cast<uint64_t>(D), p0 = part * d, p1 = p0 + part;
+      const uint64_t esz = DTypeSize(s.dtype);
+      header[s.name] = {{"dtype", std::string(SafetensorsDType(s.dtype))},
+                        {"shape", {part}},
+                        {"data_offsets", {off, off + part * esz}}};
+      off += part * esz;
+      json frags = json::array();
+      uint64_t c = 0;
+      for (const RankTensor* rt : s.ts) {
+        const uint64_t n = static_cast<uint64_t>(NumelOf(rt->shape));
+        const uint64_t lo = std::max(p0, c), hi = std::min(p1, c + n);
+        if (lo < hi) {
+          std::vector<Box> boxes;
+          const uint64_t zeros = FlatRangeBoxes(*rt, lo - c, hi - c, boxes);
+          const TensorRecord& t = index.tensors()[rt->id.v];
+          for (const Box& b : boxes) body.push_back(BoxSeg(t, rt->id, b, s.dtype));
+          if (zeros > 0) body.push_back(Lit(std::string(zeros * esz, '\0')));
+          frags.push_back({{"name", rt->name}, {"local_flat_start", lo - c}, {"numel", hi - lo},
+                           {"partition_offset", lo - p0}});
+        }
+        c += n;
+      }
+      if (p1 > std::max(p0, s.numel)) body.push_back(Lit(std::string((p1 - std::max(p0, s.numel)) * esz, '\0')));
+      parts[s.name] = {{"dtype", std::string(DTypeName(s.dtype))}, {"numel", part},
+                       {"group_numel", s.numel}, {"group_padded", s.padded}, {"fragments", frags}};
+    }
+    std::string h = header.dump();
+    while (h.size() % 8 != 0) h.push_back(' ');
+    std::string prefix(8, '\0');
+    StoreLE<uint64_t>(prefix.data(), h.size());
+    FileLayout l;
+    l.Add(Lit(prefix + h));
+    for (Segment& s : body) l.Add(std::move(s));
+    const std::string file = RankFile(r) + "-dp" + std::to_string(d) + ".safetensors";
+    dp_json.push_back({{"file", file}, {"tp", r.tp}, {"pp", r.pp}, {"dp", d}, {"partitions", parts}});
+    out.emplace_back(file, std::move(l));
+  }
+  return Status::Ok();
+}
+
+// Megatron's legacy per-rank archive at the new degrees: {args (with the new
+// TP/PP), checkpoint_version 3.0, iteration, model} with layer numbers local
+// to the stage, and the `_extra_state` None entries Megatron's linear layers
+// save. Optimizer states are in the safetensors rank files.
+Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan, const RankPlan& r,
+                                        const std::string& args_ops) {
+  const TopoPlan& p = plan;
+  formats::PickleWriter w;
+  w.BeginDict();
+  w.Str("args");
+  w.Raw(args_ops);
+  w.BeginDict();
+  w.Str("tensor_model_parallel_size");
+  w.Int(p.topo.tp);
+  w.Str("pipeline_model_parallel_size");
+  w.Int(p.topo.pp);
+  w.Str("virtual_pipeline_model_parallel_size");
+  w.None();
+  w.EndDict();
+  w.Build();
+  w.Str("checkpoint_version");
+  w.Float(3.0);
+  w.Str("iteration");
+  w.Int(std::max<int64_t>(index.info().step, 0));
+  w.Str("model");
+  w.BeginDict();
+  std::vector<formats::ArchiveStorage> storages;
+  const int64_t first_layer = p.stage_layers.empty() ? 0 : p.stage_layers[r.pp].first;
+  for (const RankTensor& rt : r.tensors) {
+    const TensorRecord& t = index.tensors()[rt.id.v];
+    if (t.role != Role::kParam || t.state != "param") continue;
+    if (rt.zero_tail > 0) return Unsupported("'" + t.key + "' needs vocabulary padding rows, which Megatron-native files do not synthesize");
+    int64_t layer = -1;
+    const std::string local = formats::megatron::RenumberLayer(t.fqn, -first_layer, &layer);
+    const uint64_t numel = static_cast<uint64_t>(NumelOf(rt.shape));
+    w.Str(local);
+    RETURN_IF_ERROR(w.Tensor(std::to_string(storages.size()), t.dtype, numel, 0, rt.shape, ContiguousStrides(rt.shape)));
+    formats::ArchiveStorage st{rt.id.v, t.dtype, numel * DTypeSize(t.dtype), {}};
+    if (!(rt.pieces.size() == 1 && rt.pieces[0].lengths == t.shape)) st.boxes = rt.pieces;
+    storages.push_back(std::move(st));
+    for (const char* lin : {".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight", ".linear_fc2.weight"}) {
+      const std::string suf(lin);
+      if (local.size() > suf.size() && local.compare(local.size() - suf.size(), suf.size(), suf) == 0) {
+        w.Str(local.substr(0, local.size() - 7) + "._extra_state");
+        w.None();
+      }
+    }
+    if (local == "output_layer.weight") {
+      w.Str("output_layer._extra_state");
+      w.None();
+    }
+  }
+  w.EndDict();
+  w.EndDict();
+  char dir[64];
+  std::snprintf(dir, sizeof dir, "iter_%07lld/mp_rank_%02d", static_cast<long long>(std::max<int64_t>(index.info().step, 0)),
+                r.tp);
+  std::string path = dir;
+  if (p.topo.pp > 1) {
+    char pp[16];
+    std::snprintf(pp, sizeof pp, "_%03d", r.pp);
+    path += pp;
+  }
+  path += "/model_optim_rng.pt";
+  auto parts = formats::TorchSaveParts("model_optim_rng", w.Finish(), storages);
+  ASSIGN_OR_RETURN(FileLayout l, LayoutOfParts(index, path, parts));
+  return NamedLayout{path, std::move(l)};
+}
+
+}  // namespace
+
+Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, const std::vector<ExportPart>& parts) {
+  FileLayout l;
+  for (const ExportPart& p : parts) {
+    Segment seg;
+    switch (p.kind) {
+      case PartKind::kLiteral:
+        seg = Lit(p.literal);
+        break;
+      case PartKind::kTensor: {
+        const TensorRecord& t = index.tensors()[p.tensor];
+        seg.kind = SegmentKind::kTensor;
+        seg.tensor = TensorId{p.tensor};
+        seg.out_dtype = p.out_dtype;
+        seg.size = t.encoding == Encoding::kBytes ? t.byte_size : t.Numel() * DTypeSize(p.out_dtype);
+        if (p.boxes.size() > 1) return Invalid("cannot build the view: " + path + " has a tensor part of several boxes");
+        if (!p.boxes.empty()) {
+          seg.boxes = p.boxes;
+          seg.size = static_cast<uint64_t>(NumelOf(p.boxes[0].lengths)) * DTypeSize(p.out_dtype);
+        }
+        break;
+      }
+      case PartKind::kCrc32:
+        seg.kind = SegmentKind::kCrc32;
+        seg.tensor = TensorId{p.tensor};
+        seg.out_dtype = p.out_dtype;
+        seg.boxes = p.boxes;
+        seg.size = 4;
+        break;
+    }
+    if (seg.size != p.size) {
+      return Invalid("cannot build the view: " + path + " has a part of " + std::to_string(p.size) +
+                     " bytes whose content is " + std::to_string(seg.size));
+    }
+    l.Add(std::move(seg));
+  }
+  return l;
+}
+
+Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>& tensors,
+                               const std::vector<std::pair<std::string, std::string>>& metadata) {
+  json header = json::object();
+  json meta = json::object();
+  for (const auto& [k, v] : metadata) meta[k] = v;
+  header["__metadata__"] = meta;
+  std::vector<Segment> body;
+  uint64_t off = 0;
+  for (const RankTensor& rt : tensors) {
+    const TensorRecord& t = index.tensors()[rt.id.v];
+    const std::string_view dt = SafetensorsDType(t.dtype);
+    if (dt.empty()) return Unsupported("'" + t.key + "' is " + std::string(DTypeName(t.dtype)) + ", which safetensors has no dtype for");
+    if (header.contains(rt.name)) return Invalid("two tensors are both named '" + rt.name + "'");
+    const uint64_t n = static_cast<uint64_t>(NumelOf(rt.shape)) * DTypeSize(t.dtype);
+    header[rt.name] = {{"dtype", std::string(dt)}, {"shape", IntsJson(rt.shape)}, {"data_offsets", {off, off + n}}};
+    off += n;
+    for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, t.dtype));
+    if (rt.zero_tail > 0) body.push_back(Lit(std::string(rt.zero_tail * DTypeSize(t.dtype), '\0')));
+  }
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h.push_back(' ');  // the official writer's alignment
+  std::string prefix(8, '\0');
+  StoreLE<uint64_t>(prefix.data(), h.size());
+  FileLayout l;
+  l.Add(Lit(prefix + h));
+  for (Segment& s : body) l.Add(std::move(s));
+  return l;
+}
+
+Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& plan) {
+  std::vector<NamedLayout> out;
+  const std::string name = plan.topo.Name();
+  json lj;
+  lj["topology"] = name;
+  lj["source"] = index.src_dir();
+  lj["source_topology"] = index.info().topology.empty() ? json(nullptr) : json(index.info().topology);
+  lj["tp"] = plan.topo.tp;
+  lj["pp"] = plan.topo.pp;
+  if (plan.topo.dp > 0) lj["dp"] = plan.topo.dp;
+  lj["num_layers"] = plan.num_layers;
+  json stages = json::array();
+  for (size_t p = 0; p < plan.stage_layers.size(); ++p) {
+    stages.push_back({{"pp", p}, {"layers", {plan.stage_layers[p].first, plan.stage_layers[p].second}}});
+  }
+  lj["stages"] = stages;
+  json ranks = json::array();
+  json dp_json = json::array();
+  for (const RankPlan& r : plan.ranks) {
+    const std::string file = RankFile(r) + ".safetensors";
+    auto l = Safetensors(index, r.tensors,
+                         {{"format", "pt"}, {"ckptfs_topology", name}, {"tp_rank", std::to_string(r.tp)},
+                          {"pp_rank", std::to_string(r.pp)}, {"tp_size", std::to_string(plan.topo.tp)},
+                          {"pp_size", std::to_string(plan.topo.pp)}});
+    if (!l.ok()) return l.status().Annotate("topo/" + name + "/" + file);
+    out.emplace_back(file, std::move(*l));
+    json ts = json::array();
+    for (const RankTensor& rt : r.tensors) {
+      const TensorRecord& t = index.tensors()[rt.id.v];
+      json slices = json::array();
+      for (const Box& b : rt.pieces) slices.push_back({{"offsets", IntsJson(b.offsets)}, {"lengths", IntsJson(b.lengths)}});
+      ts.push_back({{"name", rt.name}, {"fqn", t.fqn}, {"state", t.state}, {"dtype", std::string(DTypeName(t.dtype))},
+                    {"shape", IntsJson(rt.shape)}, {"global_shape", IntsJson(t.shape)}, {"rule", rt.rule},
+                    {"slices", slices}, {"zero_padding_elements", rt.zero_tail}});
+    }
+    ranks.push_back({{"file", file}, {"tp", r.tp}, {"pp", r.pp}, {"tensors", ts}});
+    if (plan.topo.dp > 0) RETURN_IF_ERROR(AddDpFiles(index, plan, r, dp_json, out));
+  }
+  lj["ranks"] = ranks;
+  if (plan.topo.dp > 0) lj["dp_partitions"] = dp_json;
+
+  // Megatron-native files.
+  const std::string& family = index.info().family;
+  const ExportFile* args = nullptr;
+  for (const ExportFile& x : index.exports()) {
+    if (x.path == formats::megatron::kArgsPickle) args = &x;
+  }
+  json native = json::array();
+  if (family.rfind("megatron", 0) == 0 && args != nullptr && !args->parts.empty()) {
+    for (const RankPlan& r : plan.ranks) {
+      ASSIGN_OR_RETURN(NamedLayout nl, MegatronRankArchive(index, plan, r, args->parts[0].literal));
+      native.push_back(nl.first);
+      out.push_back(std::move(nl));
+    }
+    const std::string it = std::to_string(std::max<int64_t>(index.info().step, 0));
+    FileLayout tracker;
+    tracker.Add(Lit(it));
+    out.emplace_back("latest_checkpointed_iteration.txt", std::move(tracker));
+  }
+  lj["megatron_native"] = native;
+  FileLayout l;
+  l.Add(Lit(lj.dump() + "\n"));  // compact: one entry per rank and tensor
+  out.emplace_back("layout.json", std::move(l));
+  return out;
+}
+
+Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_bytes) {
+  std::vector<std::vector<RankTensor>> shards;
+  std::vector<std::string> skipped;
+  uint64_t cur = 0, total = 0;
+  const auto& tensors = index.tensors();
+  for (uint32_t i = 0; i < tensors.size(); ++i) {
+    const TensorRecord& t = tensors[i];
+    if (t.role != Role::kParam || t.state != "param" || t.encoding != Encoding::kTensor) continue;
+    if (!t.error.empty() || SafetensorsDType(t.dtype).empty()) {
+      skipped.push_back(t.fqn);
+      continue;
+    }
+    if (shards.empty() || (cur > 0 && cur + t.byte_size > shard_bytes)) {
+      shards.emplace_back();
+      cur = 0;
+    }
+    RankTensor rt;
+    rt.id = TensorId{i};
+    rt.name = t.fqn;
+    rt.shape = t.shape;
+    rt.pieces.push_back(Box{std::vector<int64_t>(t.shape.size(), 0), t.shape});
+    shards.back().push_back(std::move(rt));
+    cur += t.byte_size;
+    total += t.byte_size;
+  }
+  std::vector<NamedLayout> out;
+  json weight_map = json::object();
+  const size_t n = shards.size();
+  for (size_t k = 0; k < n; ++k) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, n);
+    ASSIGN_OR_RETURN(FileLayout l, Safetensors(index, shards[k], {{"format", "pt"}}));
+    for (const RankTensor& rt : shards[k]) weight_map[rt.name] = name;
+    out.emplace_back(name, std::move(l));
+  }
+  json ij;
+  ij["metadata"] = {{"total_size", total}};
+  if (!skipped.empty()) ij["metadata"]["ckptfs_not_included"] = skipped;
+  ij["weight_map"] = weight_map;
+  FileLayout l;
+  l.Add(Lit(ij.dump(2) + "\n"));
+  out.emplace_back("model.safetensors.index.json", std::move(l));
+  return out;
+}
+
+}  // namespace ckptfs::topo_files

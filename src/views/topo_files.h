@@ -1,0 +1,39 @@
+// File layouts of the topo/ and hf/ views (internal to the views layer): the
+// safetensors files of a rank or an hf/ shard, layout.json, the ZeRO-style DP
+// partitions, and Megatron-native per-rank torch.save archives. Every layout
+// is literal headers plus sub-boxes of global tensors; sizes are exact
+// before any tensor byte is read.
+#ifndef CKPTFS_VIEWS_TOPO_FILES_H_
+#define CKPTFS_VIEWS_TOPO_FILES_H_
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ckptfs/index.h"
+#include "ckptfs/topo.h"
+#include "ckptfs/views.h"
+
+namespace ckptfs::topo_files {
+
+using NamedLayout = std::pair<std::string, FileLayout>;  // path relative to the view dir
+
+// One safetensors file of `tensors` (each in its source dtype), with
+// `metadata` as __metadata__. An error names a dtype safetensors lacks.
+Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>& tensors,
+                               const std::vector<std::pair<std::string, std::string>>& metadata);
+
+// Every file of topo/<name>/: tp<t>-pp<p>.safetensors, layout.json, with -dp<D>
+// tp<t>-pp<p>-dp<d>.safetensors, and Megatron-native files for Megatron sources.
+Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& plan);
+
+// hf/: model-0000k-of-0000n.safetensors (model weights, full shapes, shards of
+// at most `shard_bytes` unless one tensor is larger) + model.safetensors.index.json.
+Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_bytes);
+
+// Segments of a synthesized file's parts (ExportFile, torch.save archives).
+Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, const std::vector<ExportPart>& parts);
+
+}  // namespace ckptfs::topo_files
+
+#endif  // CKPTFS_VIEWS_TOPO_FILES_H_
