@@ -30,6 +30,9 @@ struct Attr {
   uint64_t size = 0;
   uint32_t nlink = 1;
   int64_t mtime_ns = 0;
+  // Content that changes while mounted (topo/ gains views, topo/ERRORS grows):
+  // the kernel must not cache its attributes, listing or pages.
+  bool dynamic = false;
 };
 
 struct DirEntry {

@@ -96,6 +96,8 @@ class View {
   // A directory's children (name, inode, is_dir), and its link count.
   std::vector<std::tuple<std::string, uint64_t, bool>> List(uint64_t ino) const;
   uint32_t NLink(uint64_t ino) const;
+  // topo/ and topo/ERRORS change while mounted.
+  bool Dynamic(uint64_t ino) const;
   // topo/ERRORS: one line per failed topo/ lookup, "topo/<name>: <reason>".
   std::string TopoErrors() const;
   // "params/w/param.npy" -> inode (no leading slash needed).

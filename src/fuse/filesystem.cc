@@ -22,6 +22,7 @@ Attr Filesystem::AttrOf(const Node& n, uint64_t size) const {
   a.size = size;
   a.mtime_ns = mtime_ns_;
   a.nlink = view_->NLink(n.ino);
+  a.dynamic = view_->Dynamic(n.ino);
   return a;
 }
 

@@ -63,6 +63,12 @@ void OnInit(void*, fuse_conn_info* conn) {
   conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;
 }
 
+// topo/ and topo/ERRORS change while mounted: no kernel caching for them.
+bool Dynamic(fuse_req_t req, fuse_ino_t ino) {
+  auto a = Fs(req).GetAttr(ino);
+  return a.ok() && a->dynamic;
+}
+
 void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Guard(req, "lookup", [&] {
     fuse_entry_param e{};
@@ -79,6 +85,7 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
       return;
     }
     e.ino = a->ino;
+    if (a->dynamic) e.attr_timeout = 0;
     FillStat(*a, &e.attr);
     fuse_reply_entry(req, &e);
   });
@@ -93,7 +100,7 @@ void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
     }
     struct stat st;
     FillStat(*a, &st);
-    fuse_reply_attr(req, &st, kTimeout);
+    fuse_reply_attr(req, &st, a->dynamic ? 0 : kTimeout);
   });
 }
 
@@ -105,8 +112,9 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       return;
     }
     fi->fh = reinterpret_cast<uint64_t>(new std::vector<DirEntry>(std::move(entries).value()));
-    fi->cache_readdir = 1;
-    fi->keep_cache = 1;
+    const bool dynamic = Dynamic(req, ino);
+    fi->cache_readdir = dynamic ? 0 : 1;
+    fi->keep_cache = dynamic ? 0 : 1;
     fuse_reply_open(req, fi);
   });
 }
@@ -145,7 +153,9 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       fuse_reply_err(req, ToErrno(s));
       return;
     }
-    fi->keep_cache = 1;
+    const bool dynamic = Dynamic(req, ino);
+    fi->keep_cache = dynamic ? 0 : 1;
+    fi->direct_io = dynamic ? 1 : 0;  // topo/ERRORS: its size changes under the page cache
     fuse_reply_open(req, fi);
   });
 }

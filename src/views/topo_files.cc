@@ -186,6 +186,17 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
   w.Str("model");
   w.BeginDict();
   std::vector<formats::ArchiveStorage> storages;
+  // Megatron's linear layers save `<module>._extra_state` (None) after their
+  // parameters: emitted when the next tensor belongs to another module.
+  std::string pending_extra;
+  auto module_of = [](const std::string& n) { return n.substr(0, n.rfind('.')); };
+  auto flush_extra = [&](const std::string& next) {
+    if (!pending_extra.empty() && module_of(next) != module_of(pending_extra)) {
+      w.Str(pending_extra);
+      w.None();
+      pending_extra.clear();
+    }
+  };
   const int64_t first_layer = p.stage_layers.empty() ? 0 : p.stage_layers[r.pp].first;
   for (const RankTensor& rt : r.tensors) {
     const TensorRecord& t = index.tensors()[rt.id.v];
@@ -194,6 +205,7 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
     int64_t layer = -1;
     const std::string local = formats::megatron::RenumberLayer(t.fqn, -first_layer, &layer);
     const uint64_t numel = static_cast<uint64_t>(NumelOf(rt.shape));
+    flush_extra(local);
     w.Str(local);
     RETURN_IF_ERROR(w.Tensor(std::to_string(storages.size()), t.dtype, numel, 0, rt.shape, ContiguousStrides(rt.shape)));
     formats::ArchiveStorage st{rt.id.v, t.dtype, numel * DTypeSize(t.dtype), {}};
@@ -202,15 +214,12 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
     for (const char* lin : {".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight", ".linear_fc2.weight"}) {
       const std::string suf(lin);
       if (local.size() > suf.size() && local.compare(local.size() - suf.size(), suf.size(), suf) == 0) {
-        w.Str(local.substr(0, local.size() - 7) + "._extra_state");
-        w.None();
+        pending_extra = local.substr(0, local.size() - 7) + "._extra_state";
       }
     }
-    if (local == "output_layer.weight") {
-      w.Str("output_layer._extra_state");
-      w.None();
-    }
+    if (local == "output_layer.weight") pending_extra = "output_layer._extra_state";
   }
+  flush_extra("");
   w.EndDict();
   w.EndDict();
   char dir[64];

@@ -348,6 +348,12 @@ uint32_t View::NLink(uint64_t ino) const {
   return n->is_dir ? 2 + n->subdirs : 1;
 }
 
+bool View::Dynamic(uint64_t ino) const {
+  if (ino == topo_dir_) return true;
+  const Node* n = Get(ino);
+  return n != nullptr && n->topo_errors;
+}
+
 std::string View::TopoErrors() const {
   std::shared_lock lock(tree_mu_);
   std::string out;

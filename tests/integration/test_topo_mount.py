@@ -56,7 +56,7 @@ def key_of(fqn, state):
 # --- split rules, one per family, written from the frameworks' conventions ---
 
 def megatron_rule(fqn):
-    if "layernorm" in fqn or "position_embeddings" in fqn or "norm." in fqn:
+    if "layernorm" in fqn or ".layer_norm_" in fqn or "position_embeddings" in fqn or "norm." in fqn:
         return ("replicate",)
     if ".linear_proj." in fqn or ".linear_fc2." in fqn:
         return ("replicate",) if fqn.endswith(".bias") else ("dim", 1)
