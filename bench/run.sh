@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify] [args...]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -9,3 +9,4 @@ if [[ "$which" == dcp || "$which" == all ]]; then .venv/bin/python bench/dcp_ben
 if [[ "$which" == ds || "$which" == all ]]; then .venv/bin/python bench/ds_bench.py "$@"; fi
 if [[ "$which" == megatron || "$which" == all ]]; then .venv/bin/python bench/megatron_bench.py "$@"; fi
 if [[ "$which" == verify || "$which" == all ]]; then .venv/bin/python bench/verify_bench.py "$@"; fi
+if [[ "$which" == topo || "$which" == all ]]; then .venv/bin/python bench/topo_bench.py "$@"; fi
