@@ -41,6 +41,13 @@ const char* RoleName(Role r) {
   }
 }
 
+bool HasUniversal(const Index& ix) {
+  for (const ExportFile& x : ix.exports()) {
+    if (x.path == "latest_universal") return true;
+  }
+  return false;
+}
+
 std::string ReadmeText(const Index& ix) {
   return "This is a ckptfs mount: a read-only, lazily computed view of the checkpoint\n"
          "  " + ix.src_dir() + "\n"
@@ -54,8 +61,13 @@ std::string ReadmeText(const Index& ix) {
          "  other/<key>                every other entry: torch.save blobs as stored\n"
          "                             (torch.load them), other tensors as .npy/.raw\n"
          "  .ckptfs/report.json        integrity report (= ckptfs verify --json); the first\n"
-         "                             stat or read runs the checks, which read every byte once\n" +
-         std::string(ix.exports().empty() ? "" :
+         "                             stat or read runs the checks, which read every byte once\n"
+         "  hf/                        consolidated model-0000k-of-0000n.safetensors + index.json\n"
+         "  topo/tp<T>-pp<P>[-dp<D>]/  any parallel layout, made when you first look it up:\n"
+         "                             tp<t>-pp<p>.safetensors per rank, layout.json (and Megatron's\n"
+         "                             own iter_*/mp_rank_* files for Megatron checkpoints);\n"
+         "                             topo/ERRORS says why a layout cannot be made\n" +
+         std::string(!HasUniversal(ix) ? "" :
          "  universal/                 DeepSpeed universal checkpoint (ds_to_universal.py's tree),\n"
          "                             torch.save archives generated on read; point DeepSpeed's\n"
          "                             load_checkpoint(<mount>) with checkpoint.load_universal at it\n") +
