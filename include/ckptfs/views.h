@@ -51,6 +51,15 @@ struct Segment {
   const Box* box_or_null() const { return boxes.empty() ? nullptr : &boxes[0]; }
 };
 
+// A segment of literal bytes.
+inline Segment LiteralSegment(std::string s) {
+  Segment seg;
+  seg.kind = SegmentKind::kLiteral;
+  seg.size = s.size();
+  seg.literal = std::move(s);
+  return seg;
+}
+
 struct FileLayout {
   std::vector<Segment> segments;
   std::vector<uint64_t> starts;  // file offset of each segment (reads find theirs by binary search)

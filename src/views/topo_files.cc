@@ -16,14 +16,6 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
-Segment Lit(std::string s) {
-  Segment seg;
-  seg.kind = SegmentKind::kLiteral;
-  seg.size = s.size();
-  seg.literal = std::move(s);
-  return seg;
-}
-
 // Box `b` of tensor `id` as `out`; whole-tensor boxes read without one.
 Segment BoxSeg(const TensorRecord& t, TensorId id, const Box& b, DType out) {
   Segment seg;
@@ -135,13 +127,13 @@ Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, j
           const uint64_t zeros = FlatRangeBoxes(*rt, lo - c, hi - c, boxes);
           const TensorRecord& t = index.tensors()[rt->id.v];
           for (const Box& b : boxes) body.push_back(BoxSeg(t, rt->id, b, s.dtype));
-          if (zeros > 0) body.push_back(Lit(std::string(zeros * esz, '\0')));
+          if (zeros > 0) body.push_back(LiteralSegment(std::string(zeros * esz, '\0')));
           frags.push_back({{"name", rt->name}, {"local_flat_start", lo - c}, {"numel", hi - lo},
                            {"partition_offset", lo - p0}});
         }
         c += n;
       }
-      if (p1 > std::max(p0, s.numel)) body.push_back(Lit(std::string((p1 - std::max(p0, s.numel)) * esz, '\0')));
+      if (p1 > std::max(p0, s.numel)) body.push_back(LiteralSegment(std::string((p1 - std::max(p0, s.numel)) * esz, '\0')));
       parts[s.name] = {{"dtype", std::string(DTypeName(s.dtype))}, {"numel", part},
                        {"group_numel", s.numel}, {"group_padded", s.padded}, {"fragments", frags}};
     }
@@ -150,7 +142,7 @@ Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, j
     std::string prefix(8, '\0');
     StoreLE<uint64_t>(prefix.data(), h.size());
     FileLayout l;
-    l.Add(Lit(prefix + h));
+    l.Add(LiteralSegment(prefix + h));
     for (Segment& s : body) l.Add(std::move(s));
     const std::string file = RankFile(r) + "-dp" + std::to_string(d) + ".safetensors";
     dp_json.push_back({{"file", file}, {"tp", r.tp}, {"pp", r.pp}, {"dp", d}, {"partitions", parts}});
@@ -245,7 +237,7 @@ Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, co
     Segment seg;
     switch (p.kind) {
       case PartKind::kLiteral:
-        seg = Lit(p.literal);
+        seg = LiteralSegment(p.literal);
         break;
       case PartKind::kTensor: {
         const TensorRecord& t = index.tensors()[p.tensor];
@@ -294,14 +286,14 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
     header[rt.name] = {{"dtype", std::string(dt)}, {"shape", IntsJson(rt.shape)}, {"data_offsets", {off, off + n}}};
     off += n;
     for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, t.dtype));
-    if (rt.zero_tail > 0) body.push_back(Lit(std::string(rt.zero_tail * DTypeSize(t.dtype), '\0')));
+    if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(t.dtype), '\0')));
   }
   std::string h = header.dump();
   while (h.size() % 8 != 0) h.push_back(' ');  // the official writer's alignment
   std::string prefix(8, '\0');
   StoreLE<uint64_t>(prefix.data(), h.size());
   FileLayout l;
-  l.Add(Lit(prefix + h));
+  l.Add(LiteralSegment(prefix + h));
   for (Segment& s : body) l.Add(std::move(s));
   return l;
 }
@@ -362,12 +354,12 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
     }
     const std::string it = std::to_string(std::max<int64_t>(index.info().step, 0));
     FileLayout tracker;
-    tracker.Add(Lit(it));
+    tracker.Add(LiteralSegment(it));
     out.emplace_back("latest_checkpointed_iteration.txt", std::move(tracker));
   }
   lj["megatron_native"] = native;
   FileLayout l;
-  l.Add(Lit(lj.dump() + "\n"));  // compact: one entry per rank and tensor
+  l.Add(LiteralSegment(lj.dump() + "\n"));  // compact: one entry per rank and tensor
   out.emplace_back("layout.json", std::move(l));
   return out;
 }
@@ -412,7 +404,7 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_byte
   if (!skipped.empty()) ij["metadata"]["ckptfs_not_included"] = skipped;
   ij["weight_map"] = weight_map;
   FileLayout l;
-  l.Add(Lit(ij.dump(2) + "\n"));
+  l.Add(LiteralSegment(ij.dump(2) + "\n"));
   out.emplace_back("model.safetensors.index.json", std::move(l));
   return out;
 }

@@ -10,14 +10,6 @@ namespace {
 
 using json = nlohmann::ordered_json;
 
-Segment Literal(std::string s) {
-  Segment seg;
-  seg.kind = SegmentKind::kLiteral;
-  seg.size = s.size();
-  seg.literal = std::move(s);
-  return seg;
-}
-
 Segment TensorSeg(TensorId id, const TensorRecord& t, DType out) {
   Segment seg;
   seg.kind = SegmentKind::kTensor;
@@ -137,7 +129,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   uint64_t readme = 0, ckjson = 0;
   {
     FileLayout l;
-    l.Add(Literal(ReadmeText(index)));
+    l.Add(LiteralSegment(ReadmeText(index)));
     readme = v->AddFile(root, "README.txt", std::move(l), TensorId{}, false);
   }
   ckjson = v->AddFile(root, "checkpoint.json", FileLayout{}, TensorId{}, false);
@@ -184,7 +176,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
     auto header = formats::NpyHeader(npy, t.shape);
     if (header.ok()) {
       FileLayout l;
-      l.Add(Literal(*header));
+      l.Add(LiteralSegment(*header));
       l.Add(TensorSeg(id, t, npy));
       v->AddFile(dir, stem + ".npy", std::move(l), id, false);
     } else {
@@ -202,14 +194,6 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
     v->topo_dir_ = v->AddDir(root, "topo");
     uint64_t errors = v->AddFile(v->topo_dir_, "ERRORS", FileLayout{}, TensorId{}, false);
     v->nodes_[errors - 1]->topo_errors = true;
-    // The source's own layout is listed from the start.
-    if (auto t = Topology::Parse(index.info().topology); t) {
-      Status ts = v->AddTopo(*t);
-      if (!ts.ok()) {
-        v->topo_errors_[t->Name()] = ts.message();
-        LogError(ts.message());
-      }
-    }
   }
 
   const CheckpointInfo& info = index.info();
@@ -239,7 +223,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   }
   j["findings"] = findings;
   FileLayout l;
-  l.Add(Literal(j.dump(2) + "\n"));
+  l.Add(LiteralSegment(j.dump(2) + "\n"));
   v->nodes_[ckjson - 1]->layout = std::move(l);
   return v;
 }
@@ -344,6 +328,9 @@ const Node* View::Lookup(uint64_t parent, std::string_view name) const {
 }
 
 std::vector<std::tuple<std::string, uint64_t, bool>> View::List(uint64_t ino) const {
+  // The source's own layout is listed in topo/ from the first listing on: it
+  // is planned then (not at mount time, which `ckptfs cat` pays too).
+  if (ino == topo_dir_ && !index_.info().topology.empty()) Lookup(topo_dir_, index_.info().topology);
   std::shared_lock lock(tree_mu_);
   std::vector<std::tuple<std::string, uint64_t, bool>> out;
   const Node* n = GetLocked(ino);
@@ -448,7 +435,7 @@ Status View::MakeInfoJson(Node& n) const {
       continue;
     }
     text += "\"";
-    l.Add(Literal(text));
+    l.Add(LiteralSegment(text));
     text.clear();
     Segment h;
     h.kind = SegmentKind::kHash;
@@ -458,7 +445,7 @@ Status View::MakeInfoJson(Node& n) const {
     text = "\"}";
   }
   text += "\n  }\n}\n";
-  l.Add(Literal(text));
+  l.Add(LiteralSegment(text));
   n.layout = std::move(l);
   return Status::Ok();
 }
