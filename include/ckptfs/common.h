@@ -51,6 +51,12 @@ class [[nodiscard]] Status {
   std::string message_;
 };
 
+// Name matching for parameter names (split rules, layer numbers).
+inline bool EndsWith(std::string_view s, std::string_view suf) {
+  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
+}
+inline bool Contains(std::string_view s, std::string_view part) { return s.find(part) != std::string_view::npos; }
+
 inline Status Invalid(std::string m) { return {Code::kInvalid, std::move(m)}; }
 inline Status NotFound(std::string m) { return {Code::kNotFound, std::move(m)}; }
 inline Status IoError(std::string m) { return {Code::kIo, std::move(m)}; }

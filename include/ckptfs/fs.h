@@ -56,6 +56,9 @@ class Filesystem {
   Result<Attr> Lookup(uint64_t parent, std::string_view name) const;
   Result<Attr> GetAttr(uint64_t ino) const;
   Result<std::vector<DirEntry>> ReadDir(uint64_t ino) const;
+  // topo/ and topo/ERRORS change while mounted: the adapter disables kernel
+  // caching for them.
+  bool Dynamic(uint64_t ino) const { return view_->Dynamic(ino); }
   // Called on open(2): refuses files whose sources changed since indexing.
   Status OpenFile(uint64_t ino);
   // Reads up to `size` bytes at `offset`; short only at end of file.

@@ -63,12 +63,6 @@ void OnInit(void*, fuse_conn_info* conn) {
   conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;
 }
 
-// topo/ and topo/ERRORS change while mounted: no kernel caching for them.
-bool Dynamic(fuse_req_t req, fuse_ino_t ino) {
-  auto a = Fs(req).GetAttr(ino);
-  return a.ok() && a->dynamic;
-}
-
 void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Guard(req, "lookup", [&] {
     fuse_entry_param e{};
@@ -112,7 +106,7 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       return;
     }
     fi->fh = reinterpret_cast<uint64_t>(new std::vector<DirEntry>(std::move(entries).value()));
-    const bool dynamic = Dynamic(req, ino);
+    const bool dynamic = Fs(req).Dynamic(ino);
     fi->cache_readdir = dynamic ? 0 : 1;
     fi->keep_cache = dynamic ? 0 : 1;
     fuse_reply_open(req, fi);
@@ -153,7 +147,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       fuse_reply_err(req, ToErrno(s));
       return;
     }
-    const bool dynamic = Dynamic(req, ino);
+    const bool dynamic = Fs(req).Dynamic(ino);
     fi->keep_cache = dynamic ? 0 : 1;
     fi->direct_io = dynamic ? 1 : 0;  // topo/ERRORS: its size changes under the page cache
     fuse_reply_open(req, fi);

@@ -19,30 +19,26 @@ bool ParseInt(std::string_view s, int* out) {
   return ec == std::errc() && p == s.data() + s.size() && *out > 0;
 }
 
-bool Has(const std::string& s, std::string_view part) { return s.find(part) != std::string::npos; }
-bool Ends(const std::string& s, std::string_view suf) {
-  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
-}
 
 // Name conventions for checkpoints whose reader records no rule (DCP):
 // torchtitan Llama and Hugging Face Llama names, then Megatron's.
 std::optional<TensorSplit> ConventionSplit(const std::string& fqn) {
-  const bool bias = Ends(fqn, ".bias");
+  const bool bias = EndsWith(fqn, ".bias");
   TensorSplit s;
   s.kind = SplitKind::kDim;
   for (const char* col : {".wq.", ".wk.", ".wv.", ".w1.", ".w3.", ".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.",
                           ".up_proj."}) {
-    if (Has(fqn, col)) return s;
+    if (Contains(fqn, col)) return s;
   }
   for (const char* row : {".wo.", ".w2.", ".o_proj.", ".down_proj."}) {
-    if (Has(fqn, row)) {
+    if (Contains(fqn, row)) {
       if (bias) s.kind = SplitKind::kReplicate;
       else s.dim = 1;
       return s;
     }
   }
   for (const char* vocab : {"tok_embeddings.weight", "embed_tokens.weight", "lm_head.weight"}) {
-    if (Ends(fqn, vocab)) return s;
+    if (EndsWith(fqn, vocab)) return s;
   }
   if (fqn == "output.weight") return s;
   if (auto r = formats::megatron::SplitRule(fqn, false); r && r->kind != formats::Merge::kSub2) {
@@ -64,7 +60,7 @@ std::string RuleText(const TensorSplit& s, const char* source) {
 
 bool IsEmbedding(const std::string& fqn) {
   for (const char* e : {"embed", "wte.", "wpe.", "word_embeddings", "position_embeddings"}) {
-    if (Has(fqn, e)) return true;
+    if (Contains(fqn, e)) return true;
   }
   return false;
 }

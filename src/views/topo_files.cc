@@ -33,6 +33,19 @@ json IntsJson(const std::vector<int64_t>& v) {
   return a;
 }
 
+// A safetensors file: u64 LE header length, the JSON header padded with
+// spaces to a multiple of 8 (the official writer's alignment), the data.
+FileLayout SafetensorsFile(const json& header, std::vector<Segment> body) {
+  std::string h = header.dump();
+  while (h.size() % 8 != 0) h.push_back(' ');
+  std::string prefix(8, '\0');
+  StoreLE<uint64_t>(prefix.data(), h.size());
+  FileLayout l;
+  l.Add(LiteralSegment(prefix + h));
+  for (Segment& s : body) l.Add(std::move(s));
+  return l;
+}
+
 std::string RankFile(const RankPlan& r) { return "tp" + std::to_string(r.tp) + "-pp" + std::to_string(r.pp); }
 
 // The flat range [a, b) of a rank tensor's local C order (its pieces
@@ -137,13 +150,7 @@ Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, j
       parts[s.name] = {{"dtype", std::string(DTypeName(s.dtype))}, {"numel", part},
                        {"group_numel", s.numel}, {"group_padded", s.padded}, {"fragments", frags}};
     }
-    std::string h = header.dump();
-    while (h.size() % 8 != 0) h.push_back(' ');
-    std::string prefix(8, '\0');
-    StoreLE<uint64_t>(prefix.data(), h.size());
-    FileLayout l;
-    l.Add(LiteralSegment(prefix + h));
-    for (Segment& s : body) l.Add(std::move(s));
+    FileLayout l = SafetensorsFile(header, std::move(body));
     const std::string file = RankFile(r) + "-dp" + std::to_string(d) + ".safetensors";
     dp_json.push_back({{"file", file}, {"tp", r.tp}, {"pp", r.pp}, {"dp", d}, {"partitions", parts}});
     out.emplace_back(file, std::move(l));
@@ -204,8 +211,7 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
     if (!(rt.pieces.size() == 1 && rt.pieces[0].lengths == t.shape)) st.boxes = rt.pieces;
     storages.push_back(std::move(st));
     for (const char* lin : {".linear_qkv.weight", ".linear_proj.weight", ".linear_fc1.weight", ".linear_fc2.weight"}) {
-      const std::string suf(lin);
-      if (local.size() > suf.size() && local.compare(local.size() - suf.size(), suf.size(), suf) == 0) {
+      if (EndsWith(local, lin)) {
         pending_extra = local.substr(0, local.size() - 7) + "._extra_state";
       }
     }
@@ -288,14 +294,7 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
     for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, t.dtype));
     if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(t.dtype), '\0')));
   }
-  std::string h = header.dump();
-  while (h.size() % 8 != 0) h.push_back(' ');  // the official writer's alignment
-  std::string prefix(8, '\0');
-  StoreLE<uint64_t>(prefix.data(), h.size());
-  FileLayout l;
-  l.Add(LiteralSegment(prefix + h));
-  for (Segment& s : body) l.Add(std::move(s));
-  return l;
+  return SafetensorsFile(header, std::move(body));
 }
 
 Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& plan) {

@@ -17,10 +17,6 @@ bool Exists(const std::string& p) {
   return ::stat(p.c_str(), &st) == 0;
 }
 
-bool EndsWith(const std::string& s, std::string_view suf) {
-  return s.size() >= suf.size() && s.compare(s.size() - suf.size(), suf.size(), suf) == 0;
-}
-bool Contains(const std::string& s, std::string_view part) { return s.find(part) != std::string::npos; }
 
 std::string JsonStr(const std::string& s) {
   std::string o = "\"";
