@@ -9,16 +9,21 @@
 // directly in the caller's buffer. All reads of a plan go to the engine as one
 // batch: io_uring (one ring per worker thread, created on first use) or pread
 // (the fallback and the test oracle; both must return identical bytes).
+// Plans run in output chunks of 16 MiB through a two-slot pipeline of the
+// transforms backend (transforms.h): the I/O of the next chunk overlaps the
+// transform of the current one, and only chunks with op work reach a backend.
 // Elements not covered by any fragment are a hole: an error, never zeros.
 // Every read checks the source files are unchanged since indexing (fstat), so a
 // running mount answers ESTALE instead of serving bytes of another checkpoint.
 #ifndef CKPTFS_IO_H_
 #define CKPTFS_IO_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -28,6 +33,7 @@
 #include "ckptfs/geometry.h"
 #include "ckptfs/index.h"
 #include "ckptfs/model.h"
+#include "ckptfs/transforms.h"
 
 namespace ckptfs {
 
@@ -60,7 +66,9 @@ bool CanConvert(DType from, DType to);
 
 class TensorReader {
  public:
-  static Result<std::unique_ptr<TensorReader>> Open(const Index& index, EngineKind kind);
+  // `policy` picks the transforms backend per plan; null: always the CPU.
+  static Result<std::unique_ptr<TensorReader>> Open(const Index& index, EngineKind kind,
+                                                    std::unique_ptr<TransformPolicy> policy = nullptr);
   ~TensorReader();
 
   // Bytes [offset, offset+len) of tensor `id` rendered in C order as `out`.
@@ -80,9 +88,33 @@ class TensorReader {
   // replaced files too). Called on open.
   Status CheckFresh(TensorId id);
   const char* engine_name() const;
+  TransformPolicy* policy() const { return policy_.get(); }
+  // Plans run per backend, and GPU failures that were read again on the CPU.
+  struct TransformCounts {
+    uint64_t cpu_plans = 0, gpu_plans = 0, gpu_fallbacks = 0;
+  };
+  TransformCounts transform_counts() const { return {cpu_plans_.load(), gpu_plans_.load(), gpu_fallbacks_.load()}; }
 
  private:
-  TensorReader(const Index& index, EngineKind kind) : index_(index), kind_(kind) {}
+  TensorReader(const Index& index, EngineKind kind, std::unique_ptr<TransformPolicy> policy)
+      : index_(index), kind_(kind), policy_(std::move(policy)) {}
+  // One pipeline chunk of a read: its I/O and its ops.
+  struct Chunk {
+    struct ItemCopy {
+      std::shared_ptr<const std::string> item;  // a decompressed zstd item
+      uint64_t offset = 0, length = 0, staging_off = 0;
+    };
+    std::vector<IoRequest> reqs;                      // dst null until staging exists, or direct
+    std::vector<std::pair<size_t, uint64_t>> staged;  // (request index, staging offset)
+    std::vector<ItemCopy> items;
+    std::vector<GatherOp> ops;  // src_off into staging, dst_off into the output
+    uint64_t staging = 0;
+    std::set<uint32_t> files;
+  };
+  Status PlanChunk(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
+                   uint64_t c0, uint64_t c1, bool direct, char* base, Chunk* plan);
+  Status RunChunks(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
+                   uint64_t e1, uint64_t chunk, Transforms& tf, char* base, Chunk first, bool* gpu_failed);
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
   Status CheckFd(FileId file) const;
@@ -92,6 +124,8 @@ class TensorReader {
 
   const Index& index_;
   EngineKind kind_;
+  std::unique_ptr<TransformPolicy> policy_;
+  std::atomic<uint64_t> cpu_plans_{0}, gpu_plans_{0}, gpu_fallbacks_{0};
   std::vector<int> fds_;
   std::vector<std::string> open_errors_;
   // Lock order: each mutex below is a leaf; none is held while calling out.

@@ -3,6 +3,8 @@
 #include <array>
 #include <cstring>
 
+#include "common/float_bits.h"
+
 namespace ckptfs {
 namespace {
 
@@ -93,26 +95,7 @@ DType NpyDType(DType d) {
 }
 
 float HalfToFloat(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1F;
-  uint32_t man = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0x1F) {
-    bits = sign | 0x7F800000 | (man << 13);
-  } else if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      do {
-        ++e;
-        man <<= 1;
-      } while ((man & 0x400) == 0);
-      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((man & 0x3FF) << 13);
-    }
-  } else {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  }
+  const uint32_t bits = HalfBitsToFloatBits(h);
   float f;
   std::memcpy(&f, &bits, 4);
   return f;

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "ckptfs/io.h"
+#include "io/transform_internal.h"
 
 namespace ckptfs {
 namespace {
@@ -41,7 +42,7 @@ Table MakeTable(int exp_bits, int man_bits, int bias, bool fnuz) {
   return t;
 }
 
-const Table* Fp8Table(DType d) {
+const Table* Fp8TableOf(DType d) {
   static const Table e4m3fn = MakeTable(4, 3, 7, false);
   static const Table e5m2 = MakeTable(5, 2, 15, false);
   static const Table e4m3fnuz = MakeTable(4, 3, 8, true);
@@ -57,10 +58,15 @@ const Table* Fp8Table(DType d) {
 
 }  // namespace
 
+const float* Fp8DecodeTable(DType d) {
+  const Table* t = Fp8TableOf(d);
+  return t != nullptr ? t->data() : nullptr;
+}
+
 bool CanConvert(DType from, DType to) {
   if (from == to) return DTypeSize(from) > 0;
   if (to != DType::kF32) return false;
-  return from == DType::kBF16 || from == DType::kF16 || Fp8Table(from) != nullptr;
+  return from == DType::kBF16 || from == DType::kF16 || Fp8DecodeTable(from) != nullptr;
 }
 
 Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd, uint64_t n) {
@@ -78,13 +84,16 @@ Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd
   float* out = reinterpret_cast<float*>(dst);
   if (sd == DType::kBF16) {
     for (uint64_t i = 0; i < n; ++i) {
-      uint32_t bits = static_cast<uint32_t>(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step)) << 16;
+      const uint32_t bits = BFloat16BitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step));
       std::memcpy(out + i, &bits, 4);
     }
   } else if (sd == DType::kF16) {
-    for (uint64_t i = 0; i < n; ++i) out[i] = HalfToFloat(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step));
-  } else if (const Table* t = Fp8Table(sd)) {
-    for (uint64_t i = 0; i < n; ++i) out[i] = (*t)[static_cast<uint8_t>(src[static_cast<int64_t>(i) * step])];
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint32_t bits = HalfBitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step));
+      std::memcpy(out + i, &bits, 4);
+    }
+  } else if (const float* t = Fp8DecodeTable(sd)) {
+    for (uint64_t i = 0; i < n; ++i) out[i] = t[static_cast<uint8_t>(src[static_cast<int64_t>(i) * step])];
   } else {
     return Internal("no conversion from " + std::string(DTypeName(sd)) + " to float32");
   }

@@ -15,55 +15,31 @@ namespace {
 
 constexpr size_t kFragCacheTensors = 4096;
 constexpr uint64_t kItemCacheBytes = 64ull << 20;
-constexpr uint64_t kStagingKeep = 16ull << 20;  // per-thread staging kept between reads
 constexpr uint64_t kHashChunk = 8ull << 20;
 
-// One strided gather: coalesced dims, element strides in source and output.
-struct Gather {
-  std::vector<int64_t> len, sstr, dstr;
-  const char* src = nullptr;     // resolved after the batch (staging or item)
-  uint64_t staging_off = 0;      // when reading through staging
-  std::shared_ptr<const std::string> item;  // when the source is a zstd item
-  uint64_t item_off = 0;
-  DType sdtype = DType::kInvalid;
-  uint64_t dst_off = 0;          // bytes into the output buffer
-};
+// Output bytes per pipeline chunk: one plan, one staging fill, one transform
+// submission (one kernel launch on the GPU). FUSE reads fit in one chunk.
+constexpr uint64_t kChunkBytes = 16ull << 20;
 
-Status GatherRun(const char* src, DType sd, int64_t sstride, char* dst, DType dd, int64_t dstride, uint64_t n) {
-  if (dstride == 1) return ConvertRun(src, sd, sstride, dst, dd, n);
-  const int64_t ss = static_cast<int64_t>(DTypeSize(sd)), ds = static_cast<int64_t>(DTypeSize(dd));
-  for (uint64_t i = 0; i < n; ++i) {
-    RETURN_IF_ERROR(ConvertRun(src + static_cast<int64_t>(i) * sstride * ss, sd, 1,
-                               dst + static_cast<int64_t>(i) * dstride * ds, dd, 1));
-  }
-  return Status::Ok();
-}
-
-Status RunGather(const Gather& g, char* out, DType out_dtype) {
-  const int64_t ss = static_cast<int64_t>(DTypeSize(g.sdtype)), ds = static_cast<int64_t>(DTypeSize(out_dtype));
-  const size_t k = g.len.size();
-  if (k == 0) return ConvertRun(g.src, g.sdtype, 1, out + g.dst_off, out_dtype, 1);
-  std::vector<int64_t> idx(k, 0);
-  while (true) {
-    int64_t so = 0, dof = 0;
-    for (size_t d = 0; d + 1 < k; ++d) {
-      so += idx[d] * g.sstr[d];
-      dof += idx[d] * g.dstr[d];
+// Appends `op`, split along its outer dims while its rank is over what a
+// GatherOp holds (tensors of more than 8 dims that do not coalesce).
+void PushOp(GatherOp op, const std::vector<int64_t>& len, const std::vector<int64_t>& sstr,
+            const std::vector<int64_t>& dstr, size_t from, uint64_t ssz, uint64_t dsz, std::vector<GatherOp>& ops) {
+  if (len.size() - from > static_cast<size_t>(kMaxGatherDims)) {
+    for (int64_t i = 0; i < len[from]; ++i) {
+      GatherOp sub = op;
+      sub.src_off += static_cast<uint64_t>(i * sstr[from]) * ssz;
+      sub.dst_off += static_cast<uint64_t>(i * dstr[from]) * dsz;
+      PushOp(sub, len, sstr, dstr, from + 1, ssz, dsz, ops);
     }
-    RETURN_IF_ERROR(GatherRun(g.src + so * ss, g.sdtype, g.sstr[k - 1], out + g.dst_off + dof * ds, out_dtype,
-                              g.dstr[k - 1], static_cast<uint64_t>(g.len[k - 1])));
-    size_t d = k - 1;
-    while (d > 0) {
-      --d;
-      if (++idx[d] < g.len[d]) break;
-      idx[d] = 0;
-      if (d == 0) return Status::Ok();
-    }
-    if (k == 1) return Status::Ok();
+    return;
   }
+  op.rank = static_cast<uint8_t>(len.size() - from);
+  for (size_t d = from; d < len.size(); ++d) {
+    op.len[d - from] = len[d], op.sstr[d - from] = sstr[d], op.dstr[d - from] = dstr[d];
+  }
+  ops.push_back(op);
 }
-
-thread_local std::vector<char> tl_staging;
 
 }  // namespace
 
@@ -73,8 +49,9 @@ TensorReader::~TensorReader() {
   }
 }
 
-Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, EngineKind kind) {
-  std::unique_ptr<TensorReader> r(new TensorReader(index, kind));
+Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, EngineKind kind,
+                                                        std::unique_ptr<TransformPolicy> policy) {
+  std::unique_ptr<TensorReader> r(new TensorReader(index, kind, std::move(policy)));
   for (const auto& f : index.files()) {
     std::string path = index.src_dir() + "/" + f.rel_path;
     int fd = f.mtime_ns == -1 ? -1 : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -228,15 +205,38 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
     base = unaligned.data();
   }
 
-  // Plan: boxes of the request x fragments (in global coordinates; output
-  // strides are the view's).
+  // Transform work happens only where the first chunk has ops (a contiguous
+  // same-dtype read goes straight from the I/O into the caller's buffer).
+  const uint64_t chunk = std::max<uint64_t>(1, kChunkBytes / osz);
+  Chunk first;
+  RETURN_IF_ERROR(PlanChunk(t, frags, view, out, e0, e0, std::min(e1, e0 + chunk), true, base, &first));
+  Transforms* tf = &CpuTransforms();
+  if (policy_ != nullptr && !first.ops.empty()) tf = &policy_->For(ClassifyPlan(first.ops, out), (e1 - e0) * osz);
+  bool gpu_failed = false;
+  Status s = RunChunks(t, frags, view, out, e0, e1, chunk, *tf, base, std::move(first), &gpu_failed);
+  if (gpu_failed) {
+    gpu_fallbacks_.fetch_add(1);
+    LogWarn("cannot transform '" + t.key + "' on " + tf->name() + ", read again on the CPU: " + s.message());
+    Chunk again;
+    RETURN_IF_ERROR(PlanChunk(t, frags, view, out, e0, e0, std::min(e1, e0 + chunk), true, base, &again));
+    s = RunChunks(t, frags, view, out, e0, e1, chunk, CpuTransforms(), base, std::move(again), &gpu_failed);
+  }
+  if (!s.ok()) return s;
+  if (base != dst) std::memcpy(dst, base + (offset - e0 * osz), len);
+  return Status::Ok();
+}
+
+// Elements [c0, c1) of the view's C order (output offsets relative to
+// element `e0`). `direct`: contiguous same-dtype pieces read straight into
+// `base` instead of through staging and an op (the CPU's fast path; the GPU
+// writes whole output ranges back and so stages everything).
+Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
+                               uint64_t e0, uint64_t c0, uint64_t c1, bool direct, char* base, Chunk* plan) {
+  const size_t rank = t.shape.size();
+  const uint64_t osz = DTypeSize(out);
   const std::vector<int64_t> gstr = ContiguousStrides(view.lengths);
-  std::vector<Gather> gathers;
-  std::vector<IoRequest> reqs;
-  std::vector<std::pair<size_t, uint64_t>> staged;  // (request index, staging offset)
-  std::set<uint32_t> files_touched;
-  uint64_t staging = 0, covered = 0;
-  for (Box b : DecomposeRange(view.lengths, e0, e1)) {
+  uint64_t covered = 0;
+  for (Box b : DecomposeRange(view.lengths, c0, c1)) {
     for (size_t d = 0; d < rank; ++d) b.offsets[d] += view.offsets[d];
     for (const Fragment& f : frags) {
       std::vector<int64_t> lo(rank), hi(rank);
@@ -251,76 +251,118 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
       if (empty) continue;
       covered += count;
       int64_t src_elem = 0, dst_elem = -static_cast<int64_t>(e0);
-      Gather g;
+      std::vector<int64_t> len, sstr, dstr;  // coalesced dims
       for (size_t d = 0; d < rank; ++d) {
         src_elem += (lo[d] - f.offsets[d]) * f.strides[d];
         dst_elem += (lo[d] - view.offsets[d]) * gstr[d];
         if (hi[d] - lo[d] == 1) continue;
         int64_t l = hi[d] - lo[d];
         // Merge into the previous dim when it steps exactly over this one.
-        if (!g.len.empty() && g.sstr.back() == f.strides[d] * l && g.dstr.back() == gstr[d] * l) {
-          g.len.back() *= l;
-          g.sstr.back() = f.strides[d];
-          g.dstr.back() = gstr[d];
+        if (!len.empty() && sstr.back() == f.strides[d] * l && dstr.back() == gstr[d] * l) {
+          len.back() *= l;
+          sstr.back() = f.strides[d];
+          dstr.back() = gstr[d];
         } else {
-          g.len.push_back(l);
-          g.sstr.push_back(f.strides[d]);
-          g.dstr.push_back(gstr[d]);
+          len.push_back(l);
+          sstr.push_back(f.strides[d]);
+          dstr.push_back(gstr[d]);
         }
       }
       const uint64_t esz = DTypeSize(f.dtype);
       uint64_t span = 1;
-      for (size_t d = 0; d < g.len.size(); ++d) span += static_cast<uint64_t>((g.len[d] - 1) * g.sstr[d]);
+      for (size_t d = 0; d < len.size(); ++d) span += static_cast<uint64_t>((len[d] - 1) * sstr[d]);
       const uint64_t src_byte = static_cast<uint64_t>(src_elem) * esz, span_bytes = span * esz;
       if (src_byte + span_bytes > f.data_length) {
         return Invalid("cannot read '" + t.key + "': fragment in " + index_.files()[f.file.v].rel_path +
                        " is shorter than its shape (index corrupt?)");
       }
-      g.sdtype = f.dtype;
-      g.dst_off = static_cast<uint64_t>(dst_elem) * osz;
+      const uint64_t dst_off = static_cast<uint64_t>(dst_elem) * osz;
+      const bool contiguous = len.size() <= 1 && (len.empty() || (sstr[0] == 1 && dstr[0] == 1));
+      if (direct && contiguous && f.dtype == out && f.compression == Compression::kNone) {
+        plan->files.insert(f.file.v);
+        plan->reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + src_byte, span_bytes, base + dst_off});
+        continue;
+      }
+      // Staged: 16-byte aligned, so the GPU can use typed loads.
+      plan->staging = (plan->staging + 15) & ~15ull;
+      GatherOp op;
+      op.src_off = plan->staging;
+      op.dst_off = dst_off;
+      op.sdtype = f.dtype;
+      PushOp(op, len, sstr, dstr, 0, esz, osz, plan->ops);
       if (f.compression == Compression::kZstd) {
         auto item = Item(f);
-        if (!item.ok()) return fail(item.status());
+        if (!item.ok()) return item.status().Annotate("cannot read '" + t.key + "'");
         if (f.data_offset + src_byte + span_bytes > (*item)->size()) return Invalid("cannot read '" + t.key + "': item too short");
-        g.item = *item;
-        g.item_off = f.data_offset + src_byte;
-        gathers.push_back(std::move(g));
-        continue;
+        plan->items.push_back(Chunk::ItemCopy{*item, f.data_offset + src_byte, span_bytes, plan->staging});
+      } else {
+        plan->files.insert(f.file.v);
+        plan->staged.emplace_back(plan->reqs.size(), plan->staging);
+        plan->reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + src_byte, span_bytes, nullptr});
       }
-      files_touched.insert(f.file.v);
-      const bool contiguous = g.len.size() <= 1 && (g.len.empty() || (g.sstr[0] == 1 && g.dstr[0] == 1));
-      if (contiguous && f.dtype == out) {
-        reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + src_byte, span_bytes, base + g.dst_off});
-        continue;
-      }
-      staged.emplace_back(reqs.size(), staging);
-      reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + src_byte, span_bytes, nullptr});
-      g.staging_off = staging;
-      staging += span_bytes;
-      gathers.push_back(std::move(g));
+      plan->staging += span_bytes;
     }
   }
-  if (covered != e1 - e0) {
-    return Invalid("cannot read '" + t.key + "': " + std::to_string(e1 - e0 - covered) +
+  if (covered != c1 - c0) {
+    return Invalid("cannot read '" + t.key + "': " + std::to_string(c1 - c0 - covered) +
                    " requested elements are in no fragment (a hole in the checkpoint)");
   }
-  for (uint32_t fid : files_touched) {
-    Status s = CheckFd(FileId{fid});
-    if (!s.ok()) return fail(s);
+  return Status::Ok();
+}
+
+// The chunks of [e0, e1) through `tf`'s two-slot pipeline: the I/O of chunk
+// i+1 runs while the transform of chunk i is in flight. `first` is chunk 0
+// planned for the CPU; a GPU plans it again without direct reads.
+// *gpu_failed: the failure came from the GPU (the caller retries on the CPU).
+Status TensorReader::RunChunks(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
+                               uint64_t e0, uint64_t e1, uint64_t chunk, Transforms& tf, char* base, Chunk first,
+                               bool* gpu_failed) {
+  const bool gpu = &tf != &CpuTransforms();
+  (gpu ? gpu_plans_ : cpu_plans_).fetch_add(1);
+  auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
+  auto dev = [&](const Status& s) {
+    *gpu_failed = gpu;
+    return s;
+  };
+  const uint64_t out_len = (e1 - e0) * DTypeSize(out);
+  auto pipe_or = tf.Begin();
+  if (!pipe_or.ok()) return dev(pipe_or.status());
+  auto& pipe = **pipe_or;
+  bool pending[2] = {false, false};
+  int slot = 0;
+  for (uint64_t c0 = e0; c0 < e1; c0 += chunk, slot ^= 1) {
+    const uint64_t c1 = std::min(e1, c0 + chunk);
+    Chunk plan;
+    if (c0 == e0 && !gpu) {
+      plan = std::move(first);
+    } else {
+      RETURN_IF_ERROR(PlanChunk(t, frags, view, out, e0, c0, c1, !gpu, base, &plan));
+    }
+    if (pending[slot]) {
+      pending[slot] = false;
+      Status w = pipe.Wait(slot);
+      if (!w.ok()) return dev(w);
+    }
+    for (uint32_t fid : plan.files) {
+      Status s = CheckFd(FileId{fid});
+      if (!s.ok()) return fail(s);
+    }
+    auto staging = pipe.Staging(slot, plan.staging);
+    if (!staging.ok()) return dev(staging.status());
+    for (const Chunk::ItemCopy& c : plan.items) std::memcpy(*staging + c.staging_off, c.item->data() + c.offset, c.length);
+    for (auto [ri, off] : plan.staged) plan.reqs[ri].dst = *staging + off;
+    Status io = Engine().ReadBatch(plan.reqs);
+    if (!io.ok()) return fail(io);
+    if (plan.ops.empty()) continue;
+    Status sub = pipe.Submit(slot, plan.staging, plan.ops, out, base, out_len);
+    if (!sub.ok()) return dev(sub);
+    pending[slot] = true;
   }
-  if (tl_staging.size() < staging) tl_staging.resize(staging);
-  for (auto [ri, off] : staged) reqs[ri].dst = tl_staging.data() + off;
-  Status io = Engine().ReadBatch(reqs);
-  if (!io.ok()) return fail(io);
-  for (Gather& g : gathers) {
-    g.src = g.item ? g.item->data() + g.item_off : tl_staging.data() + g.staging_off;
-    RETURN_IF_ERROR(RunGather(g, base, out));
+  for (int s = 0; s < 2; ++s) {
+    if (!pending[s]) continue;
+    Status w = pipe.Wait(s);
+    if (!w.ok()) return dev(w);
   }
-  if (tl_staging.size() > kStagingKeep) {
-    tl_staging.clear();
-    tl_staging.shrink_to_fit();
-  }
-  if (base != dst) std::memcpy(dst, base + (offset - e0 * osz), len);
   return Status::Ok();
 }
 

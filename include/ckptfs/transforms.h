@@ -1,0 +1,154 @@
+// io layer: element transforms of a read plan, on the CPU or the GPU.
+//
+// Design note. A read plan (see io.h) is a set of source byte spans read into
+// a staging buffer plus a list of GatherOps, each a strided N-d copy from the
+// staging buffer into the output with an optional widening cast. Everything
+// the views need is expressed as ops: TP merges along any dim, row-parallel
+// interleave and SwiGLU regrouping are N-d boxes; a ZeRO flat partition with
+// its alignment padding is a set of 1-d runs that skip the padding, across
+// partition boundaries. Two backends run the same ops and must produce the
+// same bytes (tests/unit/io/transforms_conformance_test.cc holds them to it):
+//  * CPU (always): the reference, single-threaded per request.
+//  * CUDA (built when nvcc is found; used when a device is present): pinned
+//    staging, one kernel launch per pipeline chunk (>= 4 MiB of plan when the
+//    read is that large), H2D of chunk i+1's staging overlaps the kernel and
+//    D2H of chunk i, and the I/O of chunk i+2 overlaps both (two slots).
+//    Device buffers and the CUDA context are released after `idle_ms` without
+//    use, so an idle mount holds no GPU memory.
+// The policy (`--gpu=auto|on|off`) picks a backend per read: `auto` uses the
+// GPU only for plans at least as large as the crossover that a calibration
+// measured for the plan's kind (cached per device), `on` for every plan that
+// has transform work, `off` never.
+#ifndef CKPTFS_TRANSFORMS_H_
+#define CKPTFS_TRANSFORMS_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+
+#include "ckptfs/common.h"
+#include "ckptfs/model.h"
+
+namespace ckptfs {
+
+// Dims of one op after coalescing; plans with more stay on the CPU.
+constexpr int kMaxGatherDims = 8;
+
+// dst[dst_off + sum(i_d * dstr_d) * out_size] =
+//   convert(src[src_off + sum(i_d * sstr_d) * src_size]) for every index i.
+// Strides are in elements and non-negative; rank 0 is one element.
+struct GatherOp {
+  uint64_t src_off = 0;
+  uint64_t dst_off = 0;
+  DType sdtype = DType::kInvalid;
+  uint8_t rank = 0;
+  std::array<int64_t, kMaxGatherDims> len{}, sstr{}, dstr{};
+
+  uint64_t Elements() const;
+  // Bytes from src_off to one past the last element read / written.
+  uint64_t SrcSpan() const;
+  uint64_t DstSpan(DType out) const;
+  // Elements per contiguous output run (the innermost dim when both strides
+  // are 1, else 1): what separates a memcpy-like plan from a tiny-run gather.
+  uint64_t RunElements() const;
+};
+
+struct ByteRange {
+  uint64_t offset = 0, length = 0;
+};
+
+// What a plan mostly does; calibration measures each kind separately.
+enum class TransformKind : uint8_t { kCopy = 0, kTinyRuns = 1, kWiden = 2, kCrc32c = 3 };
+constexpr int kTransformKinds = 4;
+const char* TransformKindName(TransformKind k);
+// The kind of a plan of `ops` rendering `out`: widen if any op converts,
+// tiny runs if the mean output run is under 256 bytes, else copy.
+TransformKind ClassifyPlan(std::span<const GatherOp> ops, DType out);
+
+class Transforms {
+ public:
+  virtual ~Transforms() = default;
+  virtual const char* name() const = 0;
+
+  // Runs every op. Ops must not overlap in the output; bytes of `dst` no op
+  // writes are left as they were. Every op is bounds-checked against src_len
+  // and dst_len first (an error, nothing written).
+  virtual Status Gather(const char* src, uint64_t src_len, std::span<const GatherOp> ops, DType out, char* dst,
+                        uint64_t dst_len) = 0;
+  // CRC-32C (Castagnoli, as iSCSI, ext4, GCS and S3 use) of each range.
+  virtual Status Crc32c(const char* data, uint64_t len, std::span<const ByteRange> ranges, uint32_t* out) = 0;
+
+  // A two-slot pipeline for one reader thread. The I/O reads into
+  // Staging(slot); Submit starts the slot's ops (it may return before they
+  // finish) and Wait(slot) finishes them: only then is the output in `dst` and
+  // the slot's staging free for the next chunk. The destructor waits.
+  class Pipeline {
+   public:
+    virtual ~Pipeline() = default;
+    virtual Result<char*> Staging(int slot, uint64_t bytes) = 0;
+    virtual Status Submit(int slot, uint64_t src_len, std::span<const GatherOp> ops, DType out, char* dst,
+                          uint64_t dst_len) = 0;
+    virtual Status Wait(int slot) = 0;
+  };
+  virtual Result<std::unique_ptr<Pipeline>> Begin() = 0;
+};
+
+// Always available; stateless apart from per-thread staging.
+Transforms& CpuTransforms();
+
+struct CudaOptions {
+  int device = 0;              // CUDA device ordinal (0)
+  uint64_t idle_ms = 2000;     // buffers and context released after this long unused (2000)
+  uint64_t slot_bytes = 64ull << 20;  // pinned staging per slot; a chunk's source spans fit in it (64 MiB)
+};
+// Unsupported when built without CUDA, or when no device can be used (the
+// reason from the CUDA runtime is in the message).
+Result<std::unique_ptr<Transforms>> MakeCudaTransforms(const CudaOptions& opts = {});
+// True when this build has the CUDA backend compiled in.
+bool CudaCompiledIn();
+
+enum class GpuMode : uint8_t { kAuto, kOn, kOff };
+Result<GpuMode> ParseGpuMode(std::string_view s);
+
+// Per kind, the smallest plan (output bytes) at which the GPU was measured
+// faster than one CPU core, transfers included; kNever where it never was.
+struct Calibration {
+  static constexpr uint64_t kNever = ~0ull;
+  std::string device;  // the device it was measured on
+  std::array<uint64_t, kTransformKinds> crossover{kNever, kNever, kNever, kNever};
+  std::array<double, kTransformKinds> cpu_gbps{}, gpu_gbps{};  // at the largest size measured
+};
+// Times `gpu` against the CPU backend on synthetic plans of each kind (1 to
+// 64 MiB) and returns the crossovers (a few hundred ms).
+Result<Calibration> Calibrate(Transforms& gpu);
+
+// Chooses a backend per plan. `auto` calibrates on the first plan that could
+// use the GPU, or loads the result cached at `cache_path` for this device.
+class TransformPolicy {
+ public:
+  // `on` without a usable device is an error naming the reason.
+  static Result<std::unique_ptr<TransformPolicy>> Make(GpuMode mode, const std::string& cache_path,
+                                                       const CudaOptions& cuda = {});
+  // The backend for a plan of `out_bytes` output bytes of kind `k`.
+  Transforms& For(TransformKind k, uint64_t out_bytes);
+  GpuMode mode() const { return mode_; }
+  std::string Describe() const;
+  Transforms* gpu() const { return gpu_.get(); }
+
+ private:
+  TransformPolicy() = default;
+  void EnsureCalibrated();
+
+  GpuMode mode_ = GpuMode::kOff;
+  std::string cache_path_;
+  std::unique_ptr<Transforms> gpu_;
+  std::once_flag calibrated_;
+  Calibration cal_;
+};
+
+}  // namespace ckptfs
+
+#endif  // CKPTFS_TRANSFORMS_H_

@@ -1,0 +1,13 @@
+// Built instead of cuda_transforms.cu when CMake found no nvcc: the GPU
+// backend is absent, and says so.
+#include "ckptfs/transforms.h"
+
+namespace ckptfs {
+
+bool CudaCompiledIn() { return false; }
+
+Result<std::unique_ptr<Transforms>> MakeCudaTransforms(const CudaOptions&) {
+  return Unsupported("this ckptfs was built without CUDA (no nvcc at configure time)");
+}
+
+}  // namespace ckptfs
