@@ -45,6 +45,9 @@ struct FsOptions {
   std::string src;
   std::string index_dir;  // empty: DefaultIndexDir(src)
   EngineKind engine = EngineKind::kAuto;
+  // Transforms backend: auto uses a GPU where a calibration (cached in
+  // UserCacheDir()/gpu-calibration.json) measured it faster (auto).
+  GpuMode gpu = GpuMode::kAuto;
   bool force_rebuild = false;
   TopoOptions topo;  // --rules, --pp-layers, --hf-shard-size
 };
@@ -71,6 +74,9 @@ class Filesystem {
   const View& view() const { return *view_; }
   const OpenResult& open_result() const { return opened_; }
   const char* engine_name() const { return reader_->engine_name(); }
+  // "cpu", "gpu (<device>)" or "auto (<device> where calibrated faster)".
+  std::string transforms_name() const { return reader_->policy() ? reader_->policy()->Describe() : "cpu"; }
+  const TensorReader& reader() const { return *reader_; }
   uint64_t reads() const { return reads_.load(); }
   uint64_t bytes_read() const { return bytes_.load(); }
 

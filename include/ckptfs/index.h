@@ -73,6 +73,8 @@ Status CheckFingerprint(const std::string& src_dir, const std::vector<SourceFile
 // Where the index of src_dir lives: <src>/.ckptfs/index when the checkpoint
 // directory is writable, else $XDG_CACHE_HOME (or ~/.cache)/ckptfs/<hash>.
 std::string DefaultIndexDir(const std::string& src_dir);
+// $XDG_CACHE_HOME/ckptfs (else ~/.cache/ckptfs, else /tmp/ckptfs-cache-<uid>/ckptfs).
+std::string UserCacheDir();
 
 struct OpenResult {
   std::unique_ptr<Index> index;

@@ -94,7 +94,14 @@ class Transforms {
     virtual Status Wait(int slot) = 0;
   };
   virtual Result<std::unique_ptr<Pipeline>> Begin() = 0;
+
+  // Device and pinned host bytes held right now (0 for the CPU, and for the
+  // GPU once it has been idle for CudaOptions::idle_ms).
+  virtual uint64_t HeldBytes() const { return 0; }
 };
+
+// CRC-32C of A||B from the CRC-32Cs of A and B and B's length.
+uint32_t Crc32cConcat(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
 // Always available; stateless apart from per-thread staging.
 Transforms& CpuTransforms();

@@ -19,7 +19,7 @@
 //  * --deep: NaN / Inf counts, L2 norm and max |x| per tensor.
 // The data pass reads each tensor once in C order through the read engine
 // (the same path as the mount), hashing it with xxh3-64 (the value info.json
-// shows) and feeding the zero and numeric checks from the same buffer, so
+// shows) and CRC-32C (on the GPU where --gpu says so), feeding the zero and numeric checks from the same buffer, so
 // every source byte is read once; alias records (a layer stack also shown
 // per layer, verbatim file copies behind universal/) are skipped. Tensors run
 // in parallel on a small pool.
@@ -50,6 +50,7 @@ struct TensorCheck {
   uint32_t tensor = 0;
   bool read = false;        // the data pass read it
   uint64_t xxh3 = 0;        // of the raw bytes in C order (info.json's value)
+  uint32_t crc32c = 0;      // of the same bytes (the checksum GCS and S3 keep), on the transforms backend
   uint32_t zero_fragments = 0;
   bool numeric = false;     // --deep ran on it (float dtypes)
   uint64_t nan = 0, inf = 0;

@@ -28,7 +28,7 @@ constexpr const char* kUsage = R"(ckptfs: mount training checkpoints as a lazily
 
 usage:
   ckptfs mount SRC MNT [-f] [--index DIR] [--log FILE] [--engine auto|uring|pread]
-                       [--threads N] [--allow-other] [--debug]
+                       [--gpu auto|on|off] [--threads N] [--allow-other] [--debug]
                        [--rules FILE] [--pp-layers N,N,..] [--hf-shard-size BYTES]
       Index SRC (once; reused while SRC is unchanged) and mount the view at MNT.
       Without -f the daemon detaches once the mount is live; its log goes to
@@ -36,6 +36,11 @@ usage:
       topo/tp<T>-pp<P>[-dp<D>]/ is made on first lookup; --rules FILE overrides
       TP split rules and stages (JSON, see README), --pp-layers sets layers per
       stage, --hf-shard-size the hf/ shard size (default 5000000000; K/M/G ok).
+      --gpu: where merges, padding strips and widening casts run (same bytes
+      either way). auto (default): on a CUDA GPU for plans a calibration
+      measured faster there, else the CPU; on: every plan with such work on
+      the GPU (an error without one); off: the CPU. mount, cat and verify
+      take it.
   ckptfs umount MNT
   ckptfs index SRC [--index DIR] [--force]
       Build (or check) the index; prints what was found and how long it took.
@@ -73,7 +78,7 @@ struct Args {
 
 bool ParseArgs(int argc, char** argv, int start, Args* a, std::string* err) {
   static const std::map<std::string, bool> kTakesValue = {
-      {"--index", true}, {"--log", true},     {"--engine", true},      {"--threads", true}, {"--format", true},
+      {"--index", true}, {"--log", true},     {"--engine", true}, {"--gpu", true},      {"--threads", true}, {"--format", true},
       {"-f", false},     {"--force", false},  {"--allow-other", false}, {"--debug", false}, {"--json", false},
       {"--help", false}, {"-h", false},       {"--foreground", false}, {"--deep", false},
       {"--num-layers", true}, {"--rules", true}, {"--pp-layers", true}, {"--hf-shard-size", true}};
@@ -127,6 +132,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   else if (e == "uring" || e == "io_uring") o.engine = EngineKind::kUring;
   else if (e == "pread") o.engine = EngineKind::kPread;
   else return Invalid("unknown --engine " + e + " (auto, uring, pread)");
+  ASSIGN_OR_RETURN(o.gpu, ParseGpuMode(a.Get("--gpu", "auto")));
   if (a.Has("--rules")) {
     RETURN_IF_ERROR(ParseRulesFile(std::filesystem::absolute(a.Get("--rules"), ec).string(), o.topo));
   }
@@ -365,7 +371,7 @@ int CmdMount(const Args& a) {
     LogInfo(std::string(r.built ? "built" : "reused") + " index " + (*fs)->index().dir() +
             (r.built ? " in " + std::to_string(r.build_seconds) + " s" : ""));
     return MountAndServe(**fs, mnt, mo, [&](const Status& s) {
-      if (s.ok()) LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ")");
+      if (s.ok()) LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ", transforms " + (*fs)->transforms_name() + ")");
       else LogError(s.message());
     });
   }
@@ -414,7 +420,7 @@ int CmdMount(const Args& a) {
       report(s.message());
       return;
     }
-    LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ")");
+    LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ", transforms " + (*fs)->transforms_name() + ")");
     int null = ::open("/dev/null", O_RDWR);
     if (null >= 0) {
       ::dup2(null, 0);

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 
 #include "ckptfs/fs.h"
 
@@ -10,7 +11,11 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   ASSIGN_OR_RETURN(fs->opened_, OpenOrBuild(opts.src, opts.index_dir, opts.force_rebuild));
   fs->index_ = std::move(fs->opened_.index);
   ASSIGN_OR_RETURN(fs->view_, View::Build(*fs->index_, opts.topo));
-  ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine));
+  std::error_code ec;
+  const std::string cache_dir = UserCacheDir();
+  std::filesystem::create_directories(cache_dir, ec);  // no cache dir: calibrate at every mount
+  ASSIGN_OR_RETURN(auto policy, TransformPolicy::Make(opts.gpu, ec ? "" : cache_dir + "/gpu-calibration.json"));
+  ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine, std::move(policy)));
   if (!fs->index_->files().empty()) fs->mtime_ns_ = fs->index_->files()[0].mtime_ns;
   return fs;
 }

@@ -194,8 +194,7 @@ Result<std::vector<Fragment>> Index::Fragments(TensorId id) const {
   return out;
 }
 
-std::string DefaultIndexDir(const std::string& src_dir) {
-  if (::access(src_dir.c_str(), W_OK) == 0) return src_dir + "/" + kIndexDirName + "/index";
+std::string UserCacheDir() {
   std::string base;
   if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0') {
     base = x;
@@ -204,9 +203,14 @@ std::string DefaultIndexDir(const std::string& src_dir) {
   } else {
     base = "/tmp/ckptfs-cache-" + std::to_string(::getuid());
   }
+  return base + "/ckptfs";
+}
+
+std::string DefaultIndexDir(const std::string& src_dir) {
+  if (::access(src_dir.c_str(), W_OK) == 0) return src_dir + "/" + kIndexDirName + "/index";
   std::error_code ec;
   std::string canon = fs::weakly_canonical(src_dir, ec).string();
-  return base + "/ckptfs/" + Hex64(std::hash<std::string>{}(canon.empty() ? src_dir : canon));
+  return UserCacheDir() + "/" + Hex64(std::hash<std::string>{}(canon.empty() ? src_dir : canon));
 }
 
 Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild) {

@@ -170,6 +170,7 @@ struct Slot {
 
 struct Lane {
   Slot slots[2];
+  uint64_t counted = 0;  // bytes of this lane in CudaBackend::held_
 };
 
 Status GrowPinned(char** p, uint64_t* cap, uint64_t need) {
@@ -269,6 +270,11 @@ class CudaBackend final : public Transforms {
     std::unique_ptr<Lane> lane_;
   };
 
+  uint64_t HeldBytes() const override {
+    std::lock_guard<std::mutex> l(mu_);
+    return held_;
+  }
+
   Result<std::unique_ptr<Pipeline>> Begin() override {
     ASSIGN_OR_RETURN(auto lane, Take());
     return std::unique_ptr<Pipeline>(new CudaPipeline(*this, std::move(lane)));
@@ -311,6 +317,10 @@ class CudaBackend final : public Transforms {
 
   void Return(std::unique_ptr<Lane> lane) {
     std::lock_guard<std::mutex> l(mu_);
+    uint64_t total = 0;  // capacities only grow while a lane lives
+    for (const Slot& s : lane->slots) total += s.pinned_cap + s.out_cap + s.ops_cap + s.dsrc_cap + s.ddst_cap + s.dops_cap;
+    held_ += total - lane->counted;
+    lane->counted = total;
     free_.push_back(std::move(lane));
     --in_use_;
     last_use_ = std::chrono::steady_clock::now();
@@ -322,6 +332,7 @@ class CudaBackend final : public Transforms {
       for (Slot& s : lane->slots) FreeSlot(s);
     }
     free_.clear();
+    held_ = 0;
     if (constants_) {
       (void)cudaSetDevice(opts_.device);
       (void)cudaDeviceReset();  // drops the primary context and all it holds
@@ -342,8 +353,9 @@ class CudaBackend final : public Transforms {
   CudaOptions opts_;
   std::string name_;
   // Lock order: mu_ is a leaf; CUDA calls under it only create or free.
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
+  uint64_t held_ = 0;  // capacities of every lane's buffers (in use or free)
   std::vector<std::unique_ptr<Lane>> free_;
   int in_use_ = 0;
   bool constants_ = false;

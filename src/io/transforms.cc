@@ -169,6 +169,8 @@ uint32_t Crc32cUpdate(uint32_t crc, const char* p, uint64_t n) {
   return ~Crc32cSoftware(~crc, u, n);
 }
 
+uint32_t Crc32cConcat(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) { return Crc32cCombine(crc_a, crc_b, len_b); }
+
 // --- The CPU backend.
 namespace {
 

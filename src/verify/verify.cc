@@ -375,6 +375,19 @@ void Verifier::ReadOne(Work& w, TensorCheck& c, std::vector<Finding>& out) {
       return;
     }
     XXH3_64bits_update(st.get(), buf.data(), n);
+    Transforms& tf = reader_.policy() != nullptr ? reader_.policy()->For(TransformKind::kCrc32c, n) : CpuTransforms();
+    const ByteRange whole{0, n};
+    uint32_t crc = 0;
+    s = tf.Crc32c(buf.data(), n, std::span<const ByteRange>(&whole, 1), &crc);
+    if (!s.ok() && &tf != &CpuTransforms()) {
+      LogWarn("cannot hash '" + t.key + "' on " + tf.name() + ", hashing on the CPU: " + s.message());
+      s = CpuTransforms().Crc32c(buf.data(), n, std::span<const ByteRange>(&whole, 1), &crc);
+    }
+    if (!s.ok()) {
+      out.push_back({Check::kUnreadable, Severity::kError, t.key, "", s.message(), ""});
+      return;
+    }
+    c.crc32c = off == 0 ? crc : Crc32cConcat(c.crc32c, crc, n);
     for (FragmentRuns& fr : runs) fr.Scan(buf.data(), off / esz, (off + n) / esz, esz);
     if (c.numeric) DeepScan(buf.data(), n, dt, c);
   }
@@ -659,7 +672,12 @@ std::string ReportJson(const Report& r, const Index& index, bool timing) {
     e["bytes"] = t.byte_size;
     e["fragments"] = t.num_fragments;
     e["read"] = c.read;
-    if (c.read) e["xxh3"] = Hex64(c.xxh3);
+    if (c.read) {
+      e["xxh3"] = Hex64(c.xxh3);
+      char crc[9];
+      std::snprintf(crc, sizeof(crc), "%08x", c.crc32c);
+      e["crc32c"] = crc;
+    }
     if (c.zero_fragments) e["zero_chunks"] = c.zero_fragments;
     if (c.numeric && c.read) {
       e["nan"] = c.nan;
