@@ -399,8 +399,7 @@ Result<std::unique_ptr<TransformPolicy>> TransformPolicy::Make(GpuMode mode, con
   auto g = MakeCudaTransforms(cuda);
   if (!g.ok()) {
     if (mode == GpuMode::kOn) return g.status().Annotate("--gpu=on");
-    LogInfo("--gpu=auto: transforms on the CPU (" + g.status().message() + ")");
-    p->mode_ = GpuMode::kOff;
+    p->mode_ = GpuMode::kOff;  // auto without a device: the CPU (the mount log says "transforms cpu")
     return p;
   }
   p->gpu_ = std::move(*g);
