@@ -482,6 +482,10 @@ bool CudaCompiledIn() { return true; }
 Result<std::unique_ptr<Transforms>> MakeCudaTransforms(const CudaOptions& opts) {
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err == cudaErrorInsufficientDriver || err == cudaErrorNoDevice) {
+    return Unsupported(std::string("no usable CUDA device (no NVIDIA driver or GPU on this machine: ") +
+                       cudaGetErrorString(err) + ")");
+  }
   if (err != cudaSuccess) return Unsupported(std::string("no usable CUDA device: ") + cudaGetErrorString(err));
   if (opts.device < 0 || opts.device >= n) {
     return Unsupported("no CUDA device " + std::to_string(opts.device) + " (" + std::to_string(n) + " present)");
