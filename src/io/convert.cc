@@ -56,6 +56,21 @@ const Table* Fp8TableOf(DType d) {
   }
 }
 
+// Stores n float32 bit patterns. `dst` may sit at any byte offset of a reply
+// buffer: aligned outputs take typed stores (which vectorize), others memcpy.
+template <typename Bits>
+void WidenLoop(char* dst, uint64_t n, Bits bits) {
+  if (reinterpret_cast<uintptr_t>(dst) % alignof(uint32_t) == 0) {
+    auto* out = reinterpret_cast<uint32_t*>(dst);
+    for (uint64_t i = 0; i < n; ++i) out[i] = bits(i);
+  } else {
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint32_t b = bits(i);
+      std::memcpy(dst + 4 * i, &b, 4);
+    }
+  }
+}
+
 }  // namespace
 
 const float* Fp8DecodeTable(DType d) {
@@ -81,19 +96,13 @@ Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd
   }
   if (dd != DType::kF32) return Internal("no conversion from " + std::string(DTypeName(sd)) + " to " + std::string(DTypeName(dd)));
   const int64_t step = stride * static_cast<int64_t>(ss);
-  float* out = reinterpret_cast<float*>(dst);
   if (sd == DType::kBF16) {
-    for (uint64_t i = 0; i < n; ++i) {
-      const uint32_t bits = BFloat16BitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step));
-      std::memcpy(out + i, &bits, 4);
-    }
+    WidenLoop(dst, n, [&](uint64_t i) { return BFloat16BitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step)); });
   } else if (sd == DType::kF16) {
-    for (uint64_t i = 0; i < n; ++i) {
-      const uint32_t bits = HalfBitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step));
-      std::memcpy(out + i, &bits, 4);
-    }
+    WidenLoop(dst, n, [&](uint64_t i) { return HalfBitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step)); });
   } else if (const float* t = Fp8DecodeTable(sd)) {
-    for (uint64_t i = 0; i < n; ++i) out[i] = t[static_cast<uint8_t>(src[static_cast<int64_t>(i) * step])];
+    const auto* bits = reinterpret_cast<const uint32_t*>(t);
+    WidenLoop(dst, n, [&](uint64_t i) { return bits[static_cast<uint8_t>(src[static_cast<int64_t>(i) * step])]; });
   } else {
     return Internal("no conversion from " + std::string(DTypeName(sd)) + " to float32");
   }

@@ -84,7 +84,8 @@ __device__ __forceinline__ void ConvertElement(const DevOp& op, const unsigned c
   }
   uint32_t bits;
   if (op.conv <= 2) {
-    const uint16_t h = static_cast<uint16_t>(s[0] | (static_cast<uint16_t>(s[1]) << 8));  // little-endian source
+    const uint16_t h = op.aligned ? *reinterpret_cast<const uint16_t*>(s)  // little-endian host and device
+                                  : static_cast<uint16_t>(s[0] | (static_cast<uint16_t>(s[1]) << 8));
     bits = op.conv == 1 ? BFloat16BitsToFloatBits(h) : HalfBitsToFloatBits(h);
   } else {
     bits = __float_as_uint(c_fp8[op.conv - 3][s[0]]);

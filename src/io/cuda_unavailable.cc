@@ -7,7 +7,7 @@ namespace ckptfs {
 bool CudaCompiledIn() { return false; }
 
 Result<std::unique_ptr<Transforms>> MakeCudaTransforms(const CudaOptions&) {
-  return Unsupported("this ckptfs was built without CUDA (no nvcc at configure time)");
+  return Unsupported("this ckptfs was built without CUDA (no nvcc at configure time, or a sanitizer build)");
 }
 
 }  // namespace ckptfs
