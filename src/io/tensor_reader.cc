@@ -211,7 +211,9 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
   Chunk first;
   RETURN_IF_ERROR(PlanChunk(t, frags, view, out, e0, e0, std::min(e1, e0 + chunk), true, base, &first));
   Transforms* tf = &CpuTransforms();
-  if (policy_ != nullptr && !first.ops.empty()) tf = &policy_->For(ClassifyPlan(first.ops, out), (e1 - e0) * osz);
+  if (policy_ != nullptr && policy_->gpu() != nullptr && !first.ops.empty()) {
+    tf = &policy_->For(ClassifyPlan(first.ops, out), (e1 - e0) * osz);
+  }
   bool gpu_failed = false;
   Status s = RunChunks(t, frags, view, out, e0, e1, chunk, *tf, base, std::move(first), &gpu_failed);
   if (gpu_failed) {

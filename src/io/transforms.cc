@@ -184,7 +184,29 @@ Status GatherRunCpu(const char* src, DType sd, int64_t sstride, char* dst, DType
   return Status::Ok();
 }
 
-// One op: the innermost dim as one run, the outer dims as an odometer.
+// `rows` rows of `n` bytes; fixed sizes compile to single moves (tiny-run
+// gathers: a TP=8 merge of narrow shards is 16-byte rows).
+template <size_t N>
+void CopyRowsN(const char* s, int64_t sstep, char* d, int64_t dstep, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * dstep, s + r * sstep, N);
+}
+
+void CopyRows(const char* s, int64_t sstep, char* d, int64_t dstep, int64_t rows, size_t n) {
+  switch (n) {
+    case 2: return CopyRowsN<2>(s, sstep, d, dstep, rows);
+    case 4: return CopyRowsN<4>(s, sstep, d, dstep, rows);
+    case 8: return CopyRowsN<8>(s, sstep, d, dstep, rows);
+    case 16: return CopyRowsN<16>(s, sstep, d, dstep, rows);
+    case 32: return CopyRowsN<32>(s, sstep, d, dstep, rows);
+    case 64: return CopyRowsN<64>(s, sstep, d, dstep, rows);
+    default:
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * dstep, s + r * sstep, n);
+  }
+}
+
+// One op. Same-dtype ops with contiguous rows copy the last two dims as rows;
+// others convert the innermost dim as one run. The dims above walk as an
+// odometer.
 Status RunOpCpu(const char* src, const GatherOp& op, DType out, char* dst) {
   if (op.Elements() == 0) return Status::Ok();
   const int64_t ss = static_cast<int64_t>(DTypeSize(op.sdtype)), ds = static_cast<int64_t>(DTypeSize(out));
@@ -192,16 +214,23 @@ Status RunOpCpu(const char* src, const GatherOp& op, DType out, char* dst) {
   char* d0 = dst + op.dst_off;
   const int k = op.rank;
   if (k == 0) return ConvertRun(s0, op.sdtype, 1, d0, out, 1);
+  const bool rows = op.sdtype == out && k >= 2 && op.sstr[k - 1] == 1 && op.dstr[k - 1] == 1;
+  const int outer = rows ? k - 2 : k - 1;
   std::array<int64_t, kMaxGatherDims> idx{};
   while (true) {
     int64_t so = 0, dof = 0;
-    for (int d = 0; d + 1 < k; ++d) {
+    for (int d = 0; d < outer; ++d) {
       so += idx[d] * op.sstr[d];
       dof += idx[d] * op.dstr[d];
     }
-    RETURN_IF_ERROR(GatherRunCpu(s0 + so * ss, op.sdtype, op.sstr[k - 1], d0 + dof * ds, out, op.dstr[k - 1],
-                                 static_cast<uint64_t>(op.len[k - 1])));
-    int d = k - 1;
+    if (rows) {
+      CopyRows(s0 + so * ss, op.sstr[k - 2] * ss, d0 + dof * ds, op.dstr[k - 2] * ds, op.len[k - 2],
+               static_cast<size_t>(op.len[k - 1] * ss));
+    } else {
+      RETURN_IF_ERROR(GatherRunCpu(s0 + so * ss, op.sdtype, op.sstr[k - 1], d0 + dof * ds, out, op.dstr[k - 1],
+                                   static_cast<uint64_t>(op.len[k - 1])));
+    }
+    int d = outer;
     while (true) {
       if (d == 0) return Status::Ok();
       --d;

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "../test_util.h"
+#include "ckptfs/geometry.h"
 #include "ckptfs/index.h"
 #include "ckptfs/io.h"
 #include "ckptfs/transforms.h"
@@ -67,17 +68,8 @@ struct Frag {
   uint64_t src_off = 0;
 };
 
-std::vector<int64_t> CStrides(const std::vector<int64_t>& shape) {
-  std::vector<int64_t> s(shape.size(), 1);
-  for (size_t d = shape.size(); d-- > 1;) s[d - 1] = s[d] * shape[d];
-  return s;
-}
-
-uint64_t Numel(const std::vector<int64_t>& shape) {
-  uint64_t n = 1;
-  for (int64_t v : shape) n *= static_cast<uint64_t>(v);
-  return n;
-}
+std::vector<int64_t> CStrides(const std::vector<int64_t>& shape) { return ContiguousStrides(shape); }
+uint64_t Numel(const std::vector<int64_t>& shape) { return static_cast<uint64_t>(NumelOf(shape)); }
 
 // Stores each fragment's slice of `full` (C order, `shape`) into `src` at its
 // src_off with its strides.
