@@ -4,10 +4,11 @@
 // Plans (output bytes 1 MiB .. 256 MiB):
 //   copy         two float32 shards merged along dim 1, 16 KiB rows (a TP=2 merge)
 //   tiny-runs    eight float32 shards merged along dim 1, 16-byte rows (TP=8, narrow)
-//   widen        one contiguous bf16 run -> float32
+//   widen        contiguous bf16 -> float32 (1 MiB output rows; the pipeline cuts by rows)
 //   widen+merge  four bf16 shards merged along dim 1 (row-parallel), -> float32
 //   zero-strip   bf16 params cut out of 8 padded ZeRO partitions, -> float32
 //   crc32c       CRC-32C of the bytes
+// copy, tiny-runs and widen are the plans calibration times (MakeMergePlan).
 // Columns: cpu = CpuTransforms().Gather (one core); gpu = Gather from pageable
 // memory (H2D + kernel + D2H + copy out); pipe = the read engine's two-slot
 // pipeline (source already in pinned staging, as the io_uring reads leave it;
@@ -44,42 +45,9 @@ struct Plan {
   bool crc = false;
 };
 
-GatherOp Op2(DType sd, uint64_t src_off, uint64_t dst_off, int64_t rows, int64_t run, int64_t sstride, int64_t dstride) {
-  GatherOp op;
-  op.sdtype = sd;
-  op.rank = 2;
-  op.src_off = src_off, op.dst_off = dst_off;
-  op.len[0] = rows, op.len[1] = run;
-  op.sstr[0] = sstride, op.sstr[1] = 1;
-  op.dstr[0] = dstride, op.dstr[1] = 1;
-  return op;
-}
-
-// `parts` shards of `run` elements per row merged along dim 1.
 Plan Merge(const std::string& name, TransformKind kind, DType sd, int64_t run, int64_t parts, uint64_t out_bytes) {
-  Plan p{name, kind, {}, {}, DType::kF32, 0, false};
-  const uint64_t ss = DTypeSize(sd);
-  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(out_bytes / 4) / (run * parts));
-  p.src.resize(static_cast<size_t>(rows * run * parts) * ss);
-  for (int64_t s = 0; s < parts; ++s) {
-    p.ops.push_back(Op2(sd, static_cast<uint64_t>(s * rows * run) * ss, static_cast<uint64_t>(s * run) * 4, rows, run,
-                        run, run * parts));
-  }
-  p.out_bytes = static_cast<uint64_t>(rows * run * parts) * 4;
-  return p;
-}
-
-Plan Widen(uint64_t out_bytes) {
-  Plan p{"widen", TransformKind::kWiden, {}, {}, DType::kF32, 0, false};
-  const uint64_t n = out_bytes / 4;
-  p.src.resize(n * 2);
-  GatherOp op;
-  op.sdtype = DType::kBF16;
-  op.rank = 1;
-  op.len[0] = static_cast<int64_t>(n), op.sstr[0] = 1, op.dstr[0] = 1;
-  p.ops.push_back(op);
-  p.out_bytes = n * 4;
-  return p;
+  SyntheticPlan sp = MakeMergePlan(sd, run, parts, out_bytes);
+  return Plan{name, kind, std::move(sp.src), std::move(sp.ops), DType::kF32, sp.out_bytes, false};
 }
 
 // Parameters of random sizes flattened, padded, cut into 8 partitions stored
@@ -201,7 +169,7 @@ int main(int argc, char** argv) {
     std::vector<Plan> plans;
     plans.push_back(Merge("copy", TransformKind::kCopy, DType::kF32, 4096, 2, bytes));
     plans.push_back(Merge("tiny-runs", TransformKind::kTinyRuns, DType::kF32, 4, 8, bytes));
-    plans.push_back(Widen(bytes));
+    plans.push_back(Merge("widen", TransformKind::kWiden, DType::kBF16, 1 << 18, 1, bytes));
     plans.push_back(Merge("widen+merge", TransformKind::kWiden, DType::kBF16, 1024, 4, bytes));
     plans.push_back(ZeroStrip(bytes, rng));
     Plan crc{"crc32c", TransformKind::kCrc32c, std::vector<char>(bytes), {}, DType::kU8, bytes, true};

@@ -114,7 +114,7 @@ class TensorReader {
   Status PlanChunk(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
                    uint64_t c0, uint64_t c1, bool direct, char* base, Chunk* plan);
   Status RunChunks(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
-                   uint64_t e1, uint64_t chunk, Transforms& tf, char* base, Chunk first, bool* gpu_failed);
+                   uint64_t e1, uint64_t chunk, Transforms& tf, char* base, const Chunk* first, bool* gpu_failed);
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
   Status CheckFd(FileId file) const;

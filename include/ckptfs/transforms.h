@@ -28,6 +28,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "ckptfs/common.h"
 #include "ckptfs/model.h"
@@ -128,6 +129,18 @@ struct Calibration {
   std::array<uint64_t, kTransformKinds> crossover{kNever, kNever, kNever, kNever};
   std::array<double, kTransformKinds> cpu_gbps{}, gpu_gbps{};  // at the largest size measured
 };
+// A synthetic plan for calibration and bench/transform_bench: `parts` shards
+// of `run` elements per row (dtype `sd`, pseudo-random bytes) merged along
+// dim 1 into float32, about `out_bytes` of output. parts = 2, run = 4096 f32
+// is a TP=2 merge with long rows; parts = 8, run = 4 a tiny-run merge;
+// parts = 1 with bf16 a plain widen (rows then only cut it into pieces).
+struct SyntheticPlan {
+  std::vector<char> src;
+  std::vector<GatherOp> ops;
+  uint64_t out_bytes = 0;  // output is float32
+};
+SyntheticPlan MakeMergePlan(DType sd, int64_t run, int64_t parts, uint64_t out_bytes);
+
 // Times `gpu` against the CPU backend on synthetic plans of each kind (1 to
 // 64 MiB) and returns the crossovers (a few hundred ms).
 Result<Calibration> Calibrate(Transforms& gpu);

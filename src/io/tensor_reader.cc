@@ -215,13 +215,12 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
     tf = &policy_->For(ClassifyPlan(first.ops, out), (e1 - e0) * osz);
   }
   bool gpu_failed = false;
-  Status s = RunChunks(t, frags, view, out, e0, e1, chunk, *tf, base, std::move(first), &gpu_failed);
+  const bool gpu = tf != &CpuTransforms();
+  Status s = RunChunks(t, frags, view, out, e0, e1, chunk, *tf, base, gpu ? nullptr : &first, &gpu_failed);
   if (gpu_failed) {
     gpu_fallbacks_.fetch_add(1);
     LogWarn("cannot transform '" + t.key + "' on " + tf->name() + ", read again on the CPU: " + s.message());
-    Chunk again;
-    RETURN_IF_ERROR(PlanChunk(t, frags, view, out, e0, e0, std::min(e1, e0 + chunk), true, base, &again));
-    s = RunChunks(t, frags, view, out, e0, e1, chunk, CpuTransforms(), base, std::move(again), &gpu_failed);
+    s = RunChunks(t, frags, view, out, e0, e1, chunk, CpuTransforms(), base, &first, &gpu_failed);
   }
   if (!s.ok()) return s;
   if (base != dst) std::memcpy(dst, base + (offset - e0 * osz), len);
@@ -313,12 +312,13 @@ Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment
 }
 
 // The chunks of [e0, e1) through `tf`'s two-slot pipeline: the I/O of chunk
-// i+1 runs while the transform of chunk i is in flight. `first` is chunk 0
-// planned for the CPU; a GPU plans it again without direct reads.
+// i+1 runs while the transform of chunk i is in flight. `first`, when given,
+// is chunk 0 already planned for the CPU (direct reads); other chunks, and
+// every chunk of a GPU run (no direct reads), are planned here.
 // *gpu_failed: the failure came from the GPU (the caller retries on the CPU).
 Status TensorReader::RunChunks(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
-                               uint64_t e0, uint64_t e1, uint64_t chunk, Transforms& tf, char* base, Chunk first,
-                               bool* gpu_failed) {
+                               uint64_t e0, uint64_t e1, uint64_t chunk, Transforms& tf, char* base,
+                               const Chunk* first, bool* gpu_failed) {
   const bool gpu = &tf != &CpuTransforms();
   (gpu ? gpu_plans_ : cpu_plans_).fetch_add(1);
   auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
@@ -335,8 +335,8 @@ Status TensorReader::RunChunks(const TensorRecord& t, const std::vector<Fragment
   for (uint64_t c0 = e0; c0 < e1; c0 += chunk, slot ^= 1) {
     const uint64_t c1 = std::min(e1, c0 + chunk);
     Chunk plan;
-    if (c0 == e0 && !gpu) {
-      plan = std::move(first);
+    if (c0 == e0 && first != nullptr) {
+      plan = *first;
     } else {
       RETURN_IF_ERROR(PlanChunk(t, frags, view, out, e0, c0, c1, !gpu, base, &plan));
     }

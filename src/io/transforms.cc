@@ -308,60 +308,49 @@ Result<GpuMode> ParseGpuMode(std::string_view s) {
   return Invalid("unknown --gpu " + std::string(s) + " (auto, on, off)");
 }
 
+SyntheticPlan MakeMergePlan(DType sd, int64_t run, int64_t parts, uint64_t out_bytes) {
+  SyntheticPlan p;
+  const uint64_t ss = DTypeSize(sd);
+  run = std::max<int64_t>(1, run);
+  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(out_bytes / 4) / (run * parts));
+  p.src.resize(static_cast<size_t>(rows * run * parts) * ss);
+  std::mt19937_64 rng(42);
+  for (size_t i = 0; i < p.src.size(); i += 7) p.src[i] = static_cast<char>(rng());
+  for (int64_t s = 0; s < parts; ++s) {
+    GatherOp op;
+    op.sdtype = sd;
+    op.rank = 2;
+    op.src_off = static_cast<uint64_t>(s * rows * run) * ss;
+    op.dst_off = static_cast<uint64_t>(s * run) * 4;
+    op.len[0] = rows, op.len[1] = run;
+    op.sstr[0] = run, op.sstr[1] = 1;
+    op.dstr[0] = run * parts, op.dstr[1] = 1;
+    p.ops.push_back(op);
+  }
+  p.out_bytes = static_cast<uint64_t>(rows * run * parts) * 4;
+  return p;
+}
+
 // --- Calibration: synthetic plans of each kind, timed on both backends with
 // the transfers the GPU path really does (pageable source and output).
 namespace {
 
-struct Synthetic {
-  std::vector<char> src;
-  std::vector<GatherOp> ops;
-  DType out = DType::kF32;
-  uint64_t dst_len = 0;
-};
-
-// `out_bytes` of output for kind `k`: copy = 2 sources merged along dim 1
-// with 16 KiB rows; tiny runs = the same with 16-byte rows (a TP=8 merge of
-// narrow shards); widen = one contiguous bf16 run to float32.
-Synthetic MakeSynthetic(TransformKind k, uint64_t out_bytes) {
-  Synthetic s;
-  std::mt19937_64 rng(42);
-  if (k == TransformKind::kWiden) {
-    const uint64_t n = out_bytes / 4;
-    s.src.resize(n * 2);
-    for (auto& c : s.src) c = static_cast<char>(rng());
-    GatherOp op;
-    op.sdtype = DType::kBF16;
-    op.rank = 1;
-    op.len[0] = static_cast<int64_t>(n), op.sstr[0] = 1, op.dstr[0] = 1;
-    s.ops.push_back(op);
-    s.dst_len = n * 4;
-    return s;
+// The plan calibration times for kind `k`: copy = TP=2 merge with 16 KiB
+// rows; tiny runs = TP=8 merge with 16-byte rows; widen (and crc32c's bytes)
+// = contiguous bf16 in 1 MiB output rows.
+SyntheticPlan CalibrationPlan(TransformKind k, uint64_t out_bytes) {
+  switch (k) {
+    case TransformKind::kCopy: return MakeMergePlan(DType::kF32, 4096, 2, out_bytes);
+    case TransformKind::kTinyRuns: return MakeMergePlan(DType::kF32, 4, 8, out_bytes);
+    default: return MakeMergePlan(DType::kBF16, 1 << 18, 1, out_bytes);  // 1 MiB output rows
   }
-  const int64_t run = k == TransformKind::kCopy ? 4096 : 4;  // f32 elements per row of one source
-  const int64_t parts = k == TransformKind::kCopy ? 2 : 8;
-  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(out_bytes / 4) / (run * parts));
-  s.src.resize(static_cast<size_t>(rows * run * parts * 4));
-  for (size_t i = 0; i < s.src.size(); i += 8) s.src[i] = static_cast<char>(rng());
-  for (int64_t p = 0; p < parts; ++p) {
-    GatherOp op;
-    op.sdtype = DType::kF32;
-    op.rank = 2;
-    op.src_off = static_cast<uint64_t>(p * rows * run * 4);
-    op.dst_off = static_cast<uint64_t>(p * run * 4);
-    op.len[0] = rows, op.len[1] = run;
-    op.sstr[0] = run, op.sstr[1] = 1;
-    op.dstr[0] = run * parts, op.dstr[1] = 1;
-    s.ops.push_back(op);
-  }
-  s.dst_len = static_cast<uint64_t>(rows * run * parts * 4);
-  return s;
 }
 
-double TimeGather(Transforms& t, const Synthetic& s, std::vector<char>& dst, int reps) {
+double TimeGather(Transforms& t, const SyntheticPlan& s, std::vector<char>& dst, int reps) {
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
     auto t0 = std::chrono::steady_clock::now();
-    Status st = t.Gather(s.src.data(), s.src.size(), s.ops, s.out, dst.data(), dst.size());
+    Status st = t.Gather(s.src.data(), s.src.size(), s.ops, DType::kF32, dst.data(), dst.size());
     auto t1 = std::chrono::steady_clock::now();
     if (!st.ok()) return 1e30;
     best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
@@ -369,7 +358,7 @@ double TimeGather(Transforms& t, const Synthetic& s, std::vector<char>& dst, int
   return best;
 }
 
-double TimeCrc(Transforms& t, const Synthetic& s, int reps) {
+double TimeCrc(Transforms& t, const SyntheticPlan& s, int reps) {
   double best = 1e30;
   ByteRange r{0, s.src.size()};
   uint32_t c = 0;
@@ -395,18 +384,18 @@ Result<Calibration> Calibrate(Transforms& gpu) {
     // from which on the GPU stays at least 5% faster.
     uint64_t crossover = Calibration::kNever;
     for (int i = 3; i >= 0; --i) {
-      Synthetic s = MakeSynthetic(kind == TransformKind::kCrc32c ? TransformKind::kWiden : kind, sizes[i]);
+      SyntheticPlan s = CalibrationPlan(kind, sizes[i]);
       double tc, tg;
       if (kind == TransformKind::kCrc32c) {
         tc = TimeCrc(CpuTransforms(), s, 3);
         tg = TimeCrc(gpu, s, 3);
       } else {
-        std::vector<char> dst(s.dst_len);
+        std::vector<char> dst(s.out_bytes);
         tc = TimeGather(CpuTransforms(), s, dst, 3);
         tg = TimeGather(gpu, s, dst, 3);
       }
       if (i == 3) {
-        const double bytes = kind == TransformKind::kCrc32c ? static_cast<double>(s.src.size()) : static_cast<double>(s.dst_len);
+        const double bytes = kind == TransformKind::kCrc32c ? static_cast<double>(s.src.size()) : static_cast<double>(s.out_bytes);
         c.cpu_gbps[k] = bytes / tc / 1e9;
         c.gpu_gbps[k] = bytes / tg / 1e9;
       }
