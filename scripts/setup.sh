@@ -21,13 +21,16 @@ fi
 # Python: a venv that sees the system's site-packages (so an installed torch is reused).
 if [[ ! -x .venv/bin/python ]]; then python3 -m venv --system-site-packages .venv; fi
 PY=.venv/bin/python
-# pip requirement:import name (test-only producers and clients after numpy).
+# pip requirement:import name (test-only producers and clients after numpy). Versions come from
+# scripts/constraints.txt; a package installed at another version is reinstalled at the pin.
 want=(numpy:numpy)
 [[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout
-                                     deepspeed:deepspeed megatron-core:megatron.core "zarr<3:zarr" safetensors:safetensors)
+                                     deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors)
 need=()
 for w in "${want[@]}"; do
-  req=${w%%:*} mod=${w##*:}
-  "$PY" -c "import ${mod}" >/dev/null 2>&1 || need+=("$req")
+  req=${w%%:*}
+  pin=$(grep -i -m1 "^${req}==" scripts/constraints.txt | cut -d= -f3)
+  have=$("$PY" -c "import importlib.metadata as m; print(m.version('${req}'))" 2>/dev/null || true)
+  [[ -n "$pin" && "$have" == "$pin" ]] || need+=("$req")
 done
-if ((${#need[@]})); then "$PY" -m pip install -q "${need[@]}"; fi
+if ((${#need[@]})); then "$PY" -m pip install -q -c scripts/constraints.txt "${need[@]}"; fi

@@ -1,5 +1,6 @@
 #include "formats/pickle.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -38,6 +39,51 @@ bool IsAllowedGlobal(const std::string& module, const std::string& name, const P
   return false;
 }
 
+// Globals that are never data: modules whose callables act on the system or
+// on the interpreter, and builtins other than the allowed constructors. The
+// VM would not call them either; refusing them names a crafted file plainly.
+bool IsDeniedGlobal(const std::string& module) {
+  static const char* kModules[] = {"os", "posix", "nt", "subprocess", "sys", "shutil", "socket", "importlib",
+                                   "runpy", "pickle", "_pickle", "marshal", "code", "codeop", "ctypes", "pty",
+                                   "signal", "multiprocessing", "webbrowser", "tempfile", "builtins", "pdb",
+                                   "timeit", "platform"};
+  for (const char* m : kModules) {
+    if (module == m || StartsWith(module, std::string(m) + ".")) return true;
+  }
+  return false;
+}
+
+// Globals that decide tensor bytes: a storage class or a tensor rebuild
+// function from outside torch is never a placeholder (it would silently turn
+// a tensor into an inert object).
+bool DecidesTensorBytes(const std::string& name) {
+  return StartsWith(name, "_rebuild") || (name.size() >= 7 && name.compare(name.size() - 7, 7, "Storage") == 0);
+}
+
+// Enum classes whose members the readers need as numbers, with each member's
+// value: `getattr(Cls, 'name')` (CPython 3.11.0-3.11.4, bpo-44342 until
+// gh-105332) and `Cls(value)` (every other release) read the same.
+struct KnownEnum {
+  const char* module;
+  const char* cls;
+  std::vector<std::pair<const char*, int64_t>> members;
+};
+const std::vector<KnownEnum>& KnownEnums() {
+  static const std::vector<KnownEnum> k = {
+      // deepspeed/runtime/zero/config.py
+      {"deepspeed.runtime.zero.config", "ZeroStageEnum",
+       {{"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}}},
+  };
+  return k;
+}
+const KnownEnum* FindEnum(const PyValue& cls) {
+  if (cls.kind != PyKind::kGlobal) return nullptr;
+  for (const KnownEnum& e : KnownEnums()) {
+    if (cls.s == e.module && cls.name == e.cls) return &e;
+  }
+  return nullptr;
+}
+
 class Vm {
  public:
   Vm(std::string_view data, const std::string& what, const PickleOptions& opts)
@@ -45,6 +91,7 @@ class Vm {
 
   Result<PyRef> Run();
   const std::shared_ptr<Arena>& arena() const { return arena_; }
+  const std::vector<std::string>& placeholders() const { return placeholders_; }
 
  private:
   PyRef Make(PyKind k) {
@@ -122,12 +169,20 @@ class Vm {
   }
   Result<PyRef> Global(std::string module, std::string name) {
     module = CanonicalModule(module);
-    if (!IsAllowedGlobal(module, name, opts_)) {
+    const bool allowed = IsAllowedGlobal(module, name, opts_);
+    if (!allowed && (!opts_.placeholders || IsDeniedGlobal(module) || DecidesTensorBytes(name))) {
       return Err("unknown pickle global " + module + "." + name + " (not on the allow list)");
     }
     auto v = Make(PyKind::kGlobal);
     v->s = std::move(module);
     v->name = std::move(name);
+    if (!allowed) {
+      v->placeholder = true;
+      std::string full = v->s + "." + v->name;
+      if (std::find(placeholders_.begin(), placeholders_.end(), full) == placeholders_.end()) {
+        placeholders_.push_back(std::move(full));
+      }
+    }
     return v;
   }
   Status SetItems(const PyRef& target, std::vector<PyRef>& kv) {
@@ -150,6 +205,14 @@ class Vm {
     return Status::Ok();
   }
   Result<PyRef> Call(const PyRef& callable, const PyRef& args);
+  // The canonical form of a known enum member: an Object Cls(value).
+  PyRef EnumMember(const PyRef& cls, int64_t value) {
+    auto o = Make(PyKind::kObject);
+    o->callable = cls;
+    o->args = {MakeInt(value)};
+    o->depth = 1;
+    return o;
+  }
   Result<PyRef> RebuildTensor(const std::string& fn, const std::vector<PyRef>& a);
   Result<PyRef> PersistentLoad(const PyRef& pid);
   Status Memoize(uint64_t idx, const PyRef& v) {
@@ -172,6 +235,7 @@ class Vm {
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PyRef> memo_;
   std::shared_ptr<Arena> arena_;
+  std::vector<std::string> placeholders_;  // unknown globals kept inert, in first-seen order
 };
 
 Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
@@ -183,6 +247,9 @@ Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
   const PyValue& cls = *pid->items[1];
   auto v = Make(PyKind::kStorage);
   if (cls.kind == PyKind::kGlobal) {
+    if (cls.placeholder || (cls.s != "torch" && !StartsWith(cls.s, "torch."))) {
+      return Err("storage class " + cls.s + "." + cls.name + " is not torch's");
+    }
     if (cls.name == "UntypedStorage") {
       v->untyped = true;
       v->storage_dtype = DType::kU8;
@@ -221,7 +288,7 @@ Result<PyRef> Vm::RebuildTensor(const std::string& fn, const std::vector<PyRef>&
   t.storage_key = a[0]->s;
   t.dtype = a[0]->storage_dtype;
   if (fn == "_rebuild_tensor_v3") {
-    if (a[6]->kind != PyKind::kGlobal) return Err("_rebuild_tensor_v3: dtype is not a torch dtype");
+    if (a[6]->kind != PyKind::kGlobal || a[6]->s != "torch") return Err("_rebuild_tensor_v3: dtype is not a torch dtype");
     t.dtype = DTypeFromTorchName(a[6]->name);
     if (t.dtype == DType::kInvalid) return Err("unsupported dtype torch." + a[6]->name);
   } else if (a[0]->untyped) {
@@ -257,6 +324,22 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
       // (func, type, args, state): the tensor comes from func(*args).
       if (a.size() < 3) return Err("_rebuild_from_type_v2 with too few arguments");
       return Call(a[0], a[2]);
+    }
+    if (m == "builtins" && n == "getattr" && a.size() == 2 && a[1]->IsStr()) {
+      // getattr(EnumCls, 'member'): a known enum becomes EnumCls(value).
+      if (const KnownEnum* e = FindEnum(*a[0])) {
+        for (const auto& [member, value] : e->members) {
+          if (a[1]->s == member) return EnumMember(a[0], value);
+        }
+        return Err("unknown member '" + a[1]->s + "' of enum " + a[0]->s + "." + a[0]->name);
+      }
+    }
+    if (const KnownEnum* e = FindEnum(*callable)) {
+      if (a.size() != 1 || a[0]->kind != PyKind::kInt) return Err(std::string(e->cls) + "() argument is not an int");
+      for (const auto& [member, value] : e->members) {
+        if (a[0]->i == value) return EnumMember(callable, value);
+      }
+      return Err(std::to_string(a[0]->i) + " is not a value of enum " + e->module + "." + e->cls);
     }
     if (m == "collections" && n == "OrderedDict") {
       auto d = Make(PyKind::kDict);
@@ -716,6 +799,20 @@ Result<int64_t> AsInt(const PyValue* v, std::string_view what) {
   return Invalid(std::string(what) + " is not an integer");
 }
 
+Result<int64_t> EnumValue(const PyValue* v, std::string_view what) {
+  if (v == nullptr) return Invalid(std::string(what) + " is missing");
+  if (v->kind == PyKind::kObject && v->callable != nullptr && FindEnum(*v->callable) != nullptr &&
+      v->args.size() == 1 && v->args[0]->kind == PyKind::kInt) {
+    return v->args[0]->i;
+  }
+  if (v->kind == PyKind::kInt) return v->i;
+  if (v->kind == PyKind::kObject && v->callable != nullptr && v->callable->kind == PyKind::kGlobal) {
+    return Invalid(std::string(what) + " is " + v->callable->s + "." + v->callable->name +
+                   (v->callable->placeholder ? ", an enum ckptfs does not know" : ", not an enum member"));
+  }
+  return Invalid(std::string(what) + " is not an integer or enum member");
+}
+
 Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what) {
   if (v == nullptr) return Invalid(std::string(what) + " is missing");
   const PyValue* seq = v;
@@ -731,9 +828,11 @@ Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what
   return out;
 }
 
-Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts) {
+Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts,
+                          std::vector<std::string>* placeholders) {
   Vm vm(data, what, opts);
   ASSIGN_OR_RETURN(PyRef root, vm.Run());
+  if (placeholders != nullptr) *placeholders = vm.placeholders();
   return PyHandle(vm.arena(), root);  // aliasing: the handle owns the arena
 }
 

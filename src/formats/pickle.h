@@ -1,8 +1,8 @@
 // A restricted pickle virtual machine (protocols 0-5, CPython
 // Lib/pickletools.py is the opcode reference). It builds inert values and
 // never calls anything: GLOBAL / STACK_GLOBAL resolve only names on an allow
-// list (torch, numpy, collections, argparse, DCP dataclasses, ...; an unknown
-// global is an error naming it), and REDUCE / NEWOBJ / BUILD record the call
+// list (torch, numpy, collections, argparse, DCP dataclasses, ...), and
+// REDUCE / NEWOBJ / BUILD record the call
 // as an Object node instead of running it. A handful of well-known callables
 // are interpreted because their result is plain data: OrderedDict, torch.Size,
 // _codecs.encode (bytes under protocol 2), builtins.getattr (Enum members),
@@ -10,6 +10,21 @@
 // a storage record. Class names are matched across module renames
 // (torch.distributed._shard.checkpoint.X == torch.distributed.checkpoint.X,
 // numpy.core == numpy._core, __builtin__ == builtins).
+//
+// Unknown globals. Checkpoints carry their trainer's own objects in metadata
+// ckptfs does not need (Megatron-DeepSpeed's args hold
+// megatron.enums.PositionEmbeddingType; client state holds schedulers). With
+// `placeholders` on (the default) such a global becomes an inert kGlobal with
+// `placeholder` set that keeps its module and name, and calls of it are
+// recorded like any other. Globals stay strict (an error naming them) where
+// they would decide tensor bytes (storage classes, `_rebuild*` functions and
+// dtypes from outside torch) and for modules that are never data (os,
+// subprocess, builtins other than the constructors above, ...).
+//
+// Enums. CPython 3.11.0-3.11.4 pickle an Enum member as
+// getattr(Cls, 'name'), every other release as Cls(value). For the enums the
+// readers use (ZeroStageEnum) both become the object Cls(value); EnumValue
+// reads it.
 //
 // Limits: the input size bounds the number of values; the stack and memo are
 // bounded; out-of-band buffers (protocol 5 NEXT_BUFFER) and extension codes
@@ -66,6 +81,7 @@ struct PyValue {
   PyRef callable;      // object: the class / function
   PyRef state;         // object: BUILD state
   bool newobj = false; // object: made by NEWOBJ (cls.__new__) rather than REDUCE
+  bool placeholder = false;  // global: not on the allow list, kept inert (see the header note)
   // storage
   DType storage_dtype = DType::kInvalid;
   bool untyped = false;  // UntypedStorage: numel counts bytes
@@ -86,16 +102,25 @@ struct PyValue {
 struct PickleOptions {
   // Extra allowed module prefixes for a family reader (e.g. "deepspeed").
   std::vector<std::string> extra_modules;
+  // Unknown globals (outside the strict classes in the header note) become
+  // placeholders instead of failing the pickle. Default: on.
+  bool placeholders = true;
 };
 
 // Unpickles `data`; `what` names the source in errors ("x.distcp @ 431 data.pkl").
-Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts = {});
+// `placeholders`, when given, receives the unknown globals kept as
+// placeholders ("module.name", first-seen order).
+Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts = {},
+                          std::vector<std::string>* placeholders = nullptr);
 
 // Canonical module name used for matching (see the header note).
 std::string CanonicalModule(std::string_view module);
 
 // Integer value of an Int / Bool; error otherwise.
 Result<int64_t> AsInt(const PyValue* v, std::string_view what);
+// Value of a known enum member (either pickle form) or a plain int; an error
+// naming the class otherwise.
+Result<int64_t> EnumValue(const PyValue* v, std::string_view what);
 // Tuple/list of ints (torch.Size is a tuple after unpickling).
 Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what);
 

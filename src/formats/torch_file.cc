@@ -35,8 +35,27 @@ std::unique_ptr<Source> Files::Open(const std::string& rel, bool parse) {
     s->error = "cannot parse " + rel + ": " + a.status().message();
   } else {
     s->archive = std::move(a).value();
+    for (const std::string& g : s->archive.placeholders) {
+      Seen& seen = placeholders_[g];
+      if (seen.files++ == 0) seen.first = rel;
+    }
   }
   return s;
+}
+
+std::string Files::PlaceholderNote() const {
+  if (placeholders_.empty()) return "";
+  std::string out = "unknown pickle globals kept as inert placeholders (metadata that decides no tensor bytes): ";
+  size_t i = 0;
+  for (const auto& [g, seen] : placeholders_) {
+    if (i++ == 8) {
+      out += ", and " + std::to_string(placeholders_.size() - 8) + " more";
+      break;
+    }
+    out += (i > 1 ? ", " : "") + g + " (" + std::to_string(seen.files) + " file" + (seen.files > 1 ? "s" : "") +
+           ", first " + seen.first + ")";
+  }
+  return out;
 }
 
 Result<Loc> Resolve(const Source& s, const PyValue* v, const std::string& what) {

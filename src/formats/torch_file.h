@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -54,6 +55,16 @@ struct Files {
 
   // Registers, stats and parses `rel` (an absent file is recorded as missing).
   std::unique_ptr<Source> Open(const std::string& rel, bool parse = true);
+  // One line for checkpoint.json's notes naming the unknown pickle globals
+  // the opened files held as placeholders (empty when none did).
+  std::string PlaceholderNote() const;
+
+ private:
+  struct Seen {
+    size_t files = 0;
+    std::string first;
+  };
+  std::map<std::string, Seen> placeholders_;  // "module.name" -> where
 };
 
 // The tensor `v` of source `s` (an error naming `what` when it is not one or

@@ -7,6 +7,7 @@
 #define CKPTFS_FORMATS_TORCH_SAVE_H_
 
 #include <string>
+#include <vector>
 
 #include "ckptfs/common.h"
 #include "formats/byte_reader.h"
@@ -19,6 +20,7 @@ struct TorchSaveArchive {
   std::string prefix;  // "archive" in DCP items, the file stem otherwise
   ZipDirectory zip;
   PyHandle root;
+  std::vector<std::string> placeholders;  // unknown globals data.pkl kept inert (pickle.h)
 };
 
 // Parses the directory and data.pkl (bounded to 256 MiB).

@@ -164,9 +164,7 @@ Status ParseOptim(OptimRank& o) {
     o.stage = 1;
     o.bf16_optimizer = true;  // BF16_Optimizer writes no zero_stage
   } else {
-    const PyValue* z = zs;
-    if (z->kind == PyKind::kObject && !z->args.empty()) z = z->args[0];  // ZeroStageEnum(n)
-    ASSIGN_OR_RETURN(int64_t stage, AsInt(z, s.rel + ": zero_stage"));
+    ASSIGN_OR_RETURN(int64_t stage, EnumValue(zs, s.rel + ": zero_stage"));  // ZeroStageEnum, either pickle form
     if (stage < 1 || stage > 3) return Unsupported(s.rel + ": unknown ZeRO stage " + std::to_string(stage));
     o.stage = static_cast<int>(stage);
   }
@@ -799,6 +797,7 @@ Status Reader::Emit() {
     t.split = pats.present ? SplitOf(pats.For(t.fqn)) : TensorSplit{tp > 1 ? SplitKind::kDim : SplitKind::kUnknown, 0, 0};
   }
   ck.info.topology = "tp" + std::to_string(std::max(tp, 1)) + "-pp1-dp" + std::to_string(std::max(dp, 1));
+  if (std::string note = files.PlaceholderNote(); !note.empty()) problems.push_back(std::move(note));
   ck.info.problems = std::move(problems);
   return Status::Ok();
 }

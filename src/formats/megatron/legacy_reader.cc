@@ -718,6 +718,7 @@ Status Reader::Run() {
   if (args != nullptr) megatron::ExportArgsJson(args, ck);
   megatron::SetSplits(megatron::FactsOf(args), ck);
   ck.info.topology = "tp" + std::to_string(tp) + "-pp" + std::to_string(pp);
+  if (std::string note = files.PlaceholderNote(); !note.empty()) problems.push_back(std::move(note));
   ck.info.problems = std::move(problems);
   return Status::Ok();
 }

@@ -65,6 +65,68 @@ TEST(PickleTest, UnknownGlobalIsRefusedByName) {
   EXPECT_NE(r.status().message().find("evil.pkl"), std::string::npos);
 }
 
+TEST(PickleTest, EnumMemberByNameAndByValueReadTheSame) {
+  // CPython 3.11.2: getattr(ZeroStageEnum, 'gradients'); 3.11.7: ZeroStageEnum(2).
+  std::string by_name = L("\x80\x02" "cbuiltins\ngetattr\n" "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
+                          "X\x09\x00\x00\x00gradients" "\x86R.");
+  std::string by_value = L("\x80\x02" "cdeepspeed.runtime.zero.config\nZeroStageEnum\n" "K\x02\x85R.");
+  for (const std::string& p : {by_name, by_value}) {
+    auto r = Unpickle(p, "t");
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    EXPECT_EQ((*r)->ClassName(), "ZeroStageEnum");
+    auto v = EnumValue(r->get(), "zero_stage");
+    ASSERT_TRUE(v.ok()) << v.status().message();
+    EXPECT_EQ(*v, 2);
+  }
+  // An unknown member or value is an error naming the enum.
+  auto bad = Unpickle(L("\x80\x02" "cbuiltins\ngetattr\n" "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
+                        "X\x04\x00\x00\x00huge" "\x86R."), "t");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("unknown member 'huge'"), std::string::npos) << bad.status().message();
+  auto bad_value = Unpickle(L("\x80\x02" "cdeepspeed.runtime.zero.config\nZeroStageEnum\n" "K\x09\x85R."), "t");
+  ASSERT_FALSE(bad_value.ok());
+}
+
+TEST(PickleTest, UnknownGlobalInMetadataIsAnInertPlaceholder) {
+  // {'args': getattr(megatron.enums.PositionEmbeddingType, 'alibi')}: BLOOM's args.
+  std::string p = L("\x80\x02" "}X\x04\x00\x00\x00" "args" "cbuiltins\ngetattr\n"
+                    "cmegatron.enums\nPositionEmbeddingType\n" "X\x05\x00\x00\x00" "alibi" "\x86R" "s.");
+  std::vector<std::string> placeholders;
+  auto r = Unpickle(p, "t", {}, &placeholders);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  const PyValue* a = (*r)->Get("args");
+  ASSERT_NE(a, nullptr);
+  ASSERT_EQ(a->kind, PyKind::kObject);  // the recorded call getattr(cls, 'alibi')
+  ASSERT_EQ(a->args.size(), 2u);
+  EXPECT_TRUE(a->args[0]->placeholder);
+  EXPECT_EQ(a->args[0]->name, "PositionEmbeddingType");
+  EXPECT_EQ(a->args[1]->s, "alibi");
+  EXPECT_EQ(placeholders, std::vector<std::string>{"megatron.enums.PositionEmbeddingType"});
+  auto v = EnumValue(a, "position_embedding_type");
+  EXPECT_FALSE(v.ok());
+  // Strict readers can still refuse them.
+  PickleOptions strict;
+  strict.placeholders = false;
+  auto s = Unpickle(p, "t", strict);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("unknown pickle global megatron.enums.PositionEmbeddingType"),
+            std::string::npos);
+}
+
+TEST(PickleTest, GlobalsThatDecideTensorBytesStayStrict) {
+  // A rebuild function or a storage class from outside torch is refused by name.
+  auto r = Unpickle(L("\x80\x02" "cevil._utils\n_rebuild_tensor_v2\n" "."), "t");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("unknown pickle global evil._utils._rebuild_tensor_v2"), std::string::npos);
+  auto st = Unpickle(L("\x80\x02" "cevil\nFloatStorage\n" "."), "t");
+  ASSERT_FALSE(st.ok());
+  // Modules that are never data are refused even where placeholders are on.
+  for (const char* m : {"subprocess\ncall\n", "builtins\neval\n", "sys\nexit\n"}) {
+    auto x = Unpickle(L("\x80\x02" "c") + m + ".", "t");
+    EXPECT_FALSE(x.ok()) << m;
+  }
+}
+
 TEST(PickleTest, ModuleRenamesAreCanonical) {
   EXPECT_EQ(CanonicalModule("torch.distributed._shard.checkpoint.metadata"), "torch.distributed.checkpoint.metadata");
   EXPECT_EQ(CanonicalModule("torch.distributed._shard.sharded_tensor.metadata"), "torch.distributed.checkpoint.metadata");
