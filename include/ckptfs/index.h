@@ -30,7 +30,9 @@ namespace ckptfs {
 
 class Index {
  public:
-  static constexpr uint32_t kSchemaVersion = 6;  // bump whenever a reader's output changes, too (v6: TP split rules)
+  // Bump whenever a reader's output changes, too (v6: TP split rules; v7:
+  // mean-of-replicas tensors, DeepSpeed pipeline checkpoints).
+  static constexpr uint32_t kSchemaVersion = 7;
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);

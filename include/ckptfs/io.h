@@ -115,6 +115,10 @@ class TensorReader {
                    uint64_t c0, uint64_t c1, bool direct, char* base, Chunk* plan);
   Status RunChunks(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
                    uint64_t e1, uint64_t chunk, Transforms& tf, char* base, const Chunk* first, bool* gpu_failed);
+  // Elements [e0, e1) of the view of a mean-of-copies tensor (replicas > 1):
+  // each copy read as the source dtype, Transforms::Mean, then rendered as `out`.
+  Status ReadMean(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
+                  uint64_t e1, char* base);
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
   Status CheckFd(FileId file) const;

@@ -87,6 +87,9 @@ struct Fragment {
   Compression compression = Compression::kNone;
   uint64_t item_offset = 0;
   uint64_t item_length = 0;
+  // Which copy of the tensor this fragment belongs to when the tensor is a
+  // mean of copies (TensorRecord::replicas > 1); 0 otherwise.
+  uint32_t replica = 0;
 };
 
 // How a parameter (and each optimizer state of its shape) divides among
@@ -129,6 +132,12 @@ struct TensorRecord {
   // byte is read once.
   bool alias = false;
   TensorSplit split;
+  // > 1: the tensor is the elementwise mean of this many full copies (the
+  // fragments of copy r carry replica = r), computed as Python's
+  // sum(copies) / n: ((0 + c_0) + c_1) + ... then / n, each step rounded to
+  // `dtype` (DeepSpeed's parameter_to_average_patterns, e.g. BLOOM's
+  // TP-drifted layer norms, as ds_to_universal.py merges them).
+  uint32_t replicas = 1;
 
   uint64_t Numel() const {
     uint64_t n = 1;

@@ -79,6 +79,12 @@ class Transforms {
   // and dst_len first (an error, nothing written).
   virtual Status Gather(const char* src, uint64_t src_len, std::span<const GatherOp> ops, DType out, char* dst,
                         uint64_t dst_len) = 0;
+  // dst[i] = mean over the `copies` arrays of `numel` elements of `dt` laid
+  // out back to back in `src` (copy k at k * numel * size), computed as
+  // Python's sum(copies) / n on torch tensors: ((0 + c_0) + c_1) + ... then
+  // / n, rounded to `dt` after every step. f32, f64, bf16 and f16; another
+  // dtype is an error. (DeepSpeed's parameter_to_average_patterns.)
+  virtual Status Mean(const char* src, uint32_t copies, uint64_t numel, DType dt, char* dst) = 0;
   // CRC-32C (Castagnoli, as iSCSI, ext4, GCS and S3 use) of each range.
   virtual Status Crc32c(const char* data, uint64_t len, std::span<const ByteRange> ranges, uint32_t* out) = 0;
 

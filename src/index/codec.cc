@@ -104,6 +104,7 @@ std::string EncodeTensor(const TensorRecord& t) {
   w.Num(t.split.dim);
   w.Num(t.split.groups);
   w.Num<uint8_t>(t.split.pad_rows ? 1 : 0);
+  w.Num(t.replicas);
   return w.Take();
 }
 
@@ -121,7 +122,7 @@ Result<TensorRecord> DecodeTensor(std::string_view s) {
     return Corrupt("tensor");
   }
   uint8_t pad = 0;
-  if (!r.Num(&pad) || pad > 1 || !r.Done()) return Corrupt("tensor");
+  if (!r.Num(&pad) || pad > 1 || !r.Num(&t.replicas) || t.replicas == 0 || !r.Done()) return Corrupt("tensor");
   t.split.pad_rows = pad == 1;
   t.alias = alias == 1;
   return t;
@@ -139,6 +140,7 @@ std::string EncodeFragment(const Fragment& f) {
   w.Num(static_cast<uint8_t>(f.compression));
   w.Num(f.item_offset);
   w.Num(f.item_length);
+  w.Num(f.replica);
   return w.Take();
 }
 
@@ -148,7 +150,7 @@ Result<Fragment> DecodeFragment(std::string_view s) {
   if (!r.Num(&f.file.v) || !r.Ints(&f.offsets) || !r.Ints(&f.lengths) || !r.Ints(&f.strides) ||
       !Enum(r, &f.dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Num(&f.data_offset) ||
       !r.Num(&f.data_length) || !Enum(r, &f.compression, 1) || !r.Num(&f.item_offset) || !r.Num(&f.item_length) ||
-      !r.Done()) {
+      !r.Num(&f.replica) || !r.Done()) {
     return Corrupt("fragment");
   }
   return f;

@@ -131,6 +131,26 @@ __global__ void GatherKernel(const unsigned char* __restrict__ src, unsigned cha
 }
 
 // Standard CRC-32C of each `chunk`-byte piece (the last may be shorter).
+// Bit casts for MeanElement on the device.
+struct DevBits {
+  __device__ static float F32(uint32_t b) { return __uint_as_float(b); }
+  __device__ static double F64(uint64_t b) { return __longlong_as_double(static_cast<long long>(b)); }
+  __device__ static uint32_t Bits(float f) { return __float_as_uint(f); }
+  __device__ static uint64_t Bits64(double f) { return static_cast<uint64_t>(__double_as_longlong(f)); }
+  __device__ static void U32(uint32_t v, unsigned char* p) {
+    for (int k = 0; k < 4; ++k) p[k] = static_cast<unsigned char>(v >> (8 * k));
+  }
+};
+
+// One thread per output element, grid-stride.
+__global__ void MeanKernel(const unsigned char* __restrict__ src, uint64_t copy_bytes, uint32_t copies, DType dt,
+                           uint64_t numel, unsigned char* __restrict__ dst) {
+  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < numel;
+       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
+    MeanElement<DevBits, DevBits>(src, copy_bytes, copies, dt, i, dst);
+  }
+}
+
 __global__ void Crc32cChunksKernel(const unsigned char* __restrict__ data, uint64_t len, uint64_t chunk,
                                    uint32_t* __restrict__ out, uint64_t nchunks) {
   __shared__ uint32_t table[256];
@@ -246,6 +266,7 @@ class CudaBackend final : public Transforms {
   }
 
   Status Crc32c(const char* data, uint64_t len, std::span<const ByteRange> ranges, uint32_t* out) override;
+  Status Mean(const char* src, uint32_t copies, uint64_t numel, DType dt, char* dst) override;
 
   class CudaPipeline final : public Pipeline {
    public:
@@ -472,6 +493,31 @@ Status CudaBackend::Crc32c(const char* data, uint64_t len, std::span<const ByteR
       }
     }
     out[i] = crc;
+  }
+  return Status::Ok();
+}
+
+// Synchronous, in pieces of at most 64 MiB of source.
+Status CudaBackend::Mean(const char* src, uint32_t copies, uint64_t numel, DType dt, char* dst) {
+  RETURN_IF_ERROR(CheckMean(copies, dt));
+  const uint64_t esz = DTypeSize(dt), copy_bytes = numel * esz;
+  const uint64_t per_piece = std::max<uint64_t>(1, (64ull << 20) / (esz * copies));
+  ASSIGN_OR_RETURN(auto pipe, Begin());
+  Slot& s = static_cast<CudaPipeline*>(pipe.get())->lane()->slots[0];
+  for (uint64_t e0 = 0; e0 < numel; e0 += per_piece) {
+    const uint64_t n = std::min(per_piece, numel - e0), in = n * esz * copies, outb = n * esz;
+    RETURN_IF_ERROR(GrowPinned(&s.pinned, &s.pinned_cap, in));
+    RETURN_IF_ERROR(GrowDevice(&s.dsrc, &s.dsrc_cap, in));
+    RETURN_IF_ERROR(GrowDevice(&s.ddst, &s.ddst_cap, outb));
+    RETURN_IF_ERROR(GrowPinned(&s.pinned_out, &s.out_cap, outb));
+    for (uint32_t k = 0; k < copies; ++k) std::memcpy(s.pinned + k * n * esz, src + k * copy_bytes + e0 * esz, n * esz);
+    CKPTFS_CUDA(cudaMemcpyAsync(s.dsrc, s.pinned, in, cudaMemcpyHostToDevice, s.stream));
+    const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>((n + 255) / 256, 65535));
+    MeanKernel<<<blocks, 256, 0, s.stream>>>(s.dsrc, n * esz, copies, dt, n, s.ddst);
+    CKPTFS_CUDA(cudaGetLastError());
+    CKPTFS_CUDA(cudaMemcpyAsync(s.pinned_out, s.ddst, outb, cudaMemcpyDeviceToHost, s.stream));
+    CKPTFS_CUDA(cudaStreamSynchronize(s.stream));
+    std::memcpy(dst + e0 * esz, s.pinned_out, outb);
   }
   return Status::Ok();
 }

@@ -205,6 +205,13 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
     base = unaligned.data();
   }
 
+  if (t.replicas > 1) {
+    Status ms = ReadMean(t, frags, view, out, e0, e1, base);
+    if (!ms.ok()) return ms;
+    if (base != dst) std::memcpy(dst, base + (offset - e0 * osz), len);
+    return Status::Ok();
+  }
+
   // Transform work happens only where the first chunk has ops (a contiguous
   // same-dtype read goes straight from the I/O into the caller's buffer).
   const uint64_t chunk = std::max<uint64_t>(1, kChunkBytes / osz);
@@ -224,6 +231,44 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
   }
   if (!s.ok()) return s;
   if (base != dst) std::memcpy(dst, base + (offset - e0 * osz), len);
+  return Status::Ok();
+}
+
+Status TensorReader::ReadMean(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
+                              uint64_t e0, uint64_t e1, char* base) {
+  const uint32_t n = t.replicas;
+  std::vector<std::vector<Fragment>> copies(n);
+  for (const Fragment& f : frags) {
+    if (f.replica >= n) return Invalid("cannot read '" + t.key + "': fragment of copy " + std::to_string(f.replica) +
+                                       " of " + std::to_string(n) + " (index corrupt?)");
+    copies[f.replica].push_back(f);
+  }
+  const uint64_t ssz = DTypeSize(t.dtype), osz = DTypeSize(out);
+  // Bounded scratch: n copies of at most 4 MiB of source elements each.
+  const uint64_t step = std::max<uint64_t>(1, (4ull << 20) / ssz);
+  std::vector<char> scratch, mean;
+  Transforms* tf = &CpuTransforms();
+  if (policy_ != nullptr && policy_->gpu() != nullptr) tf = &policy_->For(TransformKind::kCopy, (e1 - e0) * osz * n);
+  for (uint64_t c0 = e0; c0 < e1; c0 += step) {
+    const uint64_t c1 = std::min(e1, c0 + step), m = c1 - c0;
+    scratch.resize(m * ssz * n);
+    for (uint32_t r = 0; r < n; ++r) {
+      bool unused = false;
+      char* at = scratch.data() + r * m * ssz;
+      RETURN_IF_ERROR(RunChunks(t, copies[r], view, t.dtype, c0, c1, m, CpuTransforms(), at, nullptr, &unused));
+    }
+    char* dst = base + (c0 - e0) * osz;
+    char* target = out == t.dtype ? dst : (mean.resize(m * ssz), mean.data());
+    Status s = tf->Mean(scratch.data(), n, m, t.dtype, target);
+    if (!s.ok() && tf != &CpuTransforms()) {
+      gpu_fallbacks_.fetch_add(1);
+      LogWarn("cannot average '" + t.key + "' on " + tf->name() + ", computed on the CPU: " + s.message());
+      tf = &CpuTransforms();
+      s = tf->Mean(scratch.data(), n, m, t.dtype, target);
+    }
+    if (!s.ok()) return s.Annotate("cannot read '" + t.key + "'");
+    if (target != dst) RETURN_IF_ERROR(ConvertRun(target, t.dtype, 1, dst, out, m));
+  }
   return Status::Ok();
 }
 

@@ -240,6 +240,33 @@ Status RunOpCpu(const char* src, const GatherOp& op, DType out, char* dst) {
   }
 }
 
+// Bit casts for MeanElement on the host.
+struct HostBits {
+  static float F32(uint32_t b) {
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+  static double F64(uint64_t b) {
+    double f;
+    std::memcpy(&f, &b, 8);
+    return f;
+  }
+  static uint32_t Bits(float f) {
+    uint32_t b;
+    std::memcpy(&b, &f, 4);
+    return b;
+  }
+  static uint64_t Bits64(double f) {
+    uint64_t b;
+    std::memcpy(&b, &f, 8);
+    return b;
+  }
+  static void U32(uint32_t v, unsigned char* p) {
+    for (int k = 0; k < 4; ++k) p[k] = static_cast<unsigned char>(v >> (8 * k));
+  }
+};
+
 class CpuBackend final : public Transforms {
  public:
   const char* name() const override { return "cpu"; }
@@ -248,6 +275,15 @@ class CpuBackend final : public Transforms {
                 uint64_t dst_len) override {
     RETURN_IF_ERROR(ValidateOps(src_len, ops, out, dst_len));
     for (const GatherOp& op : ops) RETURN_IF_ERROR(RunOpCpu(src, op, out, dst));
+    return Status::Ok();
+  }
+
+  Status Mean(const char* src, uint32_t copies, uint64_t numel, DType dt, char* dst) override {
+    RETURN_IF_ERROR(CheckMean(copies, dt));
+    const uint64_t copy_bytes = numel * DTypeSize(dt);
+    const auto* s = reinterpret_cast<const unsigned char*>(src);
+    auto* d = reinterpret_cast<unsigned char*>(dst);
+    for (uint64_t i = 0; i < numel; ++i) MeanElement<HostBits, HostBits>(s, copy_bytes, copies, dt, i, d);
     return Status::Ok();
   }
 
@@ -295,6 +331,14 @@ class CpuBackend final : public Transforms {
 };
 
 }  // namespace
+
+Status CheckMean(uint32_t copies, DType dt) {
+  if (copies == 0) return Internal("a mean of no copies");
+  if (!MeanSupported(dt)) {
+    return Unsupported(std::string("a mean of ") + std::string(DTypeName(dt)) + " copies (f32, f64, bf16, f16 only)");
+  }
+  return Status::Ok();
+}
 
 Transforms& CpuTransforms() {
   static CpuBackend cpu;

@@ -317,16 +317,29 @@ void Verifier::Plan() {
       }
     }
     if (t.encoding == Encoding::kTensor) {
-      std::vector<Box> boxes;
-      for (const Fragment& f : *frags) boxes.push_back(Box{f.offsets, f.lengths});
-      const Coverage c = AnalyzeCoverage(t.shape, boxes, kMaxListed);
-      if (!c.clean()) {
+      // A mean of copies: each copy must tile the tensor on its own.
+      bool clean = true;
+      for (uint32_t copy = 0; copy < t.replicas && clean; ++copy) {
+        std::vector<Box> boxes;
+        std::vector<size_t> which;
+        for (size_t k = 0; k < frags->size(); ++k) {
+          if ((*frags)[k].replica != copy) continue;
+          boxes.push_back(Box{(*frags)[k].offsets, (*frags)[k].lengths});
+          which.push_back(k);
+        }
+        const Coverage c = AnalyzeCoverage(t.shape, boxes, kMaxListed);
+        if (c.clean()) continue;
+        clean = false;
         CoverageText text = DescribeCoverage(
-            c, t.shape, [&](size_t k) { return files[(*frags)[k].file.v].rel_path; }, "fragments");
-        r_.findings.push_back({Check::kCoverage, Severity::kError, t.key, "", "'" + t.key + "': " + text.message,
+            c, t.shape, [&](size_t k) { return files[(*frags)[which[k]].file.v].rel_path; }, "fragments");
+        r_.findings.push_back({Check::kCoverage, Severity::kError, t.key, "",
+                               "'" + t.key + "'" + (t.replicas > 1 ? " (copy " + std::to_string(copy) + " of the " +
+                                                                          std::to_string(t.replicas) + " it averages)"
+                                                                    : std::string()) +
+                                   ": " + text.message,
                                std::move(text.detail)});
-        continue;
       }
+      if (!clean) continue;
     }
     if (has_missing) continue;
     Work w;
@@ -334,7 +347,7 @@ void Verifier::Plan() {
     // The param too: a zero master chunk is only suspicious where the
     // weight it masters is not zero as well.
     w.zero_check = (t.role == Role::kParam || (t.role == Role::kOptimState && ZeroCheckedState(t.state))) &&
-                   t.encoding == Encoding::kTensor && StepIsPositive(t.fqn);
+                   t.encoding == Encoding::kTensor && t.replicas == 1 && StepIsPositive(t.fqn);
     if (w.zero_check) w.frags = std::move(frags).value();
     work_.push_back(std::move(w));
   }

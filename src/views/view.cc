@@ -409,6 +409,7 @@ Status View::MakeInfoJson(Node& n) const {
     e["shape"] = ShapeJson(t.shape);
     e["bytes"] = t.byte_size;
     if (!t.error.empty()) e["error"] = t.error;
+    if (t.replicas > 1) e["mean_of_copies"] = t.replicas;  // sum(copies) / n, as ds_to_universal.py averages
     json frags = json::array();
     if (t.error.empty()) {
       ASSIGN_OR_RETURN(std::vector<Fragment> fs, index_.Fragments(id));
@@ -422,6 +423,7 @@ Status View::MakeInfoJson(Node& n) const {
         if (f.compression == Compression::kZstd) {
           fj["zstd_item"] = {f.item_offset, f.item_length};
         }
+        if (t.replicas > 1) fj["copy"] = f.replica;
         frags.push_back(fj);
       }
     }

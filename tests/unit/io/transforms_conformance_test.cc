@@ -22,6 +22,7 @@
 #include "ckptfs/index.h"
 #include "ckptfs/io.h"
 #include "ckptfs/transforms.h"
+#include "common/float_bits.h"
 
 namespace ckptfs {
 namespace {
@@ -472,6 +473,108 @@ TEST_P(TransformsConformance, Crc32cOfRanges) {
   }
   ByteRange out_of{data.size() - 4, 5};
   EXPECT_FALSE(h.t->Crc32c(data.data(), data.size(), std::span<const ByteRange>(&out_of, 1), got.data()).ok());
+}
+
+// DeepSpeed's parameter_to_average_patterns: ds_to_universal.py computes
+// sum(slices) / len(slices) on torch tensors. Known values (per-step rounding
+// for bf16, 0 + -0.0 = +0.0 from Python's sum start), then random copies of
+// every dtype against a host loop written here, and the backends agree.
+TEST_P(TransformsConformance, MeanOfCopiesIsPythonSumOverN) {
+  GET_BACKEND(h);
+  auto f32 = [](float v) {
+    uint32_t b;
+    std::memcpy(&b, &v, 4);
+    return b;
+  };
+  {
+    const float src[] = {1.0f, -0.0f, 2.0f, -0.0f, 4.0f, -0.0f};  // 3 copies of 2 elements
+    float dst[2];
+    ASSERT_TRUE(h.t->Mean(reinterpret_cast<const char*>(src), 3, 2, DType::kF32, reinterpret_cast<char*>(dst)).ok());
+    EXPECT_EQ(f32(dst[0]), f32(7.0f / 3.0f));
+    EXPECT_EQ(f32(dst[1]), 0u);  // +0.0, not -0.0
+  }
+  {
+    // bf16 copies {1, 2^-8, 2^-8}: rounded after each add, 1 + 2^-8 ties to
+    // 1.0 twice, then 1/3 -> 0x3EAB; accumulating in float would give 0x3EAC.
+    const uint16_t src[] = {0x3F80, 0x3B80, 0x3B80};
+    uint16_t dst = 0;
+    ASSERT_TRUE(h.t->Mean(reinterpret_cast<const char*>(src), 3, 1, DType::kBF16, reinterpret_cast<char*>(&dst)).ok());
+    EXPECT_EQ(dst, 0x3EAB);
+  }
+  std::mt19937_64 rng(23);
+  for (DType dt : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16}) {
+    for (uint32_t copies : {1u, 2u, 3u, 4u, 8u}) {
+      const uint64_t numel = 1 + rng() % 5000, esz = DTypeSize(dt);
+      std::vector<char> src(copies * numel * esz);
+      std::normal_distribution<double> nd(0.0, 3.0);
+      for (uint64_t k = 0; k < copies * numel; ++k) {
+        const double v = nd(rng);
+        if (dt == DType::kF64) {
+          std::memcpy(src.data() + k * 8, &v, 8);
+        } else {
+          const uint32_t b = f32(static_cast<float>(v));
+          if (dt == DType::kF32) std::memcpy(src.data() + k * 4, &b, 4);
+          const uint16_t hb = dt == DType::kBF16 ? FloatBitsToBFloat16Bits(b) : FloatBitsToHalfBits(b);
+          if (esz == 2) std::memcpy(src.data() + k * 2, &hb, 2);
+        }
+      }
+      std::vector<char> got(numel * esz), want(numel * esz);
+      ASSERT_TRUE(h.t->Mean(src.data(), copies, numel, dt, got.data()).ok());
+      for (uint64_t i = 0; i < numel; ++i) {
+        auto at = [&](uint32_t k) { return src.data() + (k * numel + i) * esz; };
+        if (dt == DType::kF64) {
+          double acc = 0.0, v;
+          for (uint32_t k = 0; k < copies; ++k) std::memcpy(&v, at(k), 8), acc = acc + v;
+          acc = acc / copies;
+          std::memcpy(want.data() + i * 8, &acc, 8);
+        } else if (dt == DType::kF32) {
+          float acc = 0.0f, v;
+          for (uint32_t k = 0; k < copies; ++k) std::memcpy(&v, at(k), 4), acc = acc + v;
+          acc = acc / static_cast<float>(copies);
+          std::memcpy(want.data() + i * 4, &acc, 4);
+        } else {
+          auto widen = [&](uint16_t x) {
+            uint32_t b = dt == DType::kBF16 ? BFloat16BitsToFloatBits(x) : HalfBitsToFloatBits(x);
+            float f;
+            std::memcpy(&f, &b, 4);
+            return f;
+          };
+          auto round = [&](float f) { return dt == DType::kBF16 ? FloatBitsToBFloat16Bits(f32(f)) : FloatBitsToHalfBits(f32(f)); };
+          uint16_t acc = 0, v;
+          for (uint32_t k = 0; k < copies; ++k) std::memcpy(&v, at(k), 2), acc = round(widen(acc) + widen(v));
+          acc = round(widen(acc) / static_cast<float>(copies));
+          std::memcpy(want.data() + i * 2, &acc, 2);
+        }
+      }
+      ASSERT_EQ(got, want) << DTypeName(dt) << " x" << copies;
+    }
+  }
+  char out[4];
+  EXPECT_FALSE(h.t->Mean(out, 2, 1, DType::kI32, out).ok());
+}
+
+TEST(FloatBitsTest, NarrowingRoundsToNearestEven) {
+  // Every half and bfloat16 value survives the round trip through float32.
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const bool nan = (h & 0x7C00) == 0x7C00 && (h & 0x3FF) != 0;
+    if (!nan) {
+      EXPECT_EQ(FloatBitsToHalfBits(HalfBitsToFloatBits(static_cast<uint16_t>(h))), h) << h;
+    }
+    const bool bnan = (h & 0x7F80) == 0x7F80 && (h & 0x7F) != 0;
+    if (!bnan) {
+      EXPECT_EQ(FloatBitsToBFloat16Bits(BFloat16BitsToFloatBits(static_cast<uint16_t>(h))), h) << h;
+    }
+  }
+  // Ties: 1 + 2^-11 (half) and 1 + 2^-8 (bf16) go to the even 1.0; the next ties up.
+  EXPECT_EQ(FloatBitsToHalfBits(0x3F801000u), 0x3C00);
+  EXPECT_EQ(FloatBitsToHalfBits(0x3F803000u), 0x3C02);
+  EXPECT_EQ(FloatBitsToBFloat16Bits(0x3F808000u), 0x3F80);
+  EXPECT_EQ(FloatBitsToBFloat16Bits(0x3F818000u), 0x3F82);
+  EXPECT_EQ(FloatBitsToHalfBits(0x477FF000u), 0x7C00);  // 65520 -> inf
+  EXPECT_EQ(FloatBitsToHalfBits(0x477FEFFFu), 0x7BFF);  // just below -> 65504
+  EXPECT_EQ(FloatBitsToHalfBits(0x33000000u), 0x0000);  // 2^-25 ties to 0
+  EXPECT_EQ(FloatBitsToHalfBits(0x33000001u), 0x0001);  // above it: the smallest subnormal
+  EXPECT_EQ(FloatBitsToHalfBits(0xFFC00000u), 0xFE00);  // NaN keeps its sign
 }
 
 // The pipeline contract the read engine relies on: staging, submit, then the
