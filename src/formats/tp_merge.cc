@@ -22,6 +22,12 @@ TensorSplit SplitOf(const Rule& r) {
 
 Result<std::vector<int64_t>> Merger::GlobalShape() const {
   const auto& l0 = local_[0];
+  if (rule_.kind == Merge::kAverage) {
+    for (const auto& l : local_) {
+      if (l != l0) return Invalid("TP copies to average have different shapes " + ShapeStr(l0) + " and " + ShapeStr(l));
+    }
+    return Clip(l0);
+  }
   if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
     if (rule_.kind == Merge::kCat && l0.size() <= static_cast<size_t>(rule_.cat_dim)) {
       return Invalid("a tensor of shape " + ShapeStr(l0) + " cannot be concatenated on dim " +
@@ -58,7 +64,7 @@ std::vector<Placed> Merger::Place(int t, const Box& b) const {
     }
     out.push_back(Placed{std::move(g), std::move(local)});
   };
-  if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
+  if (rule_.kind == Merge::kReplicated || rule_.kind == Merge::kAverage || local_.size() == 1) {
     emit(b, b.offsets);
     return out;
   }
@@ -105,6 +111,7 @@ void AddRangeFragments(const Merger& m, int t, const std::vector<int64_t>& local
       f.data_length = static_cast<uint64_t>(last - first + 1) * isz;
       f.offsets = std::move(p.global.offsets);
       f.lengths = std::move(p.global.lengths);
+      f.replica = m.CopyOf(t);
       out.push_back(std::move(f));
     }
   }
@@ -126,6 +133,7 @@ void AddWholeFragments(const Merger& m, int t, const Loc& l, FileId file, std::v
     f.data_length = l.data_length - skip;
     f.offsets = std::move(pl.global.offsets);
     f.lengths = std::move(pl.global.lengths);
+    f.replica = m.CopyOf(t);
     out.push_back(std::move(f));
   }
 }

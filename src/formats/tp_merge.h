@@ -19,8 +19,10 @@
 
 namespace ckptfs::formats {
 
-// kAverage and kSubParams are DeepSpeed rules ckptfs recognises but does not
-// compute (the readers report them).
+// kAverage: every rank holds a full copy and the tensor is their mean
+// (fragments carry replica = the rank; TensorRecord::replicas = the TP
+// degree). kSubParams is a DeepSpeed rule ckptfs recognises but does not
+// merge (the readers report it).
 enum class Merge { kCat, kReplicated, kSub2, kAverage, kSubParams };
 struct Rule {
   Merge kind = Merge::kCat;
@@ -51,6 +53,10 @@ class Merger {
   std::vector<Placed> Place(int t, const Box& b) const;
   // Replicated parameters are served from rank 0 only.
   bool UsesRank(int t) const { return t == 0 || (rule_.kind != Merge::kReplicated); }
+  // How many copies the merged tensor averages (1 unless kAverage).
+  uint32_t Copies() const { return rule_.kind == Merge::kAverage ? static_cast<uint32_t>(local_.size()) : 1; }
+  // The copy a fragment of rank t belongs to.
+  uint32_t CopyOf(int t) const { return rule_.kind == Merge::kAverage ? static_cast<uint32_t>(t) : 0; }
 
  private:
   std::vector<int64_t> Clip(std::vector<int64_t> g) const;

@@ -39,6 +39,11 @@ const std::regex& Zero3ModelRe() {
   static const std::regex r(R"(^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$)");
   return r;
 }
+// PipelineEngine: one file per layer and TP rank (PipelineModule.ckpt_layer_path).
+const std::regex& LayerRe() {
+  static const std::regex r(R"(^layer_(\d+)-model_(\d+)-model_states\.pt$)");
+  return r;
+}
 const std::regex& OptimRe() {
   static const std::regex r(R"(^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$)");
   return r;
@@ -313,6 +318,7 @@ struct Piece {
 
 struct LocalParam {
   bool present = false;
+  int mp = -1;  // the model-parallel file (pp * TP + tp) whose flat groups hold it
   int group = -1;
   std::vector<int64_t> shape;
   std::vector<Piece> pieces;
@@ -324,14 +330,35 @@ struct Param {
   std::string error;           // geometry contradiction
 };
 
+// One tensor of the model's own (low-precision) copy.
+struct ModuleEntry {
+  const Source* src = nullptr;
+  const PyValue* v = nullptr;
+};
+// The model's copy as TP rank t holds it: mp_rank_XX's `module`, or with
+// PipelineEngine the layer files of every stage (global names).
+struct ModuleCopy {
+  std::vector<std::pair<std::string, ModuleEntry>> entries;  // in file order
+  std::map<std::string, ModuleEntry> by_name;
+  std::string error;  // a source that could not be read
+  void Add(const std::string& name, ModuleEntry e) {
+    if (by_name.emplace(name, e).second) entries.emplace_back(name, e);
+  }
+};
+
 struct Reader {
   std::string dir, prefix;
   Checkpoint ck;
   Files files;
-  std::vector<ModelStates> models;                 // per TP rank
+  // Model-parallel files, indexed mp = pp * tp + t (PipelineEngine's
+  // ds_model_rank; without a pipeline, mp = t).
+  std::vector<ModelStates> models;
   std::vector<std::unique_ptr<Source>> z3_copies;  // ZeRO-3 model states of DP ranks > 0 (copied, not parsed)
-  std::vector<std::vector<OptimRank>> optim;       // [dp][tp]
-  int tp = 0, dp = 0, stage = 0;
+  std::vector<std::unique_ptr<Source>> layer_files;  // PipelineEngine layer_XX-model_TT files
+  std::vector<ModuleCopy> module;                    // per TP rank
+  std::vector<std::vector<OptimRank>> optim;       // [dp][mp]
+  int mp = 0, tp = 0, pp = 1, dp = 0, stage = 0;
+  bool pipeline = false;
   bool bf16_optimizer = false;
   std::vector<Param> params;                       // flat-group order of TP rank 0
   std::map<std::string, size_t> param_index;
@@ -340,10 +367,12 @@ struct Reader {
   Status Run();
   Status Discover();
   void Geometry();
-  void Geometry12(int t);
+  Status Topology(const std::map<std::pair<int, int>, std::string>& layers);
+  void ReadModule(const std::map<std::pair<int, int>, std::string>& layers);
+  void Geometry12(int m);
   void CheckSliceMappings(const OptimRank& o, size_t g, std::map<std::string, std::pair<int64_t, int64_t>> placed);
   void Break(const std::string& name, const std::string& why);  // first reason wins
-  void Geometry3(int t);
+  void Geometry3(int m);
   Status Emit();
   Status ExportState(const std::string& name, const std::string& state, uint32_t tensor, const Rule& rule, bool dict);
   void AddArchive(const std::string& path, const std::string& stem, const std::string& pickle,
@@ -367,7 +396,7 @@ Status Reader::Discover() {
     prefix = tag + "/";
   }
   std::map<int, std::string> model_files;
-  std::map<std::pair<int, int>, std::string> z3_models, optim_files;
+  std::map<std::pair<int, int>, std::string> z3_models, optim_files, layers;  // layers: (layer, tp)
   std::string opt_prefix;
   for (const auto& e : fs::directory_iterator(dir + "/" + prefix, ec)) {
     std::string n = e.path().filename().string();
@@ -379,14 +408,16 @@ Status Reader::Discover() {
     } else if (std::regex_match(n, m, OptimRe())) {
       optim_files[{std::stoi(m[2]), std::stoi(m[3])}] = n;
       opt_prefix = m[1];
+    } else if (std::regex_match(n, m, LayerRe())) {
+      layers[{std::stoi(m[1]), std::stoi(m[2])}] = n;
     } else if (n.starts_with("layer_") && n.ends_with("model_states.pt")) {
-      problems.push_back("pipeline layer file " + prefix + n +
-                         " is not read (PipelineEngine layer files are not supported yet): its weights have no param view");
+      problems.push_back("MoE expert file " + prefix + n + " is not read (DeepSpeed MoE is not supported yet)");
     } else if (n.starts_with("expp_rank_")) {
       problems.push_back("MoE expert optimizer file " + prefix + n + " is not read (MoE is not supported yet)");
     }
   }
   if (ec) return ErrnoStatus("list", dir + "/" + prefix, ec.value());
+  pipeline = !layers.empty();
   if (model_files.empty() && z3_models.empty()) {
     if (!optim_files.empty()) {
       return Invalid("cannot read " + dir + "/" + prefix + "mp_rank_00_model_states.pt: missing (" +
@@ -402,13 +433,13 @@ Status Reader::Discover() {
   std::set<int> mps;
   for (const auto& [mp, n] : model_files) mps.insert(mp);
   for (const auto& [k, n] : z3_models) mps.insert(k.second);
-  tp = mps.empty() ? 0 : *mps.rbegin() + 1;
+  mp = mps.empty() ? 0 : *mps.rbegin() + 1;
   std::set<int> dps;
   for (const auto& [k, n] : optim_files) dps.insert(k.first);
   for (const auto& [k, n] : z3_models) dps.insert(k.first);
   dp = dps.empty() ? 0 : *dps.rbegin() + 1;
-  models.resize(tp);
-  for (int t = 0; t < tp; ++t) {
+  models.resize(mp);
+  for (int t = 0; t < mp; ++t) {
     std::string n;
     if (auto it = model_files.find(t); it != model_files.end()) {
       n = it->second;
@@ -428,6 +459,7 @@ Status Reader::Discover() {
     }
     if (!models[t].error.empty() && t == 0) return Invalid(models[0].error);
   }
+  RETURN_IF_ERROR(Topology(layers));
   // The DP degree is what the writer recorded, not what happens to be on disk:
   // a missing last rank must show up as missing.
   if (const PyValue* v = models[0].src->root()->Get("dp_world_size"); v && v->kind == PyKind::kInt && v->i > dp) {
@@ -441,8 +473,8 @@ Status Reader::Discover() {
   }
   optim.resize(dp);
   for (int d = 0; d < dp; ++d) {
-    optim[d].resize(tp);
-    for (int t = 0; t < tp; ++t) {
+    optim[d].resize(mp);
+    for (int t = 0; t < mp; ++t) {
       OptimRank& o = optim[d][t];
       std::string n;
       if (auto it = optim_files.find({d, t}); it != optim_files.end()) {
@@ -477,19 +509,117 @@ Status Reader::Discover() {
       }
     }
   }
+  ReadModule(layers);
   return Status::Ok();
+}
+
+// The TP and PP degrees behind the mp index: checkpoint_parallel_dimensions
+// when the writer recorded it (DeepSpeed >= 0.16), else, for PipelineEngine,
+// the TP ranks of the layer files (DeepSpeedCheckpoint's rule); without a
+// pipeline every mp file is a TP rank.
+Status Reader::Topology(const std::map<std::pair<int, int>, std::string>& layers) {
+  const Source& s0 = *models[0].src;
+  tp = mp;
+  pp = 1;
+  if (const PyValue* d = s0.root()->Get("checkpoint_parallel_dimensions"); d && d->kind == PyKind::kDict) {
+    const PyValue* t = d->Get("tp_degree");
+    const PyValue* p = d->Get("pp_degree");
+    if (t && p && t->kind == PyKind::kInt && p->kind == PyKind::kInt && t->i > 0 && p->i > 0) {
+      if (t->i * p->i != mp) {
+        return Invalid("cannot parse " + s0.rel + ": checkpoint_parallel_dimensions says TP=" + std::to_string(t->i) +
+                       " PP=" + std::to_string(p->i) + ", but there are " + std::to_string(mp) + " mp_rank files");
+      }
+      tp = static_cast<int>(t->i);
+      pp = static_cast<int>(p->i);
+      return Status::Ok();
+    }
+  }
+  if (!layers.empty()) {
+    std::set<int> tps;
+    for (const auto& [k, n] : layers) tps.insert(k.second);
+    const int t = *tps.rbegin() + 1;
+    if (mp % t != 0) {
+      return Invalid("cannot parse " + dir + "/" + prefix + ": layer files name " + std::to_string(t) +
+                     " TP ranks, which do not divide the " + std::to_string(mp) + " mp_rank files");
+    }
+    tp = t;
+    pp = mp / t;
+  }
+  return Status::Ok();
+}
+
+// The model's own copy per TP rank. PipelineEngine keeps it in layer files
+// with layer-local names: layer L's `k` is `L.k` when a stage's param_shapes
+// (or buffer_names) has that name, else the one tied module parameter
+// `tied_modules.<key>.k` the stages have, else `L.k` (a buffer or frozen
+// tensor without optimizer state). The first layer file naming a tied module
+// wins (the others hold the same tensor).
+void Reader::ReadModule(const std::map<std::pair<int, int>, std::string>& layers) {
+  module.resize(tp);
+  if (!pipeline) {
+    for (int t = 0; t < tp; ++t) {
+      if (!models[t].error.empty()) {
+        module[t].error = models[t].error;
+        continue;
+      }
+      for (const auto& [name, v] : models[t].module) module[t].Add(name, ModuleEntry{models[t].src.get(), v});
+    }
+    return;
+  }
+  std::vector<std::set<std::string>> known(tp);  // trainable and buffer names per TP rank, all stages
+  for (int m = 0; m < mp; ++m) {
+    for (const Shapes& g : models[m].groups) {
+      for (const auto& [n, shape] : g) known[m % tp].insert(n);
+    }
+    for (const auto& b : models[m].buffers) known[m % tp].insert(b);
+  }
+  for (const auto& [key, n] : layers) {
+    const auto [layer, t] = key;
+    if (t >= tp) continue;
+    layer_files.push_back(files.Open(prefix + n));
+    const Source& src = *layer_files.back();
+    if (!src.error.empty()) {
+      if (module[t].error.empty()) module[t].error = src.error;
+      problems.push_back(src.error + ": the weights of layer " + std::to_string(layer) + " (TP rank " +
+                         std::to_string(t) + ") have no param view");
+      continue;
+    }
+    const PyValue* sd = src.root();
+    if (sd == nullptr || sd->kind != PyKind::kDict) {
+      problems.push_back(src.rel + " is not a state dict: the weights of layer " + std::to_string(layer) +
+                         " have no param view");
+      continue;
+    }
+    for (const auto& [k, v] : sd->dict) {
+      if (!k->IsStr() || v->kind != PyKind::kTensor) continue;
+      std::string name = std::to_string(layer) + "." + k->s;
+      if (!known[t].count(name)) {
+        std::string tied;
+        int found = 0;
+        for (const auto& cand : known[t]) {
+          if (cand.starts_with("tied_modules.") && cand.size() > k->s.size() + 1 && cand.ends_with("." + k->s)) {
+            tied = cand;
+            ++found;
+          }
+        }
+        if (found == 1) name = tied;
+      }
+      module[t].Add(name, ModuleEntry{&src, v});
+    }
+  }
 }
 
 // ZeRO-1/2 and BF16_Optimizer: groups flattened in param_shapes order (with
 // optional per-parameter alignment gaps), padded to a multiple of 2*D at the
 // end only, split into D partitions of S elements.
-void Reader::Geometry12(int t) {
-  const ModelStates& m = models[t];
+void Reader::Geometry12(int mi) {
+  const ModelStates& m = models[mi];
+  const int t = mi % tp;
   for (size_t g = 0; g < m.groups.size(); ++g) {
     const Shapes& shapes = m.groups[g];
     const OptimRank* any = nullptr;
     for (int d = 0; d < dp && any == nullptr; ++d) {
-      if (optim[d][t].error.empty() && g < optim[d][t].groups.size()) any = &optim[d][t];
+      if (optim[d][mi].error.empty() && g < optim[d][mi].groups.size()) any = &optim[d][mi];
     }
     std::vector<int64_t> align = any ? any->groups[g].align : std::vector<int64_t>{};
     if (!align.empty() && align.size() != shapes.size()) align.clear();
@@ -508,15 +638,15 @@ void Reader::Geometry12(int t) {
     const int64_t A = 2 * D;
     const int64_t P = (n_total + A - 1) / A * A;
     const int64_t S = P / D;
+    // What the geometry puts on each rank: (numel, start) per parameter, and
+    // how long the rank's saved partitions must be.
+    std::vector<std::map<std::string, std::pair<int64_t, int64_t>>> placed(D);
+    std::vector<int64_t> need(D, 0);
     for (size_t k = 0; k < shapes.size(); ++k) {
       const auto& [name, shape] = shapes[k];
-      auto [it, inserted] = param_index.emplace(name, params.size());
-      if (inserted) {
-        params.push_back(Param{name, std::vector<LocalParam>(tp), ""});
-      }
-      Param& p = params[it->second];
-      LocalParam& lp = p.tp[t];
+      LocalParam lp;
       lp.present = true;
+      lp.mp = mi;
       lp.group = static_cast<int>(g);
       lp.shape = shape;
       const int64_t n = NumelOf(shape);
@@ -524,19 +654,20 @@ void Reader::Geometry12(int t) {
         int64_t lo = std::max(off[k], r * S), hi = std::min(off[k] + n, (r + 1) * S);
         if (lo < hi) lp.pieces.push_back(Piece{r, lo - off[k], hi - lo, lo - r * S});
       }
-    }
-    // What the geometry puts on each rank: (numel, start) per parameter, and
-    // how long the rank's saved partitions must be.
-    std::vector<std::map<std::string, std::pair<int64_t, int64_t>>> placed(D);
-    std::vector<int64_t> need(D, 0);
-    for (const auto& [name, shape] : shapes) {
-      for (const Piece& pc : params[param_index[name]].tp[t].pieces) {
+      for (const Piece& pc : lp.pieces) {
         placed[pc.dp][name] = {pc.numel, pc.at};
         need[pc.dp] = std::max(need[pc.dp], pc.at + pc.numel);
       }
+      auto [it, inserted] = param_index.emplace(name, params.size());
+      if (inserted) params.push_back(Param{name, std::vector<LocalParam>(tp), ""});
+      // A parameter several pipeline stages hold (a tied embedding) is read
+      // from the first stage, as ds_to_universal.py does for
+      // pipeline_replicated_parameter_patterns.
+      LocalParam& slot = params[it->second].tp[t];
+      if (!slot.present) slot = std::move(lp);
     }
     for (int r = 0; r < D; ++r) {
-      OptimRank& o = optim[r][t];
+      OptimRank& o = optim[r][mi];
       if (!o.error.empty()) continue;
       if (g >= o.groups.size()) {
         o.error = o.src->rel + ": has " + std::to_string(o.groups.size()) + " param groups, param_shapes of " +
@@ -618,8 +749,9 @@ void Reader::CheckSliceMappings(const OptimRank& o, size_t g,
 
 // ZeRO-3: every parameter is split on its own: ceil(n/D) elements per rank,
 // concatenated per sub-group in param_shapes order.
-void Reader::Geometry3(int t) {
-  const ModelStates& m = models[t];
+void Reader::Geometry3(int mi) {
+  const ModelStates& m = models[mi];
+  const int t = mi % tp;
   for (size_t g = 0; g < m.groups.size(); ++g) {
     int64_t off = 0;
     for (const auto& [name, shape] : m.groups[g]) {
@@ -627,6 +759,7 @@ void Reader::Geometry3(int t) {
       if (inserted) params.push_back(Param{name, std::vector<LocalParam>(tp), ""});
       LocalParam& lp = params[it->second].tp[t];
       lp.present = true;
+      lp.mp = mi;
       lp.group = static_cast<int>(g);
       lp.shape = shape;
       const int64_t n = NumelOf(shape), part = (n + dp - 1) / std::max(dp, 1);
@@ -637,7 +770,7 @@ void Reader::Geometry3(int t) {
       off += part;
     }
     for (int r = 0; r < dp; ++r) {
-      OptimRank& o = optim[r][t];
+      OptimRank& o = optim[r][mi];
       if (!o.error.empty() || g >= o.groups.size()) continue;
       for (const auto* l : {&o.groups[g].fp32, &o.groups[g].exp_avg, &o.groups[g].exp_avg_sq}) {
         if (!l->has_value() || (*l)->Numel() >= off) continue;
@@ -650,7 +783,7 @@ void Reader::Geometry3(int t) {
 }
 
 void Reader::Geometry() {
-  for (int t = 0; t < tp; ++t) {
+  for (int t = 0; t < mp; ++t) {
     if (!models[t].error.empty()) continue;
     if (stage == 3) {
       Geometry3(t);
@@ -704,9 +837,10 @@ void Reader::AddArchive(const std::string& path, const std::string& stem, const 
 }
 
 // params/<p>/step and universal/zero/<p>/step.pt: the group's step on (dp 0,
-// tp 0); that the ranks agree is for `ckptfs verify` to check.
+// tp 0) of the parameter's stage; that the ranks agree is for `ckptfs verify`
+// to check.
 Status Reader::EmitStep(const Param& p, bool ucp) {
-  const OptimRank& o = optim[0][0];
+  const OptimRank& o = optim[0][p.tp[0].mp];
   if (!o.error.empty() || static_cast<size_t>(p.tp[0].group) >= o.groups.size()) return Status::Ok();
   const OptimGroup& og = o.groups[static_cast<size_t>(p.tp[0].group)];
   PickleWriter w;
@@ -747,10 +881,11 @@ Status Reader::Emit() {
   if (const PyValue* v = root0->Get("ds_version"); v && v->IsStr()) version = v->s;
   if (const PyValue* v = root0->Get("global_steps"); v && v->kind == PyKind::kInt) ck.info.step = v->i;
   if (const PyValue* v = root0->Get("iteration"); ck.info.step < 0 && v && v->kind == PyKind::kInt) ck.info.step = v->i;
-  ck.info.world_size = static_cast<uint32_t>(std::max(tp, 1) * std::max(dp, 1));
+  ck.info.world_size = static_cast<uint32_t>(std::max(tp, 1) * pp * std::max(dp, 1));
   std::string stage_name = stage == 0 ? "no ZeRO optimizer files" : "ZeRO-" + std::to_string(stage);
   if (bf16_optimizer) stage_name = "BF16_Optimizer (ZeRO-1 geometry)";
-  ck.info.format_note = stage_name + ", TP=" + std::to_string(tp) + " DP=" + std::to_string(dp) +
+  ck.info.format_note = std::string(pipeline ? "PipelineEngine, " : "") + stage_name + ", TP=" + std::to_string(tp) +
+                        " PP=" + std::to_string(pp) + " DP=" + std::to_string(dp) +
                         (version.empty() ? "" : ", ds_version " + version);
   Patterns pats(models[0].uci);
   if (!pats.present && stage != 0 && stage != 3) {
@@ -768,8 +903,10 @@ Status Reader::Emit() {
   std::set<std::string> have_fp32;
   for (Param& p : params) EmitParam(p, pats, ucp, have_fp32);
   std::map<std::string, uint32_t> module_record = EmitModule(pats);
-  if (stage == 1 || stage == 2) {
-    for (const auto& [name, v] : models[0].module) {
+  // (Under PipelineEngine the mp_rank files hold no module: the script has
+  // nothing to fall back to.)
+  if ((stage == 1 || stage == 2) && !pipeline) {
+    for (const auto& [name, e] : module[0].entries) {
       if (have_fp32.count(name) || !module_record.count(name)) continue;
       const uint32_t id = module_record[name];
       const TensorRecord& t = ck.tensors[id];
@@ -796,7 +933,8 @@ Status Reader::Emit() {
     if (t.role != Role::kParam && t.role != Role::kOptimState) continue;
     t.split = pats.present ? SplitOf(pats.For(t.fqn)) : TensorSplit{tp > 1 ? SplitKind::kDim : SplitKind::kUnknown, 0, 0};
   }
-  ck.info.topology = "tp" + std::to_string(std::max(tp, 1)) + "-pp1-dp" + std::to_string(std::max(dp, 1));
+  ck.info.topology = "tp" + std::to_string(std::max(tp, 1)) + "-pp" + std::to_string(pp) + "-dp" +
+                     std::to_string(std::max(dp, 1));
   if (std::string note = files.PlaceholderNote(); !note.empty()) problems.push_back(std::move(note));
   ck.info.problems = std::move(problems);
   return Status::Ok();
@@ -817,14 +955,14 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
         local.push_back(p.tp[0].shape);
         continue;
       }
-      err = "parameter '" + p.name + "' is missing from TP rank " + std::to_string(t) + "'s param_shapes" +
-            (models[t].error.empty() ? "" : " (" + models[t].error + ")");
+      std::string why;
+      for (int m = t; m < mp; m += tp) {
+        if (!models[m].error.empty()) why = " (" + models[m].error + ")";
+      }
+      err = "parameter '" + p.name + "' is missing from TP rank " + std::to_string(t) + "'s param_shapes" + why;
     } else {
       local.push_back(p.tp[t].shape);
     }
-  }
-  if (err.empty() && rule.kind == Merge::kAverage) {
-    err = "parameter '" + p.name + "' is averaged over TP ranks (parameter_to_average_patterns), which ckptfs does not compute yet";
   }
   if (err.empty() && rule.kind == Merge::kSubParams) {
     err = "parameter '" + p.name + "' has sub-parameter shapes (parameter_with_sub_params), which ckptfs does not merge yet";
@@ -848,12 +986,13 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     rec.dtype = DType::kF32;
     rec.shape = gshape;
     rec.error = err;
+    rec.replicas = merger.Copies();
     std::vector<Fragment> frags;
     for (int t = 0; t < tp && rec.error.empty(); ++t) {
       if (!merger.UsesRank(t)) continue;
       const LocalParam& lp = p.tp[t];
       for (const Piece& pc : lp.pieces) {
-        const OptimRank& o = optim[pc.dp][t];
+        const OptimRank& o = optim[pc.dp][lp.mp];
         if (!o.error.empty()) {
           rec.error = "parameter '" + p.name + "' needs " + o.src->rel + ": " + o.error;
           break;
@@ -900,28 +1039,28 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
 // fallback for names without optimizer state).
 std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
   std::map<std::string, uint32_t> module_record;
-  for (const auto& [name, v] : models[0].module) {
-    const bool buffer = models[0].buffers.count(name) > 0;
+  std::set<std::string> buffers;
+  for (const ModelStates& m : models) buffers.insert(m.buffers.begin(), m.buffers.end());
+  for (const auto& [name, e0] : module[0].entries) {
+    const bool buffer = buffers.count(name) > 0;
     Rule rule = buffer ? Rule{Merge::kReplicated, 0, false} : pats.For(name);
     std::vector<std::vector<int64_t>> local;
     std::vector<std::optional<Loc>> locs(tp);
+    std::vector<ModuleEntry> entries(tp);
     std::string err;
     for (int t = 0; t < tp; ++t) {
       if (t > 0 && rule.kind == Merge::kReplicated) {
         local.push_back(local[0]);
         continue;
       }
-      if (!models[t].error.empty()) {
-        err = "'" + name + "' needs " + models[t].error;
+      auto found = module[t].by_name.find(name);
+      if (found == module[t].by_name.end()) {
+        err = "'" + name + "' is missing from TP rank " + std::to_string(t) + "'s model states" +
+              (module[t].error.empty() ? std::string() : " (" + module[t].error + ")");
         break;
       }
-      auto found = models[t].module_by_name.find(name);
-      const PyValue* tv = found == models[t].module_by_name.end() ? nullptr : found->second;
-      if (tv == nullptr) {
-        err = "'" + name + "' is missing from " + models[t].src->rel;
-        break;
-      }
-      auto l = Resolve(*models[t].src, tv, "module['" + name + "']");
+      entries[t] = found->second;
+      auto l = Resolve(*found->second.src, found->second.v, "module['" + name + "']");
       if (!l.ok()) {
         err = l.status().message();
         break;
@@ -929,7 +1068,6 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
       locs[t] = *l;
       local.push_back(l->shape);
     }
-    if (err.empty() && rule.kind == Merge::kAverage) err = "'" + name + "' is averaged over TP ranks, which ckptfs does not compute yet";
     if (err.empty() && rule.kind == Merge::kSubParams) err = "'" + name + "' has sub-parameter shapes, which ckptfs does not merge yet";
     Merger merger(rule, local, pats.original_vocab);
     TensorRecord rec;
@@ -949,9 +1087,10 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
     }
     for (int t = 0; t < tp && err.empty(); ++t) {
       if (!merger.UsesRank(t)) continue;
-      AddWholeFragments(merger, t, *locs[t], models[t].src->file, frags);
+      AddWholeFragments(merger, t, *locs[t], entries[t].src->file, frags);
     }
     rec.error = err;
+    rec.replicas = merger.Copies();
     if (!err.empty()) frags.clear();
     uint32_t id = ck.AddTensor(std::move(rec), std::move(frags));
     // ds_to_universal's fallback for names without optimizer state: mp_rank_00's
@@ -964,7 +1103,7 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
       hidden.role = Role::kHidden;
       hidden.dtype = locs[0]->dtype;
       hidden.shape = locs[0]->shape;
-      module_record[name] = ck.AddTensor(std::move(hidden), {WholeFragment(*locs[0], models[0].src->file)});
+      module_record[name] = ck.AddTensor(std::move(hidden), {WholeFragment(*locs[0], entries[0].src->file)});
     }
   }
   return module_record;
