@@ -15,13 +15,34 @@ TensorSplit SplitOf(const Rule& r) {
     case Merge::kReplicated:
     case Merge::kAverage: s.kind = SplitKind::kReplicate; break;
     case Merge::kSub2: s.kind = SplitKind::kSub2; break;
-    case Merge::kSubParams: break;
+    case Merge::kSubParams: break;  // not one of topo/'s split kinds
   }
   return s;
 }
 
+std::vector<int64_t> Merger::LocalShape(int t) const {
+  if (rule_.kind == Merge::kSubParams) return rule_.sub.ViewShape(static_cast<size_t>(t));
+  return local_[static_cast<size_t>(t)];
+}
+
 Result<std::vector<int64_t>> Merger::GlobalShape() const {
   const auto& l0 = local_[0];
+  if (rule_.kind == Merge::kSubParams) {
+    const SubParams& sp = rule_.sub;
+    if (sp.dim < 0 || static_cast<size_t>(sp.dim) >= sp.logical.size() || sp.widths.size() != sp.sizes.size()) {
+      return Invalid("sub-parameter shape without a partition dim " + std::to_string(sp.dim));
+    }
+    for (size_t j = 0; j < sp.widths.size(); ++j) {
+      if (sp.widths[j].size() != local_.size()) return Invalid("sub-parameter widths for another TP degree");
+    }
+    for (size_t t = 0; t < local_.size(); ++t) {
+      if (NumelOf(local_[t]) != NumelOf(sp.ViewShape(t))) {
+        return Invalid("TP rank " + std::to_string(t) + " holds " + ShapeStr(local_[t]) +
+                       ", but its sub-parameter widths describe " + ShapeStr(sp.ViewShape(t)));
+      }
+    }
+    return Clip(sp.logical);
+  }
   if (rule_.kind == Merge::kAverage) {
     for (const auto& l : local_) {
       if (l != l0) return Invalid("TP copies to average have different shapes " + ShapeStr(l0) + " and " + ShapeStr(l));
@@ -66,6 +87,29 @@ std::vector<Placed> Merger::Place(int t, const Box& b) const {
   };
   if (rule_.kind == Merge::kReplicated || rule_.kind == Merge::kAverage || local_.size() == 1) {
     emit(b, b.offsets);
+    return out;
+  }
+  if (rule_.kind == Merge::kSubParams) {
+    const SubParams& sp = rule_.sub;
+    const size_t d = static_cast<size_t>(sp.dim);
+    const int64_t lo = b.offsets[d], hi = b.offsets[d] + b.lengths[d];
+    int64_t own = 0, global = 0;  // start of sub-parameter j in rank t's view and in the merged tensor
+    for (size_t j = 0; j < sp.sizes.size(); ++j) {
+      int64_t before = 0;  // rows of sub-parameter j on lower ranks
+      for (int r = 0; r < t; ++r) before += sp.widths[j][static_cast<size_t>(r)];
+      const int64_t w = sp.widths[j][static_cast<size_t>(t)];
+      const int64_t a = std::max(lo, own), z = std::min(hi, own + w);
+      if (a < z) {
+        Box g = b;
+        g.offsets[d] = global + before + (a - own);
+        g.lengths[d] = z - a;
+        std::vector<int64_t> local = b.offsets;
+        local[d] = a;
+        emit(std::move(g), std::move(local));
+      }
+      own += w;
+      global += sp.sizes[j];
+    }
     return out;
   }
   if (rule_.kind == Merge::kSub2) {
@@ -118,8 +162,13 @@ void AddRangeFragments(const Merger& m, int t, const std::vector<int64_t>& local
 }
 
 
-void AddWholeFragments(const Merger& m, int t, const Loc& l, FileId file, std::vector<Fragment>& out) {
-  if (l.Numel() == 0) return;
+void AddWholeFragments(const Merger& m, int t, const Loc& stored, FileId file, std::vector<Fragment>& out) {
+  if (stored.Numel() == 0) return;
+  Loc l = stored;
+  if (const auto view = m.LocalShape(t); view != l.shape && l.Contiguous() && NumelOf(view) == l.Numel()) {
+    l.shape = view;  // a contiguous slice read through its sub-parameter view
+    l.strides = ContiguousStrides(view);
+  }
   Box whole;
   whole.offsets.assign(l.shape.size(), 0);
   whole.lengths = l.shape;

@@ -24,10 +24,28 @@ namespace ckptfs::formats {
 // degree). kSubParams is a DeepSpeed rule ckptfs recognises but does not
 // merge (the readers report it).
 enum class Merge { kCat, kReplicated, kSub2, kAverage, kSubParams };
+// kSubParams (DeepSpeed's parameter_with_sub_params, e.g. a fused QKV): along
+// `dim` the tensor is sub-parameters of `sizes[j]` rows each, and TP rank t
+// holds `widths[j][t]` rows of each, in sub-parameter order. Each rank's
+// tensor is read as `logical` with dim `dim` = its own widths (a view of the
+// contiguous slice); the merged tensor is `logical`.
+struct SubParams {
+  int dim = 0;
+  std::vector<int64_t> logical;
+  std::vector<int64_t> sizes;
+  std::vector<std::vector<int64_t>> widths;  // [sub-parameter][tp rank]
+  std::vector<int64_t> ViewShape(size_t t) const {
+    std::vector<int64_t> v = logical;
+    v[static_cast<size_t>(dim)] = 0;
+    for (const auto& w : widths) v[static_cast<size_t>(dim)] += w[t];
+    return v;
+  }
+};
 struct Rule {
   Merge kind = Merge::kCat;
   int cat_dim = 0;
   bool vocab = false;
+  SubParams sub;  // kSubParams
 };
 
 // The same rule as the split recorded for topo/ (kAverage: every rank holds
@@ -53,6 +71,9 @@ class Merger {
   std::vector<Placed> Place(int t, const Box& b) const;
   // Replicated parameters are served from rank 0 only.
   bool UsesRank(int t) const { return t == 0 || (rule_.kind != Merge::kReplicated); }
+  // The shape boxes of rank t's tensor are given in: its own shape, or for
+  // kSubParams its view (SubParams::ViewShape).
+  std::vector<int64_t> LocalShape(int t) const;
   // How many copies the merged tensor averages (1 unless kAverage).
   uint32_t Copies() const { return rule_.kind == Merge::kAverage ? static_cast<uint32_t>(local_.size()) : 1; }
   // The copy a fragment of rank t belongs to.
@@ -65,7 +86,9 @@ class Merger {
   int64_t vocab_rows_;
 };
 
-// Fragments of the whole TP-local tensor `l` of rank t (any strides) in file `file`.
+// Fragments of the whole TP-local tensor `l` of rank t (any strides) in file
+// `file`; a contiguous tensor whose shape is not Merger::LocalShape(t) is read
+// through that view.
 void AddWholeFragments(const Merger& m, int t, const Loc& l, FileId file, std::vector<Fragment>& out);
 
 // Fragments of one box-mapped source: the TP-local tensor of rank t whose

@@ -261,6 +261,16 @@ struct Patterns {
   PatternList replicated, average, row, vocab, sub2, sub_params;
   int64_t original_vocab = -1;
   bool present = false;
+  double version = 0;  // universal_checkpoint_version
+  // parameter_with_sub_params: each entry (a dict of SubparamShape's fields)
+  // with its patterns, in order; sub_param_shard_widths (UCP >= 0.4).
+  struct SubEntry {
+    const PyValue* v = nullptr;
+    std::vector<std::pair<std::string, PatternList>> patterns;
+    const PyValue* Field(std::string_view k) const { return v->kind == PyKind::kDict ? v->Get(k) : v->Attr(k); }
+  };
+  std::vector<SubEntry> subs;
+  const PyValue* shard_widths = nullptr;
 
   explicit Patterns(const PyValue* uci) {
     if (uci == nullptr) return;
@@ -273,15 +283,169 @@ struct Patterns {
     std::vector<std::string> sp_list;
     if (const PyValue* sp = uci->Get("parameter_with_sub_params"); sp && sp->IsSeq()) {
       for (PyRef x : sp->items) {
-        for (const auto& p : StrList(x->kind == PyKind::kDict ? x->Get("patterns") : x->Attr("patterns"))) {
+        SubEntry e{x, {}};
+        for (const auto& p : StrList(e.Field("patterns"))) {
           sp_list.push_back(p);
+          e.patterns.emplace_back(p, PatternList({p}));
         }
+        subs.push_back(std::move(e));
       }
     }
     sub_params = PatternList(std::move(sp_list));
+    shard_widths = uci->Get("sub_param_shard_widths");
     if (const PyValue* v = uci->Get("original_vocab_size"); v && v->kind == PyKind::kInt) original_vocab = v->i;
+    if (const PyValue* v = uci->Get("universal_checkpoint_version")) {
+      if (v->kind == PyKind::kFloat) version = v->f;
+      if (v->kind == PyKind::kInt) version = static_cast<double>(v->i);
+    }
   }
   static bool Any(const PatternList& ps, const std::string& n) { return ps.Match(n); }
+
+  // The first sub-parameter entry and pattern matching `name` (the order
+  // ds_to_universal.py's get_matched_sub_params_pattern searches).
+  std::pair<const SubEntry*, std::string> SubFor(const std::string& name) const {
+    for (const SubEntry& e : subs) {
+      for (const auto& [p, list] : e.patterns) {
+        if (list.Match(name)) return {&e, p};
+      }
+    }
+    return {nullptr, ""};
+  }
+
+  // Fills rule.sub for a kSubParams parameter whose TP ranks hold `local`
+  // shapes, as ds_to_universal.py's merge_tp_slices reads the entry: sizes
+  // from a tuple at partition_dim (before UCP 0.4 a scalar there is the
+  // number of equal sub-parameters), widths from sub_param_shard_widths
+  // (UCP >= 0.4) or an even split.
+  Status ResolveSub(const std::string& name, const std::vector<std::vector<int64_t>>& local, Rule& rule) const {
+    auto [e, pattern] = SubFor(name);
+    if (e == nullptr) return Internal("no sub-parameter entry for '" + name + "'");
+    const PyValue* shape = e->Field("shape");
+    ASSIGN_OR_RETURN(int64_t pd, AsInt(e->Field("partition_dim"), "partition_dim of '" + pattern + "'"));
+    if (shape == nullptr || !shape->IsSeq() || pd < 0 || static_cast<size_t>(pd) >= shape->items.size()) {
+      return Invalid("the sub-parameter shape of '" + pattern + "' has no partition dim " + std::to_string(pd));
+    }
+    const size_t tp = local.size(), d = static_cast<size_t>(pd);
+    SubParams sp;
+    sp.dim = static_cast<int>(pd);
+    const PyValue* spec = shape->items[d];
+    if (spec->IsSeq()) {
+      ASSIGN_OR_RETURN(sp.sizes, AsIntVector(spec, "sub-parameter sizes of '" + pattern + "'"));
+    } else if (version < 0.4) {
+      ASSIGN_OR_RETURN(int64_t n, AsInt(spec, "sub-parameter count of '" + pattern + "'"));
+      int64_t full = 0;
+      for (const auto& l : local) {
+        if (l.size() <= d) return Invalid("'" + name + "' has fewer dims than its sub-parameter partition dim");
+        full += l[d];
+      }
+      if (n <= 0 || full % n != 0) {
+        return Invalid("sub-parameter count " + std::to_string(n) + " of '" + name + "' does not divide " +
+                       std::to_string(full));
+      }
+      sp.sizes.assign(static_cast<size_t>(n), full / n);
+    } else {
+      return Invalid("the sub-parameter shape of '" + pattern + "' has no sizes tuple at its partition dim");
+    }
+    if (version >= 0.4) {
+      const PyValue* w = nullptr;
+      if (shard_widths != nullptr && shard_widths->kind == PyKind::kDict) w = shard_widths->Get(pattern);
+      if (w == nullptr || !w->IsSeq()) {
+        return Invalid("universal checkpoint version " + std::to_string(version) + " records no sub_param_shard_widths for '" +
+                       pattern + "'");
+      }
+      for (PyRef x : w->items) {
+        ASSIGN_OR_RETURN(auto ws, AsIntVector(x, "sub_param_shard_widths of '" + pattern + "'"));
+        sp.widths.push_back(std::move(ws));
+      }
+    } else {
+      for (int64_t size : sp.sizes) {
+        if (size % static_cast<int64_t>(tp) != 0) {
+          return Invalid("sub-parameter size " + std::to_string(size) + " of '" + name + "' is not divisible by TP " +
+                         std::to_string(tp));
+        }
+        sp.widths.emplace_back(tp, size / static_cast<int64_t>(tp));
+      }
+    }
+    if (sp.widths.size() != sp.sizes.size()) {
+      return Invalid("'" + name + "' has " + std::to_string(sp.widths.size()) + " shard width entries for " +
+                     std::to_string(sp.sizes.size()) + " sub-parameters");
+    }
+    for (size_t j = 0; j < sp.sizes.size(); ++j) {
+      int64_t sum = 0;
+      for (int64_t x : sp.widths[j]) sum += x;
+      if (sp.widths[j].size() != tp || sum != sp.sizes[j]) {
+        return Invalid("shard widths of sub-parameter " + std::to_string(j) + " of '" + name + "' do not add up to " +
+                       std::to_string(sp.sizes[j]) + " over " + std::to_string(tp) + " TP ranks");
+      }
+    }
+    // The logical shape: tuples summed, the partition dim the sizes' sum, one -1 inferred.
+    int64_t total = 0, known = 1, unknown = -1;
+    for (const auto& l : local) total += NumelOf(l);
+    for (size_t i = 0; i < shape->items.size(); ++i) {
+      int64_t v = 0;
+      if (i == d) {
+        for (int64_t x : sp.sizes) v += x;
+      } else if (shape->items[i]->IsSeq()) {
+        ASSIGN_OR_RETURN(auto xs, AsIntVector(shape->items[i], "sub-parameter shape"));
+        for (int64_t x : xs) v += x;
+      } else {
+        ASSIGN_OR_RETURN(v, AsInt(shape->items[i], "sub-parameter shape"));
+      }
+      if (v == -1 && unknown < 0) {
+        unknown = static_cast<int64_t>(i);
+      } else if (v <= 0) {
+        return Invalid("sub-parameter shape of '" + pattern + "' has a dim of " + std::to_string(v));
+      } else {
+        known *= v;
+      }
+      sp.logical.push_back(v);
+    }
+    if (unknown >= 0) {
+      if (total % known != 0) return Invalid("cannot infer the -1 dim of '" + name + "'");
+      sp.logical[static_cast<size_t>(unknown)] = total / known;
+    }
+    rule.sub = std::move(sp);
+    return Status::Ok();
+  }
+
+  // ds_to_universal.py's sub_param_shape value: SubparamShape(patterns,
+  // shape, partition_dim) as the entry gives it, with a legacy scalar count
+  // replaced by the tuple of sizes.
+  Status WriteSubparamShape(PickleWriter& w, const std::string& name, const Rule& rule) const {
+    auto [e, pattern] = SubFor(name);
+    if (e == nullptr) return Internal("no sub-parameter entry for '" + name + "'");
+    auto no_tensor = [](PickleWriter&, const PyValue&) { return Unsupported("a tensor in a sub-parameter shape"); };
+    w.Global("deepspeed.checkpoint.universal_checkpoint", "SubparamShape");
+    w.BeginTuple();
+    w.EndTuple();
+    w.NewObj();
+    w.BeginDict();
+    w.Str("patterns");
+    RETURN_IF_ERROR(w.Value(*e->Field("patterns"), no_tensor));
+    w.Str("shape");
+    const PyValue* shape = e->Field("shape");
+    const size_t d = static_cast<size_t>(rule.sub.dim);
+    if (shape->items[d]->IsSeq()) {
+      RETURN_IF_ERROR(w.Value(*shape, no_tensor));
+    } else {
+      w.BeginTuple();
+      for (size_t i = 0; i < shape->items.size(); ++i) {
+        if (i != d) {
+          RETURN_IF_ERROR(w.Value(*shape->items[i], no_tensor));
+          continue;
+        }
+        w.BeginTuple();
+        for (int64_t x : rule.sub.sizes) w.Int(x);
+        w.EndTuple();
+      }
+      w.EndTuple();
+    }
+    w.Str("partition_dim");
+    RETURN_IF_ERROR(w.Value(*e->Field("partition_dim"), no_tensor));
+    w.EndDict();
+    w.Build();
+    return Status::Ok();
+  }
   // Patterns std::regex cannot compile (Python-only syntax): reported, never silently ignored.
   std::vector<std::string> Unusable() const {
     std::vector<std::string> out;
@@ -359,6 +523,7 @@ struct Reader {
   std::vector<std::vector<OptimRank>> optim;       // [dp][mp]
   int mp = 0, tp = 0, pp = 1, dp = 0, stage = 0;
   bool pipeline = false;
+  const struct Patterns* patterns = nullptr;  // universal_checkpoint_info, during Emit
   bool bf16_optimizer = false;
   std::vector<Param> params;                       // flat-group order of TP rank 0
   std::map<std::string, size_t> param_index;
@@ -815,6 +980,10 @@ Status Reader::ExportState(const std::string& name, const std::string& state, ui
       w.Str("param_n_sub_params");
       w.Int(2);
     }
+    if (rule.kind == Merge::kSubParams) {
+      w.Str("sub_param_shape");
+      RETURN_IF_ERROR(patterns->WriteSubparamShape(w, name, rule));
+    }
     if (rule.vocab) {
       w.Str("vocab_tensor");
       w.Bool(true);
@@ -888,6 +1057,7 @@ Status Reader::Emit() {
                         " PP=" + std::to_string(pp) + " DP=" + std::to_string(dp) +
                         (version.empty() ? "" : ", ds_version " + version);
   Patterns pats(models[0].uci);
+  patterns = &pats;
   if (!pats.present && stage != 0 && stage != 3) {
     problems.push_back(models[0].src->rel + " has no universal_checkpoint_info: every parameter is concatenated on "
                        "dim 0 across TP ranks (as ds_to_universal.py --inject_missing_state does)");
@@ -916,7 +1086,7 @@ Status Reader::Emit() {
                            std::string(DTypeName(t.dtype)) + ", and ckptfs widens only floating types to float32");
         continue;
       }
-      Status st = ExportState(name, "fp32", id, Rule{Merge::kReplicated, 0, false}, /*dict=*/true);
+      Status st = ExportState(name, "fp32", id, Rule{Merge::kReplicated, 0, false, {}}, /*dict=*/true);
       if (!st.ok()) problems.push_back("universal/zero/" + name + "/fp32.pt: " + st.message());
     }
   }
@@ -965,7 +1135,8 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     }
   }
   if (err.empty() && rule.kind == Merge::kSubParams) {
-    err = "parameter '" + p.name + "' has sub-parameter shapes (parameter_with_sub_params), which ckptfs does not merge yet";
+    Status st = pats.ResolveSub(p.name, local, rule);
+    if (!st.ok()) err = "parameter '" + p.name + "': " + st.message();
   }
   Merger merger(rule, local, pats.original_vocab);
   std::vector<int64_t> gshape;
@@ -1012,7 +1183,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
                       ", " + std::to_string(pc.at + pc.numel) + ")";
           break;
         }
-        AddRangeFragments(merger, t, lp.shape, pc.start, pc.numel, o.src->file, l->dtype,
+        AddRangeFragments(merger, t, merger.LocalShape(t), pc.start, pc.numel, o.src->file, l->dtype,
                           l->data_offset + static_cast<uint64_t>(pc.at) * DTypeSize(l->dtype), frags);
       }
     }
@@ -1043,7 +1214,7 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
   for (const ModelStates& m : models) buffers.insert(m.buffers.begin(), m.buffers.end());
   for (const auto& [name, e0] : module[0].entries) {
     const bool buffer = buffers.count(name) > 0;
-    Rule rule = buffer ? Rule{Merge::kReplicated, 0, false} : pats.For(name);
+    Rule rule = buffer ? Rule{Merge::kReplicated, 0, false, {}} : pats.For(name);
     std::vector<std::vector<int64_t>> local;
     std::vector<std::optional<Loc>> locs(tp);
     std::vector<ModuleEntry> entries(tp);
@@ -1068,7 +1239,13 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
       locs[t] = *l;
       local.push_back(l->shape);
     }
-    if (err.empty() && rule.kind == Merge::kSubParams) err = "'" + name + "' has sub-parameter shapes, which ckptfs does not merge yet";
+    if (err.empty() && rule.kind == Merge::kSubParams) {
+      Status st = pats.ResolveSub(name, local, rule);
+      if (!st.ok()) err = "'" + name + "': " + st.message();
+      for (int t = 0; t < tp && err.empty(); ++t) {
+        if (!locs[t]->Contiguous()) err = "'" + name + "' on TP rank " + std::to_string(t) + " is not contiguous: its sub-parameter view cannot be taken";
+      }
+    }
     Merger merger(rule, local, pats.original_vocab);
     TensorRecord rec;
     rec.key = name;
