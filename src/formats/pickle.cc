@@ -341,6 +341,16 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
       }
       return Err(std::to_string(a[0]->i) + " is not a value of enum " + e->module + "." + e->cls);
     }
+    if (m == "copyreg" && n == "_reconstructor") {
+      // Protocols 0/1 for a plain object: _reconstructor(cls, object, None),
+      // then BUILD: an instance of cls, as NEWOBJ makes at protocol 2.
+      if (a.empty() || a[0]->kind != PyKind::kGlobal) return Err("_reconstructor without a class");
+      auto o = Make(PyKind::kObject);
+      o->callable = a[0];
+      o->newobj = true;
+      RETURN_IF_ERROR(Adopt(o, a[0]));
+      return o;
+    }
     if (m == "collections" && n == "OrderedDict") {
       auto d = Make(PyKind::kDict);
       if (!a.empty() && a[0]->IsSeq()) {
@@ -752,6 +762,7 @@ Result<PyRef> Vm::Run() {
 std::string CanonicalModule(std::string_view module) {
   std::string m(module);
   if (m == "__builtin__") return "builtins";
+  if (m == "copy_reg") return "copyreg";  // protocols 0 and 1 keep Python 2's module names
   if (m == "pathlib._local") return "pathlib";
   auto replace_prefix = [&](std::string_view from, std::string_view to) {
     if (StartsWith(m, from)) m = std::string(to) + m.substr(from.size());

@@ -9,7 +9,9 @@
 // and torch's tensor rebuild functions, which become Tensor nodes that point at
 // a storage record. Class names are matched across module renames
 // (torch.distributed._shard.checkpoint.X == torch.distributed.checkpoint.X,
-// numpy.core == numpy._core, __builtin__ == builtins).
+// numpy.core == numpy._core, __builtin__ == builtins, copy_reg == copyreg;
+// protocol 0/1's copyreg._reconstructor(cls, object, None) is an instance of
+// cls like protocol 2's NEWOBJ).
 //
 // Unknown globals. Checkpoints carry their trainer's own objects in metadata
 // ckptfs does not need (Megatron-DeepSpeed's args hold
