@@ -75,7 +75,9 @@ class Merger {
   // kSubParams its view (SubParams::ViewShape).
   std::vector<int64_t> LocalShape(int t) const;
   // How many copies the merged tensor averages (1 unless kAverage).
-  uint32_t Copies() const { return rule_.kind == Merge::kAverage ? static_cast<uint32_t>(local_.size()) : 1; }
+  uint32_t Copies() const {
+    return rule_.kind == Merge::kAverage && !local_.empty() ? static_cast<uint32_t>(local_.size()) : 1;
+  }
   // The copy a fragment of rank t belongs to.
   uint32_t CopyOf(int t) const { return rule_.kind == Merge::kAverage ? static_cast<uint32_t>(t) : 0; }
 

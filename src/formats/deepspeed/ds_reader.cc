@@ -498,6 +498,7 @@ struct Param {
 struct ModuleEntry {
   const Source* src = nullptr;
   const PyValue* v = nullptr;
+  std::string error;  // no source holds it (a missing or unreadable layer file)
 };
 // The model's copy as TP rank t holds it: mp_rank_XX's `module`, or with
 // PipelineEngine the layer files of every stage (global names).
@@ -727,24 +728,41 @@ void Reader::ReadModule(const std::map<std::pair<int, int>, std::string>& layers
         module[t].error = models[t].error;
         continue;
       }
-      for (const auto& [name, v] : models[t].module) module[t].Add(name, ModuleEntry{models[t].src.get(), v});
+      for (const auto& [name, v] : models[t].module) module[t].Add(name, ModuleEntry{models[t].src.get(), v, ""});
     }
     return;
   }
   std::vector<std::set<std::string>> known(tp);  // trainable and buffer names per TP rank, all stages
+  std::vector<std::vector<std::string>> trainable(tp);
   for (int m = 0; m < mp; ++m) {
     for (const Shapes& g : models[m].groups) {
-      for (const auto& [n, shape] : g) known[m % tp].insert(n);
+      for (const auto& [n, shape] : g) {
+        if (known[m % tp].insert(n).second) trainable[m % tp].push_back(n);
+      }
     }
     for (const auto& b : models[m].buffers) known[m % tp].insert(b);
   }
-  for (const auto& [key, n] : layers) {
+  // Every layer a stage's parameters name must have its file: one the
+  // directory lacks is registered as missing (and its weights are EIO).
+  std::map<std::pair<int, int>, std::string> want = layers;
+  std::map<std::pair<int, int>, std::string> failed;  // (layer, tp) -> why
+  static const std::regex kLayerName(R"(^(\d+)\.)");
+  for (int t = 0; t < tp; ++t) {
+    for (const auto& n : trainable[t]) {
+      std::smatch m;
+      if (!std::regex_search(n, m, kLayerName)) continue;
+      char buf[64];
+      std::snprintf(buf, sizeof(buf), "layer_%02d-model_%02d-model_states.pt", std::stoi(m[1]), t);
+      want.emplace(std::make_pair(std::stoi(m[1]), t), buf);
+    }
+  }
+  for (const auto& [key, n] : want) {
     const auto [layer, t] = key;
     if (t >= tp) continue;
     layer_files.push_back(files.Open(prefix + n));
     const Source& src = *layer_files.back();
     if (!src.error.empty()) {
-      if (module[t].error.empty()) module[t].error = src.error;
+      failed[key] = src.error;
       problems.push_back(src.error + ": the weights of layer " + std::to_string(layer) + " (TP rank " +
                          std::to_string(t) + ") have no param view");
       continue;
@@ -769,7 +787,18 @@ void Reader::ReadModule(const std::map<std::pair<int, int>, std::string>& layers
         }
         if (found == 1) name = tied;
       }
-      module[t].Add(name, ModuleEntry{&src, v});
+      module[t].Add(name, ModuleEntry{&src, v, ""});
+    }
+  }
+  for (int t = 0; t < tp; ++t) {
+    for (const auto& n : trainable[t]) {
+      if (module[t].by_name.count(n)) continue;
+      std::smatch m;
+      std::string why = "no layer file of TP rank " + std::to_string(t) + " holds '" + n + "'";
+      if (std::regex_search(n, m, kLayerName)) {
+        if (auto it = failed.find({std::stoi(m[1]), t}); it != failed.end()) why = it->second;
+      }
+      module[t].Add(n, ModuleEntry{nullptr, nullptr, why});
     }
   }
 }
@@ -1157,7 +1186,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     rec.dtype = DType::kF32;
     rec.shape = gshape;
     rec.error = err;
-    rec.replicas = merger.Copies();
+    rec.replicas = err.empty() ? merger.Copies() : 1;
     std::vector<Fragment> frags;
     for (int t = 0; t < tp && rec.error.empty(); ++t) {
       if (!merger.UsesRank(t)) continue;
@@ -1231,6 +1260,10 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
         break;
       }
       entries[t] = found->second;
+      if (!found->second.error.empty()) {
+        err = "'" + name + "' needs " + found->second.error;
+        break;
+      }
       auto l = Resolve(*found->second.src, found->second.v, "module['" + name + "']");
       if (!l.ok()) {
         err = l.status().message();
@@ -1267,7 +1300,7 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
       AddWholeFragments(merger, t, *locs[t], entries[t].src->file, frags);
     }
     rec.error = err;
-    rec.replicas = merger.Copies();
+    rec.replicas = err.empty() ? merger.Copies() : 1;
     if (!err.empty()) frags.clear();
     uint32_t id = ck.AddTensor(std::move(rec), std::move(frags));
     // ds_to_universal's fallback for names without optimizer state: mp_rank_00's
