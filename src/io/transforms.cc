@@ -242,26 +242,17 @@ Status RunOpCpu(const char* src, const GatherOp& op, DType out, char* dst) {
 
 // Bit casts for MeanElement on the host.
 struct HostBits {
-  static float F32(uint32_t b) {
-    float f;
-    std::memcpy(&f, &b, 4);
-    return f;
+  template <typename To, typename From>
+  static To Cast(From v) {
+    static_assert(sizeof(To) == sizeof(From));
+    To t;
+    std::memcpy(&t, &v, sizeof(t));
+    return t;
   }
-  static double F64(uint64_t b) {
-    double f;
-    std::memcpy(&f, &b, 8);
-    return f;
-  }
-  static uint32_t Bits(float f) {
-    uint32_t b;
-    std::memcpy(&b, &f, 4);
-    return b;
-  }
-  static uint64_t Bits64(double f) {
-    uint64_t b;
-    std::memcpy(&b, &f, 8);
-    return b;
-  }
+  static float F32(uint32_t b) { return Cast<float>(b); }
+  static double F64(uint64_t b) { return Cast<double>(b); }
+  static uint32_t Bits(float f) { return Cast<uint32_t>(f); }
+  static uint64_t Bits64(double f) { return Cast<uint64_t>(f); }
   static void U32(uint32_t v, unsigned char* p) {
     for (int k = 0; k < 4; ++k) p[k] = static_cast<unsigned char>(v >> (8 * k));
   }

@@ -42,6 +42,17 @@ def dcp_fixtures(tmp_path_factory):
     return Path(out)
 
 
+def run_producer(cmd, out, env, timeout=900):
+    """Runs a multi-process fixture producer into `out` (emptied first), once
+    more if it fails: gloo's rendezvous port can be taken between pick and bind."""
+    for attempt in range(2):
+        shutil.rmtree(out, ignore_errors=True)
+        r = subprocess.run(cmd, timeout=timeout, env=env, capture_output=True, text=True)
+        if r.returncode == 0:
+            return
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
 def run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, run
+from conftest import FIXTURES, run, run_producer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
@@ -53,13 +53,7 @@ def ds_to_universal():
 def produce(out, name):
     ck = out / name
     if not (ck / "reference_tp0.pt").exists():  # written last by the producer
-        for attempt in range(2):  # gloo's rendezvous port can be taken between pick and bind
-            shutil.rmtree(ck, ignore_errors=True)
-            r = subprocess.run([sys.executable, str(PRODUCER), str(ck)] + SCENARIOS[name], timeout=600, env=ENV,
-                               capture_output=True, text=True)
-            if r.returncode == 0:
-                break
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+        run_producer([sys.executable, str(PRODUCER), str(ck)] + SCENARIOS[name], ck, ENV, timeout=600)
     tag = (ck / "latest").read_text().strip()
     ucp = out / f"{name}.ucp" / "universal"
     if name not in UCP_CRASHES and not (ucp / "zero" / "optimizer_state.pt").exists():
@@ -109,6 +103,16 @@ def tree(root):
     return sorted(str(p.relative_to(root)) for p in Path(root).rglob("*") if p.is_file())
 
 
+def universal_diffs(ucp, mine):
+    """Differences of every file of ds_to_universal.py's tree `ucp` from its twin under `mine`."""
+    diffs = []
+    for rel in tree(ucp):
+        a = torch.load(ucp / rel, weights_only=False, map_location="cpu")
+        b = torch.load(mine / rel, weights_only=False, map_location="cpu")
+        diffs += same(a, b, rel)
+    return diffs
+
+
 def test_universal_equals_ds_to_universal(scenario, mounter):
     name, ck, ucp = scenario
     if ucp is None:
@@ -117,11 +121,7 @@ def test_universal_equals_ds_to_universal(scenario, mounter):
         mine = m.path / "universal"
         assert (m.path / "latest_universal").read_text() == "universal"
         assert tree(mine) == tree(ucp)
-        diffs = []
-        for rel in tree(ucp):
-            a = torch.load(ucp / rel, weights_only=False, map_location="cpu")
-            b = torch.load(mine / rel, weights_only=False, map_location="cpu")
-            diffs += same(a, b, rel)
+        diffs = universal_diffs(ucp, mine)
             if rel.startswith("zero/"):
                 with zipfile.ZipFile(mine / rel) as z:  # CRCs and sizes of the synthesized archive
                     assert z.testzip() is None, rel

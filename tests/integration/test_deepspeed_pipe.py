@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ROOT, run
+from conftest import FIXTURES, ROOT, run, run_producer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from test_deepspeed_mount import merge_reference, same, tree  # noqa: E402
+from test_deepspeed_mount import merge_reference, tree, universal_diffs  # noqa: E402
 
 PRODUCER = FIXTURES / "make_deepspeed_pipe.py"
 ENV = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
@@ -59,14 +59,8 @@ def pipe_root(tmp_path_factory):
 
 def produce(root, name):
     ck = root / name
-    if not list(ck.glob("reference_pp*_tp*.pt")):
-        for attempt in range(2):  # gloo's rendezvous port can be taken between pick and bind
-            shutil.rmtree(ck, ignore_errors=True)
-            r = subprocess.run([sys.executable, str(PRODUCER), str(ck)] + SCENARIOS[name], timeout=900, env=ENV,
-                               capture_output=True, text=True)
-            if r.returncode == 0:
-                break
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    if not list(ck.glob("reference_pp*_tp*.pt")):  # written last by the producer
+        run_producer([sys.executable, str(PRODUCER), str(ck)] + SCENARIOS[name], ck, ENV)
     ucp = root / f"{name}.ucp" / "universal"
     if not (ucp / "zero" / "optimizer_state.pt").exists():
         shutil.rmtree(ucp.parent, ignore_errors=True)
@@ -140,9 +134,7 @@ def test_universal_equals_ds_to_universal(scenario, mounter):
         mine = m.path / "universal"
         assert (m.path / "latest_universal").read_text() == "universal"
         assert tree(mine) == tree(ucp)
-        diffs = []
-        for rel in tree(ucp):
-            diffs += same(torch.load(ucp / rel, weights_only=False), torch.load(mine / rel, weights_only=False), rel)
+        diffs = universal_diffs(ucp, mine)
         assert not diffs, diffs[:10]
 
 
@@ -270,7 +262,5 @@ def test_py3112_universal_equals_that_deepspeeds_conversion(name, tmp_path, moun
         assert set(tree(ucp)) <= set(tree(mine))
         assert extra == {"zero/language_model.embedding.position_embeddings.weight/fp32.pt",
                          "zero/language_model.rotary_inv_freq/fp32.pt"}, extra
-        diffs = []
-        for rel in tree(ucp):
-            diffs += same(torch.load(ucp / rel, weights_only=False), torch.load(mine / rel, weights_only=False), rel)
+        diffs = universal_diffs(ucp, mine)
         assert not diffs, diffs[:10]
