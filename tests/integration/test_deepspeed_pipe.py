@@ -264,3 +264,33 @@ def test_py3112_universal_equals_that_deepspeeds_conversion(name, tmp_path, moun
                          "zero/language_model.rotary_inv_freq/fp32.pt"}, extra
         diffs = universal_diffs(ucp, mine)
         assert not diffs, diffs[:10]
+
+
+def test_corrupt_args_pickle(pipe_root, tmp_path, mounter):
+    """Garbage inside the args of stage 0's mp_rank_00 pickle: that file's
+    param_shapes are lost, so stage 0's optimizer states are EIO naming the
+    file; stage 1, the model copy of every layer and universal/'s stage-1
+    files are served."""
+    ck, _ = produce(pipe_root, "pp2_dp2_fp32")
+    dst = tmp_path / "damaged"
+    shutil.copytree(ck, dst, ignore=shutil.ignore_patterns(".ckptfs"))
+    f = dst / (dst / "latest").read_text().strip() / "mp_rank_00_model_states.pt"
+    data = bytearray(f.read_bytes())
+    i = data.find(b"PositionEmbeddingType")
+    assert i > 0
+    data[i - 40:i + 30] = b"\xfe" * 70
+    f.write_bytes(bytes(data))
+    with mounter(dst) as m:
+        cj = json.loads((m.path / "checkpoint.json").read_text())
+        broken = {b["key"].split("/")[0] for b in cj["broken"]}
+        assert broken and all(k.split(".")[0] in ("1", "2") for k in broken), broken
+        assert all("mp_rank_00_model_states.pt" in b["error"] for b in cj["broken"])
+        with pytest.raises(OSError) as e:
+            (m.path / "params" / "1.input_layernorm.weight" / "fp32.npy").read_bytes()
+        assert e.value.errno == errno.EIO
+        assert "mp_rank_00_model_states.pt" in m.log_text()
+        assert np.load(m.path / "params" / "1.input_layernorm.weight" / "param.npy").size == 8
+        assert np.load(m.path / "params" / "3.input_layernorm.weight" / "fp32.npy").size == 8
+        ref = stage_refs(ck, "")[0]
+        got = torch.load(m.path / "universal" / "zero" / "3.input_layernorm.weight" / "fp32.pt", weights_only=False)
+        assert torch.equal(got["param"], ref["3.input_layernorm.weight"]["fp32"])

@@ -523,6 +523,7 @@ struct Reader {
   std::vector<ModuleCopy> module;                    // per TP rank
   std::vector<std::vector<OptimRank>> optim;       // [dp][mp]
   int mp = 0, tp = 0, pp = 1, dp = 0, stage = 0;
+  int root = 0;  // the first readable model-states file
   bool pipeline = false;
   const struct Patterns* patterns = nullptr;  // universal_checkpoint_info, during Emit
   bool bf16_optimizer = false;
@@ -547,6 +548,7 @@ struct Reader {
   void EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::string>& have_fp32);
   std::map<std::string, uint32_t> EmitModule(const Patterns& pats);
   Status ExportOptimizerState();
+  void EmitLostStages();
   void ExportCopies();
 };
 
@@ -623,13 +625,17 @@ Status Reader::Discover() {
     } else {
       models[t].error = models[t].src->error;
     }
-    if (!models[t].error.empty() && t == 0) return Invalid(models[0].error);
   }
+  // The first readable model-states file stands for the checkpoint's common
+  // state (DeepSpeed writes it into every one); an unreadable file loses only
+  // its own stage's parameter shapes.
+  while (root < mp && !models[root].error.empty()) ++root;
+  if (root == mp) return Invalid(models[0].error);
   RETURN_IF_ERROR(Topology(layers));
   // The DP degree is what the writer recorded, not what happens to be on disk:
   // a missing last rank must show up as missing.
-  if (const PyValue* v = models[0].src->root()->Get("dp_world_size"); v && v->kind == PyKind::kInt && v->i > dp) {
-    if (v->i > 1 << 20) return Invalid(models[0].src->rel + ": implausible dp_world_size " + std::to_string(v->i));
+  if (const PyValue* v = models[root].src->root()->Get("dp_world_size"); v && v->kind == PyKind::kInt && v->i > dp) {
+    if (v->i > 1 << 20) return Invalid(models[root].src->rel + ": implausible dp_world_size " + std::to_string(v->i));
     dp = static_cast<int>(v->i);
   }
   if (dp == 0 && !optim_files.empty()) dp = 1;
@@ -684,7 +690,7 @@ Status Reader::Discover() {
 // the TP ranks of the layer files (DeepSpeedCheckpoint's rule); without a
 // pipeline every mp file is a TP rank.
 Status Reader::Topology(const std::map<std::pair<int, int>, std::string>& layers) {
-  const Source& s0 = *models[0].src;
+  const Source& s0 = *models[root].src;
   tp = mp;
   pp = 1;
   if (const PyValue* d = s0.root()->Get("checkpoint_parallel_dimensions"); d && d->kind == PyKind::kDict) {
@@ -1074,7 +1080,7 @@ Status Reader::EmitStep(const Param& p, bool ucp) {
 
 Status Reader::Emit() {
   ck.info.family = "deepspeed";
-  const PyValue* root0 = models[0].src->root();
+  const PyValue* root0 = models[root].src->root();
   std::string version;
   if (const PyValue* v = root0->Get("ds_version"); v && v->IsStr()) version = v->s;
   if (const PyValue* v = root0->Get("global_steps"); v && v->kind == PyKind::kInt) ck.info.step = v->i;
@@ -1085,14 +1091,14 @@ Status Reader::Emit() {
   ck.info.format_note = std::string(pipeline ? "PipelineEngine, " : "") + stage_name + ", TP=" + std::to_string(tp) +
                         " PP=" + std::to_string(pp) + " DP=" + std::to_string(dp) +
                         (version.empty() ? "" : ", ds_version " + version);
-  Patterns pats(models[0].uci);
+  Patterns pats(models[root].uci);
   patterns = &pats;
   if (!pats.present && stage != 0 && stage != 3) {
-    problems.push_back(models[0].src->rel + " has no universal_checkpoint_info: every parameter is concatenated on "
+    problems.push_back(models[root].src->rel + " has no universal_checkpoint_info: every parameter is concatenated on "
                        "dim 0 across TP ranks (as ds_to_universal.py --inject_missing_state does)");
   }
   for (const auto& bad : pats.Unusable()) {
-    problems.push_back(models[0].src->rel + ": universal_checkpoint_info pattern '" + bad +
+    problems.push_back(models[root].src->rel + ": universal_checkpoint_info pattern '" + bad +
                        "' is not a regular expression ckptfs can compile; parameters it would match are merged as "
                        "if it were absent");
   }
@@ -1101,6 +1107,7 @@ Status Reader::Emit() {
   // Optimizer-backed parameters, then the module copy and universal/.
   std::set<std::string> have_fp32;
   for (Param& p : params) EmitParam(p, pats, ucp, have_fp32);
+  EmitLostStages();
   std::map<std::string, uint32_t> module_record = EmitModule(pats);
   // (Under PipelineEngine the mp_rank files hold no module: the script has
   // nothing to fall back to.)
@@ -1233,6 +1240,33 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
   }
 }
 
+// An unreadable model-states file hides its stage's param_shapes: under
+// PipelineEngine the layer files still name that stage's parameters, whose
+// optimizer states are then unreadable records naming the file (EIO, never
+// absent); it is listed in any case.
+void Reader::EmitLostStages() {
+  std::set<std::string> lost;
+  for (int m = 0; m < mp; ++m) {
+    if (models[m].error.empty()) continue;
+    problems.push_back(models[m].error + ": the optimizer states of pipeline stage " + std::to_string(m / tp) +
+                       ", TP rank " + std::to_string(m % tp) + " have no view");
+    if (!pipeline) continue;
+    for (const auto& [name, e] : module[m % tp].entries) {
+      if (param_index.count(name) || !e.error.empty() || !lost.insert(name).second) continue;
+      for (const char* state : {"fp32", "exp_avg", "exp_avg_sq"}) {
+        TensorRecord rec;
+        rec.key = DictKey(name, state);
+        rec.role = Role::kOptimState;
+        rec.fqn = name;
+        rec.state = state;
+        rec.dtype = DType::kF32;
+        rec.error = "'" + name + "' needs the param_shapes of " + models[m].error;
+        ck.AddTensor(std::move(rec), {});
+      }
+    }
+  }
+}
+
 // The model's own copy (module): param per parameter, TP-merged like the
 // optimizer states; buffers under other/. ZeRO-3 saves no module. Returns, per
 // name, the record holding mp_rank_00's tensor (ds_to_universal.py's fp32.pt
@@ -1241,7 +1275,10 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
   std::map<std::string, uint32_t> module_record;
   std::set<std::string> buffers;
   for (const ModelStates& m : models) buffers.insert(m.buffers.begin(), m.buffers.end());
-  for (const auto& [name, e0] : module[0].entries) {
+  // TP rank 0's names (a later rank's when rank 0's model states are unreadable).
+  size_t lead = 0;
+  while (lead + 1 < module.size() && module[lead].entries.empty()) ++lead;
+  for (const auto& [name, e0] : module[lead].entries) {
     const bool buffer = buffers.count(name) > 0;
     Rule rule = buffer ? Rule{Merge::kReplicated, 0, false, {}} : pats.For(name);
     std::vector<std::vector<int64_t>> local;
