@@ -6,11 +6,13 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <regex>
 #include <set>
+#include <tuple>
 
 #include "ckptfs/geometry.h"
 #include "formats/byte_reader.h"
@@ -49,8 +51,48 @@ const std::regex& OptimRe() {
   return r;
 }
 
+// DeepSpeed MoE expert files (engine._save_moe_checkpoint): the experts of
+// MoE layer L, one file per global expert E, tensors under global names.
+const std::regex& ExpertFileRe() {
+  static const std::regex r(R"(^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$)");
+  return r;
+}
+
 // param_shapes: a list (one per group) of OrderedDict name -> torch.Size.
 using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+
+// An expert parameter is `<prefix>deepspeed_experts.<i>.<rest>`
+// (deepspeed/moe/experts.py); in param_shapes and the optimizer files i is
+// local to the expert-parallel rank, in the expert files it is global.
+const std::regex& ExpertNameRe() {
+  static const std::regex r(R"(^(.*\.deepspeed_experts\.)(\d+)(\..*)$)");
+  return r;
+}
+bool Experts(const Shapes& shapes) {
+  return !shapes.empty() && std::all_of(shapes.begin(), shapes.end(), [](const auto& s) {
+    return std::regex_match(s.first, ExpertNameRe());
+  });
+}
+// Local experts per MoE layer (per name prefix) in one group.
+std::map<std::string, int> LocalExperts(const Shapes& shapes) {
+  std::map<std::string, int> n;
+  for (const auto& [name, shape] : shapes) {
+    std::smatch m;
+    if (!std::regex_match(name, m, ExpertNameRe())) continue;
+    int& c = n[m[1]];
+    c = std::max(c, std::stoi(m[2]) + 1);
+  }
+  return n;
+}
+// Local expert i of expert-parallel rank e is global expert e * n + i
+// (engine._save_moe_checkpoint's numbering).
+std::string GlobalExpertName(const std::string& local, int e, const std::map<std::string, int>& counts) {
+  std::smatch m;
+  if (!std::regex_match(local, m, ExpertNameRe())) return local;
+  auto it = counts.find(m[1]);
+  const int n = it == counts.end() ? 0 : it->second;
+  return std::string(m[1]) + std::to_string(e * n + std::stoi(m[2])) + std::string(m[3]);
+}
 Result<std::vector<Shapes>> ParamShapes(const Source& s, const PyValue* v) {
   std::vector<Shapes> out;
   if (v == nullptr || v->kind == PyKind::kNone) return out;
@@ -521,6 +563,8 @@ struct Reader {
   std::vector<std::unique_ptr<Source>> z3_copies;  // ZeRO-3 model states of DP ranks > 0 (copied, not parsed)
   std::vector<std::unique_ptr<Source>> layer_files;  // PipelineEngine layer_XX-model_TT files
   std::vector<ModuleCopy> module;                    // per TP rank
+  std::vector<std::unique_ptr<Source>> expert_files;  // MoE layer_L_expert_E_mp_rank_MM files
+  std::set<std::string> experts;                     // MoE expert parameters (global names)
   std::vector<std::vector<OptimRank>> optim;       // [dp][mp]
   int mp = 0, tp = 0, pp = 1, dp = 0, stage = 0;
   int root = 0;  // the first readable model-states file
@@ -537,7 +581,8 @@ struct Reader {
   Status Topology(const std::map<std::pair<int, int>, std::string>& layers);
   void ReadModule(const std::map<std::pair<int, int>, std::string>& layers);
   void Geometry12(int m);
-  void CheckSliceMappings(const OptimRank& o, size_t g, std::map<std::string, std::pair<int64_t, int64_t>> placed);
+  void CheckSliceMappings(const OptimRank& o, size_t g, std::map<std::string, std::pair<int64_t, int64_t>> placed,
+                          const std::function<std::string(const std::string&)>& global);
   void Break(const std::string& name, const std::string& why);  // first reason wins
   void Geometry3(int m);
   Status Emit();
@@ -565,6 +610,7 @@ Status Reader::Discover() {
   }
   std::map<int, std::string> model_files;
   std::map<std::pair<int, int>, std::string> z3_models, optim_files, layers;  // layers: (layer, tp)
+  std::map<std::tuple<int, int, int>, std::string> expert_names;             // (mp, layer, expert)
   std::string opt_prefix;
   for (const auto& e : fs::directory_iterator(dir + "/" + prefix, ec)) {
     std::string n = e.path().filename().string();
@@ -578,8 +624,8 @@ Status Reader::Discover() {
       opt_prefix = m[1];
     } else if (std::regex_match(n, m, LayerRe())) {
       layers[{std::stoi(m[1]), std::stoi(m[2])}] = n;
-    } else if (n.starts_with("layer_") && n.ends_with("model_states.pt")) {
-      problems.push_back("MoE expert file " + prefix + n + " is not read (DeepSpeed MoE is not supported yet)");
+    } else if (std::regex_match(n, m, ExpertFileRe())) {
+      expert_names[{std::stoi(m[3]), std::stoi(m[1]), std::stoi(m[2])}] = n;
     } else if (n.starts_with("expp_rank_")) {
       problems.push_back("MoE expert optimizer file " + prefix + n + " is not read (MoE is not supported yet)");
     }
@@ -682,6 +728,22 @@ Status Reader::Discover() {
     }
   }
   ReadModule(layers);
+  // MoE experts: the model copy of each global expert (module holds none).
+  for (const auto& [key, n] : expert_names) {
+    const int m = std::get<0>(key);
+    if (m >= mp) continue;
+    expert_files.push_back(files.Open(prefix + n));
+    const Source& src = *expert_files.back();
+    const PyValue* sd = src.root();
+    if (!src.error.empty() || sd == nullptr || sd->kind != PyKind::kDict) {
+      problems.push_back((src.error.empty() ? src.rel + " is not a state dict" : src.error) +
+                         ": the model copy of its experts has no param view");
+      continue;
+    }
+    for (const auto& [k, v] : sd->dict) {
+      if (k->IsStr() && v->kind == PyKind::kTensor) module[m % tp].Add(k->s, ModuleEntry{&src, v, ""});
+    }
+  }
   return Status::Ok();
 }
 
@@ -829,44 +891,63 @@ void Reader::Geometry12(int mi) {
       off[k] = n_total;
       n_total += NumelOf(shapes[k].second) + (align.empty() ? 0 : align[k]);
     }
-    const int64_t D = dp;
-    if (any && any->groups[g].partition_count >= 0 && any->groups[g].partition_count != D) {
-      problems.push_back(any->src->rel + ": group " + std::to_string(g) + " has partition_count " +
-                         std::to_string(any->groups[g].partition_count) + " but " + std::to_string(D) +
-                         " DP ranks were found (expert-parallel groups are not supported)");
+    // An MoE expert group is partitioned over its expert-data-parallel group
+    // (partition_count = DP / EP); each of the EP expert-parallel ranks holds
+    // its own experts under the same local names.
+    int64_t D = dp;
+    int E = 1;
+    const int64_t recorded = any ? any->groups[g].partition_count : -1;
+    if (recorded > 0 && recorded != D) {
+      if (dp % recorded == 0 && Experts(shapes)) {
+        D = recorded;
+        E = static_cast<int>(dp / recorded);
+      } else {
+        problems.push_back(any->src->rel + ": group " + std::to_string(g) + " has partition_count " +
+                           std::to_string(recorded) + " but " + std::to_string(D) +
+                           " DP ranks were found, and it is not an MoE expert group");
+      }
     }
     const int64_t A = 2 * D;
     const int64_t P = (n_total + A - 1) / A * A;
     const int64_t S = P / D;
-    // What the geometry puts on each rank: (numel, start) per parameter, and
-    // how long the rank's saved partitions must be.
+    for (int e = 0; e < E; ++e) {
+    // The k-th member of expert-parallel rank e's expert-data-parallel group
+    // (DeepSpeed's default layout: EP groups are consecutive ranks).
+    auto rank_of = [&](int64_t k) { return static_cast<int>(k * E + e); };
+    // What the geometry puts on each rank (local names): (numel, start) per
+    // parameter, and how long the rank's saved partitions must be.
     std::vector<std::map<std::string, std::pair<int64_t, int64_t>>> placed(D);
     std::vector<int64_t> need(D, 0);
+    const std::map<std::string, int> local_experts = E > 1 ? LocalExperts(shapes) : std::map<std::string, int>{};
     for (size_t k = 0; k < shapes.size(); ++k) {
-      const auto& [name, shape] = shapes[k];
+      const auto& [local_name, shape] = shapes[k];
+      const std::string name = E > 1 ? GlobalExpertName(local_name, e, local_experts) : local_name;
       LocalParam lp;
       lp.present = true;
       lp.mp = mi;
       lp.group = static_cast<int>(g);
       lp.shape = shape;
       const int64_t n = NumelOf(shape);
-      for (int r = 0; r < D; ++r) {
+      for (int64_t r = 0; r < D; ++r) {
         int64_t lo = std::max(off[k], r * S), hi = std::min(off[k] + n, (r + 1) * S);
-        if (lo < hi) lp.pieces.push_back(Piece{r, lo - off[k], hi - lo, lo - r * S});
+        if (lo < hi) lp.pieces.push_back(Piece{rank_of(r), lo - off[k], hi - lo, lo - r * S});
       }
       for (const Piece& pc : lp.pieces) {
-        placed[pc.dp][name] = {pc.numel, pc.at};
-        need[pc.dp] = std::max(need[pc.dp], pc.at + pc.numel);
+        const int64_t r = pc.dp / E;
+        placed[r][local_name] = {pc.numel, pc.at};
+        need[r] = std::max(need[r], pc.at + pc.numel);
       }
       auto [it, inserted] = param_index.emplace(name, params.size());
       if (inserted) params.push_back(Param{name, std::vector<LocalParam>(tp), ""});
+      if (E > 1) experts.insert(name);
       // A parameter several pipeline stages hold (a tied embedding) is read
       // from the first stage, as ds_to_universal.py does for
       // pipeline_replicated_parameter_patterns.
       LocalParam& slot = params[it->second].tp[t];
       if (!slot.present) slot = std::move(lp);
     }
-    for (int r = 0; r < D; ++r) {
+    for (int64_t k = 0; k < D; ++k) {
+      const int r = rank_of(k);
       OptimRank& o = optim[r][mi];
       if (!o.error.empty()) continue;
       if (g >= o.groups.size()) {
@@ -876,7 +957,7 @@ void Reader::Geometry12(int mi) {
         continue;
       }
       const OptimGroup& og = o.groups[g];
-      const int64_t pad = S - std::clamp<int64_t>(n_total - r * S, 0, S);
+      const int64_t pad = S - std::clamp<int64_t>(n_total - k * S, 0, S);
       if (og.recorded_pad >= 0 && og.recorded_pad != pad) {
         const bool spans = P - n_total > S;  // padding reaches below the last rank
         ck.info.Flag(Check::kGeometry, Severity::kWarning, "", o.src->rel,
@@ -890,21 +971,24 @@ void Reader::Geometry12(int mi) {
                                      {"partition_size", S}, {"padding_spans_ranks", spans}})
                          .dump());
       }
-      CheckSliceMappings(o, g, std::move(placed[r]));
+      CheckSliceMappings(o, g, std::move(placed[k]), [&](const std::string& local) {
+        return E > 1 ? GlobalExpertName(local, e, local_experts) : local;
+      });
       for (const auto& [loc, what] : {std::pair{&og.fp32, "fp32 partition"}, std::pair{&og.exp_avg, "exp_avg"},
                                       std::pair{&og.exp_avg_sq, "exp_avg_sq"}}) {
-        if (!loc->has_value() || (*loc)->Numel() >= need[r]) continue;
+        if (!loc->has_value() || (*loc)->Numel() >= need[k]) continue;
         const std::string why = o.src->rel + ": group " + std::to_string(g) + " " + what + " holds " +
                                 std::to_string((*loc)->Numel()) + " elements; param_shapes need " +
-                                std::to_string(need[r]) + " on this rank (N=" + std::to_string(n_total) +
+                                std::to_string(need[k]) + " on this rank (N=" + std::to_string(n_total) +
                                 ", D=" + std::to_string(D) + ")";
         ck.info.Flag(Check::kGeometry, Severity::kError, "", o.src->rel, why + ": its parameters are unreadable",
                      nlohmann::json({{"group", g}, {"dp_rank", r}, {"state", what}, {"recorded_numel", (*loc)->Numel()},
-                                     {"recomputed_numel", need[r]}, {"numel", n_total}, {"dp", D}, {"partition_size", S}})
+                                     {"recomputed_numel", need[k]}, {"numel", n_total}, {"dp", D}, {"partition_size", S}})
                          .dump());
-        for (const auto& [name, shape] : shapes) Break(name, why);
+        for (const auto& [local, shape] : shapes) Break(E > 1 ? GlobalExpertName(local, e, local_experts) : local, why);
       }
     }
+    }  // expert-parallel ranks
   }
 }
 
@@ -917,7 +1001,8 @@ void Reader::Break(const std::string& name, const std::string& why) {
 // must say exactly what the geometry placed there; a parameter it contradicts
 // is broken (which side is wrong cannot be told).
 void Reader::CheckSliceMappings(const OptimRank& o, size_t g,
-                                std::map<std::string, std::pair<int64_t, int64_t>> placed) {
+                                std::map<std::string, std::pair<int64_t, int64_t>> placed,
+                                const std::function<std::string(const std::string&)>& global) {
   const OptimGroup& og = o.groups[g];
   if (og.mapping == nullptr || og.mapping->kind != PyKind::kDict) return;
   const std::string where = o.src->rel + ": param_slice_mappings[" + std::to_string(g) + "] ";
@@ -931,19 +1016,19 @@ void Reader::CheckSliceMappings(const OptimRank& o, size_t g,
     }
     auto it = placed.find(key->s);
     if (numel == nullptr || start == nullptr || numel->kind != PyKind::kInt || start->kind != PyKind::kInt) {
-      Break(key->s, where + "has an unreadable fragment_address for '" + key->s + "'");
+      Break(global(key->s), where + "has an unreadable fragment_address for '" + key->s + "'");
     } else if (it == placed.end()) {
-      Break(key->s, where + "gives '" + key->s + "' a fragment (numel=" + std::to_string(numel->i) + ", start=" +
+      Break(global(key->s), where + "gives '" + key->s + "' a fragment (numel=" + std::to_string(numel->i) + ", start=" +
                         std::to_string(start->i) + ") where param_shapes put none");
     } else if (it->second != std::make_pair(numel->i, start->i)) {
-      Break(key->s, where + "gives '" + key->s + "' (numel=" + std::to_string(numel->i) + ", start=" +
+      Break(global(key->s), where + "gives '" + key->s + "' (numel=" + std::to_string(numel->i) + ", start=" +
                         std::to_string(start->i) + ") where param_shapes give (numel=" +
                         std::to_string(it->second.first) + ", start=" + std::to_string(it->second.second) + ")");
     }
     if (it != placed.end()) placed.erase(it);
   }
   for (const auto& [name, v] : placed) {
-    Break(name, where + "has no '" + name + "', which param_shapes place on this rank");
+    Break(global(name), where + "has no '" + name + "', which param_shapes place on this rank");
   }
 }
 
@@ -1109,11 +1194,29 @@ Status Reader::Emit() {
   for (Param& p : params) EmitParam(p, pats, ucp, have_fp32);
   EmitLostStages();
   std::map<std::string, uint32_t> module_record = EmitModule(pats);
+  // An expert whose expert file is missing or unreadable: its model copy is
+  // an unreadable record (EIO), never absent.
+  for (const std::string& name : experts) {
+    bool held = false;
+    for (const ModuleCopy& c : module) held = held || c.by_name.count(name) > 0;
+    if (held) continue;
+    std::smatch m;
+    const std::string id = std::regex_match(name, m, ExpertNameRe()) ? std::string(m[2]) : "?";
+    TensorRecord rec;
+    rec.key = name;
+    rec.role = Role::kParam;
+    rec.fqn = name;
+    rec.state = "param";
+    rec.dtype = DType::kF32;
+    rec.error = "no expert file holds '" + name + "' (" + prefix + "layer_*_expert_" + id +
+                "_mp_rank_*_model_states.pt is missing or unreadable)";
+    ck.AddTensor(std::move(rec), {});
+  }
   // (Under PipelineEngine the mp_rank files hold no module: the script has
   // nothing to fall back to.)
   if ((stage == 1 || stage == 2) && !pipeline) {
     for (const auto& [name, e] : module[0].entries) {
-      if (have_fp32.count(name) || !module_record.count(name)) continue;
+      if (have_fp32.count(name) || !module_record.count(name) || experts.count(name)) continue;
       const uint32_t id = module_record[name];
       const TensorRecord& t = ck.tensors[id];
       if (!t.error.empty()) continue;
@@ -1125,6 +1228,13 @@ Status Reader::Emit() {
       Status st = ExportState(name, "fp32", id, Rule{Merge::kReplicated, 0, false, {}}, /*dict=*/true);
       if (!st.ok()) problems.push_back("universal/zero/" + name + "/fp32.pt: " + st.message());
     }
+  }
+  if (ucp && !experts.empty()) {
+    problems.push_back("universal/ leaves out the " + std::to_string(experts.size()) + " MoE expert parameters: "
+                       "ds_to_universal.py merges DeepSpeed MoE experts by their expert-parallel-local names, which at "
+                       "EP > 1 concatenates different experts (it fails), and DeepSpeed's universal loader looks "
+                       "them up by local name; params/ serves every expert under its global name "
+                       "(deepspeed_experts.<E>, as the expert files name it)");
   }
   if (ucp) {
     Status st = ExportOptimizerState();
@@ -1226,7 +1336,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     if (!rec.error.empty()) frags.clear();
     const bool bad = !rec.error.empty();
     uint32_t id = ck.AddTensor(std::move(rec), std::move(frags));
-    if (!bad && ucp && ck.tensors[id].dtype == DType::kF32) {
+    if (!bad && ucp && ck.tensors[id].dtype == DType::kF32 && !experts.count(p.name)) {
       Status st = ExportState(p.name, state, id, rule, as_dict);
       if (!st.ok()) problems.push_back("universal/zero/" + p.name + "/" + state + ".pt: " + st.message());
       if (std::string(state) == "fp32") have_fp32.insert(p.name);
@@ -1235,7 +1345,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     }
   }
   if (stage != 3 && err.empty() && p.tp[0].present && p.tp[0].group >= 0) {
-    Status st = EmitStep(p, ucp);
+    Status st = EmitStep(p, ucp && !experts.count(p.name));
     if (!st.ok()) problems.push_back("no step for '" + p.name + "': " + st.message());
   }
 }
