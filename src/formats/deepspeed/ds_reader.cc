@@ -568,6 +568,7 @@ struct Reader {
   std::vector<std::vector<OptimRank>> optim;       // [dp][mp]
   int mp = 0, tp = 0, pp = 1, dp = 0, stage = 0;
   int root = 0;  // the first readable model-states file
+  bool data_before_ep = false;  // ds_config use_data_before_expert_parallelism (another MoE rank layout)
   bool pipeline = false;
   const struct Patterns* patterns = nullptr;  // universal_checkpoint_info, during Emit
   bool bf16_optimizer = false;
@@ -678,6 +679,10 @@ Status Reader::Discover() {
   while (root < mp && !models[root].error.empty()) ++root;
   if (root == mp) return Invalid(models[0].error);
   RETURN_IF_ERROR(Topology(layers));
+  if (const PyValue* c = models[root].src->root()->Get("ds_config"); c && c->kind == PyKind::kDict) {
+    const PyValue* v = c->Get("use_data_before_expert_parallelism");
+    data_before_ep = v != nullptr && v->kind == PyKind::kBool && v->b;
+  }
   // The DP degree is what the writer recorded, not what happens to be on disk:
   // a missing last rank must show up as missing.
   if (const PyValue* v = models[root].src->root()->Get("dp_world_size"); v && v->kind == PyKind::kInt && v->i > dp) {
@@ -945,6 +950,10 @@ void Reader::Geometry12(int mi) {
       // pipeline_replicated_parameter_patterns.
       LocalParam& slot = params[it->second].tp[t];
       if (!slot.present) slot = std::move(lp);
+      if (E > 1 && data_before_ep) {
+        Break(name, "'" + name + "' is an MoE expert of a run with use_data_before_expert_parallelism, whose "
+                    "expert-parallel rank layout ckptfs does not map yet");
+      }
     }
     for (int64_t k = 0; k < D; ++k) {
       const int r = rank_of(k);
