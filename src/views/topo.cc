@@ -182,11 +182,15 @@ Status ParseRulesFile(const std::string& path, TopoOptions& opts) {
   return Status::Ok();
 }
 
+// The layer a parameter belongs to: `layers.<i>` (and the other names HF and
+// Megatron use), or a leading `<i>.`: DeepSpeed PipelineModule's layer spec
+// index (BLOOM / Megatron-DeepSpeed `GPTModelPipe`, an nn.Sequential).
 int64_t LayerOf(const std::string& fqn) {
   static const std::regex kLayer(R"((?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$))");
+  static const std::regex kSpec(R"(^(\d+)\.)");
   std::smatch m;
-  if (!std::regex_search(fqn, m, kLayer)) return -1;
-  return std::stoll(m[1].str());
+  if (std::regex_search(fqn, m, kLayer) || std::regex_search(fqn, m, kSpec)) return std::stoll(m[1].str());
+  return -1;
 }
 
 std::string_view SafetensorsDType(DType d) {
@@ -265,7 +269,7 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
     const int64_t per = topo.pp > 0 ? L / topo.pp : 0;
     for (int p = 0; p < topo.pp; ++p) plan.stage_layers.emplace_back(p * per, (p + 1) * per);
   }
-  if (topo.pp > 1 && L == 0) return Invalid(view + ": no layers.<i> parameters, so there is nothing to split into stages");
+  if (topo.pp > 1 && L == 0) return Invalid(view + ": no layers.<i> (or pipeline <i>.) parameters, so there is nothing to split into stages");
 
   plan.ranks.resize(static_cast<size_t>(topo.tp) * topo.pp);
   for (int p = 0; p < topo.pp; ++p) {

@@ -294,3 +294,28 @@ def test_corrupt_args_pickle(pipe_root, tmp_path, mounter):
         ref = stage_refs(ck, "")[0]
         got = torch.load(m.path / "universal" / "zero" / "3.input_layernorm.weight" / "fp32.pt", weights_only=False)
         assert torch.equal(got["param"], ref["3.input_layernorm.weight"]["fp32"])
+
+
+def test_topo_source_layout_is_each_ranks_own_slice(pipe_root, mounter):
+    """topo/tp2-pp2/ of a TP=2 PP=2 PipelineEngine run: rank (t, p)'s file holds
+    exactly the weights that rank's layer files hold (stages from the pipeline
+    spec index; the averaged norms are the mean on every rank, the tied
+    embedding lives on stage 0)."""
+    from safetensors.torch import load_file
+    name = "pp2_tp2_dp1_bf16opt"
+    ck, _ = produce(pipe_root, name)
+    info = uc_info(ck)
+    averaged = info.get("parameter_to_average_patterns", [])
+    with mounter(ck) as m:
+        for p in range(2):
+            for t in range(2):
+                got = load_file(m.path / "topo" / "tp2-pp2" / f"tp{t}-pp{p}.safetensors")
+                mod = torch.load(ck / f"reference_module_pp{p}_tp{t}.pt", weights_only=False)
+                checked = 0
+                for n, v in mod.items():
+                    if n.startswith("tied_modules.") or any(re.match(a, n) for a in averaged):
+                        continue
+                    assert torch.equal(got[n], v), (n, p, t)
+                    checked += 1
+                assert checked >= 16, checked
+        assert not (m.path / "topo" / "ERRORS").read_text().strip(), (m.path / "topo" / "ERRORS").read_text()
