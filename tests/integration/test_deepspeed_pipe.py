@@ -319,3 +319,17 @@ def test_topo_source_layout_is_each_ranks_own_slice(pipe_root, mounter):
                     checked += 1
                 assert checked >= 16, checked
         assert not (m.path / "topo" / "ERRORS").read_text().strip(), (m.path / "topo" / "ERRORS").read_text()
+
+
+def test_info_says_when_optimizer_files_are_unreadable(tmp_path, bin_path):
+    """Truncated optimizer files are not 'no optimizer files': info says how
+    many there are and that none could be read, and their states are EIO."""
+    ck = copy_of("z2_fp32_dp2", tmp_path)
+    for f in (ck / "global_step2").glob("*optim_states.pt"):
+        f.write_bytes(f.read_bytes()[:1000])
+    r = run([bin_path, "info", str(ck), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 1 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in r.stderr  # broken tensors: exit 1
+    assert "2 ZeRO optimizer files, none readable" in r.stdout, r.stdout[:500]
+    r = run([bin_path, "cat", str(ck), "params/language_model.encoder.final_layernorm.weight/fp32.npy",
+             "--index", str(tmp_path / "ix")])
+    assert r.returncode != 0 and "_optim_states.pt" in r.stderr and "truncated" in r.stderr, r.stderr[-500:]

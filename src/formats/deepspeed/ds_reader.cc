@@ -568,7 +568,8 @@ struct Reader {
   std::vector<std::vector<OptimRank>> optim;       // [dp][mp]
   int mp = 0, tp = 0, pp = 1, dp = 0, stage = 0;
   int root = 0;  // the first readable model-states file
-  bool data_before_ep = false;  // ds_config use_data_before_expert_parallelism (another MoE rank layout)
+  bool data_before_ep = false;
+  int optim_on_disk = 0;  // optimizer state files found (readable or not)  // ds_config use_data_before_expert_parallelism (another MoE rank layout)
   bool pipeline = false;
   const struct Patterns* patterns = nullptr;  // universal_checkpoint_info, during Emit
   bool bf16_optimizer = false;
@@ -690,6 +691,7 @@ Status Reader::Discover() {
     dp = static_cast<int>(v->i);
   }
   if (dp == 0 && !optim_files.empty()) dp = 1;
+  optim_on_disk = static_cast<int>(optim_files.size());
   // Stage-3 model files of other DP ranks are part of the checkpoint too.
   for (const auto& [k, n] : z3_models) {
     if (k.first != 0) z3_copies.push_back(files.Open(prefix + n, /*parse=*/false));
@@ -1180,7 +1182,10 @@ Status Reader::Emit() {
   if (const PyValue* v = root0->Get("global_steps"); v && v->kind == PyKind::kInt) ck.info.step = v->i;
   if (const PyValue* v = root0->Get("iteration"); ck.info.step < 0 && v && v->kind == PyKind::kInt) ck.info.step = v->i;
   ck.info.world_size = static_cast<uint32_t>(std::max(tp, 1) * pp * std::max(dp, 1));
-  std::string stage_name = stage == 0 ? "no ZeRO optimizer files" : "ZeRO-" + std::to_string(stage);
+  // stage 0: no optimizer file could be read; say whether there were any.
+  std::string stage_name = stage != 0         ? "ZeRO-" + std::to_string(stage)
+                           : optim_on_disk > 0 ? std::to_string(optim_on_disk) + " ZeRO optimizer files, none readable"
+                                               : "no ZeRO optimizer files";
   if (bf16_optimizer) stage_name = "BF16_Optimizer (ZeRO-1 geometry)";
   ck.info.format_note = std::string(pipeline ? "PipelineEngine, " : "") + stage_name + ", TP=" + std::to_string(tp) +
                         " PP=" + std::to_string(pp) + " DP=" + std::to_string(dp) +
