@@ -67,6 +67,8 @@ inline Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; 
 // Errno-formatted I/O failure: "cannot <verb> <path>: <strerror>".
 Status ErrnoStatus(std::string_view verb, std::string_view path, int err);
 
+
+
 template <typename T>
 class [[nodiscard]] Result {
  public:
@@ -89,6 +91,17 @@ class [[nodiscard]] Result {
  private:
   std::variant<T, Status> v_;
 };
+
+// Opens source file `rel` of the checkpoint rooted at `root` for reading
+// (trust boundary, DESIGN.md): resolution stays beneath `root` (Linux
+// openat2 RESOLVE_BENEATH: `..` and symlinks may move around inside the tree
+// but never out of it; absolute symlinks are refused), the open never blocks
+// (a FIFO or device is refused, not waited on), and the result must be a
+// regular file. Errors name the path and the reason. Returns the fd.
+Result<int> OpenSourceFile(const std::string& root, const std::string& rel);
+// The same check for a path the caller chose itself (the checkpoint's own
+// metadata file): non-blocking, regular files only.
+Result<int> OpenRegularFile(const std::string& path);
 
 #define CKPTFS_CONCAT_INNER(a, b) a##b
 #define CKPTFS_CONCAT(a, b) CKPTFS_CONCAT_INNER(a, b)

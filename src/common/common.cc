@@ -1,7 +1,15 @@
 #include "ckptfs/common.h"
 
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cerrno>
 #include <chrono>
+#include <climits>
+#include <cstdlib>
 #include <cstdio>
 #include <ctime>
 #include <mutex>
@@ -17,6 +25,74 @@ Status ErrnoStatus(std::string_view verb, std::string_view path, int err) {
   if (err == ESTALE) code = Code::kStale;
   return Status(code, "cannot " + std::string(verb) + " " + std::string(path) + ": " +
                           std::strerror(err));
+}
+
+namespace {
+
+// An fd of a regular file, or an error naming `path` (the fd is closed).
+Result<int> RequireRegular(int fd, const std::string& path) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return ErrnoStatus("stat", path, e);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    const char* what = S_ISFIFO(st.st_mode) ? "a FIFO"
+                       : S_ISDIR(st.st_mode) ? "a directory"
+                       : S_ISSOCK(st.st_mode) ? "a socket"
+                       : (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) ? "a device"
+                                                                       : "not a regular file";
+    return Invalid("cannot open " + path + ": it is " + std::string(what) + ", not a regular file");
+  }
+  return fd;
+}
+
+}  // namespace
+
+Result<int> OpenRegularFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return ErrnoStatus("open", path, errno);
+  return RequireRegular(fd, path);
+}
+
+Result<int> OpenSourceFile(const std::string& root, const std::string& rel) {
+  const std::string path = root + "/" + rel;
+  const int dir = ::open(root.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) return ErrnoStatus("open", root, errno);
+  open_how how{};
+  how.flags = O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
+  int fd = static_cast<int>(::syscall(SYS_openat2, dir, rel.c_str(), &how, sizeof(how)));
+  int err = fd < 0 ? errno : 0;
+  if (fd < 0 && (err == ENOSYS || err == EPERM)) {
+    // No openat2 (Linux < 5.6, or a seccomp filter): open, then check that
+    // the real path is inside the real root.
+    fd = ::openat(dir, rel.c_str(), static_cast<int>(how.flags));
+    err = fd < 0 ? errno : 0;
+    if (fd >= 0) {
+      char self[64], real[PATH_MAX], base[PATH_MAX];
+      std::snprintf(self, sizeof(self), "/proc/self/fd/%d", fd);
+      const ssize_t n = ::readlink(self, real, sizeof(real) - 1);
+      const bool inside = n > 0 && ::realpath(root.c_str(), base) != nullptr &&
+                          std::string(real, static_cast<size_t>(n)).rfind(std::string(base) + "/", 0) == 0;
+      if (!inside) {
+        ::close(fd);
+        fd = -1;
+        err = EXDEV;
+      }
+    }
+  }
+  ::close(dir);
+  if (fd < 0) {
+    if (err == EXDEV || err == ELOOP) {
+      return Invalid("cannot open " + path + ": it leads outside the checkpoint directory (a symlink or '..' that "
+                     "escapes " + root + "); ckptfs reads only files inside it");
+    }
+    return ErrnoStatus("open", path, err);
+  }
+  return RequireRegular(fd, path);
 }
 
 namespace {

@@ -65,8 +65,7 @@ Result<std::string> FileSliceReader::ReadAt(uint64_t offset, uint64_t len) const
 }
 
 Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return ErrnoStatus("open", path, errno);
+  ASSIGN_OR_RETURN(int fd, OpenRegularFile(path));
   struct stat st{};
   if (::fstat(fd, &st) != 0) {
     int e = errno;
@@ -87,11 +86,26 @@ Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
 
 Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f) {
   const std::string path = dir + "/" + f.rel_path;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  auto opened = OpenSourceFile(dir, f.rel_path);
+  if (!opened.ok()) {
+    // Refused but present (outside the tree, a FIFO, a directory): its
+    // fingerprint as the staleness check sees it, so the index stays valid
+    // and every read of it fails with the refusal; absent: missing (-1).
+    struct stat st{};
+    if (opened.status().code() != Code::kNotFound && ::stat(path.c_str(), &st) == 0) {
+      f.size = static_cast<uint64_t>(st.st_size);
+      f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+      f.inode = st.st_ino;
+    } else {
+      f.mtime_ns = -1;
+    }
+    return opened.status();
+  }
+  const int fd = *opened;
   struct stat st{};
-  if (fd < 0 || ::fstat(fd, &st) != 0) {
-    Status err = ErrnoStatus("open", path, errno);
-    if (fd >= 0) ::close(fd);
+  if (::fstat(fd, &st) != 0) {
+    Status err = ErrnoStatus("stat", path, errno);
+    ::close(fd);
     f.mtime_ns = -1;
     return err;
   }

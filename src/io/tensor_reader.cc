@@ -54,10 +54,10 @@ Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, Eng
   std::unique_ptr<TensorReader> r(new TensorReader(index, kind, std::move(policy)));
   for (const auto& f : index.files()) {
     std::string path = index.src_dir() + "/" + f.rel_path;
-    int fd = f.mtime_ns == -1 ? -1 : ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    r->fds_.push_back(fd);
-    r->open_errors_.push_back(fd >= 0 ? "" : f.mtime_ns == -1 ? "cannot open " + path + ": missing at indexing time"
-                                                               : ErrnoStatus("open", path, errno).message());
+    auto fd = f.mtime_ns == -1 ? Result<int>(IoError("cannot open " + path + ": missing at indexing time"))
+                               : OpenSourceFile(index.src_dir(), f.rel_path);
+    r->fds_.push_back(fd.ok() ? *fd : -1);
+    r->open_errors_.push_back(fd.ok() ? "" : fd.status().message());
   }
   if (kind == EngineKind::kUring && MakeUringEngine(4) == nullptr) {
     return Unsupported("io_uring is not available on this system (use --engine=pread)");

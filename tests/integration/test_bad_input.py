@@ -120,3 +120,26 @@ def test_source_changed_under_a_running_mount(ck, mounter, tmp_path):
     with mounter(ck, name="again", index=tmp_path / "ix") as m2:  # rebuilds, then serves
         np.testing.assert_array_equal(np.load(m2.path / INTACT), before)
         assert "rebuilding index" in m2.log_text() or "built" in m2.log_text()
+
+
+@pytest.mark.parametrize("kind", ["symlink_out", "fifo"])
+def test_item_leading_outside_or_special_is_refused(ck, mounter, tmp_path, kind):
+    """A data file that is a symlink out of the checkpoint (to /etc/passwd) or a
+    FIFO: never read or waited on; its tensors are EIO naming the file and why,
+    everything else is served, and verify is not clean."""
+    f = ck / "__1_0.distcp"
+    f.unlink()
+    if kind == "symlink_out":
+        f.symlink_to("/etc/passwd")
+        why = "outside the checkpoint directory"
+    else:
+        os.mkfifo(f)
+        why = "a FIFO, not a regular file"
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")], timeout=60)
+    assert r.returncode == 1 and "__1_0.distcp" in r.stderr and why in r.stderr, r.stderr[-800:]
+    with mounter(ck, index=tmp_path / "ix") as m:
+        bad, good = broken_and_intact(m.path)  # every DTensor here spans both rank files
+        assert bad and any(g.startswith("other/") for g in good), (bad[:3], good[:3])
+        assert why in m.log_text() or why in (m.path / "checkpoint.json").read_text()
+    v = run([ckptfs_bin(), "verify", str(ck), "--index", str(tmp_path / "ix")], timeout=60)
+    assert v.returncode != 0 and "__1_0.distcp" in v.stdout + v.stderr

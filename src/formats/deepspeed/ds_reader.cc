@@ -605,7 +605,8 @@ Status Reader::Discover() {
   if (fs::is_regular_file(latest, ec)) {
     ASSIGN_OR_RETURN(std::string tag, ReadWholeFile(latest, 4096));
     while (!tag.empty() && std::isspace(static_cast<unsigned char>(tag.back()))) tag.pop_back();
-    if (tag.empty() || tag.find('/') != std::string::npos || !fs::is_directory(dir + "/" + tag, ec)) {
+    if (tag.empty() || tag == "." || tag == ".." || tag.find('/') != std::string::npos ||
+        !fs::is_directory(dir + "/" + tag, ec)) {
       return Invalid("cannot parse " + latest + ": names '" + tag + "', which is not a directory here");
     }
     prefix = tag + "/";
