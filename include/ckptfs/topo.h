@@ -20,7 +20,7 @@
 
 #include <cstdint>
 #include <optional>
-#include <regex>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -29,6 +29,10 @@
 #include "ckptfs/geometry.h"
 #include "ckptfs/index.h"
 #include "ckptfs/model.h"
+
+namespace re2 {
+class RE2;
+}  // namespace re2
 
 namespace ckptfs {
 
@@ -40,11 +44,11 @@ struct Topology {
   std::string Name() const;
 };
 
-// One override of the --rules file: the first entry whose regex matches a
-// parameter's FQN (std::regex_search) decides its split and/or its stage.
+// One override of the --rules file: the first entry whose regex (RE2 syntax,
+// searched anywhere in the FQN, linear time) decides its split and/or stage.
 struct RuleEntry {
   std::string pattern;
-  std::regex re;
+  std::shared_ptr<const re2::RE2> re;
   std::optional<TensorSplit> split;
   std::optional<std::string> stage;  // "first" | "last"
 };

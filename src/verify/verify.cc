@@ -11,7 +11,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <regex>
+#include <re2/re2.h>
 #include <set>
 #include <thread>
 
@@ -555,12 +555,15 @@ void Verifier::DataPass() {
 // Layer stacks: "<prefix>.<i>.<rest>" under a name that holds layers.
 void Verifier::CheckLayers() {
   if (ix_.info().family.rfind("megatron", 0) == 0) return;  // the Megatron readers check against args
-  static const std::regex kLayer(R"(^(.*?\b(?:layers|layer|h|blocks|block))[._](\d+)(?:[._]|$))");
+  // Names are untrusted: RE2 (linear time, no recursion; a 50,000-byte name
+  // overflowed std::regex's stack). An index that does not fit int64 is none.
+  static const RE2 kLayer(R"(^(.*?\b(?:layers|layer|h|blocks|block))[._](\d+)(?:[._]|$))", RE2::Latin1);
   std::map<std::string, std::set<int64_t>> stacks;
   for (const TensorRecord& t : ix_.tensors()) {
     if (t.role != Role::kParam) continue;
-    std::smatch m;
-    if (std::regex_search(t.fqn, m, kLayer)) stacks[m[1].str()].insert(std::stoll(m[2].str()));
+    std::string prefix;
+    int64_t i = 0;
+    if (RE2::PartialMatch(t.fqn, kLayer, &prefix, &i)) stacks[prefix].insert(i);
   }
   for (const auto& [prefix, seen] : stacks) {
     const int64_t top = *seen.rbegin();

@@ -8,6 +8,8 @@
 #include <map>
 #include <sstream>
 
+#include <re2/re2.h>
+
 #include "formats/megatron/megatron_common.h"
 
 namespace ckptfs {
@@ -142,11 +144,11 @@ Status ParseRulesFile(const std::string& path, TopoOptions& opts) {
     if (!r.is_object() || !r.contains("match") || !r["match"].is_string()) return bad(where + " needs a \"match\" regex");
     RuleEntry e;
     e.pattern = r["match"].get<std::string>();
-    try {
-      e.re = std::regex(e.pattern, std::regex::ECMAScript);
-    } catch (const std::regex_error& err) {
-      return bad(where + ": '" + e.pattern + "' is not a regular expression (" + err.what() + ")");
-    }
+    RE2::Options re_opts;
+    re_opts.set_log_errors(false);
+    auto re = std::make_shared<const RE2>(e.pattern, re_opts);
+    if (!re->ok()) return bad(where + ": '" + e.pattern + "' is not a regular expression (" + re->error() + ")");
+    e.re = std::move(re);
     if (r.contains("split")) {
       if (!r["split"].is_string()) return bad(where + ": split must be replicate, dim or sub2");
       const std::string k = r["split"].get<std::string>();
@@ -185,11 +187,13 @@ Status ParseRulesFile(const std::string& path, TopoOptions& opts) {
 // The layer a parameter belongs to: `layers.<i>` (and the other names HF and
 // Megatron use), or a leading `<i>.`: DeepSpeed PipelineModule's layer spec
 // index (BLOOM / Megatron-DeepSpeed `GPTModelPipe`, an nn.Sequential).
+// Names are untrusted: RE2 (linear time, no recursion); an index that does
+// not fit int64 is no layer.
 int64_t LayerOf(const std::string& fqn) {
-  static const std::regex kLayer(R"((?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$))");
-  static const std::regex kSpec(R"(^(\d+)\.)");
-  std::smatch m;
-  if (std::regex_search(fqn, m, kLayer) || std::regex_search(fqn, m, kSpec)) return std::stoll(m[1].str());
+  static const RE2 kLayer(R"((?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$))", RE2::Latin1);
+  static const RE2 kSpec(R"(^(\d+)\.)", RE2::Latin1);
+  int64_t i = -1;
+  if (RE2::PartialMatch(fqn, kLayer, &i) || RE2::PartialMatch(fqn, kSpec, &i)) return i;
   return -1;
 }
 
@@ -286,7 +290,7 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
     const char* source = "no rule";
     std::optional<std::string> stage_override;
     for (const RuleEntry& e : opts.rules) {
-      if (!std::regex_search(rec.fqn, e.re)) continue;
+      if (!RE2::PartialMatch(rec.fqn, *e.re)) continue;
       if (e.split && !split) {
         split = e.split;
         source = "rules file";

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
-#include <regex>
+#include <re2/re2.h>
 #include <set>
 #include <thread>
 #include <unordered_map>
@@ -286,9 +286,9 @@ int64_t FindStep(const std::string& dir, const Checkpoint& ck, const OpenFiles& 
   std::string base = dir;
   while (!base.empty() && base.back() == '/') base.pop_back();
   base = base.substr(base.rfind('/') + 1);
-  std::smatch m;
-  static const std::regex kStepRe(R"((?:step|global_step|iter|checkpoint)[-_]?0*([0-9]+)$)");
-  if (std::regex_search(base, m, kStepRe)) return std::stoll(m[1].str());
+  static const RE2 kStepRe(R"((?:step|global_step|iter|checkpoint)[-_]?0*([0-9]+)$)");
+  int64_t step = -1;
+  if (RE2::PartialMatch(base, kStepRe, &step)) return step;
   return -1;
 }
 
@@ -529,11 +529,11 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
 
   Classify(ck.tensors, planner);
 
-  static const std::regex kRankRe(R"(^__([0-9]+)_[0-9]+(\.distcp)?$)");
+  static const RE2 kRankRe(R"(__([0-9]+)_[0-9]+(?:\.distcp)?)");
   for (const auto& f : ck.files) {
-    std::smatch m;
-    if (std::regex_match(f.rel_path, m, kRankRe)) {
-      ck.info.world_size = std::max<uint32_t>(ck.info.world_size, static_cast<uint32_t>(std::stoul(m[1].str())) + 1);
+    uint32_t rank = 0;
+    if (RE2::FullMatch(f.rel_path, kRankRe, &rank) && rank < UINT32_MAX) {
+      ck.info.world_size = std::max<uint32_t>(ck.info.world_size, rank + 1);
     }
   }
   ck.info.step = FindStep(dir, ck, files);

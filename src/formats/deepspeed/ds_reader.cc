@@ -1,3 +1,5 @@
+#include <re2/re2.h>
+
 #include "formats/deepspeed/ds_reader.h"
 
 #include <nlohmann/json.hpp>
@@ -10,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <regex>
 #include <set>
 #include <tuple>
 
@@ -33,28 +34,28 @@ const PickleOptions& DsPickleOptions() {
   return o;
 }
 
-const std::regex& ModelRe() {
-  static const std::regex r(R"(^mp_rank_(\d+)_model_states\.pt$)");
+const RE2& ModelRe() {
+  static const RE2 r(R"(mp_rank_(\d+)_model_states\.pt)");
   return r;
 }
-const std::regex& Zero3ModelRe() {
-  static const std::regex r(R"(^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$)");
+const RE2& Zero3ModelRe() {
+  static const RE2 r(R"((?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt)");
   return r;
 }
 // PipelineEngine: one file per layer and TP rank (PipelineModule.ckpt_layer_path).
-const std::regex& LayerRe() {
-  static const std::regex r(R"(^layer_(\d+)-model_(\d+)-model_states\.pt$)");
+const RE2& LayerRe() {
+  static const RE2 r(R"(layer_(\d+)-model_(\d+)-model_states\.pt$)");
   return r;
 }
-const std::regex& OptimRe() {
-  static const std::regex r(R"(^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$)");
+const RE2& OptimRe() {
+  static const RE2 r(R"((bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt)");
   return r;
 }
 
 // DeepSpeed MoE expert files (engine._save_moe_checkpoint): the experts of
 // MoE layer L, one file per global expert E, tensors under global names.
-const std::regex& ExpertFileRe() {
-  static const std::regex r(R"(^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$)");
+const RE2& ExpertFileRe() {
+  static const RE2 r(R"(layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt)");
   return r;
 }
 
@@ -64,34 +65,36 @@ using Shapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
 // An expert parameter is `<prefix>deepspeed_experts.<i>.<rest>`
 // (deepspeed/moe/experts.py); in param_shapes and the optimizer files i is
 // local to the expert-parallel rank, in the expert files it is global.
-const std::regex& ExpertNameRe() {
-  static const std::regex r(R"(^(.*\.deepspeed_experts\.)(\d+)(\..*)$)");
+const RE2& ExpertNameRe() {
+  static const RE2 r(R"((.*\.deepspeed_experts\.)(\d+)(\..*))", RE2::Latin1);
   return r;
 }
 bool Experts(const Shapes& shapes) {
   return !shapes.empty() && std::all_of(shapes.begin(), shapes.end(), [](const auto& s) {
-    return std::regex_match(s.first, ExpertNameRe());
+    return RE2::FullMatch(s.first, ExpertNameRe());
   });
 }
 // Local experts per MoE layer (per name prefix) in one group.
 std::map<std::string, int> LocalExperts(const Shapes& shapes) {
   std::map<std::string, int> n;
   for (const auto& [name, shape] : shapes) {
-    std::smatch m;
-    if (!std::regex_match(name, m, ExpertNameRe())) continue;
-    int& c = n[m[1]];
-    c = std::max(c, std::stoi(m[2]) + 1);
+    std::string prefix;
+    int i = 0;
+    if (!RE2::FullMatch(name, ExpertNameRe(), &prefix, &i, nullptr)) continue;
+    int& c = n[prefix];
+    c = std::max(c, i + 1);
   }
   return n;
 }
 // Local expert i of expert-parallel rank e is global expert e * n + i
 // (engine._save_moe_checkpoint's numbering).
 std::string GlobalExpertName(const std::string& local, int e, const std::map<std::string, int>& counts) {
-  std::smatch m;
-  if (!std::regex_match(local, m, ExpertNameRe())) return local;
-  auto it = counts.find(m[1]);
-  const int n = it == counts.end() ? 0 : it->second;
-  return std::string(m[1]) + std::to_string(e * n + std::stoi(m[2])) + std::string(m[3]);
+  std::string prefix, rest;
+  int i = 0;
+  if (!RE2::FullMatch(local, ExpertNameRe(), &prefix, &i, &rest)) return local;
+  auto it = counts.find(prefix);
+  const int64_t n = it == counts.end() ? 0 : it->second;
+  return prefix + std::to_string(int64_t{e} * n + i) + rest;
 }
 Result<std::vector<Shapes>> ParamShapes(const Source& s, const PyValue* v) {
   std::vector<Shapes> out;
@@ -117,29 +120,34 @@ Result<std::vector<Shapes>> ParamShapes(const Source& s, const PyValue* v) {
   return out;
 }
 
-// Python's re.match: anchored at the start only. Patterns are compiled once
-// (ECMAScript syntax covers what universal_checkpoint_info uses: \d, \., +, *).
+// Python's re.match: anchored at the start only. The patterns come from the
+// checkpoint (untrusted), so they run on RE2 (linear time, bounded memory, no
+// backtracking); a pattern RE2 cannot compile (Python-only syntax such as
+// backreferences or lookaround) is reported, never silently ignored.
 class PatternList {
  public:
   PatternList() = default;
   explicit PatternList(std::vector<std::string> ps) {
     for (auto& p : ps) {
-      try {
-        res_.emplace_back(p);
-      } catch (const std::regex_error&) {
+      RE2::Options o;
+      o.set_log_errors(false);
+      auto re = std::make_shared<RE2>(p, o);
+      if (re->ok()) {
+        res_.push_back(std::move(re));
+      } else {
         bad_.push_back(p);
       }
     }
   }
   bool Match(const std::string& name) const {
-    return std::any_of(res_.begin(), res_.end(), [&](const std::regex& r) {
-      return std::regex_search(name, r, std::regex_constants::match_continuous);
+    return std::any_of(res_.begin(), res_.end(), [&](const std::shared_ptr<RE2>& r) {
+      return r->Match(name, 0, name.size(), RE2::ANCHOR_START, nullptr, 0);
     });
   }
   const std::vector<std::string>& bad() const { return bad_; }
 
  private:
-  std::vector<std::regex> res_;
+  std::vector<std::shared_ptr<RE2>> res_;
   std::vector<std::string> bad_;
 };
 
@@ -488,7 +496,7 @@ struct Patterns {
     w.Build();
     return Status::Ok();
   }
-  // Patterns std::regex cannot compile (Python-only syntax): reported, never silently ignored.
+  // Patterns RE2 cannot compile (Python-only syntax): reported, never silently ignored.
   std::vector<std::string> Unusable() const {
     std::vector<std::string> out;
     for (const PatternList* l : {&replicated, &average, &row, &vocab, &sub2, &sub_params}) {
@@ -617,18 +625,20 @@ Status Reader::Discover() {
   std::string opt_prefix;
   for (const auto& e : fs::directory_iterator(dir + "/" + prefix, ec)) {
     std::string n = e.path().filename().string();
-    std::smatch m;
-    if (std::regex_match(n, m, ModelRe())) {
-      model_files[std::stoi(m[1])] = n;
-    } else if (std::regex_match(n, m, Zero3ModelRe())) {
-      z3_models[{std::stoi(m[1]), std::stoi(m[2])}] = n;
-    } else if (std::regex_match(n, m, OptimRe())) {
-      optim_files[{std::stoi(m[2]), std::stoi(m[3])}] = n;
-      opt_prefix = m[1];
-    } else if (std::regex_match(n, m, LayerRe())) {
-      layers[{std::stoi(m[1]), std::stoi(m[2])}] = n;
-    } else if (std::regex_match(n, m, ExpertFileRe())) {
-      expert_names[{std::stoi(m[3]), std::stoi(m[1]), std::stoi(m[2])}] = n;
+    // Ranks that do not fit an int do not match (RE2 checks the conversion).
+    int a = 0, b = 0, c = 0;
+    std::string dtype_prefix;
+    if (RE2::FullMatch(n, ModelRe(), &a)) {
+      model_files[a] = n;
+    } else if (RE2::FullMatch(n, Zero3ModelRe(), &a, &b)) {
+      z3_models[{a, b}] = n;
+    } else if (RE2::FullMatch(n, OptimRe(), &dtype_prefix, &a, &b)) {
+      optim_files[{a, b}] = n;
+      opt_prefix = dtype_prefix;
+    } else if (RE2::FullMatch(n, LayerRe(), &a, &b)) {
+      layers[{a, b}] = n;
+    } else if (RE2::FullMatch(n, ExpertFileRe(), &a, &b, &c)) {
+      expert_names[{c, a, b}] = n;
     } else if (n.starts_with("expp_rank_")) {
       problems.push_back("MoE expert optimizer file " + prefix + n + " is not read (MoE is not supported yet)");
     }
@@ -822,14 +832,14 @@ void Reader::ReadModule(const std::map<std::pair<int, int>, std::string>& layers
   // directory lacks is registered as missing (and its weights are EIO).
   std::map<std::pair<int, int>, std::string> want = layers;
   std::map<std::pair<int, int>, std::string> failed;  // (layer, tp) -> why
-  static const std::regex kLayerName(R"(^(\d+)\.)");
+  static const RE2 kLayerName(R"(^(\d+)\.)", RE2::Latin1);
   for (int t = 0; t < tp; ++t) {
     for (const auto& n : trainable[t]) {
-      std::smatch m;
-      if (!std::regex_search(n, m, kLayerName)) continue;
+      int layer = 0;
+      if (!RE2::PartialMatch(n, kLayerName, &layer)) continue;
       char buf[64];
-      std::snprintf(buf, sizeof(buf), "layer_%02d-model_%02d-model_states.pt", std::stoi(m[1]), t);
-      want.emplace(std::make_pair(std::stoi(m[1]), t), buf);
+      std::snprintf(buf, sizeof(buf), "layer_%02d-model_%02d-model_states.pt", layer, t);
+      want.emplace(std::make_pair(layer, t), buf);
     }
   }
   for (const auto& [key, n] : want) {
@@ -869,10 +879,9 @@ void Reader::ReadModule(const std::map<std::pair<int, int>, std::string>& layers
   for (int t = 0; t < tp; ++t) {
     for (const auto& n : trainable[t]) {
       if (module[t].by_name.count(n)) continue;
-      std::smatch m;
       std::string why = "no layer file of TP rank " + std::to_string(t) + " holds '" + n + "'";
-      if (std::regex_search(n, m, kLayerName)) {
-        if (auto it = failed.find({std::stoi(m[1]), t}); it != failed.end()) why = it->second;
+      if (int layer = 0; RE2::PartialMatch(n, kLayerName, &layer)) {
+        if (auto it = failed.find({layer, t}); it != failed.end()) why = it->second;
       }
       module[t].Add(n, ModuleEntry{nullptr, nullptr, why});
     }
@@ -1215,8 +1224,9 @@ Status Reader::Emit() {
     bool held = false;
     for (const ModuleCopy& c : module) held = held || c.by_name.count(name) > 0;
     if (held) continue;
-    std::smatch m;
-    const std::string id = std::regex_match(name, m, ExpertNameRe()) ? std::string(m[2]) : "?";
+    std::string id = "?";
+    int i = 0;
+    if (RE2::FullMatch(name, ExpertNameRe(), nullptr, &i, nullptr)) id = std::to_string(i);
     TensorRecord rec;
     rec.key = name;
     rec.role = Role::kParam;
@@ -1575,7 +1585,7 @@ bool LooksLikeDeepSpeed(const std::string& dir) {
   if (fs::is_regular_file(dir + "/latest", ec)) return true;
   for (const auto& e : fs::directory_iterator(dir, ec)) {
     std::string n = e.path().filename().string();
-    if (std::regex_match(n, ModelRe()) || std::regex_match(n, Zero3ModelRe())) return true;
+    if (RE2::FullMatch(n, ModelRe()) || RE2::FullMatch(n, Zero3ModelRe())) return true;
   }
   return false;
 }

@@ -4,7 +4,7 @@
 
 #include <map>
 #include <nlohmann/json.hpp>
-#include <regex>
+#include <re2/re2.h>
 
 #include "formats/byte_reader.h"
 #include "formats/dcp/dcp_reader.h"
@@ -32,21 +32,24 @@ std::vector<Fragment> SliceLayer(const std::vector<Fragment>& frags, int64_t i) 
   return out;
 }
 
+constexpr int64_t kMaxStackedLayers = 65536;
+
 // Assigns Megatron roles and splits layer stacks (see the header).
 void Classify(Checkpoint& ck) {
-  static const std::regex kOptState(R"(^optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)$)");
-  static const std::regex kStack(R"(^(.*(?:^|\.)layers)\.([^0-9].*)$)");
+  // Names are untrusted: RE2 (linear time, no recursion), bytes as Latin-1.
+  static const RE2 kOptState(R"(optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+))", RE2::Latin1);
+  static const RE2 kStack(R"((.*(?:^|\.)layers)\.([^0-9].*))", RE2::Latin1);
   std::map<std::string, std::vector<int64_t>> param_shapes;
   for (TensorRecord& t : ck.tensors) {
     t.role = Role::kOther;
     t.fqn = t.key;
     t.state.clear();
     if (t.encoding != Encoding::kTensor) continue;
-    std::smatch m;
-    if (std::regex_match(t.key, m, kOptState)) {
+    std::string state, fqn;
+    if (RE2::FullMatch(t.key, kOptState, &state, &fqn)) {
       t.role = Role::kOptimState;
-      t.fqn = m[2].str();
-      t.state = m[1].str() == "exp_avg" || m[1].str() == "exp_avg_sq" ? m[1].str() : "fp32";
+      t.fqn = fqn;
+      t.state = state == "exp_avg" || state == "exp_avg_sq" ? state : "fp32";
     } else if (t.key.rfind("optimizer.", 0) != 0 && t.key.rfind("rng_state", 0) != 0 &&
                t.key.rfind("rerun_state_machine", 0) != 0) {
       t.role = Role::kParam;
@@ -69,11 +72,17 @@ void Classify(Checkpoint& ck) {
   const size_t n = ck.tensors.size();
   for (size_t k = 0; k < n; ++k) {
     if (ck.tensors[k].role == Role::kOther || ck.tensors[k].shape.empty()) continue;
-    std::smatch m;
-    const std::string fqn = ck.tensors[k].fqn;
-    if (!std::regex_match(fqn, m, kStack)) continue;
-    const std::string prefix = m[1].str(), rest = m[2].str();
+    std::string prefix, rest;
+    if (!RE2::FullMatch(ck.tensors[k].fqn, kStack, &prefix, &rest)) continue;
     const TensorRecord whole = ck.tensors[k];
+    // One record per layer: a leading dimension no model has (from a damaged
+    // or hostile .metadata) would make millions of records.
+    if (whole.shape[0] > kMaxStackedLayers) {
+      ck.info.problems.push_back("'" + whole.key + "' stacks " + std::to_string(whole.shape[0]) +
+                                 " layers (more than " + std::to_string(kMaxStackedLayers) +
+                                 "): kept whole, not split per layer");
+      continue;
+    }
     for (int64_t i = 0; i < whole.shape[0]; ++i) {
       TensorRecord layer = whole;
       layer.key = whole.key + "[" + std::to_string(i) + "]";

@@ -7,7 +7,7 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <regex>
+#include <re2/re2.h>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -129,17 +129,17 @@ struct Reader {
 
 Status Reader::Discover() {
   ASSIGN_OR_RETURN(iter, megatron::FindIterDir(dir));
-  static const std::regex kRank(R"(^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$)");
+  static const RE2 kRank(R"(mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?)");
   for (const auto& n : ListDirectory(iter.path)) {
-    std::smatch m;
-    if (!std::regex_match(n, m, kRank)) continue;
-    if (m[3].matched) {
+    std::string tp_s, pp_s, ep_s;
+    if (!RE2::FullMatch(n, kRank, &tp_s, &pp_s, &ep_s)) continue;
+    if (!ep_s.empty()) {
       problems.push_back(iter.path + "/" + n + ": expert-parallel rank directories (MoE) are not merged by ckptfs; skipped");
       continue;
     }
     auto r = std::make_unique<RankFile>();
-    r->tp = std::stoi(m[1].str());
-    r->pp = m[2].matched ? std::stoi(m[2].str()) : 0;
+    r->tp = std::stoi(tp_s);  // two or three digits: the pattern bounds them
+    r->pp = pp_s.empty() ? 0 : std::stoi(pp_s);
     r->dir = (iter.rel.empty() ? "" : iter.rel + "/") + n;
     by_rank[{r->tp, r->pp}] = r.get();
     tp = std::max(tp, r->tp + 1);

@@ -4,7 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
-#include <regex>
+#include <re2/re2.h>
 
 #include "formats/byte_reader.h"
 #include "formats/pickle_writer.h"
@@ -41,11 +41,11 @@ bool HasTracker(const std::string& dir) { return Exists(dir + "/latest_checkpoin
 
 Result<IterDir> FindIterDir(const std::string& dir) {
   IterDir it;
-  static const std::regex kIter(R"((?:^|/)iter_(\d+)/?$)");
+  static const RE2 kIter(R"((?:^|/)iter_(\d+)/?$)");
   if (!HasTracker(dir)) {
     it.path = dir;
-    std::smatch m;
-    if (std::regex_search(dir, m, kIter)) it.step = std::stoll(m[1].str());
+    int64_t step = -1;
+    if (RE2::PartialMatch(dir, kIter, &step)) it.step = step;
     return it;
   }
   const std::string tracker = dir + "/latest_checkpointed_iteration.txt";
@@ -54,8 +54,8 @@ Result<IterDir> FindIterDir(const std::string& dir) {
   if (text == "release") {
     it.rel = "release";
   } else {
-    static const std::regex kNum(R"(^\d+$)");
-    if (!std::regex_match(text, kNum) || text.size() > 12) {
+    static const RE2 kNum(R"(\d{1,12})");
+    if (!RE2::FullMatch(text, kNum)) {
       return Invalid("cannot parse " + tracker + ": '" + text.substr(0, 40) + "' is neither an iteration nor 'release'");
     }
     it.step = std::stoll(text);
@@ -130,12 +130,15 @@ void SetSplits(const ModelFacts& facts, Checkpoint& ck) {
 }
 
 std::string RenumberLayer(const std::string& name, int64_t offset, int64_t* index) {
-  static const std::regex kLayer(R"((^|\.)layers\.(\d+)\.)");
-  std::smatch m;
+  static const RE2 kLayer(R"((^|\.)layers\.(\d+)\.)", RE2::Latin1);
   *index = -1;
-  if (!std::regex_search(name, m, kLayer)) return name;
-  *index = std::stoll(m[2].str()) + offset;
-  return m.prefix().str() + m[1].str() + "layers." + std::to_string(*index) + "." + m.suffix().str();
+  re2::StringPiece m[3];
+  if (!kLayer.Match(name, 0, name.size(), RE2::UNANCHORED, m, 3)) return name;
+  if (m[2].size() > 15) return name;  // not a layer index a model has
+  *index = std::stoll(std::string(m[2].data(), m[2].size())) + offset;
+  const size_t begin = m[0].data() - name.data(), end = begin + m[0].size();
+  return name.substr(0, begin) + std::string(m[1].data(), m[1].size()) + "layers." + std::to_string(*index) + "." +
+         name.substr(end);
 }
 
 Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp) {
