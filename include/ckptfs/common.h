@@ -153,7 +153,18 @@ inline bool AddOverflow(uint64_t a, uint64_t b, uint64_t* out) {
 
 // xxh3-64 of a byte range, as 16 lowercase hex digits.
 std::string Hex64(uint64_t v);
+// A JSON string literal of `s`; bytes that are not valid UTF-8 are written
+// as %XX (EscapeNonUtf8), so the result is always valid JSON.
 std::string JsonEscape(std::string_view s);
+
+// Names from a checkpoint are byte strings: a pickled str may hold lone
+// surrogates (Python's surrogateescape), a file name any byte. JSON,
+// safetensors headers and pickles need UTF-8, so a name that is not valid
+// UTF-8 (RFC 3629: no overlongs, no surrogates, at most U+10FFFF) is shown
+// with each byte of every invalid sequence as %XX (uppercase hex); valid
+// UTF-8 is returned unchanged.
+bool IsUtf8(std::string_view s);
+std::string EscapeNonUtf8(std::string_view s);
 
 }  // namespace ckptfs
 

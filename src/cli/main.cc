@@ -20,6 +20,7 @@
 #include "ckptfs/fs.h"
 #include "ckptfs/mount.h"
 #include "ckptfs/verify.h"
+#include "common/json_text.h"
 
 namespace ckptfs {
 namespace {
@@ -223,7 +224,7 @@ int CmdInfo(const Args& a) {
       if (!t.error.empty()) e["error"] = t.error;
       j["tensors"].push_back(e);
     }
-    std::cout << j.dump(2) << "\n";
+    std::cout << JsonText(j, 2) << "\n";
   } else {
     std::printf("checkpoint  %s\nfamily      %s (%s)\nstep        %s\nranks       %u\n", ix.src_dir().c_str(),
                 info.family.c_str(), info.format_note.c_str(),
@@ -242,7 +243,10 @@ int CmdInfo(const Args& a) {
                          : t.role == Role::kParam     ? "param"
                          : t.role == Role::kOptimState ? t.state
                                                         : "other";
-      std::printf("%-*s  %-15s  %-9s  %-18s  %10s  %5u%s\n", static_cast<int>(w), t.key.c_str(), role.c_str(),
+      // A key longer than 200 bytes is cut (the whole name is in checkpoint.json).
+      const std::string key = t.key.size() <= 200 ? t.key : t.key.substr(0, 180) + "... (" +
+                                                             std::to_string(t.key.size()) + " bytes)";
+      std::printf("%-*s  %-15s  %-9s  %-18s  %10s  %5u%s\n", static_cast<int>(w), key.c_str(), role.c_str(),
                   t.encoding == Encoding::kBytes ? "-" : std::string(DTypeName(t.dtype)).c_str(),
                   t.encoding == Encoding::kBytes ? "-" : ShapeStr(t.shape).c_str(), HumanBytes(t.byte_size).c_str(),
                   t.num_fragments, t.error.empty() ? "" : "  UNREADABLE");

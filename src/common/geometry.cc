@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+#include "common/json_text.h"
 
 namespace ckptfs {
 namespace {
@@ -207,7 +208,7 @@ CoverageText DescribeCoverage(const Coverage& c, const std::vector<int64_t>& sha
     msg += std::string(msg.empty() ? "" : "; ") + std::to_string(c.overlap_pairs) + " pair(s) of " + what +
            " overlap (first " + BoxString(o.box) + ", in " + where(o.a) + " and " + where(o.b) + ")";
   }
-  return {msg, j.dump()};
+  return {msg, JsonText(j)};
 }
 
 std::string BoxString(const Box& b) {

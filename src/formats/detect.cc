@@ -6,7 +6,29 @@
 
 namespace ckptfs {
 
-Result<Checkpoint> ReadCheckpoint(const std::string& dir) {
+namespace {
+
+// Every name a view shows is valid UTF-8 (see EscapeNonUtf8): the pickle VM
+// escapes what it reads; this covers names from file and directory names
+// (zarr arrays) and says so once in checkpoint.json.
+Checkpoint ValidNames(Checkpoint ck) {
+  size_t n = 0;
+  std::string first;
+  for (TensorRecord& t : ck.tensors) {
+    for (std::string* s : {&t.key, &t.fqn, &t.state}) {
+      if (IsUtf8(*s)) continue;
+      *s = EscapeNonUtf8(*s);
+      if (n++ == 0) first = *s;
+    }
+  }
+  if (n > 0) {
+    ck.info.problems.push_back(std::to_string(n) + " tensor names are not valid UTF-8; shown with each invalid byte as %XX (first: " +
+                               first + ")");
+  }
+  return ck;
+}
+
+Result<Checkpoint> Detect(const std::string& dir) {
   // Megatron's torch_dist is a DCP checkpoint with metadata.json beside it: first.
   if (formats::LooksLikeMegatronDist(dir)) return formats::ReadMegatronDist(dir);
   if (formats::LooksLikeDcp(dir)) return formats::ReadDcp(dir);
@@ -16,6 +38,13 @@ Result<Checkpoint> ReadCheckpoint(const std::string& dir) {
                      ": no .metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp) and no "
                      "latest / mp_rank_XX_model_states.pt (DeepSpeed), no "
                      "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM)");
+}
+
+}  // namespace
+
+Result<Checkpoint> ReadCheckpoint(const std::string& dir) {
+  ASSIGN_OR_RETURN(Checkpoint ck, Detect(dir));
+  return ValidNames(std::move(ck));
 }
 
 }  // namespace ckptfs

@@ -536,7 +536,11 @@ Result<PyRef> Vm::Run() {
         }
         ASSIGN_OR_RETURN(std::string_view b, Take(n));
         bool is_str = op == 'X' || op == 0x8c || op == 0x8d || op == 'T' || op == 'U';
-        RETURN_IF_ERROR(Push(MakeStr(is_str ? PyKind::kStr : PyKind::kBytes, std::string(b))));
+        // A str pickled with surrogatepass (Python's surrogateescape of a
+        // file name) is not UTF-8: names are escaped here, once, so every
+        // view, JSON and safetensors header downstream gets valid UTF-8.
+        RETURN_IF_ERROR(Push(MakeStr(is_str ? PyKind::kStr : PyKind::kBytes,
+                                     is_str ? EscapeNonUtf8(b) : std::string(b))));
         break;
       }
       case 'S': {  // STRING: a quoted repr

@@ -13,6 +13,7 @@
 
 #include "ckptfs/io.h"
 #include "io/transform_internal.h"
+#include "common/json_text.h"
 
 namespace ckptfs {
 
@@ -492,7 +493,7 @@ void TransformPolicy::EnsureCalibrated() {
       j["cpu_gbps"] = cal_.cpu_gbps;
       j["gpu_gbps"] = cal_.gpu_gbps;
       std::ofstream out(cache_path_ + ".tmp");
-      out << j.dump(2) << "\n";
+      out << JsonText(j, 2) << "\n";
       out.close();
       if (!out || std::rename((cache_path_ + ".tmp").c_str(), cache_path_.c_str()) != 0) {
         LogWarn("cannot write gpu calibration cache " + cache_path_ + " (measured again next mount)");

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "ckptfs/geometry.h"
+#include "common/json_text.h"
 
 namespace ckptfs {
 namespace {
@@ -360,7 +361,7 @@ void Verifier::Plan() {
     r_.findings.push_back({Check::kCoverage, Severity::kError, "", rel,
                            rel + " is missing: holes in " + std::to_string(m.tensors) + " tensor(s) (first '" +
                                m.holes.front().first + "' " + m.holes.front().second + ")",
-                           d.dump()});
+                           JsonText(d)});
   }
 }
 
@@ -593,7 +594,7 @@ void Verifier::CheckLayers() {
     if (!missing.empty()) msg += "; missing: " + list;
     if (top + 1 > want) msg += "; indices beyond the configured count";
     msg += " (pipeline stages that reuse layer names leave this signature: torchtitan #474)";
-    r_.findings.push_back({Check::kCollision, Severity::kError, prefix, "", msg, d.dump()});
+    r_.findings.push_back({Check::kCollision, Severity::kError, prefix, "", msg, JsonText(d)});
   }
 }
 
@@ -704,7 +705,7 @@ std::string ReportJson(const Report& r, const Index& index, bool timing) {
     tensors.push_back(std::move(e));
   }
   j["tensors"] = std::move(tensors);
-  return j.dump(2) + "\n";
+  return JsonText(j, 2) + "\n";
 }
 
 std::string ReportTable(const Report& r, const Index& index) {

@@ -10,6 +10,7 @@
 #include "formats/megatron/megatron_common.h"
 #include "formats/pickle_writer.h"
 #include "formats/torch_save_writer.h"
+#include "common/json_text.h"
 
 namespace ckptfs::topo_files {
 namespace {
@@ -36,7 +37,7 @@ json IntsJson(const std::vector<int64_t>& v) {
 // A safetensors file: u64 LE header length, the JSON header padded with
 // spaces to a multiple of 8 (the official writer's alignment), the data.
 FileLayout SafetensorsFile(const json& header, std::vector<Segment> body) {
-  std::string h = header.dump();
+  std::string h = JsonText(header);
   while (h.size() % 8 != 0) h.push_back(' ');
   std::string prefix(8, '\0');
   StoreLE<uint64_t>(prefix.data(), h.size());
@@ -358,7 +359,7 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
   }
   lj["megatron_native"] = native;
   FileLayout l;
-  l.Add(LiteralSegment(lj.dump() + "\n"));  // compact: one entry per rank and tensor
+  l.Add(LiteralSegment(JsonText(lj) + "\n"));  // compact: one entry per rank and tensor
   out.emplace_back("layout.json", std::move(l));
   return out;
 }
@@ -403,7 +404,7 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_byte
   if (!skipped.empty()) ij["metadata"]["ckptfs_not_included"] = skipped;
   ij["weight_map"] = weight_map;
   FileLayout l;
-  l.Add(LiteralSegment(ij.dump(2) + "\n"));
+  l.Add(LiteralSegment(JsonText(ij, 2) + "\n"));
   out.emplace_back("model.safetensors.index.json", std::move(l));
   return out;
 }

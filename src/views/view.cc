@@ -4,6 +4,7 @@
 
 #include "formats/npy.h"
 #include "views/topo_files.h"
+#include "common/json_text.h"
 
 namespace ckptfs {
 namespace {
@@ -223,7 +224,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   }
   j["findings"] = findings;
   FileLayout l;
-  l.Add(LiteralSegment(j.dump(2) + "\n"));
+  l.Add(LiteralSegment(JsonText(j, 2) + "\n"));
   v->nodes_[ckjson - 1]->layout = std::move(l);
   return v;
 }
@@ -263,12 +264,15 @@ Status View::AddTopo(const Topology& t) {
 
 Status View::AddExport(uint64_t root, const ExportFile& x) {
   if (!x.path.empty() && x.path[0] == '@') return Status::Ok();  // internal: for other views, not in the tree
+  // Export paths embed names from the checkpoint (universal/zero/<name>/):
+  // every component goes through PathComponent, so '', '.', '..' and
+  // over-long names stay single, visible entries inside the tree.
   uint64_t dir = root;
   size_t pos = 0;
   while (true) {
     size_t slash = x.path.find('/', pos);
     if (slash == std::string::npos) break;
-    dir = AddDir(dir, x.path.substr(pos, slash - pos));
+    dir = AddDir(dir, PathComponent(x.path.substr(pos, slash - pos)));
     pos = slash + 1;
   }
   ASSIGN_OR_RETURN(FileLayout l, topo_files::LayoutOfParts(index_, x.path, x.parts));
@@ -279,7 +283,7 @@ Status View::AddExport(uint64_t root, const ExportFile& x) {
       break;
     }
   }
-  AddFile(dir, x.path.substr(pos), std::move(l), first, false);
+  AddFile(dir, PathComponent(x.path.substr(pos)), std::move(l), first, false);
   return Status::Ok();
 }
 
@@ -428,7 +432,7 @@ Status View::MakeInfoJson(Node& n) const {
       }
     }
     e["fragments"] = frags;
-    std::string body = e.dump();
+    std::string body = JsonText(e);
     body.pop_back();  // reopen the object to append the hash field
     text += std::string(first ? "" : ",") + "\n    " + JsonEscape(t.state) + ": " + body + ", \"xxh3_64_raw\": ";
     first = false;

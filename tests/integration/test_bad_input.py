@@ -143,3 +143,50 @@ def test_item_leading_outside_or_special_is_refused(ck, mounter, tmp_path, kind)
         assert why in m.log_text() or why in (m.path / "checkpoint.json").read_text()
     v = run([ckptfs_bin(), "verify", str(ck), "--index", str(tmp_path / "ix")], timeout=60)
     assert v.returncode != 0 and "__1_0.distcp" in v.stdout + v.stderr
+
+
+HOSTILE_NAMES = r'''
+import sys, torch, torch.distributed.checkpoint as dcp
+sd = {"w\udcff.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3),  # surrogateescape'd byte
+      "layers.0." + "x" * 50000: torch.ones(4),                               # 50,000-byte name
+      "layers.1.ok.weight": torch.full((2, 2), 7.0)}
+dcp.save(sd, checkpoint_id=sys.argv[1])
+'''
+
+
+def test_hostile_names_are_served_escaped(mounter, tmp_path):
+    """Names torch can write but JSON, safetensors and NAME_MAX cannot hold: a
+    lone surrogate (not UTF-8) and a 50,000-byte name. Nothing crashes (the
+    layer-name regex overflowed the stack, nlohmann aborted on the bytes);
+    every view serves them escaped and valid: checkpoint.json and report.json
+    parse, safetensors opens hf/ and topo/ files, numpy reads the tensors."""
+    import json
+    import subprocess
+    import sys
+    from safetensors.numpy import load_file
+    ck = tmp_path / "ck"
+    subprocess.run([sys.executable, "-c", HOSTILE_NAMES, str(ck)], check=True, timeout=300, capture_output=True)
+    ix = tmp_path / "ix"
+    v = run([ckptfs_bin(), "verify", str(ck), "--index", str(ix), "--json"], timeout=120)
+    assert v.returncode == 0, v.stderr[-2000:]
+    json.loads(v.stdout)
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(ix)], timeout=120)
+    assert r.returncode == 0 and "w%ED%B3%BF.weight" in r.stdout and "(50009 bytes)" in r.stdout, r.stdout[-2000:]
+    with mounter(ck, index=ix) as m:
+        cj = json.loads((m.path / "checkpoint.json").read_text())
+        assert cj["counts"]["params"] == 3, cj["counts"]
+        json.loads((m.path / ".ckptfs/report.json").read_text())
+        np.testing.assert_array_equal(np.load(m.path / "params/w%ED%B3%BF.weight/param.npy"),
+                                      np.arange(6, dtype=np.float32).reshape(2, 3))
+        long_dirs = [d for d in os.listdir(m.path / "params") if d.startswith("layers.0.")]
+        assert len(long_dirs) == 1 and len(long_dirs[0].encode()) <= 255, long_dirs
+        np.testing.assert_array_equal(np.load(m.path / "params" / long_dirs[0] / "param.npy"), np.ones(4, np.float32))
+        json.loads((m.path / ("params/" + long_dirs[0] + "/info.json")).read_text())
+        hf = {}
+        for f in sorted(os.listdir(m.path / "hf")):
+            if f.endswith(".safetensors"):
+                hf.update(load_file(m.path / "hf" / f))
+        assert "w%ED%B3%BF.weight" in hf and "layers.0." + "x" * 50000 in hf, sorted(k[:40] for k in hf)
+        np.testing.assert_array_equal(hf["layers.1.ok.weight"], np.full((2, 2), 7.0, np.float32))
+        topo = load_file(m.path / "topo/tp2-pp2/tp0-pp0.safetensors")
+        assert "layers.0." + "x" * 50000 in topo, sorted(k[:40] for k in topo)

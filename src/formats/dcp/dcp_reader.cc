@@ -19,6 +19,7 @@
 #include "formats/pickle.h"
 #include "formats/torch_save.h"
 #include "formats/zstd.h"
+#include "common/json_text.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -500,7 +501,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
                  rel + " is missing (.metadata lists " + std::to_string(holes.size()) + " chunk(s) in it): holes in " +
                      std::to_string(keys.size()) + " tensor(s) (first '" + holes.front().first + "' " +
                      holes.front().second + ")",
-                 d.dump());
+                 JsonText(d));
   }
 
   for (size_t i = 0; i < work.size(); ++i) {

@@ -16,6 +16,7 @@
 #include "formats/megatron/megatron_common.h"
 #include "formats/torch_file.h"
 #include "formats/tp_merge.h"
+#include "common/json_text.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -437,7 +438,7 @@ void Reader::CompareReplicas(const std::string& name, const std::vector<std::pai
                  "replica drift: '" + name + "' differs between " + across + " copies " + copies[0].first + " and " +
                      copies[i].first + " (" + std::to_string(differing) + " of " + std::to_string(bytes / isz) +
                      " elements, max |diff| " + buf + "); serving " + copies[0].first,
-                 d.dump());
+                 JsonText(d));
   }
 }
 
@@ -537,7 +538,7 @@ Status Reader::Emit() {
           ck.info.Flag(Check::kCollision, Severity::kError, g.name, copies[1].first,
                        "name collision: '" + g.name + "' is written by " + std::to_string(g.holders.size()) +
                            " pipeline stages (stage layer numbering overlaps); serving " + copies[0].first,
-                       nlohmann::json({{"files", holders}}).dump());
+                       JsonText(nlohmann::json({{"files", holders}})));
         }
         CompareReplicas(g.name, copies, srcs, "pipeline-stage");
       }

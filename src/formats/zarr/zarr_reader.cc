@@ -8,6 +8,7 @@
 #include "ckptfs/geometry.h"
 #include "formats/byte_reader.h"
 #include "formats/torch_file.h"
+#include "common/json_text.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -62,7 +63,7 @@ void ReadArray(Files& files, const std::string& root, const std::string& rel_pre
       if (t.shape[d] < 0 || chunks[d] <= 0) return fail("bad shape or chunks"), finish();
     }
     if (z.contains("compressor") && !z["compressor"].is_null()) {
-      return fail("compressed chunks (" + z["compressor"].dump() + ") are not supported"), finish();
+      return fail("compressed chunks (" + JsonText(z["compressor"]) + ") are not supported"), finish();
     }
     if (z.contains("filters") && !z["filters"].is_null()) return fail("filters are not supported"), finish();
     if (z.value("order", std::string("C")) != "C") return fail("Fortran order is not supported"), finish();
