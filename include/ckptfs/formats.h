@@ -21,6 +21,19 @@ namespace ckptfs {
 // Directory entries the readers and the fingerprint ignore (ckptfs's own index).
 inline constexpr const char* kIndexDirName = ".ckptfs";
 
+// Resource bounds for reading untrusted metadata (command-line options of the
+// same names; set once at startup, before any read). A file or item past a
+// bound makes what needs it unreadable with a message naming the bound.
+struct ReadLimits {
+  // A DCP bytes item after zstd decompression (a tensor item is bounded by
+  // the bytes its chunk needs, plus 1 MiB of torch.save framing). Default 4 GiB.
+  uint64_t max_item_bytes = uint64_t{4} << 30;
+  // A DCP .metadata file. Default 1 GiB.
+  uint64_t max_metadata_bytes = uint64_t{1} << 30;
+};
+void SetReadLimits(const ReadLimits& limits);
+const ReadLimits& GetReadLimits();
+
 // Detects the family of `dir` and reads it. Files are recorded with their
 // size, mtime and inode as seen at read time (the index fingerprint).
 Result<Checkpoint> ReadCheckpoint(const std::string& dir);

@@ -13,10 +13,12 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "ckptfs/formats.h"
 #include "ckptfs/fs.h"
 #include "ckptfs/mount.h"
 #include "ckptfs/verify.h"
@@ -42,6 +44,10 @@ usage:
       measured faster there, else the CPU; on: every plan with such work on
       the GPU (an error without one); off: the CPU. mount, cat and verify
       take it.
+      Bounds on untrusted metadata (every command; K/M/G ok):
+      --max-metadata-bytes (a DCP .metadata, default 1G) and --max-item-bytes
+      (a zstd-compressed DCP bytes item once decompressed, default 4G; a
+      tensor item is bounded by its chunk's size).
   ckptfs umount MNT
   ckptfs index SRC [--index DIR] [--force]
       Build (or check) the index; prints what was found and how long it took.
@@ -82,7 +88,8 @@ bool ParseArgs(int argc, char** argv, int start, Args* a, std::string* err) {
       {"--index", true}, {"--log", true},     {"--engine", true}, {"--gpu", true},      {"--threads", true}, {"--format", true},
       {"-f", false},     {"--force", false},  {"--allow-other", false}, {"--debug", false}, {"--json", false},
       {"--help", false}, {"-h", false},       {"--foreground", false}, {"--deep", false},
-      {"--num-layers", true}, {"--rules", true}, {"--pp-layers", true}, {"--hf-shard-size", true}};
+      {"--num-layers", true}, {"--rules", true}, {"--pp-layers", true}, {"--hf-shard-size", true},
+      {"--max-item-bytes", true}, {"--max-metadata-bytes", true}};
   for (int i = start; i < argc; ++i) {
     std::string s = argv[i];
     if (s.size() > 1 && s[0] == '-') {
@@ -117,6 +124,19 @@ int Fail(const Status& s) {
   return 1;
 }
 
+// "5000", "5K", "5M", "5G" (decimal units); nullopt for anything else or 0.
+std::optional<uint64_t> ParseBytes(std::string v) {
+  uint64_t mult = 1;
+  if (!v.empty() && (v.back() == 'K' || v.back() == 'M' || v.back() == 'G')) {
+    mult = v.back() == 'K' ? 1000 : v.back() == 'M' ? 1000'000 : 1000'000'000;
+    v.pop_back();
+  }
+  if (v.empty() || v.size() > 15 || v.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  const uint64_t n = std::stoull(v) * mult;
+  if (n == 0) return std::nullopt;
+  return n;
+}
+
 Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   FsOptions o;
   std::error_code ec;
@@ -141,16 +161,9 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
     ASSIGN_OR_RETURN(o.topo.pp_layers, ParsePpLayers(a.Get("--pp-layers")));
   }
   if (a.Has("--hf-shard-size")) {
-    std::string v = a.Get("--hf-shard-size");
-    uint64_t mult = 1;
-    if (!v.empty() && (v.back() == 'K' || v.back() == 'M' || v.back() == 'G')) {
-      mult = v.back() == 'K' ? 1000 : v.back() == 'M' ? 1000'000 : 1000'000'000;
-      v.pop_back();
-    }
-    char* end = nullptr;
-    const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || n == 0) return Invalid("--hf-shard-size '" + a.Get("--hf-shard-size") + "': expected bytes, e.g. 5G");
-    o.topo.hf_shard_bytes = n * mult;
+    auto n = ParseBytes(a.Get("--hf-shard-size"));
+    if (!n) return Invalid("--hf-shard-size '" + a.Get("--hf-shard-size") + "': expected bytes, e.g. 5G");
+    o.topo.hf_shard_bytes = *n;
   }
   return o;
 }
@@ -457,6 +470,20 @@ int main(int argc, char** argv) {
   if (a.Has("--help") || a.Has("-h")) {
     std::fputs(kUsage, stdout);
     return 0;
+  }
+  {
+    ReadLimits limits;
+    for (auto [flag, field] : {std::pair{"--max-item-bytes", &limits.max_item_bytes},
+                               std::pair{"--max-metadata-bytes", &limits.max_metadata_bytes}}) {
+      if (!a.Has(flag)) continue;
+      auto n = ParseBytes(a.Get(flag));
+      if (!n) {
+        std::cerr << "ckptfs " << cmd << ": " << flag << " '" << a.Get(flag) << "': expected bytes, e.g. 8G\n";
+        return 2;
+      }
+      *field = *n;
+    }
+    SetReadLimits(limits);
   }
   if (cmd == "mount") return CmdMount(a);
   if (cmd == "umount" || cmd == "unmount") return CmdUmount(a);

@@ -3,6 +3,7 @@
 #include <array>
 #include <cstring>
 
+#include "ckptfs/common.h"
 #include "common/float_bits.h"
 
 namespace ckptfs {
@@ -141,8 +142,62 @@ std::string_view CheckName(Check c) {
 
 std::string_view SeverityName(Severity s) { return s == Severity::kError ? "error" : "warning"; }
 
+namespace {
+
+// Shapes and boxes come from untrusted metadata: a tensor whose byte size
+// overflows (or passes kMaxTensorBytes), a negative dimension, or a fragment
+// outside the tensor makes the tensor unreadable (EIO naming why), never a
+// wrapped-around size (a 0-byte .raw, a header-only .npy).
+constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 60;
+
+std::string ShapeStr(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// Empty when the shape is servable.
+std::string CheckShape(const TensorRecord& t) {
+  uint64_t bytes = std::max<uint64_t>(DTypeSize(t.dtype), 1);
+  for (int64_t d : t.shape) {
+    if (d < 0) return "shape " + ShapeStr(t.shape) + " has a negative dimension";
+    if (MulOverflow(bytes, static_cast<uint64_t>(d), &bytes) || bytes > kMaxTensorBytes) {
+      return "shape " + ShapeStr(t.shape) + " of " + std::string(DTypeName(t.dtype)) + " is more than 2^60 bytes";
+    }
+  }
+  return "";
+}
+
+std::string CheckGeometry(const TensorRecord& t, const std::vector<Fragment>& frags) {
+  if (DTypeSize(t.dtype) == 0) return "no element type";
+  if (std::string why = CheckShape(t); !why.empty()) return why;
+  for (const Fragment& f : frags) {
+    if (f.offsets.size() != t.shape.size() || f.lengths.size() != t.shape.size()) {
+      return "a fragment's rank differs from the tensor's";
+    }
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      if (f.offsets[d] < 0 || f.lengths[d] < 0 || f.offsets[d] > t.shape[d] || f.lengths[d] > t.shape[d] - f.offsets[d]) {
+        return "a fragment box (offsets " + ShapeStr(f.offsets) + ", lengths " + ShapeStr(f.lengths) +
+               ") is outside the shape " + ShapeStr(t.shape);
+      }
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
 uint32_t Checkpoint::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
+  if (t.encoding == Encoding::kTensor && t.error.empty()) {
+    if (std::string why = CheckGeometry(t, frags); !why.empty()) {
+      t.error = "cannot index '" + t.key + "': " + why;
+      info.problems.push_back(t.error);
+    }
+  }
   if (!t.error.empty()) frags.clear();
+  if (t.encoding == Encoding::kTensor && !CheckShape(t).empty()) {
+    t.shape.assign(1, 0);  // no size can be served; the error says what it was, open() is EIO
+  }
   t.num_fragments = static_cast<uint32_t>(frags.size());
   if (t.encoding == Encoding::kTensor) t.byte_size = t.Numel() * DTypeSize(t.dtype);
   tensors.push_back(std::move(t));

@@ -7,6 +7,13 @@
 namespace ckptfs {
 
 namespace {
+ReadLimits g_limits;
+}  // namespace
+
+void SetReadLimits(const ReadLimits& limits) { g_limits = limits; }
+const ReadLimits& GetReadLimits() { return g_limits; }
+
+namespace {
 
 // Every name a view shows is valid UTF-8 (see EscapeNonUtf8): the pickle VM
 // escapes what it reads; this covers names from file and directory names

@@ -5,6 +5,13 @@
 namespace ckptfs::formats {
 
 Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what) {
+  // A first frame that declares its size (zstd's default) is checked before any
+  // output is allocated; the others are bounded while streaming, below.
+  const unsigned long long declared = ZSTD_getFrameContentSize(in.data(), in.size());
+  if (declared != ZSTD_CONTENTSIZE_UNKNOWN && declared != ZSTD_CONTENTSIZE_ERROR && declared > max_out) {
+    return Invalid("cannot decompress " + what + ": its first frame declares " + std::to_string(declared) +
+                   " bytes, more than the " + std::to_string(max_out) + " the metadata allows");
+  }
   std::string out;
   ZSTD_DStream* ds = ZSTD_createDStream();
   if (ds == nullptr) return Internal("cannot allocate a zstd stream");

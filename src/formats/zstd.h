@@ -13,6 +13,8 @@
 
 namespace ckptfs::formats {
 
+// Fails, naming `what`, when the output would pass `max_out` bytes: before
+// allocating when the frames declare their size, else as soon as it does.
 Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what);
 
 }  // namespace ckptfs::formats

@@ -98,7 +98,11 @@ Status TensorReader::CheckFd(FileId file) const {
 
 Status TensorReader::CheckFresh(TensorId id) {
   if (id.v >= index_.tensors().size()) return Status::Ok();
-  if (!index_.tensors()[id.v].error.empty()) return Status::Ok();  // reported on read
+  // A broken entry fails at open: its file may be 0 bytes long (a bytes
+  // item whose size is unknown), and a read of 0 bytes never reaches us.
+  if (const TensorRecord& t = index_.tensors()[id.v]; !t.error.empty()) {
+    return Invalid("cannot read '" + t.key + "': " + t.error);
+  }
   ASSIGN_OR_RETURN(auto frags, FragmentsOf(id));
   std::vector<SourceFile> files;
   std::set<uint32_t> seen;
@@ -142,8 +146,14 @@ Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f)
   std::string raw(f.item_length, '\0');
   IoRequest req{fds_[f.file.v], f.item_offset, f.item_length, raw.data()};
   RETURN_IF_ERROR(Engine().ReadBatch(std::span<IoRequest>(&req, 1)).Annotate(rel));
+  // The index says how many bytes the item holds; more is a bomb, refused
+  // before allocating when the frame declares its size.
+  uint64_t bound = 0;
+  if (AddOverflow(f.data_offset, f.data_length, &bound) || AddOverflow(bound, uint64_t{1} << 20, &bound)) {
+    return Invalid("cannot read " + rel + ": bad item bounds");
+  }
   ASSIGN_OR_RETURN(std::string plain,
-                   formats::ZstdDecompress(raw, 4ull << 30, rel + " @ " + std::to_string(f.item_offset)));
+                   formats::ZstdDecompress(raw, bound, rel + " @ " + std::to_string(f.item_offset)));
   auto v = std::make_shared<const std::string>(std::move(plain));
   std::lock_guard<std::mutex> lock(item_mu_);
   item_cache_.emplace_back(key, v);

@@ -367,6 +367,7 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
 Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_bytes) {
   std::vector<std::vector<RankTensor>> shards;
   std::vector<std::string> skipped;
+  std::string errors;  // hf/ERRORS: one line per parameter left out, and why
   uint64_t cur = 0, total = 0;
   const auto& tensors = index.tensors();
   for (uint32_t i = 0; i < tensors.size(); ++i) {
@@ -374,6 +375,8 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_byte
     if (t.role != Role::kParam || t.state != "param" || t.encoding != Encoding::kTensor) continue;
     if (!t.error.empty() || SafetensorsDType(t.dtype).empty()) {
       skipped.push_back(t.fqn);
+      errors += "hf/: '" + t.fqn + "' is not included: " +
+                (!t.error.empty() ? t.error : "safetensors has no dtype " + std::string(DTypeName(t.dtype))) + "\n";
       continue;
     }
     if (shards.empty() || (cur > 0 && cur + t.byte_size > shard_bytes)) {
@@ -406,6 +409,9 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_byte
   FileLayout l;
   l.Add(LiteralSegment(JsonText(ij, 2) + "\n"));
   out.emplace_back("model.safetensors.index.json", std::move(l));
+  FileLayout el;
+  if (!errors.empty()) el.Add(LiteralSegment(errors));
+  out.emplace_back("ERRORS", std::move(el));
   return out;
 }
 

@@ -3,6 +3,8 @@
 only for what is damaged; a source changed under a running mount answers
 ESTALE, and the next mount rebuilds the index."""
 import errno
+import subprocess
+import sys
 import os
 import shutil
 import time
@@ -190,3 +192,77 @@ def test_hostile_names_are_served_escaped(mounter, tmp_path):
         np.testing.assert_array_equal(hf["layers.1.ok.weight"], np.full((2, 2), 7.0, np.float32))
         topo = load_file(m.path / "topo/tp2-pp2/tp0-pp0.safetensors")
         assert "layers.0." + "x" * 50000 in topo, sorted(k[:40] for k in topo)
+
+
+ZSTD_CK = r'''
+import sys, torch, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._extension import ZStandard
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, FileSystemReader
+torch.manual_seed(0)
+state = {"big": torch.randn(1 << 18), "small": torch.arange(8.0), "blob": {"k": torch.randn(1 << 16).numpy().tobytes()}}
+dcp.save(state, storage_writer=FileSystemWriter(sys.argv[1], _extensions=[ZStandard()]))
+md = FileSystemReader(sys.argv[1]).read_metadata()
+for idx, info in md.storage_data.items():
+    print(idx.fqn, info.relative_path, info.offset, info.length)
+'''
+
+
+def _zstd_bomb(n_bytes, length, declare):
+    """A zstd frame of n_bytes zeros, padded with a skippable frame to exactly
+    `length` bytes (so the item keeps its place in the file)."""
+    import io
+    import struct
+    import zstandard
+    buf = io.BytesIO()
+    w = zstandard.ZstdCompressor(level=3).stream_writer(buf, size=n_bytes if declare else -1, closefd=False)
+    zero = b"\0" * (1 << 20)
+    for _ in range(n_bytes >> 20):
+        w.write(zero)
+    w.close()
+    frame = buf.getvalue()
+    assert len(frame) + 8 <= length, (len(frame), length)
+    pad = length - len(frame) - 8
+    return frame + struct.pack("<II", 0x184D2A50, pad) + b"\0" * pad
+
+
+def _limited(args, mib):
+    """Runs args and asserts its peak RSS stayed under `mib` MiB (RLIMIT_AS
+    cannot be used: thread stacks and malloc arenas reserve far more address
+    space than they touch)."""
+    r = subprocess.run([sys.executable, "-c", "import resource, subprocess, sys;"
+                        "r = subprocess.run(sys.argv[1:]);"
+                        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr);"
+                        "sys.exit(r.returncode)", *args], capture_output=True, text=True, timeout=300)
+    peak_kib = int(r.stderr.strip().splitlines()[-1])
+    assert peak_kib < mib << 10, f"peak RSS {peak_kib} KiB: {r.stderr[-2000:]}"
+    return r
+
+
+@pytest.mark.parametrize("declare", [True, False], ids=["declared_size", "streamed"])
+def test_zstd_bombs_are_refused_within_bounded_memory(tmp_path, declare):
+    """A 1 GiB (tensor) / 2 GiB (bytes) decompression bomb in place of a DCP
+    zstd item: refused by size before allocating (declared) or as soon as the
+    output passes what the metadata allows (streamed), with a peak RSS under
+    256 MiB; every other entry still reads."""
+    ck = tmp_path / "ck"
+    r = subprocess.run([sys.executable, "-c", ZSTD_CK, str(ck)], check=True, timeout=300, capture_output=True, text=True)
+    items = {l.split()[0]: l.split()[1:] for l in r.stdout.splitlines()}
+    rel, off, length = items["big"][0], int(items["big"][1]), int(items["big"][2])
+    with open(ck / rel, "r+b") as f:
+        f.seek(off)
+        f.write(_zstd_bomb(1 << 30, length, declare))
+    ix = tmp_path / "ix"
+    r = _limited([ckptfs_bin(), "info", str(ck), "--index", str(ix)], 256)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    want = "first frame declares 1073741824 bytes" if declare else "output larger than"
+    assert f"cannot decompress {rel} @ {off}" in r.stderr and want in r.stderr, r.stderr[-2000:]
+    c = subprocess.run([ckptfs_bin(), "cat", str(ck), "small", "--format", "raw", "--index", str(ix)],
+                       capture_output=True, timeout=300)
+    assert c.returncode == 0 and np.array_equal(np.frombuffer(c.stdout, np.float32), np.arange(8.0, dtype=np.float32))
+    # A bytes item has no size in .metadata: --max-item-bytes bounds it.
+    rel, off, length = items["blob.k"][0], int(items["blob.k"][1]), int(items["blob.k"][2])
+    with open(ck / rel, "r+b") as f:
+        f.seek(off)
+        f.write(_zstd_bomb(1 << 31, length, declare))
+    r = _limited([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix2"), "--max-item-bytes", "64M"], 256)
+    assert r.returncode == 1 and f"cannot decompress {rel} @ {off}" in r.stderr, r.stderr[-2000:]

@@ -18,14 +18,17 @@
 #include "formats/byte_reader.h"
 #include "formats/pickle.h"
 #include "formats/torch_save.h"
+#include "ckptfs/formats.h"
 #include "formats/zstd.h"
 #include "common/json_text.h"
 
 namespace ckptfs::formats {
 namespace {
 
-constexpr uint64_t kMaxMetadata = 1ull << 30;
-constexpr uint64_t kMaxDecompressed = 4ull << 30;
+// torch.save framing around a tensor chunk's bytes inside a DCP item (ZIP
+// headers, data.pkl, version records): a tensor item that decompresses past
+// its chunk's bytes plus this is refused before it can exhaust memory.
+constexpr uint64_t kTorchSaveSlack = uint64_t{1} << 20;
 
 struct ItemLoc {
   uint32_t file = 0;
@@ -201,7 +204,10 @@ Status CheckTiling(const TensorRecord& t, const std::vector<Fragment>& frags, co
 }
 
 Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name) {
-  if (loc.length > kMaxDecompressed) return Invalid("cannot read " + name + ": compressed item too large");
+  if (loc.length > GetReadLimits().max_item_bytes) {
+    return Invalid("cannot read " + name + ": compressed item of " + std::to_string(loc.length) +
+                   " bytes is more than --max-item-bytes (" + std::to_string(GetReadLimits().max_item_bytes) + ")");
+  }
   FileSliceReader r(fd, loc.offset, loc.length, name);
   return r.ReadAt(0, loc.length);
 }
@@ -219,7 +225,7 @@ Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, cons
     f.data_length = w.loc.length;
     if (w.loc.zstd) {
       ASSIGN_OR_RETURN(std::string raw, ReadItem(fd, w.loc, name));
-      ASSIGN_OR_RETURN(std::string plain, ZstdDecompress(raw, kMaxDecompressed, name));
+      ASSIGN_OR_RETURN(std::string plain, ZstdDecompress(raw, GetReadLimits().max_item_bytes, name));
       f.compression = Compression::kZstd;
       f.item_offset = w.loc.offset;
       f.item_length = w.loc.length;
@@ -232,7 +238,12 @@ Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, cons
   std::unique_ptr<ByteReader> reader;
   if (w.loc.zstd) {
     ASSIGN_OR_RETURN(std::string raw, ReadItem(fd, w.loc, name));
-    ASSIGN_OR_RETURN(plain, ZstdDecompress(raw, kMaxDecompressed, name));
+    uint64_t bound = DTypeSize(t.dtype);
+    for (int64_t d : w.sizes) {
+      if (d < 0 || MulOverflow(bound, static_cast<uint64_t>(d), &bound)) return Invalid("cannot read " + name + ": bad chunk size");
+    }
+    bound = std::min(bound + kTorchSaveSlack, GetReadLimits().max_item_bytes);
+    ASSIGN_OR_RETURN(plain, ZstdDecompress(raw, bound, name));
     reader = std::make_unique<MemoryReader>(plain, name + " (zstd)");
   } else {
     reader = std::make_unique<FileSliceReader>(fd, w.loc.offset, w.loc.length, name);
@@ -303,7 +314,7 @@ bool LooksLikeDcp(const std::string& dir) {
 Result<Checkpoint> ReadDcp(const std::string& dir) {
   const std::string meta_path = dir + "/.metadata";
   auto fail = [&](const Status& s) { return s.Annotate("cannot parse " + meta_path); };
-  auto bytes = ReadWholeFile(meta_path, kMaxMetadata);
+  auto bytes = ReadWholeFile(meta_path, GetReadLimits().max_metadata_bytes);
   if (!bytes.ok()) return bytes.status();
   if (bytes->empty()) return Invalid("cannot parse " + meta_path + ": empty file");
   auto root_or = Unpickle(*bytes, ".metadata");

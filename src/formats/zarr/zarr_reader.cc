@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/geometry.h"
@@ -14,9 +15,26 @@ namespace ckptfs::formats {
 namespace {
 
 using json = nlohmann::json;
+namespace fs = std::filesystem;
 
 constexpr uint64_t kMaxZarray = 1 << 20;
 constexpr uint64_t kMaxChunks = 1 << 22;
+// An array is indexed chunk by chunk, absent chunks included (each is a hole
+// that reads fail on). A .zarray whose grid has far more chunks than its
+// directory holds (a damaged or hostile shape) is refused before that loop,
+// so memory follows the files that exist, not the numbers in the JSON.
+constexpr uint64_t kMaxAbsentChunks = 4096;
+
+// Regular files under an array directory (chunks; nested for '/'), up to `cap`.
+uint64_t CountChunkFiles(const std::string& dir, uint64_t cap) {
+  std::error_code ec;
+  uint64_t n = 0;
+  for (auto it = fs::recursive_directory_iterator(dir, fs::directory_options::none, ec);
+       !ec && it != fs::recursive_directory_iterator() && n <= cap; it.increment(ec)) {
+    if (it->is_regular_file(ec) && it->path().filename().string()[0] != '.') ++n;
+  }
+  return n;
+}
 
 Result<DType> ZarrDType(const std::string& d) {
   if (d == "bfloat16") return DType::kBF16;
@@ -70,14 +88,26 @@ void ReadArray(Files& files, const std::string& root, const std::string& rel_pre
     const std::string sep = z.value("dimension_separator", std::string("."));
     if (sep != "." && sep != "/") return fail("bad dimension_separator"), finish();
     // Chunk grid.
+    // Chunk grid, overflow-checked (shape, chunks and the products are untrusted).
     std::vector<int64_t> grid(t.shape.size());
-    uint64_t n_chunks = 1;
+    uint64_t n_chunks = 1, chunk_bytes = DTypeSize(t.dtype);
     for (size_t d = 0; d < t.shape.size(); ++d) {
-      grid[d] = (t.shape[d] + chunks[d] - 1) / chunks[d];
-      n_chunks *= static_cast<uint64_t>(std::max<int64_t>(grid[d], 0));
+      grid[d] = t.shape[d] / chunks[d] + (t.shape[d] % chunks[d] != 0);
+      if (MulOverflow(n_chunks, static_cast<uint64_t>(grid[d]), &n_chunks) || n_chunks > kMaxChunks) {
+        return fail("shape " + JsonText(json(t.shape)) + " in chunks of " + JsonText(json(chunks)) +
+                    " is more chunks than ckptfs indexes (" + std::to_string(kMaxChunks) + ")"), finish();
+      }
+      if (MulOverflow(chunk_bytes, static_cast<uint64_t>(chunks[d]), &chunk_bytes) || chunk_bytes > (uint64_t{1} << 40)) {
+        return fail("a chunk of " + JsonText(json(chunks)) + " elements is larger than 1 TiB"), finish();
+      }
     }
-    if (n_chunks > kMaxChunks) return fail(std::to_string(n_chunks) + " chunks is more than ckptfs indexes"), finish();
-    const uint64_t chunk_bytes = static_cast<uint64_t>(NumelOf(chunks)) * DTypeSize(t.dtype);
+    if (n_chunks > kMaxAbsentChunks) {
+      const uint64_t present = CountChunkFiles(root + "/" + name, n_chunks);
+      if (n_chunks > present + kMaxAbsentChunks) {
+        return fail("its shape " + JsonText(json(t.shape)) + " needs " + std::to_string(n_chunks) + " chunks, the directory holds " +
+                    std::to_string(present) + " (a damaged .zarray?)"), finish();
+      }
+    }
     const auto strides = ContiguousStrides(chunks);
     std::vector<int64_t> idx(t.shape.size(), 0);
     for (uint64_t c = 0; c < n_chunks; ++c) {
