@@ -32,7 +32,7 @@ class Index {
  public:
   // Bump whenever a reader's output changes, too (v6: TP split rules; v7:
   // mean-of-replicas tensors, DeepSpeed pipeline checkpoints).
-  static constexpr uint32_t kSchemaVersion = 7;
+  static constexpr uint32_t kSchemaVersion = 8;
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);

@@ -14,6 +14,8 @@
 #ifndef CKPTFS_MODEL_H_
 #define CKPTFS_MODEL_H_
 
+#include <time.h>
+
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -67,7 +69,12 @@ struct SourceFile {
   uint64_t size = 0;
   int64_t mtime_ns = 0;
   uint64_t inode = 0;
+  // Status change time: an in-place edit that restores the mtime (touch -d,
+  // rsync -t, cp -p) still moves it, and users cannot set it.
+  int64_t ctime_ns = 0;
 };
+
+inline int64_t StatNs(const struct timespec& t) { return static_cast<int64_t>(t.tv_sec) * 1000000000 + t.tv_nsec; }
 
 // Where one piece of a tensor lives.
 struct Fragment {

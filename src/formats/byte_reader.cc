@@ -94,7 +94,8 @@ Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f) {
     struct stat st{};
     if (opened.status().code() != Code::kNotFound && ::stat(path.c_str(), &st) == 0) {
       f.size = static_cast<uint64_t>(st.st_size);
-      f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+      f.mtime_ns = StatNs(st.st_mtim);
+      f.ctime_ns = StatNs(st.st_ctim);
       f.inode = st.st_ino;
     } else {
       f.mtime_ns = -1;
@@ -110,7 +111,8 @@ Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f) {
     return err;
   }
   f.size = static_cast<uint64_t>(st.st_size);
-  f.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  f.mtime_ns = StatNs(st.st_mtim);
+  f.ctime_ns = StatNs(st.st_ctim);
   f.inode = st.st_ino;
   return fd;
 }

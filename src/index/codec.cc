@@ -75,13 +75,15 @@ std::string EncodeFile(const SourceFile& f) {
   w.Num(f.size);
   w.Num(f.mtime_ns);
   w.Num(f.inode);
+  w.Num(f.ctime_ns);
   return w.Take();
 }
 
 Result<SourceFile> DecodeFile(std::string_view s) {
   Reader r(s);
   SourceFile f;
-  if (!r.Str(&f.rel_path) || !r.Num(&f.size) || !r.Num(&f.mtime_ns) || !r.Num(&f.inode) || !r.Done()) {
+  if (!r.Str(&f.rel_path) || !r.Num(&f.size) || !r.Num(&f.mtime_ns) || !r.Num(&f.inode) || !r.Num(&f.ctime_ns) ||
+      !r.Done()) {
     return Corrupt("file");
   }
   return f;

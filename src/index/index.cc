@@ -62,8 +62,10 @@ Status CompareFingerprint(const std::string& path, const SourceFile& f, const st
     return Stale(path + " changed size after indexing (" + std::to_string(f.size) + " -> " +
                  std::to_string(now->st_size) + " bytes)");
   }
-  int64_t mtime = static_cast<int64_t>(now->st_mtim.tv_sec) * 1000000000 + now->st_mtim.tv_nsec;
-  if (mtime != f.mtime_ns || now->st_ino != f.inode) return Stale(path + " was modified after indexing");
+  if (now->st_ino != f.inode) return Stale(path + " was replaced (a new inode) after indexing");
+  if (StatNs(now->st_mtim) != f.mtime_ns || StatNs(now->st_ctim) != f.ctime_ns) {
+    return Stale(path + " was modified after indexing");
+  }
   return Status::Ok();
 }
 

@@ -93,6 +93,13 @@ Status TensorReader::CheckFd(FileId file) const {
   const std::string path = index_.src_dir() + "/" + sf.rel_path;
   if (::fstat(fd, &st) != 0) return ErrnoStatus("stat", path, errno);
   Status s = CompareFingerprint(path, sf, &st);
+  // The fd still names the inode that was indexed; a file replaced at the
+  // path since (rename over it) is stale for every reader, including those
+  // that opened their file before the replacement.
+  struct stat now{};
+  if (s.ok() && (::stat(path.c_str(), &now) != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev)) {
+    s = Stale(path + " was replaced or removed after indexing");
+  }
   return s.ok() ? s : Stale(s.message() + "; remount to rebuild the index");
 }
 

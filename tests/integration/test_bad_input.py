@@ -140,8 +140,10 @@ def test_item_leading_outside_or_special_is_refused(ck, mounter, tmp_path, kind)
     r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")], timeout=60)
     assert r.returncode == 1 and "__1_0.distcp" in r.stderr and why in r.stderr, r.stderr[-800:]
     with mounter(ck, index=tmp_path / "ix") as m:
-        bad, good = broken_and_intact(m.path)  # every DTensor here spans both rank files
-        assert bad and any(g.startswith("other/") for g in good), (bad[:3], good[:3])
+        # Every DTensor here spans both rank files, and rank 1 wrote the bytes
+        # items: all are EIO at open (they were once served as 0-byte files).
+        bad, good = broken_and_intact(m.path)
+        assert any(b.startswith("other/") for b in bad) and "checkpoint.json" in good, (bad[:3], good[:3])
         assert why in m.log_text() or why in (m.path / "checkpoint.json").read_text()
     v = run([ckptfs_bin(), "verify", str(ck), "--index", str(tmp_path / "ix")], timeout=60)
     assert v.returncode != 0 and "__1_0.distcp" in v.stdout + v.stderr
@@ -266,3 +268,33 @@ def test_zstd_bombs_are_refused_within_bounded_memory(tmp_path, declare):
         f.write(_zstd_bomb(1 << 31, length, declare))
     r = _limited([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix2"), "--max-item-bytes", "64M"], 256)
     assert r.returncode == 1 and f"cannot decompress {rel} @ {off}" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("how", ["edit_restoring_mtime", "replaced_under_open_fd"])
+def test_staleness_by_ctime_and_inode(ck, mounter, tmp_path, how):
+    """An in-place edit that puts the mtime back (cp -p, rsync -t, touch -d)
+    and a file replaced by rename while a reader holds the view file open are
+    both ESTALE, never the old or the new bytes."""
+    src = ck / "__1_0.distcp"
+    with mounter(ck, index=tmp_path / "ix") as m:
+        target = m.path / "params/out.weight/param.raw"
+        held = open(target, "rb")  # opened before the change
+        st = os.stat(src)
+        data = bytearray(src.read_bytes())
+        data[-200] ^= 0xFF
+        time.sleep(0.02)
+        if how == "edit_restoring_mtime":
+            with open(src, "r+b") as f:
+                f.write(bytes(data))
+            os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+            assert os.stat(src).st_mtime_ns == st.st_mtime_ns and os.stat(src).st_size == st.st_size
+        else:
+            (ck / "new.tmp").write_bytes(bytes(data))
+            os.utime(ck / "new.tmp", ns=(st.st_atime_ns, st.st_mtime_ns))
+            os.rename(ck / "new.tmp", src)
+        with pytest.raises(OSError) as e:
+            held.read()
+        held.close()
+        assert e.value.errno in (errno.ESTALE, errno.EIO), e.value
+        assert errno_of(target) in (errno.ESTALE, errno.EIO)
+        assert "__1_0.distcp" in m.log_text() and ("modified" in m.log_text() or "replaced" in m.log_text())

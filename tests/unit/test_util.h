@@ -48,7 +48,8 @@ inline void FillStat(const std::string& dir, SourceFile* f) {
   struct stat st{};
   ::stat((dir + "/" + f->rel_path).c_str(), &st);
   f->size = static_cast<uint64_t>(st.st_size);
-  f->mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  f->mtime_ns = StatNs(st.st_mtim);
+  f->ctime_ns = StatNs(st.st_ctim);
   f->inode = st.st_ino;
 }
 
