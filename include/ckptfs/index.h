@@ -49,6 +49,8 @@ class Index {
   const std::vector<SourceFile>& files() const { return files_; }
   const std::vector<TensorRecord>& tensors() const { return tensors_; }
   const std::vector<ExportFile>& exports() const { return exports_; }
+  // Every CRC-32-carrying range of the sources, in index order.
+  const std::vector<ChecksumRange>& checksums() const { return checksums_; }
   uint64_t num_fragments() const { return num_fragments_; }
   // All fragments of one tensor, in ordinal order: one prefix scan.
   Result<std::vector<Fragment>> Fragments(TensorId id) const;
@@ -62,6 +64,7 @@ class Index {
   std::vector<SourceFile> files_;
   std::vector<TensorRecord> tensors_;
   std::vector<ExportFile> exports_;
+  std::vector<ChecksumRange> checksums_;
   uint64_t num_fragments_ = 0;
 };
 

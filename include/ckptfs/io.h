@@ -87,6 +87,13 @@ class TensorReader {
   // The tensor's source files still match the index (stat by path: catches
   // replaced files too). Called on open.
   Status CheckFresh(TensorId id);
+  // Source CRC-32s (Index::checksums()). CheckChecksum(i) reads range i whole
+  // and records the verdict; from then on, and for every range checked with
+  // --verify-on-read (set_verify_on_read: each range is checked before the
+  // first byte over it is served), a read of a tensor over a failed range is
+  // an error naming the file, the entry and both CRCs.
+  Status CheckChecksum(uint32_t i);
+  void set_verify_on_read(bool on) { verify_on_read_ = on; }
   const char* engine_name() const;
   TransformPolicy* policy() const { return policy_.get(); }
   // Plans run per backend, and GPU failures that were read again on the CPU.
@@ -122,6 +129,9 @@ class TensorReader {
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
   Status CheckFd(FileId file) const;
+  // The checksummed ranges the tensor's fragments overlap: failed ones are
+  // an error; unchecked ones are checked when verify_on_read_.
+  Status CheckRanges(TensorId id);
   // Renders the whole tensor as `out` in chunks, handing each to `fn`.
   Status Stream(TensorId id, DType out, const Box* box, const std::function<void(const char*, size_t)>& fn);
   ReadEngine& Engine();
@@ -141,6 +151,12 @@ class TensorReader {
   std::mutex hash_mu_;
   std::unordered_map<uint32_t, uint64_t> hash_cache_;
   std::unordered_map<std::string, uint32_t> crc_cache_;  // (id, out dtype, box), under hash_mu_
+  bool verify_on_read_ = false;
+  std::atomic<bool> any_bad_range_{false};
+  std::vector<std::vector<uint32_t>> ranges_by_file_;  // checksum indices, by offset (ranges never overlap)
+  std::mutex range_mu_;
+  std::vector<uint8_t> range_state_;  // 0 unchecked, 1 good, 2 failed; under range_mu_
+  std::vector<std::string> range_error_;  // why, when failed; under range_mu_
 };
 
 }  // namespace ckptfs

@@ -164,6 +164,7 @@ enum class Check : uint8_t {
   kGeometry = 4,    // ZeRO partition/padding metadata disagrees with the recomputed geometry
   kNumerics = 5,    // --deep: NaN or Inf values
   kUnreadable = 6,  // bytes that could not be read (corrupt, truncated, I/O error)
+  kChecksum = 7,    // a source range fails the CRC-32 its file records (bit rot, a torn write)
 };
 enum class Severity : uint8_t {
   kError = 0,    // the bytes a loader would get are wrong or missing
@@ -225,6 +226,19 @@ struct ExportFile {
   std::vector<ExportPart> parts;
 };
 
+// A byte range of a source file whose CRC-32 the file itself records: a
+// stored ZIP entry of a torch.save archive (APPNOTE 4.4.7), including those
+// inside DCP .distcp items. `ckptfs verify` checks every one; a mount answers
+// EIO for tensors over one that failed (or, with --verify-on-read, checks
+// each before serving bytes from it).
+struct ChecksumRange {
+  FileId file;
+  uint64_t offset = 0;  // absolute, in the file
+  uint64_t length = 0;
+  uint32_t crc32 = 0;
+  std::string name;  // the ZIP entry name, for messages
+};
+
 // What a family reader produces from metadata alone.
 struct Checkpoint {
   CheckpointInfo info;
@@ -232,6 +246,7 @@ struct Checkpoint {
   std::vector<TensorRecord> tensors;
   std::vector<std::vector<Fragment>> fragments;  // parallel to tensors
   std::vector<ExportFile> exports;
+  std::vector<ChecksumRange> checksums;
 
   // Appends a record with its fragments and returns its index. A record in
   // error keeps no fragments; num_fragments and a kTensor's byte_size are

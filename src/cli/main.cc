@@ -33,6 +33,7 @@ usage:
   ckptfs mount SRC MNT [-f] [--index DIR] [--log FILE] [--engine auto|uring|pread]
                        [--gpu auto|on|off] [--threads N] [--allow-other] [--debug]
                        [--rules FILE] [--pp-layers N,N,..] [--hf-shard-size BYTES]
+                       [--verify-on-read]
       Index SRC (once; reused while SRC is unchanged) and mount the view at MNT.
       Without -f the daemon detaches once the mount is live; its log goes to
       --log FILE (default /tmp/ckptfs-<uid>/<mountpoint-name>.log).
@@ -44,6 +45,9 @@ usage:
       measured faster there, else the CPU; on: every plan with such work on
       the GPU (an error without one); off: the CPU. mount, cat and verify
       take it.
+      --verify-on-read (mount, cat): check the CRC-32 a source records for
+      each range (ZIP entry) before serving the first byte over it; a range
+      that fails is EIO for its tensors (verify always checks them all).
       Bounds on untrusted metadata (every command; K/M/G ok):
       --max-metadata-bytes (a DCP .metadata, default 1G) and --max-item-bytes
       (a zstd-compressed DCP bytes item once decompressed, default 4G; a
@@ -89,7 +93,7 @@ bool ParseArgs(int argc, char** argv, int start, Args* a, std::string* err) {
       {"-f", false},     {"--force", false},  {"--allow-other", false}, {"--debug", false}, {"--json", false},
       {"--help", false}, {"-h", false},       {"--foreground", false}, {"--deep", false},
       {"--num-layers", true}, {"--rules", true}, {"--pp-layers", true}, {"--hf-shard-size", true},
-      {"--max-item-bytes", true}, {"--max-metadata-bytes", true}};
+      {"--max-item-bytes", true}, {"--max-metadata-bytes", true}, {"--verify-on-read", false}};
   for (int i = start; i < argc; ++i) {
     std::string s = argv[i];
     if (s.size() > 1 && s[0] == '-') {
@@ -148,6 +152,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   o.index_dir = a.Get("--index");
   if (!o.index_dir.empty()) o.index_dir = std::filesystem::absolute(o.index_dir, ec).string();
   o.force_rebuild = a.Has("--force");
+  o.verify_on_read = a.Has("--verify-on-read");
   std::string e = a.Get("--engine", "auto");
   if (e == "auto") o.engine = EngineKind::kAuto;
   else if (e == "uring" || e == "io_uring") o.engine = EngineKind::kUring;

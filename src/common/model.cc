@@ -136,6 +136,7 @@ std::string_view CheckName(Check c) {
     case Check::kGeometry: return "zero-geometry";
     case Check::kNumerics: return "numerics";
     case Check::kUnreadable: return "unreadable";
+    case Check::kChecksum: return "checksum";
   }
   return "unknown";
 }

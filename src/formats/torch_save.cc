@@ -53,4 +53,14 @@ Result<ResolvedTensor> ResolveTensor(const ByteReader& r, const TorchSaveArchive
   return ResolvedTensor{off + skip, rec->size - skip};
 }
 
+void AppendZipChecksums(const ByteReader& r, const TorchSaveArchive& a, FileId file, uint64_t base,
+                        std::vector<ChecksumRange>* out) {
+  for (const ZipEntry& e : a.zip.entries) {
+    if (e.method != 0) continue;
+    auto off = ZipDataOffset(r, e);
+    if (!off.ok()) continue;  // refused again, with its reason, when a tensor needs it
+    out->push_back(ChecksumRange{file, base + *off, e.size, e.crc32, e.name});
+  }
+}
+
 }  // namespace ckptfs::formats

@@ -32,6 +32,11 @@ struct ResolvedTensor {
   uint64_t data_length = 0;  // bytes from data_offset to the record end
 };
 
+// The CRC-32 of every stored entry of `a`, as ranges of the file `file`
+// (`base`: where the reader's byte 0 lies in that file).
+void AppendZipChecksums(const ByteReader& r, const TorchSaveArchive& a, FileId file, uint64_t base,
+                        std::vector<ChecksumRange>* out);
+
 // Checks that every element the view can reach lies inside the storage record.
 Result<ResolvedTensor> ResolveTensor(const ByteReader& r, const TorchSaveArchive& a, const TensorRef& t);
 

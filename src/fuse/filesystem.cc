@@ -16,6 +16,7 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   std::filesystem::create_directories(cache_dir, ec);  // no cache dir: calibrate at every mount
   ASSIGN_OR_RETURN(auto policy, TransformPolicy::Make(opts.gpu, ec ? "" : cache_dir + "/gpu-calibration.json"));
   ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine, std::move(policy)));
+  fs->reader_->set_verify_on_read(opts.verify_on_read);
   if (!fs->index_->files().empty()) fs->mtime_ns_ = fs->index_->files()[0].mtime_ns;
   return fs;
 }

@@ -195,7 +195,7 @@ Result<CheckpointInfo> DecodeInfo(std::string_view s) {
   if (!r.Num(&n)) return Corrupt("checkpoint info");
   for (uint32_t k = 0; k < n; ++k) {
     Finding f;
-    if (!Enum(r, &f.check, static_cast<uint8_t>(Check::kUnreadable)) ||
+    if (!Enum(r, &f.check, static_cast<uint8_t>(Check::kChecksum)) ||
         !Enum(r, &f.severity, static_cast<uint8_t>(Severity::kWarning)) || !r.Str(&f.tensor) || !r.Str(&f.file) ||
         !r.Str(&f.message) || !r.Str(&f.detail)) {
       return Corrupt("checkpoint info");
@@ -257,6 +257,25 @@ std::string KeyU32U32(char tag, uint32_t a, uint32_t b) {
   std::string k = KeyU32(tag, a);
   for (int s = 24; s >= 0; s -= 8) k.push_back(static_cast<char>((b >> s) & 0xFF));
   return k;
+}
+
+std::string EncodeChecksum(const ChecksumRange& c) {
+  Writer w;
+  w.Num(c.file.v);
+  w.Num(c.offset);
+  w.Num(c.length);
+  w.Num(c.crc32);
+  w.Str(c.name);
+  return w.Take();
+}
+
+Result<ChecksumRange> DecodeChecksum(std::string_view s) {
+  Reader r(s);
+  ChecksumRange c;
+  if (!r.Num(&c.file.v) || !r.Num(&c.offset) || !r.Num(&c.length) || !r.Num(&c.crc32) || !r.Str(&c.name) || !r.Done()) {
+    return Corrupt("checksum");
+  }
+  return c;
 }
 
 }  // namespace ckptfs::index

@@ -18,6 +18,8 @@ std::string EncodeTensor(const TensorRecord& t);
 std::string EncodeFragment(const Fragment& f);
 std::string EncodeInfo(const CheckpointInfo& i);
 std::string EncodeExport(const ExportFile& x);
+std::string EncodeChecksum(const ChecksumRange& c);
+Result<ChecksumRange> DecodeChecksum(std::string_view s);
 Result<SourceFile> DecodeFile(std::string_view s);
 Result<TensorRecord> DecodeTensor(std::string_view s);
 Result<Fragment> DecodeFragment(std::string_view s);

@@ -114,6 +114,13 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
       }
       batch.Put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
     }
+    for (size_t i = 0; i < ck.checksums.size(); ++i) {
+      if (ck.checksums[i].file.v >= ck.files.size()) {
+        fs::remove_all(tmp, ec);
+        return Invalid("cannot build index: a checksum names an unknown file");
+      }
+      batch.Put(KeyU32('c', static_cast<uint32_t>(i)), index::EncodeChecksum(ck.checksums[i]));
+    }
     rocksdb::WriteOptions wo;
     wo.sync = true;
     RETURN_IF_ERROR(FromRocks(db->Write(wo, &batch), "write", tmp));
@@ -171,6 +178,11 @@ Result<std::unique_ptr<Index>> Index::Open(const std::string& dir, const std::st
       }
     }
     ix->exports_.push_back(std::move(x));
+  }
+  for (it->Seek("c"); it->Valid() && it->key().starts_with("c"); it->Next()) {
+    ASSIGN_OR_RETURN(ChecksumRange c, index::DecodeChecksum(std::string_view(it->value().data(), it->value().size())));
+    if (c.file.v >= ix->files_.size()) return Invalid("cannot read index " + dir + ": a checksum names an unknown file");
+    ix->checksums_.push_back(std::move(c));
   }
   RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir));
   RETURN_IF_ERROR(CheckFingerprint(src_dir, ix->files_));

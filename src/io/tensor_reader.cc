@@ -62,6 +62,14 @@ Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, Eng
   if (kind == EngineKind::kUring && MakeUringEngine(4) == nullptr) {
     return Unsupported("io_uring is not available on this system (use --engine=pread)");
   }
+  const auto& sums = index.checksums();
+  r->ranges_by_file_.resize(index.files().size());
+  for (uint32_t i = 0; i < sums.size(); ++i) r->ranges_by_file_[sums[i].file.v].push_back(i);
+  for (auto& v : r->ranges_by_file_) {
+    std::sort(v.begin(), v.end(), [&](uint32_t a, uint32_t b) { return sums[a].offset < sums[b].offset; });
+  }
+  r->range_state_.assign(sums.size(), 0);
+  r->range_error_.assign(sums.size(), "");
   return r;
 }
 
@@ -101,6 +109,61 @@ Status TensorReader::CheckFd(FileId file) const {
     s = Stale(path + " was replaced or removed after indexing");
   }
   return s.ok() ? s : Stale(s.message() + "; remount to rebuild the index");
+}
+
+Status TensorReader::CheckChecksum(uint32_t i) {
+  const ChecksumRange& c = index_.checksums().at(i);
+  {
+    std::lock_guard<std::mutex> lock(range_mu_);
+    if (range_state_[i] == 1) return Status::Ok();
+    if (range_state_[i] == 2) return Invalid(range_error_[i]);
+  }
+  RETURN_IF_ERROR(CheckFd(c.file));
+  const std::string& rel = index_.files()[c.file.v].rel_path;
+  constexpr uint64_t kPiece = 4 << 20;
+  std::string buf(static_cast<size_t>(std::min(kPiece, c.length)), '\0');
+  uLong crc = crc32_z(0, Z_NULL, 0);
+  for (uint64_t off = 0; off < c.length; off += kPiece) {
+    const uint64_t n = std::min(kPiece, c.length - off);
+    IoRequest req{fds_[c.file.v], c.offset + off, n, buf.data()};
+    RETURN_IF_ERROR(Engine().ReadBatch(std::span<IoRequest>(&req, 1)).Annotate(rel));
+    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<z_size_t>(n));
+  }
+  std::lock_guard<std::mutex> lock(range_mu_);
+  if (static_cast<uint32_t>(crc) == c.crc32) {
+    range_state_[i] = 1;
+    return Status::Ok();
+  }
+  char why[160];
+  std::snprintf(why, sizeof why, ": ZIP entry '%.60s' (bytes %llu..%llu) fails its CRC-32 (recorded %08x, computed %08x)",
+                c.name.c_str(), static_cast<unsigned long long>(c.offset),
+                static_cast<unsigned long long>(c.offset + c.length), c.crc32, static_cast<uint32_t>(crc));
+  range_error_[i] = "cannot read " + rel + why;
+  range_state_[i] = 2;
+  any_bad_range_ = true;
+  return Invalid(range_error_[i]);
+}
+
+Status TensorReader::CheckRanges(TensorId id) {
+  ASSIGN_OR_RETURN(auto frags, FragmentsOf(id));
+  const auto& sums = index_.checksums();
+  for (const Fragment& f : *frags) {
+    if (f.compression != Compression::kNone || f.file.v >= ranges_by_file_.size()) continue;
+    const auto& v = ranges_by_file_[f.file.v];
+    const uint64_t lo = f.data_offset, hi = f.data_offset + f.data_length;
+    // First range that ends after lo (ends increase with offsets).
+    auto it = std::partition_point(v.begin(), v.end(), [&](uint32_t i) { return sums[i].offset + sums[i].length <= lo; });
+    for (; it != v.end() && sums[*it].offset < hi; ++it) {
+      uint8_t state;
+      {
+        std::lock_guard<std::mutex> lock(range_mu_);
+        state = range_state_[*it];
+        if (state == 2) return Invalid(range_error_[*it]);
+      }
+      if (state == 0 && verify_on_read_) RETURN_IF_ERROR(CheckChecksum(*it));
+    }
+  }
+  return Status::Ok();
 }
 
 Status TensorReader::CheckFresh(TensorId id) {
@@ -178,6 +241,9 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
   auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
   if (!t.error.empty()) return Invalid("cannot read '" + t.key + "': " + t.error);
   if (len == 0) return Status::Ok();
+  if (verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) {
+    if (Status s = CheckRanges(id); !s.ok()) return fail(s);
+  }
   auto frags_or = FragmentsOf(id);
   if (!frags_or.ok()) return fail(frags_or.status());
   const std::vector<Fragment>& frags = **frags_or;

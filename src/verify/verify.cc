@@ -239,6 +239,7 @@ class Verifier {
  private:
   void Plan();
   void CheckLayers();
+  void ChecksumPass();
   void DataPass();
   void ReadOne(Work& w, TensorCheck& c, std::vector<Finding>& out);
   void JudgeZeros();
@@ -553,6 +554,37 @@ void Verifier::DataPass() {
   r_.tensors = std::move(checks);
 }
 
+// Every CRC-32 the sources record (ZIP entries of torch.save archives): one
+// finding per failed range. Ranges in files that are missing or refused are
+// left to the coverage and unreadable findings that already name them.
+void Verifier::ChecksumPass() {
+  const auto& sums = ix_.checksums();
+  const auto& files = ix_.files();
+  unsigned n = opts_.threads ? opts_.threads : std::min(8u, std::max(1u, std::thread::hardware_concurrency()));
+  n = std::max(1u, std::min<unsigned>(n, static_cast<unsigned>(sums.size())));
+  std::vector<std::string> failed(sums.size());
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < sums.size();) {
+      if (files[sums[i].file.v].mtime_ns == -1) continue;
+      Status s = reader_.CheckChecksum(static_cast<uint32_t>(i));
+      if (!s.ok() && s.message().find("fails its CRC-32") != std::string::npos) failed[i] = s.message();
+    }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned i = 1; i < n; ++i) pool.emplace_back(worker);
+  if (!sums.empty()) worker();
+  for (auto& th : pool) th.join();
+  for (size_t i = 0; i < sums.size(); ++i) {
+    if (failed[i].empty()) continue;
+    const ChecksumRange& c = sums[i];
+    r_.findings.push_back({Check::kChecksum, Severity::kError, "", files[c.file.v].rel_path,
+                           failed[i] + ": every tensor over it is unreadable",
+                           JsonText(json({{"entry", c.name}, {"offset", c.offset}, {"length", c.length},
+                                          {"recorded_crc32", c.crc32}}))});
+  }
+}
+
 // Layer stacks: "<prefix>.<i>.<rest>" under a name that holds layers.
 void Verifier::CheckLayers() {
   if (ix_.info().family.rfind("megatron", 0) == 0) return;  // the Megatron readers check against args
@@ -617,6 +649,7 @@ Result<Report> Verifier::Run() {
   }
   Plan();
   CheckLayers();
+  ChecksumPass();  // first: the data pass then reports each tensor over a failed range
   DataPass();
   JudgeZeros();
   r_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -633,7 +666,9 @@ json DetailJson(const std::string& s) {
 
 int Report::ExitCode() const {
   int code = 0;
-  for (const Finding& f : findings) code = std::max(code, f.check == Check::kUnreadable ? 2 : 1);
+  for (const Finding& f : findings) {
+    code = std::max(code, f.check == Check::kUnreadable || f.check == Check::kChecksum ? 2 : 1);
+  }
   return code;
 }
 

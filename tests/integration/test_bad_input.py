@@ -298,3 +298,52 @@ def test_staleness_by_ctime_and_inode(ck, mounter, tmp_path, how):
         assert e.value.errno in (errno.ESTALE, errno.EIO), e.value
         assert errno_of(target) in (errno.ESTALE, errno.EIO)
         assert "__1_0.distcp" in m.log_text() and ("modified" in m.log_text() or "replaced" in m.log_text())
+
+
+def _flip_tensor_byte(ck, fqn):
+    """Flips one byte inside the stored tensor record of `fqn`'s first chunk
+    (a torch.save archive inside a .distcp), located with torch's own
+    metadata reader and Python's zipfile: bit rot the ZIP CRC-32 records."""
+    import io
+    import struct
+    import zipfile
+    r = subprocess.run([sys.executable, "-c", "import sys\n"
+                        "from torch.distributed.checkpoint.filesystem import FileSystemReader\n"
+                        "md = FileSystemReader(sys.argv[1]).read_metadata()\n"
+                        "for i, s in md.storage_data.items():\n"
+                        "    print(i.fqn, s.relative_path, s.offset, s.length)\n", str(ck)],
+                       check=True, capture_output=True, text=True, timeout=120)
+    rel, off, length = next(l.split()[1:] for l in r.stdout.splitlines() if l.split()[0] == fqn)
+    off, length = int(off), int(length)
+    data = bytearray((ck / rel).read_bytes())
+    z = zipfile.ZipFile(io.BytesIO(bytes(data[off:off + length])))
+    info = next(i for i in z.infolist() if "/data/" in i.filename)
+    h = info.header_offset
+    name_len, extra_len = struct.unpack("<HH", data[off + h + 26:off + h + 30])
+    start = off + h + 30 + name_len + extra_len
+    data[start + info.file_size // 2] ^= 0x40
+    (ck / rel).write_bytes(bytes(data))
+    return rel
+
+
+def test_flipped_tensor_byte_fails_its_crc(ck, mounter, tmp_path):
+    """One flipped bit in a tensor's stored bytes: verify reports the CRC-32
+    mismatch naming the file and entry (exit 2); a mount with
+    --verify-on-read answers EIO for that tensor only; without it, the first
+    read of .ckptfs/report.json finds it and the tensor is EIO from then on."""
+    rel = _flip_tensor_byte(ck, "model.proj.weight")
+    ix = tmp_path / "ix"
+    v = run([ckptfs_bin(), "verify", str(ck), "--index", str(ix), "--json"], timeout=120)
+    assert v.returncode == 2, (v.returncode, v.stdout[-2000:], v.stderr[-2000:])
+    import json
+    rep = json.loads(v.stdout)
+    crc = [f for f in rep["findings"] if f["check"] == "checksum"]
+    assert len(crc) == 1 and crc[0]["file"] == rel and "fails its CRC-32" in crc[0]["message"], rep["findings"]
+    with mounter(ck, index=ix, extra=["--verify-on-read"]) as m:
+        assert errno_of(m.path / "params/proj.weight/param.npy") == errno.EIO
+        assert errno_of(m.path / "params/out.weight/param.npy") == 0
+        assert "fails its CRC-32" in m.log_text()
+    with mounter(ck, name="plain", index=ix) as m:
+        json.loads((m.path / ".ckptfs/report.json").read_text())
+        assert errno_of(m.path / "params/proj.weight/param.raw") == errno.EIO
+        assert errno_of(m.path / "params/out.weight/param.raw") == 0

@@ -214,7 +214,8 @@ Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name
 
 // Resolves one chunk: parses its torch.save item, checks it against the
 // metadata and returns the fragment (or a per-tensor error).
-Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, const std::string& file_name) {
+Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, const std::string& file_name,
+                              std::vector<ChecksumRange>* sums) {
   const std::string name = file_name + " @ " + std::to_string(w.loc.offset);
   Fragment f;
   f.file = FileId{w.loc.file};
@@ -257,6 +258,7 @@ Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, cons
                    " differs from .metadata's " + std::string(DTypeName(t.dtype)));
   }
   ASSIGN_OR_RETURN(ResolvedTensor rt, ResolveTensor(*reader, a, ref));
+  if (!w.loc.zstd) AppendZipChecksums(*reader, a, f.file, w.loc.offset, sums);
   f.dtype = ref.dtype;
   f.strides = ref.strides;
   f.data_length = rt.data_length;
@@ -462,6 +464,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   // Resolve every item, in parallel over the work list (index build is
   // dominated by small preads of ZIP directories on a parallel filesystem).
   std::vector<Result<Fragment>> results(work.size(), Result<Fragment>(Status()));
+  std::vector<std::vector<ChecksumRange>> sums(work.size());
   std::atomic<size_t> next{0};
   auto worker = [&] {
     for (size_t i = next++; i < work.size(); i = next++) {
@@ -480,7 +483,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
                              " bytes; truncated?)");
         continue;
       }
-      results[i] = ResolveChunk(w, ck.tensors[w.tensor], fd, rel);
+      results[i] = ResolveChunk(w, ck.tensors[w.tensor], fd, rel, &sums[i]);
     }
   };
   unsigned n_threads = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
@@ -489,6 +492,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   for (unsigned i = 1; i < n_threads; ++i) threads.emplace_back(worker);
   worker();
   for (auto& th : threads) th.join();
+  for (auto& s : sums) ck.checksums.insert(ck.checksums.end(), s.begin(), s.end());
 
   // A rank file that is missing: one finding per file, listing the holes it
   // leaves (its chunks) with their coordinates.
