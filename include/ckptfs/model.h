@@ -239,6 +239,11 @@ struct ChecksumRange {
   std::string name;  // the ZIP entry name, for messages
 };
 
+// Empty when `t`'s shape and the fragment boxes are servable: no negative
+// dimension, at most 2^60 bytes (overflow-checked), every box inside the
+// shape; else why not. AddTensor and ReadCheckpoint apply it to every record.
+std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragment>& frags);
+
 // What a family reader produces from metadata alone.
 struct Checkpoint {
   CheckpointInfo info;

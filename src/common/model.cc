@@ -169,7 +169,9 @@ std::string CheckShape(const TensorRecord& t) {
   return "";
 }
 
-std::string CheckGeometry(const TensorRecord& t, const std::vector<Fragment>& frags) {
+}  // namespace
+
+std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragment>& frags) {
   if (DTypeSize(t.dtype) == 0) return "no element type";
   if (std::string why = CheckShape(t); !why.empty()) return why;
   for (const Fragment& f : frags) {
@@ -186,17 +188,15 @@ std::string CheckGeometry(const TensorRecord& t, const std::vector<Fragment>& fr
   return "";
 }
 
-}  // namespace
-
 uint32_t Checkpoint::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
   if (t.encoding == Encoding::kTensor && t.error.empty()) {
-    if (std::string why = CheckGeometry(t, frags); !why.empty()) {
+    if (std::string why = CheckTensorGeometry(t, frags); !why.empty()) {
       t.error = "cannot index '" + t.key + "': " + why;
       info.problems.push_back(t.error);
     }
   }
   if (!t.error.empty()) frags.clear();
-  if (t.encoding == Encoding::kTensor && !CheckShape(t).empty()) {
+  if (t.encoding == Encoding::kTensor && !CheckTensorGeometry(t, {}).empty()) {
     t.shape.assign(1, 0);  // no size can be served; the error says what it was, open() is EIO
   }
   t.num_fragments = static_cast<uint32_t>(frags.size());

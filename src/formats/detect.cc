@@ -15,12 +15,26 @@ const ReadLimits& GetReadLimits() { return g_limits; }
 
 namespace {
 
-// Every name a view shows is valid UTF-8 (see EscapeNonUtf8): the pickle VM
+// Checks every reader's output once: shapes and boxes (CheckTensorGeometry),
+// and names: every name a view shows is valid UTF-8 (see EscapeNonUtf8): the pickle VM
 // escapes what it reads; this covers names from file and directory names
 // (zarr arrays) and says so once in checkpoint.json.
-Checkpoint ValidNames(Checkpoint ck) {
+Checkpoint Sanitized(Checkpoint ck) {
   size_t n = 0;
   std::string first;
+  // Geometry, for readers that fill ck.tensors without AddTensor.
+  for (size_t i = 0; i < ck.tensors.size(); ++i) {
+    TensorRecord& t = ck.tensors[i];
+    if (t.encoding != Encoding::kTensor || !t.error.empty()) continue;
+    if (std::string why = CheckTensorGeometry(t, ck.fragments[i]); !why.empty()) {
+      t.error = "cannot index '" + t.key + "': " + why;
+      ck.info.problems.push_back(t.error);
+      ck.fragments[i].clear();
+      t.num_fragments = 0;
+      if (!CheckTensorGeometry(t, {}).empty()) t.shape.assign(1, 0);
+      t.byte_size = t.Numel() * DTypeSize(t.dtype);
+    }
+  }
   for (TensorRecord& t : ck.tensors) {
     for (std::string* s : {&t.key, &t.fqn, &t.state}) {
       if (IsUtf8(*s)) continue;
@@ -51,7 +65,7 @@ Result<Checkpoint> Detect(const std::string& dir) {
 
 Result<Checkpoint> ReadCheckpoint(const std::string& dir) {
   ASSIGN_OR_RETURN(Checkpoint ck, Detect(dir));
-  return ValidNames(std::move(ck));
+  return Sanitized(std::move(ck));
 }
 
 }  // namespace ckptfs

@@ -347,3 +347,22 @@ def test_flipped_tensor_byte_fails_its_crc(ck, mounter, tmp_path):
         json.loads((m.path / ".ckptfs/report.json").read_text())
         assert errno_of(m.path / "params/proj.weight/param.raw") == errno.EIO
         assert errno_of(m.path / "params/out.weight/param.raw") == 0
+
+
+def test_overflowing_shape_is_eio_not_an_empty_file(ck, mounter, tmp_path):
+    """A .metadata whose tensor size overflows 64 bits once multiplied out
+    (rewritten with torch's own classes and pickle): that tensor is refused
+    with the shape named; its .raw/.npy are EIO at open (they were 0-byte and
+    header-only files); everything else is served."""
+    subprocess.run([sys.executable, "-c", "import pickle, sys, torch\n"
+                    "p = sys.argv[1] + '/.metadata'\n"
+                    "md = pickle.load(open(p, 'rb'))\n"
+                    "md.state_dict_metadata['model.proj.weight'].size = torch.Size([1 << 62, 1 << 10])\n"
+                    "pickle.dump(md, open(p, 'wb'))\n", str(ck)], check=True, timeout=120, capture_output=True)
+    ix = tmp_path / "ix"
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(ix)], timeout=120)
+    assert r.returncode == 1 and "is more than 2^60 bytes" in r.stderr and "model.proj.weight" in r.stderr, r.stderr
+    with mounter(ck, index=ix) as m:
+        for f in ("param.raw", "param.npy"):
+            assert errno_of(m.path / "params/proj.weight" / f) == errno.EIO
+        np.load(m.path / "params/out.weight/param.npy")

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, run
+from conftest import FIXTURES, ckptfs_bin, run
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -295,3 +295,39 @@ def test_verify_reports_zarr_lost_writes(megatron_fixtures, bin_path, mounter):
         assert avg[rows[0]:rows[1]].any()
         mounted = json.loads((m.path / ".ckptfs/report.json").read_text())
         assert [f["message"] for f in mounted["findings"]] == [f["message"] for f in rep["findings"]]
+
+
+def test_hostile_zarr_arrays(megatron_fixtures, mounter, tmp_path):
+    """A .zarray with a huge leading dimension (drove `info` to 6 GB) and one
+    that is not JSON: each array is refused with its file named, with bounded
+    memory; verify reports both (exit 2); hf/ERRORS and topo/ERRORS say what
+    the views leave out; every other tensor still reads."""
+    import json
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(megatron_fixtures / "zarr_tp2_pp2", ck, ignore=shutil.ignore_patterns(".ckptfs"))
+    it = next(ck.glob("iter_*"))
+    huge = it / "decoder.layers.mlp.linear_fc2.weight" / ".zarray"
+    z = json.loads(huge.read_text())
+    z["shape"][0] = 1 << 40
+    huge.write_text(json.dumps(z))
+    (it / "decoder.final_layernorm.weight" / ".zarray").write_text("{")
+    ix = tmp_path / "ix"
+    r = subprocess.run([sys.executable, "-c", "import resource, subprocess, sys;"
+                        "r = subprocess.run(sys.argv[1:], capture_output=True, text=True);"
+                        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); print(r.returncode);"
+                        "sys.stderr.write(r.stderr)", ckptfs_bin(), "info", str(ck), "--index", str(ix)],
+                       capture_output=True, text=True, timeout=300)
+    peak_kib, rc = (int(x) for x in r.stdout.split()[:2])
+    assert rc == 1 and peak_kib < 256 << 10, (peak_kib, rc, r.stderr[-2000:])
+    assert "decoder.layers.mlp.linear_fc2.weight/.zarray" in r.stderr and "chunks" in r.stderr, r.stderr[-2000:]
+    assert "decoder.final_layernorm.weight/.zarray: not JSON" in r.stderr, r.stderr[-2000:]
+    v = run([ckptfs_bin(), "verify", str(ck), "--index", str(ix)], timeout=300)
+    assert v.returncode == 2 and "final_layernorm.weight" in v.stdout, v.stdout[-2000:]
+    with mounter(ck, index=ix) as m:
+        errors = (m.path / "hf/ERRORS").read_text()
+        assert "'decoder.final_layernorm.weight' is not included" in errors, errors
+        assert (m.path / "params/decoder.final_layernorm.bias/param.npy").stat().st_size > 0
+        np.load(m.path / "params/decoder.final_layernorm.bias/param.npy")
+        assert not (m.path / "topo/tp1-pp1").exists()
+        assert "final_layernorm.weight" in (m.path / "topo/ERRORS").read_text()

@@ -433,6 +433,13 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       for (int64_t s : t.shape) {
         if (s < 0) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has a negative size");
       }
+      if (std::string why = CheckTensorGeometry(t, {}); !why.empty()) {
+        t.error = "cannot index '" + t.key + "' (" + meta_path + "): " + why;
+        t.shape.assign(1, 0);
+        ck.info.problems.push_back(t.error);
+        ck.tensors.push_back(std::move(t));
+        continue;
+      }
       const PyValue* chunks = md->Attr("chunks");
       if (chunks == nullptr || !chunks->IsSeq()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has no chunks");
       size_t ordinal = 0;
