@@ -36,6 +36,9 @@
 #include "ckptfs/transforms.h"
 
 namespace ckptfs {
+namespace formats {
+class ZstdCursor;
+}  // namespace formats
 
 struct IoRequest {
   int fd = -1;
@@ -94,6 +97,9 @@ class TensorReader {
   // an error naming the file, the entry and both CRCs.
   Status CheckChecksum(uint32_t i);
   void set_verify_on_read(bool on) { verify_on_read_ = on; }
+  // Compressed items whose decompressed size may pass this are streamed, never
+  // held whole (default 64 MiB; tests lower it).
+  void set_stream_items_above(uint64_t bytes) { stream_items_above_ = bytes; }
   const char* engine_name() const;
   TransformPolicy* policy() const { return policy_.get(); }
   // Plans run per backend, and GPU failures that were read again on the CPU.
@@ -103,8 +109,7 @@ class TensorReader {
   TransformCounts transform_counts() const { return {cpu_plans_.load(), gpu_plans_.load(), gpu_fallbacks_.load()}; }
 
  private:
-  TensorReader(const Index& index, EngineKind kind, std::unique_ptr<TransformPolicy> policy)
-      : index_(index), kind_(kind), policy_(std::move(policy)) {}
+  TensorReader(const Index& index, EngineKind kind, std::unique_ptr<TransformPolicy> policy);
   // One pipeline chunk of a read: its I/O and its ops.
   struct Chunk {
     struct ItemCopy {
@@ -128,6 +133,9 @@ class TensorReader {
                   uint64_t e1, char* base);
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
+  // Decompressed bytes [off, off + len) of f's item: from the whole cached
+  // item when it is small, else streamed through a cursor (ItemCursor).
+  Result<std::shared_ptr<const std::string>> ItemSpan(const Fragment& f, uint64_t off, uint64_t len);
   Status CheckFd(FileId file) const;
   // The checksummed ranges the tensor's fragments overlap: failed ones are
   // an error; unchecked ones are checked when verify_on_read_.
@@ -152,6 +160,11 @@ class TensorReader {
   std::unordered_map<uint32_t, uint64_t> hash_cache_;
   std::unordered_map<std::string, uint32_t> crc_cache_;  // (id, out dtype, box), under hash_mu_
   bool verify_on_read_ = false;
+  uint64_t stream_items_above_ = uint64_t{64} << 20;
+  // Streaming cursors of large items, most recent last (at most 8); a cursor
+  // is taken out while in use, so no lock is held while decompressing.
+  std::mutex cursor_mu_;
+  std::vector<std::pair<std::string, std::unique_ptr<formats::ZstdCursor>>> cursors_;
   std::atomic<bool> any_bad_range_{false};
   std::vector<std::vector<uint32_t>> ranges_by_file_;  // checksum indices, by offset (ranges never overlap)
   std::mutex range_mu_;

@@ -6,6 +6,7 @@
 #define CKPTFS_FORMATS_ZSTD_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -16,6 +17,37 @@ namespace ckptfs::formats {
 // Fails, naming `what`, when the output would pass `max_out` bytes: before
 // allocating when the frames declare their size, else as soon as it does.
 Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what);
+
+// Forward-only streaming decompression of one compressed item whose input is
+// fetched in pieces: a large item is never held whole, and sequential reads
+// continue where the last one stopped (a read behind the cursor needs a new
+// cursor). Memory: the decoder's window plus 1 MiB of input.
+class ZstdCursor {
+ public:
+  // Reads n compressed bytes at `off` (relative to the item) into dst.
+  using Input = std::function<Status(uint64_t off, uint64_t n, char* dst)>;
+  ZstdCursor(Input input, uint64_t in_size, uint64_t max_out, std::string what);
+  ~ZstdCursor();
+  ZstdCursor(const ZstdCursor&) = delete;
+  ZstdCursor& operator=(const ZstdCursor&) = delete;
+  // Decompressed bytes produced so far.
+  uint64_t position() const { return out_pos_; }
+  // Decompressed bytes [from, from + len), from >= position(): the bytes
+  // before `from` are decoded and dropped. Fails (naming `what`) on a corrupt
+  // or truncated stream, or past max_out.
+  Result<std::string> Read(uint64_t from, uint64_t len);
+
+ private:
+  Input input_;
+  uint64_t in_size_, max_out_;
+  std::string what_;
+  void* ds_ = nullptr;  // ZSTD_DStream
+  std::string in_buf_;
+  size_t in_buf_pos_ = 0;
+  uint64_t in_pos_ = 0;   // compressed bytes fetched
+  uint64_t out_pos_ = 0;  // decompressed bytes produced
+  bool done_ = false;     // the last frame ended at the end of the input
+};
 
 }  // namespace ckptfs::formats
 

@@ -49,6 +49,9 @@ TensorReader::~TensorReader() {
   }
 }
 
+TensorReader::TensorReader(const Index& index, EngineKind kind, std::unique_ptr<TransformPolicy> policy)
+    : index_(index), kind_(kind), policy_(std::move(policy)) {}
+
 Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, EngineKind kind,
                                                         std::unique_ptr<TransformPolicy> policy) {
   std::unique_ptr<TensorReader> r(new TensorReader(index, kind, std::move(policy)));
@@ -235,6 +238,55 @@ Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f)
   return v;
 }
 
+Result<std::shared_ptr<const std::string>> TensorReader::ItemSpan(const Fragment& f, uint64_t off, uint64_t len) {
+  const std::string& rel = index_.files()[f.file.v].rel_path;
+  const std::string what = rel + " @ " + std::to_string(f.item_offset);
+  uint64_t bound = 0, end = 0;
+  if (AddOverflow(f.data_offset, f.data_length, &bound) || AddOverflow(off, len, &end) || end > bound) {
+    return Invalid("cannot read " + what + ": range past the item");
+  }
+  if (bound <= stream_items_above_) {
+    ASSIGN_OR_RETURN(auto item, Item(f));
+    if (end > item->size()) {
+      return Invalid("cannot read " + what + ": the item holds " + std::to_string(item->size()) + " bytes, the metadata needs " +
+                     std::to_string(end));
+    }
+    if (off == 0 && len == item->size()) return item;
+    return std::make_shared<const std::string>(item->substr(static_cast<size_t>(off), static_cast<size_t>(len)));
+  }
+  RETURN_IF_ERROR(CheckFd(f.file));
+  const std::string key = std::to_string(f.file.v) + ":" + std::to_string(f.item_offset);
+  std::unique_ptr<formats::ZstdCursor> cur;
+  {
+    std::lock_guard<std::mutex> lock(cursor_mu_);
+    for (auto it = cursors_.begin(); it != cursors_.end(); ++it) {
+      if (it->first == key && it->second->position() <= off) {
+        cur = std::move(it->second);
+        cursors_.erase(it);
+        break;
+      }
+    }
+  }
+  if (cur == nullptr) {
+    const int fd = fds_[f.file.v];
+    const uint64_t base = f.item_offset;
+    cur = std::make_unique<formats::ZstdCursor>(
+        [this, fd, base, rel](uint64_t o, uint64_t n, char* dst) {
+          IoRequest req{fd, base + o, n, dst};
+          return Engine().ReadBatch(std::span<IoRequest>(&req, 1)).Annotate(rel);
+        },
+        f.item_length, bound + (uint64_t{1} << 20), what);
+  }
+  auto bytes = cur->Read(off, len);
+  if (!bytes.ok()) return bytes.status();
+  {
+    std::lock_guard<std::mutex> lock(cursor_mu_);
+    cursors_.emplace_back(key, std::move(cur));
+    if (cursors_.size() > 8) cursors_.erase(cursors_.begin());
+  }
+  return std::make_shared<const std::string>(std::move(bytes).value());
+}
+
 Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, char* dst) {
   if (id.v >= index_.tensors().size()) return Internal("tensor id out of range");
   const TensorRecord& t = index_.tensors()[id.v];
@@ -253,10 +305,9 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
     const Fragment& f = frags[0];
     if (offset + len > f.data_length) return Invalid("cannot read '" + t.key + "': range past the entry");
     if (f.compression == Compression::kZstd) {
-      auto item = Item(f);
-      if (!item.ok()) return fail(item.status());
-      if (f.data_offset + offset + len > (*item)->size()) return Invalid("cannot read '" + t.key + "': item too short");
-      std::memcpy(dst, (*item)->data() + f.data_offset + offset, len);
+      auto span = ItemSpan(f, f.data_offset + offset, len);
+      if (!span.ok()) return fail(span.status());
+      std::memcpy(dst, (*span)->data(), len);
       return Status::Ok();
     }
     Status fresh = CheckFd(f.file);
@@ -420,10 +471,9 @@ Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment
       op.sdtype = f.dtype;
       PushOp(op, len, sstr, dstr, 0, esz, osz, plan->ops);
       if (f.compression == Compression::kZstd) {
-        auto item = Item(f);
-        if (!item.ok()) return item.status().Annotate("cannot read '" + t.key + "'");
-        if (f.data_offset + src_byte + span_bytes > (*item)->size()) return Invalid("cannot read '" + t.key + "': item too short");
-        plan->items.push_back(Chunk::ItemCopy{*item, f.data_offset + src_byte, span_bytes, plan->staging});
+        auto span = ItemSpan(f, f.data_offset + src_byte, span_bytes);
+        if (!span.ok()) return span.status().Annotate("cannot read '" + t.key + "'");
+        plan->items.push_back(Chunk::ItemCopy{*span, 0, span_bytes, plan->staging});
       } else {
         plan->files.insert(f.file.v);
         plan->staged.emplace_back(plan->reqs.size(), plan->staging);
