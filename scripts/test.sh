@@ -24,18 +24,25 @@ if [[ "${SANITIZERS:-1}" == 1 ]]; then
 fi
 
 if [[ "${FUZZ:-1}" == 1 ]]; then
-  echo "== fuzz smoke (libFuzzer, 20 s per parser)"
+  echo "== fuzz smoke (libFuzzer, 20 s per target)"
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPTFS_FUZZ=ON \
-    -DCKPTFS_BUILD_TESTS=OFF >/dev/null
-  cmake --build build-fuzz -j"$JOBS" --target fuzz_zip fuzz_pickle fuzz_torch_save
-  corpus=$(mktemp -d)
-  cp tests/data/sample.pt tests/data/dcp_single/.metadata "$corpus/"
-  for f in zip pickle torch_save; do
-    build-fuzz/fuzz_$f -max_total_time=20 -max_len=65536 -rss_limit_mb=2048 "$corpus" >"build-fuzz/fuzz_$f.log" 2>&1 \
-      || { tail -40 "build-fuzz/fuzz_$f.log"; exit 1; }
-    echo "fuzz_$f: $(grep -c . "build-fuzz/fuzz_$f.log") log lines, no crash"
+    -DCKPTFS_BUILD_TESTS=OFF -DCKPTFS_CUDA=OFF >/dev/null
+  dirs=(dcp_dir deepspeed_dir megatron_legacy_dir megatron_dist_dir views)
+  cmake --build build-fuzz -j"$JOBS" --target fuzz_zip fuzz_pickle fuzz_torch_save "${dirs[@]/#/fuzz_}"
+  work=$(mktemp -d)
+  mkdir "$work/parsers"
+  cp tests/data/sample.pt tests/data/dcp_single/.metadata "$work/parsers/"
+  fuzz() {  # target corpus-dir max-len
+    build-fuzz/fuzz_$1 -max_total_time=20 -max_len="$3" -rss_limit_mb=2048 -timeout=30 "$2" \
+      >"build-fuzz/fuzz_$1.log" 2>&1 || { tail -60 "build-fuzz/fuzz_$1.log"; exit 1; }
+    echo "fuzz_$1: $(grep -o 'cov: [0-9]*' "build-fuzz/fuzz_$1.log" | tail -1), $(grep -c . "build-fuzz/fuzz_$1.log") log lines, no crash"
+  }
+  for f in zip pickle torch_save; do fuzz "$f" "$work/parsers" 65536; done
+  for f in "${dirs[@]}"; do  # seeds: real producer checkpoints (tests/fuzz/make_corpus.py)
+    cp -r "tests/fuzz/corpus/$f" "$work/$f"
+    fuzz "$f" "$work/$f" 1500000
   done
-  rm -rf "$corpus"
+  rm -rf "$work"
 fi
 
 echo "== integration tests (real FUSE mounts, real torch checkpoints)"

@@ -46,7 +46,6 @@ class ZstdCursor {
   size_t in_buf_pos_ = 0;
   uint64_t in_pos_ = 0;   // compressed bytes fetched
   uint64_t out_pos_ = 0;  // decompressed bytes produced
-  bool done_ = false;     // the last frame ended at the end of the input
 };
 
 }  // namespace ckptfs::formats
