@@ -72,3 +72,46 @@ TEST(ViewTest, LayoutsAndCollisions) {
 
 }  // namespace
 }  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+
+// universal/zero/<name>/ embeds parameter names from the checkpoint: '..',
+// '' and over-long components stay single, visible entries inside the tree.
+TEST(ViewTest, ExportPathComponentsAreEscaped) {
+  ckptfs::testing::TempDir t;
+  Checkpoint ck;
+  ck.info.family = "synthetic";
+  for (const char* p : {"universal/zero/../fp32.pt", "universal/zero//fp32.pt", "universal/zero/./x/fp32.pt"}) {
+    ExportFile x;
+    x.path = p;
+    ExportPart part;
+    part.literal = "abc";
+    part.size = 3;
+    x.parts.push_back(part);
+    ck.exports.push_back(x);
+  }
+  ExportFile longx;
+  longx.path = "universal/zero/" + std::string(4000, 'n') + "/fp32.pt";
+  longx.parts = ck.exports[0].parts;
+  ck.exports.push_back(longx);
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_TRUE(ix.ok());
+  auto v = View::Build(**ix);
+  ASSERT_TRUE(v.ok()) << v.status().message();
+  EXPECT_TRUE((*v)->Resolve("universal/zero/_../fp32.pt").ok());
+  EXPECT_TRUE((*v)->Resolve("universal/zero/_/fp32.pt").ok());
+  EXPECT_TRUE((*v)->Resolve("universal/zero/_./x/fp32.pt").ok());
+  auto zero = (*v)->Resolve("universal/zero");
+  ASSERT_TRUE(zero.ok());
+  size_t n = 0;
+  for (const auto& [name, ino, is_dir] : (*v)->List(*zero)) {
+    EXPECT_TRUE(name != ".." && name != "." && !name.empty() && name.size() <= 255) << name;
+    ++n;
+  }
+  EXPECT_EQ(n, 4u);
+}
+
+}  // namespace
+}  // namespace ckptfs
