@@ -322,7 +322,16 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   auto root_or = Unpickle(*bytes, ".metadata");
   if (!root_or.ok()) return fail(root_or.status());
   const PyValue& root = **root_or;
-  if (root.ClassName() != "Metadata") return Invalid("cannot parse " + meta_path + ": top-level object is not a DCP Metadata");
+  // megatron-core 0.12-0.15 pickled its own subclass of Metadata (MCoreMetadata,
+  // with an `mcore_data` attribute beside torch's fields); today's mcore keeps a
+  // dummy of the name so those checkpoints still load. Read as the DCP class.
+  const std::string cls = root.ClassName();
+  const bool mcore = cls == "MCoreMetadata" && root.callable &&
+                     root.callable->s == "megatron.core.dist_checkpointing.strategies.torch";
+  if (cls != "Metadata" && !mcore) {
+    return Invalid("cannot parse " + meta_path + ": top-level object is not a DCP Metadata (" +
+                   (cls.empty() ? "not an object" : "class " + cls) + ")");
+  }
   const PyValue* sdm = root.Attr("state_dict_metadata");
   const PyValue* storage = root.Attr("storage_data");
   const PyValue* planner = root.Attr("planner_data");
