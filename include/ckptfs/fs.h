@@ -99,6 +99,8 @@ class Filesystem {
   // reader of report.json waits rather than verifying twice).
   mutable std::mutex report_mu_;
   mutable std::shared_ptr<const std::string> report_;
+  // report_'s size once made (0 before): what a stat shows, without the lock.
+  mutable std::atomic<uint64_t> report_size_{0};
 };
 
 // The one errno map (ENOENT, EIO, ESTALE, EROFS, ...).

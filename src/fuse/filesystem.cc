@@ -46,6 +46,7 @@ Result<std::shared_ptr<const std::string>> Filesystem::ReportBytes() const {
   LogInfo("verified " + index_->src_dir() + ": " + std::to_string(r->findings.size()) + " finding(s), " +
           std::to_string(r->bytes_read) + " bytes read in " + std::to_string(r->seconds) + " s");
   report_ = std::make_shared<const std::string>(ReportJson(*r, *index_, /*timing=*/false));
+  report_size_.store(report_->size(), std::memory_order_release);
   return report_;
 }
 
@@ -54,8 +55,10 @@ Result<Attr> Filesystem::GetAttr(uint64_t ino) const {
   if (n == nullptr) return NotFound("no inode " + std::to_string(ino));
   if (n->is_dir) return AttrOf(*n, 4096);
   if (n->report) {
-    ASSIGN_OR_RETURN(auto bytes, ReportBytes());
-    return AttrOf(*n, bytes->size());
+    // A stat never runs the checks (du, find, ls -la, file managers and
+    // backup tools stat everything): size 0 until the first open/read has
+    // made the report, as /proc files do; reads are direct_io (Dynamic).
+    return AttrOf(*n, report_size_.load(std::memory_order_acquire));
   }
   if (n->topo_errors) return AttrOf(*n, view_->TopoErrors().size());
   auto layout = view_->Layout(ino);

@@ -54,7 +54,8 @@ std::string ReadmeText(const Index& ix) {
          "  other/<key>                every other entry: torch.save blobs as stored\n"
          "                             (torch.load them), other tensors as .npy/.raw\n"
          "  .ckptfs/report.json        integrity report (= ckptfs verify --json); the first\n"
-         "                             stat or read runs the checks, which read every byte once\n"
+         "                             read runs the checks, which read every byte once; a stat\n"
+         "                             never does (its size shows 0 until then, like /proc)\n"
          "  hf/                        consolidated model-0000k-of-0000n.safetensors + index.json;\n"
          "                             hf/ERRORS names every parameter left out, and why\n"
          "  topo/tp<T>-pp<P>[-dp<D>]/  any parallel layout, made when you first look it up:\n"
@@ -355,7 +356,7 @@ uint32_t View::NLink(uint64_t ino) const {
 bool View::Dynamic(uint64_t ino) const {
   if (ino == topo_dir_) return true;
   const Node* n = Get(ino);
-  return n != nullptr && n->topo_errors;
+  return n != nullptr && (n->topo_errors || n->report);
 }
 
 std::string View::TopoErrors() const {

@@ -186,3 +186,19 @@ def test_mount_report_json_is_verify_json(scenario, dcp_fixtures, bin_path, moun
         # Copying it with cp gives the same bytes.
         subprocess.run(["cp", str(p), str(tmp_path / "r.json")], check=True)
         assert (tmp_path / "r.json").read_text() == text
+
+
+def test_stat_and_listing_never_run_the_checks(dcp_fixtures, mounter, tmp_path):
+    """du, find and ls -laR stat every file: report.json shows size 0 and the
+    data pass does not run (it would read every byte); the first read runs
+    it, and its size is then the report's."""
+    src = copy_ckpt(dcp_fixtures / "dtensor_dim0_w2", tmp_path / "ck")
+    with mounter(src, index=tmp_path / "ix") as m:
+        for cmd in (["du", "-sh", str(m.path)], ["find", str(m.path), "-size", "+0"], ["ls", "-laR", str(m.path)]):
+            subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        p = m.path / ".ckptfs" / "report.json"
+        assert p.stat().st_size == 0
+        assert "verified" not in m.log_text(), m.log_text()[-2000:]
+        report = json.loads(p.read_text())
+        assert report["verdict"] == "clean" and "verified" in m.log_text()
+        assert p.stat().st_size == len(p.read_bytes()) > 0
