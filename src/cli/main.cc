@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,10 +31,11 @@ namespace {
 constexpr const char* kUsage = R"(ckptfs: mount training checkpoints as a lazily computed, read-only tree.
 
 usage:
+  ckptfs --version
   ckptfs mount SRC MNT [-f] [--index DIR] [--log FILE] [--engine auto|uring|pread]
                        [--gpu auto|on|off] [--threads N] [--allow-other] [--debug]
                        [--rules FILE] [--pp-layers N,N,..] [--hf-shard-size BYTES]
-                       [--verify-on-read]
+                       [--verify-on-read] [--nonempty]
       Index SRC (once; reused while SRC is unchanged) and mount the view at MNT.
       Without -f the daemon detaches once the mount is live; its log goes to
       --log FILE (default /tmp/ckptfs-<uid>/<mountpoint-name>.log).
@@ -45,6 +47,8 @@ usage:
       measured faster there, else the CPU; on: every plan with such work on
       the GPU (an error without one); off: the CPU. mount, cat and verify
       take it.
+      A mountpoint that is already a mount (or a dead one) is refused with the
+      command that cleans it; --nonempty mounts over it anyway.
       --verify-on-read (mount, cat): check the CRC-32 a source records for
       each range (ZIP entry) before serving the first byte over it; a range
       that fails is EIO for its tensors (verify always checks them all).
@@ -93,7 +97,8 @@ bool ParseArgs(int argc, char** argv, int start, Args* a, std::string* err) {
       {"-f", false},     {"--force", false},  {"--allow-other", false}, {"--debug", false}, {"--json", false},
       {"--help", false}, {"-h", false},       {"--foreground", false}, {"--deep", false},
       {"--num-layers", true}, {"--rules", true}, {"--pp-layers", true}, {"--hf-shard-size", true},
-      {"--max-item-bytes", true}, {"--max-metadata-bytes", true}, {"--verify-on-read", false}};
+      {"--max-item-bytes", true}, {"--max-metadata-bytes", true}, {"--verify-on-read", false},
+      {"--nonempty", false}, {"--version", false}};
   for (int i = start; i < argc; ++i) {
     std::string s = argv[i];
     if (s.size() > 1 && s[0] == '-') {
@@ -374,12 +379,44 @@ int CmdUmount(const Args& a) {
   return Fail(ErrnoStatus("unmount", mnt, errno));
 }
 
+// A mountpoint that is already a mount (live, or a dead FUSE mount whose
+// daemon is gone: ENOTCONN) would be stacked over, and one umount would then
+// remove only the top one. Refused, with the command that cleans it.
+Status CheckMountpoint(const std::string& mnt) {
+  struct stat st{}, parent{};
+  if (::stat(mnt.c_str(), &st) != 0) {
+    if (errno == ENOTCONN) {
+      return Invalid("cannot mount on " + mnt + ": it is a dead FUSE mount (transport endpoint is not connected); "
+                     "clean it with: fusermount3 -u " + mnt);
+    }
+    return ErrnoStatus("mount on", mnt, errno);
+  }
+  if (!S_ISDIR(st.st_mode)) return Invalid("cannot mount on " + mnt + ": not a directory");
+  const std::string up = std::filesystem::path(mnt).parent_path().string();
+  if (::stat(up.empty() ? "/" : up.c_str(), &parent) == 0 && (parent.st_dev != st.st_dev || parent.st_ino == st.st_ino)) {
+    // A stat may be answered from the kernel's attribute cache; statfs asks
+    // the filesystem, which a dead FUSE mount cannot answer.
+    struct statvfs vfs{};
+    if (::statvfs(mnt.c_str(), &vfs) != 0 && errno == ENOTCONN) {
+      return Invalid("cannot mount on " + mnt + ": it is a dead FUSE mount (transport endpoint is not connected); "
+                     "clean it with: fusermount3 -u " + mnt);
+    }
+    return Invalid("cannot mount on " + mnt + ": it is already a mount point (see findmnt " + mnt +
+                   "); unmount it first (ckptfs umount " + mnt + "), or pass --nonempty to mount over it");
+  }
+  return Status::Ok();
+}
+
 int CmdMount(const Args& a) {
   if (a.pos.size() != 2) return std::cerr << "usage: ckptfs mount SRC MNT [-f] [--index DIR]\n", 2;
   auto o = FsOpts(a, a.pos[0]);
   if (!o.ok()) return Fail(o.status());
   std::error_code ec;
   std::string mnt = std::filesystem::absolute(a.pos[1], ec).lexically_normal().string();
+  while (mnt.size() > 1 && mnt.back() == '/') mnt.pop_back();
+  if (!a.Has("--nonempty")) {
+    if (Status s = CheckMountpoint(mnt); !s.ok()) return Fail(s);
+  }
   MountOptions mo;
   mo.allow_other = a.Has("--allow-other");
   mo.debug = a.Has("--debug");
@@ -461,6 +498,10 @@ int CmdMount(const Args& a) {
 
 int main(int argc, char** argv) {
   using namespace ckptfs;
+  if (argc >= 2 && (std::string(argv[1]) == "--version" || std::string(argv[1]) == "version")) {
+    std::printf("ckptfs %s (index schema v%u)\n", CKPTFS_VERSION, Index::kSchemaVersion);
+    return 0;
+  }
   if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" || std::string(argv[1]) == "help") {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;

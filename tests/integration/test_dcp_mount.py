@@ -190,3 +190,24 @@ def test_daemon_mode_and_umount(dcp_fixtures, tmp_path):
     bad = run([ckptfs_bin(), "mount", str(dcp_fixtures / "single"), str(tmp_path / "nope"), "--index",
                str(tmp_path / "ix"), "--log", str(tmp_path / "d2.log")])
     assert bad.returncode != 0 and "cannot mount" in bad.stderr
+
+
+def test_mount_over_a_mount_is_refused(dcp_fixtures, mounter, tmp_path):
+    """A second mount on a live mountpoint, or on a dead one (its daemon
+    killed: ENOTCONN), is refused with the command that cleans it, never
+    stacked."""
+    src = dcp_fixtures / "single"
+    with mounter(src, index=tmp_path / "ix") as m:
+        r = run([ckptfs_bin(), "mount", str(src), str(m.path), "--index", str(tmp_path / "ix2"),
+                 "--log", str(tmp_path / "second.log")], timeout=60)
+        assert r.returncode == 1 and "already a mount point" in r.stderr and "ckptfs umount" in r.stderr, r.stderr
+        m.proc.kill()  # the daemon dies; the kernel mount stays, dead
+        m.proc.wait(timeout=30)
+        with pytest.raises(OSError) as e:
+            os.listdir(m.path)
+        assert e.value.errno == errno.ENOTCONN
+        r = run([ckptfs_bin(), "mount", str(src), str(m.path), "--index", str(tmp_path / "ix2"),
+                 "--log", str(tmp_path / "third.log")], timeout=60)
+        assert r.returncode == 1 and "dead FUSE mount" in r.stderr and f"fusermount3 -u {m.path}" in r.stderr, r.stderr
+    v = run([ckptfs_bin(), "--version"])
+    assert v.returncode == 0 and v.stdout.startswith("ckptfs ")
