@@ -133,9 +133,11 @@ class TensorReader {
                   uint64_t e1, char* base);
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
-  // Decompressed bytes [off, off + len) of f's item: from the whole cached
-  // item when it is small, else streamed through a cursor (ItemCursor).
-  Result<std::shared_ptr<const std::string>> ItemSpan(const Fragment& f, uint64_t off, uint64_t len);
+  // Decompressed bytes [off, off + len) of f's item, as (bytes, where `off`
+  // lies in them): the whole cached item when it is small (no copy), else
+  // just the span, streamed through a cursor (ZstdCursor).
+  Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> ItemSpan(const Fragment& f, uint64_t off,
+                                                                           uint64_t len);
   Status CheckFd(FileId file) const;
   // The checksummed ranges the tensor's fragments overlap: failed ones are
   // an error; unchecked ones are checked when verify_on_read_.

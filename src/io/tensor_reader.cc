@@ -238,7 +238,8 @@ Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f)
   return v;
 }
 
-Result<std::shared_ptr<const std::string>> TensorReader::ItemSpan(const Fragment& f, uint64_t off, uint64_t len) {
+Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::ItemSpan(const Fragment& f,
+                                                                                       uint64_t off, uint64_t len) {
   const std::string& rel = index_.files()[f.file.v].rel_path;
   const std::string what = rel + " @ " + std::to_string(f.item_offset);
   uint64_t bound = 0, end = 0;
@@ -251,8 +252,7 @@ Result<std::shared_ptr<const std::string>> TensorReader::ItemSpan(const Fragment
       return Invalid("cannot read " + what + ": the item holds " + std::to_string(item->size()) + " bytes, the metadata needs " +
                      std::to_string(end));
     }
-    if (off == 0 && len == item->size()) return item;
-    return std::make_shared<const std::string>(item->substr(static_cast<size_t>(off), static_cast<size_t>(len)));
+    return std::make_pair(std::move(item), off);
   }
   RETURN_IF_ERROR(CheckFd(f.file));
   const std::string key = std::to_string(f.file.v) + ":" + std::to_string(f.item_offset);
@@ -284,7 +284,7 @@ Result<std::shared_ptr<const std::string>> TensorReader::ItemSpan(const Fragment
     cursors_.emplace_back(key, std::move(cur));
     if (cursors_.size() > 8) cursors_.erase(cursors_.begin());
   }
-  return std::make_shared<const std::string>(std::move(bytes).value());
+  return std::make_pair(std::make_shared<const std::string>(std::move(bytes).value()), uint64_t{0});
 }
 
 Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, char* dst) {
@@ -307,7 +307,7 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
     if (f.compression == Compression::kZstd) {
       auto span = ItemSpan(f, f.data_offset + offset, len);
       if (!span.ok()) return fail(span.status());
-      std::memcpy(dst, (*span)->data(), len);
+      std::memcpy(dst, span->first->data() + span->second, len);
       return Status::Ok();
     }
     Status fresh = CheckFd(f.file);
@@ -473,7 +473,7 @@ Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment
       if (f.compression == Compression::kZstd) {
         auto span = ItemSpan(f, f.data_offset + src_byte, span_bytes);
         if (!span.ok()) return span.status().Annotate("cannot read '" + t.key + "'");
-        plan->items.push_back(Chunk::ItemCopy{*span, 0, span_bytes, plan->staging});
+        plan->items.push_back(Chunk::ItemCopy{span->first, span->second, span_bytes, plan->staging});
       } else {
         plan->files.insert(f.file.v);
         plan->staged.emplace_back(plan->reqs.size(), plan->staging);
