@@ -196,7 +196,7 @@ uint32_t Checkpoint::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
     }
   }
   if (!t.error.empty()) frags.clear();
-  if (t.encoding == Encoding::kTensor && !CheckTensorGeometry(t, {}).empty()) {
+  if (t.encoding == Encoding::kTensor && DTypeSize(t.dtype) != 0 && !CheckTensorGeometry(t, {}).empty()) {
     t.shape.assign(1, 0);  // no size can be served; the error says what it was, open() is EIO
   }
   t.num_fragments = static_cast<uint32_t>(frags.size());

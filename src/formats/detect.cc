@@ -31,7 +31,7 @@ Checkpoint Sanitized(Checkpoint ck) {
       ck.info.problems.push_back(t.error);
       ck.fragments[i].clear();
       t.num_fragments = 0;
-      if (!CheckTensorGeometry(t, {}).empty()) t.shape.assign(1, 0);
+      if (DTypeSize(t.dtype) != 0 && !CheckTensorGeometry(t, {}).empty()) t.shape.assign(1, 0);
       t.byte_size = t.Numel() * DTypeSize(t.dtype);
     }
   }
