@@ -162,6 +162,8 @@ class TensorReader {
   std::unordered_map<uint32_t, uint64_t> hash_cache_;
   std::unordered_map<std::string, uint32_t> crc_cache_;  // (id, out dtype, box), under hash_mu_
   bool verify_on_read_ = false;
+  // Per file: when CheckFd last found the path naming the indexed inode.
+  std::unique_ptr<std::atomic<int64_t>[]> path_checked_ns_;
   uint64_t stream_items_above_ = uint64_t{64} << 20;
   // Streaming cursors of large items, most recent last (at most 8); a cursor
   // is taken out while in use, so no lock is held while decompressing.

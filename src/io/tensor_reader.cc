@@ -5,6 +5,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <chrono>
 #include <set>
 
 #include "ckptfs/io.h"
@@ -71,6 +72,8 @@ Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, Eng
   for (auto& v : r->ranges_by_file_) {
     std::sort(v.begin(), v.end(), [&](uint32_t a, uint32_t b) { return sums[a].offset < sums[b].offset; });
   }
+  r->path_checked_ns_ = std::make_unique<std::atomic<int64_t>[]>(index.files().size());
+  for (size_t i = 0; i < index.files().size(); ++i) r->path_checked_ns_[i] = INT64_MIN / 2;
   r->range_state_.assign(sums.size(), 0);
   r->range_error_.assign(sums.size(), "");
   return r;
@@ -106,10 +109,18 @@ Status TensorReader::CheckFd(FileId file) const {
   Status s = CompareFingerprint(path, sf, &st);
   // The fd still names the inode that was indexed; a file replaced at the
   // path since (rename over it) is stale for every reader, including those
-  // that opened their file before the replacement.
-  struct stat now{};
-  if (s.ok() && (::stat(path.c_str(), &now) != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev)) {
-    s = Stale(path + " was replaced or removed after indexing");
+  // that opened their file before the replacement. The path lookup is a
+  // metadata RPC on parallel filesystems: at most one per file per second.
+  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::steady_clock::now().time_since_epoch()).count();
+  std::atomic<int64_t>& last = path_checked_ns_[file.v];
+  if (s.ok() && now_ns - last.load(std::memory_order_relaxed) >= 1'000'000'000) {
+    struct stat now{};
+    if (::stat(path.c_str(), &now) != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev) {
+      s = Stale(path + " was replaced or removed after indexing");
+    } else {
+      last.store(now_ns, std::memory_order_relaxed);
+    }
   }
   return s.ok() ? s : Stale(s.message() + "; remount to rebuild the index");
 }
