@@ -19,6 +19,8 @@ struct Box {
 // Row-major (C order) element strides of `shape`.
 std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape);
 int64_t NumelOf(const std::vector<int64_t>& shape);
+// "[2, 3]", for messages.
+std::string ShapeStr(const std::vector<int64_t>& shape);
 // Element offset of index `idx` under `strides`.
 int64_t FlatIndex(const std::vector<int64_t>& idx, const std::vector<int64_t>& strides);
 

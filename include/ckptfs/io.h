@@ -96,6 +96,8 @@ class TensorReader {
   // first byte over it is served), a read of a tensor over a failed range is
   // an error naming the file, the entry and both CRCs.
   Status CheckChecksum(uint32_t i);
+  // Range i was read and its CRC-32 did not match (not: it could not be read).
+  bool ChecksumFailed(uint32_t i);
   void set_verify_on_read(bool on) { verify_on_read_ = on; }
   // Compressed items whose decompressed size may pass this are streamed, never
   // held whole (default 64 MiB; tests lower it).
@@ -139,9 +141,9 @@ class TensorReader {
   Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> ItemSpan(const Fragment& f, uint64_t off,
                                                                            uint64_t len);
   Status CheckFd(FileId file) const;
-  // The checksummed ranges the tensor's fragments overlap: failed ones are
-  // an error; unchecked ones are checked when verify_on_read_.
-  Status CheckRanges(TensorId id);
+  // The checksummed ranges `frags` overlap: failed ones are an error;
+  // unchecked ones are checked when verify_on_read_.
+  Status CheckRanges(const std::vector<Fragment>& frags);
   // Renders the whole tensor as `out` in chunks, handing each to `fn`.
   Status Stream(TensorId id, DType out, const Box* box, const std::function<void(const char*, size_t)>& fn);
   ReadEngine& Engine();

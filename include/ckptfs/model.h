@@ -241,7 +241,7 @@ struct ChecksumRange {
 
 // Empty when `t`'s shape and the fragment boxes are servable: no negative
 // dimension, at most 2^60 bytes (overflow-checked), every box inside the
-// shape; else why not. AddTensor and ReadCheckpoint apply it to every record.
+// shape; else why not. ReadCheckpoint applies it to every reader's records.
 std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragment>& frags);
 
 // What a family reader produces from metadata alone.

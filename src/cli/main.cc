@@ -191,12 +191,6 @@ std::string HumanBytes(uint64_t b) {
   return buf;
 }
 
-std::string ShapeStr(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 int CmdIndex(const Args& a) {
   if (a.pos.size() != 1) return std::cerr << "usage: ckptfs index SRC [--index DIR] [--force]\n", 2;
   auto o = FsOpts(a, a.pos[0]);

@@ -69,6 +69,12 @@ std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape) {
   return s;
 }
 
+std::string ShapeStr(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
 int64_t NumelOf(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t x : shape) n *= x;

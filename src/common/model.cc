@@ -151,12 +151,6 @@ namespace {
 // wrapped-around size (a 0-byte .raw, a header-only .npy).
 constexpr uint64_t kMaxTensorBytes = uint64_t{1} << 60;
 
-std::string ShapeStr(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 // Empty when the shape is servable.
 std::string CheckShape(const TensorRecord& t) {
   uint64_t bytes = std::max<uint64_t>(DTypeSize(t.dtype), 1);
@@ -189,16 +183,7 @@ std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragmen
 }
 
 uint32_t Checkpoint::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
-  if (t.encoding == Encoding::kTensor && t.error.empty()) {
-    if (std::string why = CheckTensorGeometry(t, frags); !why.empty()) {
-      t.error = "cannot index '" + t.key + "': " + why;
-      info.problems.push_back(t.error);
-    }
-  }
   if (!t.error.empty()) frags.clear();
-  if (t.encoding == Encoding::kTensor && DTypeSize(t.dtype) != 0 && !CheckTensorGeometry(t, {}).empty()) {
-    t.shape.assign(1, 0);  // no size can be served; the error says what it was, open() is EIO
-  }
   t.num_fragments = static_cast<uint32_t>(frags.size());
   if (t.encoding == Encoding::kTensor) t.byte_size = t.Numel() * DTypeSize(t.dtype);
   tensors.push_back(std::move(t));

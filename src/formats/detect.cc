@@ -22,17 +22,19 @@ namespace {
 Checkpoint Sanitized(Checkpoint ck) {
   size_t n = 0;
   std::string first;
-  // Geometry, for readers that fill ck.tensors without AddTensor.
+  // Geometry: the one place every reader's shapes and boxes are checked.
   for (size_t i = 0; i < ck.tensors.size(); ++i) {
     TensorRecord& t = ck.tensors[i];
-    if (t.encoding != Encoding::kTensor || !t.error.empty()) continue;
-    if (std::string why = CheckTensorGeometry(t, ck.fragments[i]); !why.empty()) {
+    if (t.encoding != Encoding::kTensor) continue;
+    if (std::string why; t.error.empty() && !(why = CheckTensorGeometry(t, ck.fragments[i])).empty()) {
       t.error = "cannot index '" + t.key + "': " + why;
       ck.info.problems.push_back(t.error);
       ck.fragments[i].clear();
       t.num_fragments = 0;
-      if (DTypeSize(t.dtype) != 0 && !CheckTensorGeometry(t, {}).empty()) t.shape.assign(1, 0);
-      t.byte_size = t.Numel() * DTypeSize(t.dtype);
+    }
+    if (DTypeSize(t.dtype) != 0 && !CheckTensorGeometry(t, {}).empty()) {
+      t.shape.assign(1, 0);  // no size can be served; the error says what it was, open() is EIO
+      t.byte_size = 0;
     }
   }
   for (TensorRecord& t : ck.tensors) {

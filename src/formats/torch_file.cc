@@ -2,12 +2,6 @@
 
 namespace ckptfs::formats {
 
-std::string ShapeStr(const std::vector<int64_t>& s) {
-  std::string o = "[";
-  for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-  return o + "]";
-}
-
 std::vector<std::string> StrList(const PyValue* v) {
   std::vector<std::string> out;
   if (v == nullptr || !v->IsSeq()) return out;

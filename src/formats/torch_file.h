@@ -21,7 +21,6 @@
 
 namespace ckptfs::formats {
 
-std::string ShapeStr(const std::vector<int64_t>& s);  // "[2, 3]"
 // The str items of a list / tuple (others skipped); empty for anything else.
 std::vector<std::string> StrList(const PyValue* v);
 

@@ -158,10 +158,14 @@ Status TensorReader::CheckChecksum(uint32_t i) {
   return Invalid(range_error_[i]);
 }
 
-Status TensorReader::CheckRanges(TensorId id) {
-  ASSIGN_OR_RETURN(auto frags, FragmentsOf(id));
+bool TensorReader::ChecksumFailed(uint32_t i) {
+  std::lock_guard<std::mutex> lock(range_mu_);
+  return i < range_state_.size() && range_state_[i] == 2;
+}
+
+Status TensorReader::CheckRanges(const std::vector<Fragment>& frags) {
   const auto& sums = index_.checksums();
-  for (const Fragment& f : *frags) {
+  for (const Fragment& f : frags) {
     if (f.compression != Compression::kNone || f.file.v >= ranges_by_file_.size()) continue;
     const auto& v = ranges_by_file_[f.file.v];
     const uint64_t lo = f.data_offset, hi = f.data_offset + f.data_length;
@@ -304,12 +308,12 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
   auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
   if (!t.error.empty()) return Invalid("cannot read '" + t.key + "': " + t.error);
   if (len == 0) return Status::Ok();
-  if (verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) {
-    if (Status s = CheckRanges(id); !s.ok()) return fail(s);
-  }
   auto frags_or = FragmentsOf(id);
   if (!frags_or.ok()) return fail(frags_or.status());
   const std::vector<Fragment>& frags = **frags_or;
+  if (verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) {
+    if (Status s = CheckRanges(frags); !s.ok()) return fail(s);
+  }
 
   if (t.encoding == Encoding::kBytes) {
     if (frags.size() != 1) return Invalid("cannot read '" + t.key + "': bytes entry without its item");

@@ -568,7 +568,7 @@ void Verifier::ChecksumPass() {
     for (size_t i; (i = next.fetch_add(1)) < sums.size();) {
       if (files[sums[i].file.v].mtime_ns == -1) continue;
       Status s = reader_.CheckChecksum(static_cast<uint32_t>(i));
-      if (!s.ok() && s.message().find("fails its CRC-32") != std::string::npos) failed[i] = s.message();
+      if (!s.ok() && reader_.ChecksumFailed(static_cast<uint32_t>(i))) failed[i] = s.message();
     }
   };
   std::vector<std::thread> pool;
