@@ -32,6 +32,10 @@ SCENARIOS = {
     "legacy_drift_tp2": ["legacy", "--tp", "2", "--bf16", "--drift"],
     "legacy_names_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--legacy-names"],
     "dist_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16"],
+    # mcore >= 0.15's default: the distributed optimizer's per-bucket states
+    # (several buckets per buffer: overlap_grad_reduce with a small bucket size).
+    "dist_dpreshard_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--dist-opt",
+                                   "--optim", "dp_reshardable", "--bucket-size", "2000"],
     "zarr_tp2_pp2": ["zarr", "--tp", "2", "--pp", "2", "--bf16"],
     "zarr_lostwrites_tp2": ["zarr", "--tp", "2", "--bf16", "--lost-writes"],
 }

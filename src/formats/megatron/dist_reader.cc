@@ -8,6 +8,7 @@
 
 #include "formats/byte_reader.h"
 #include "formats/dcp/dcp_reader.h"
+#include "formats/megatron/dist_optim.h"
 #include "formats/megatron/megatron_common.h"
 #include "formats/torch_file.h"
 #include "formats/zarr/zarr_reader.h"
@@ -163,12 +164,8 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
   }
   if (ck.info.step < 0) ck.info.step = iter.step;
   Classify(ck);
+  megatron::MapBucketStates(dir, facts, ck);
   megatron::SetSplits(facts, ck);
-  bool buckets = false;
-  for (const TensorRecord& t : ck.tensors) buckets |= t.key.rfind("optimizer.distributed.", 0) == 0;
-  if (buckets) {
-    ck.info.format_note += "; distributed-optimizer states are dp_reshardable buckets, shown under other/ and not mapped to parameters";
-  }
   return ck;
 }
 

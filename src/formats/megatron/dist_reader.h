@@ -8,9 +8,10 @@
 //  * Homogeneous layer stacks `...layers.<param>` with a leading layer axis are
 //    shown per layer as params/...layers.<i>.<param> (fragments sliced, no
 //    copy) and whole under other/.
-//  * dp_reshardable per-bucket states (`optimizer.distributed.*`) and
-//    ShardedObjects stay under other/; common.pt is served verbatim as
-//    other/common.pt and gives the step and args.json.
+//  * dp_reshardable per-bucket states (`optimizer.distributed.*`) are mapped
+//    to params/<fqn>/<state> by replaying the DDP buffers (dist_optim.h); the
+//    bucket tensors and ShardedObjects also stay under other/. common.pt is
+//    served verbatim as other/common.pt and gives the step and args.json.
 // N-D flattened optimizer states of mcore <= 0.14 (flattened_range) are
 // recognised by their shape and reported, not mapped.
 #ifndef CKPTFS_FORMATS_MEGATRON_DIST_READER_H_

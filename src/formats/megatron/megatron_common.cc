@@ -113,6 +113,14 @@ ModelFacts FactsOf(const PyValue* args) {
   if (ArgBool(args, "group_query_attention").value_or(false)) {
     f.qkv_groups = ArgInt(args, "num_query_groups").value_or(f.qkv_groups);
   }
+  f.tp = ArgInt(args, "tensor_model_parallel_size").value_or(-1);
+  f.dp = ArgInt(args, "data_parallel_size").value_or(-1);
+  f.pp = ArgInt(args, "pipeline_model_parallel_size").value_or(1);
+  f.vp = ArgInt(args, "virtual_pipeline_model_parallel_size").value_or(1);  // None: absent
+  f.num_layers = ArgInt(args, "num_layers").value_or(-1);
+  f.first_stage_layers = ArgInt(args, "decoder_first_pipeline_num_layers").value_or(-1);
+  f.last_stage_layers = ArgInt(args, "decoder_last_pipeline_num_layers").value_or(-1);
+  f.local_impl = ArgStr(args, "transformer_impl").value_or("") == "local";
   return f;
 }
 
@@ -190,6 +198,13 @@ std::optional<bool> ArgBool(const PyValue* args, const std::string& name) {
   auto v = ArgInt(args, name);
   if (!v.has_value()) return std::nullopt;
   return *v != 0;
+}
+
+std::optional<std::string> ArgStr(const PyValue* args, const std::string& name) {
+  if (args == nullptr) return std::nullopt;
+  const PyValue* v = args->kind == PyKind::kDict ? args->Get(name) : args->Attr(name);
+  if (v == nullptr || v->kind != PyKind::kStr) return std::nullopt;
+  return v->s;
 }
 
 std::string ToJson(const PyValue* v, int indent) {

@@ -41,9 +41,16 @@ std::optional<Rule> SplitRule(const std::string& name, bool swiglu);
 
 // What the split rules need from the run's args: swiglu, and the query groups
 // a fused QKV must not cut (num_query_groups, else num_attention_heads).
+// The parallel layout (for the distributed-optimizer replay): tp/dp -1 and
+// pipe.num_layers -1 when args do not say; `local_impl`: mcore's local layer
+// spec (args.transformer_impl == "local"), else Transformer Engine's.
 struct ModelFacts {
   bool swiglu = false;
   int64_t qkv_groups = 0;
+  int64_t tp = -1, dp = -1;
+  int64_t pp = 1, vp = 1;
+  int64_t num_layers = -1, first_stage_layers = -1, last_stage_layers = -1;
+  bool local_impl = false;
 };
 ModelFacts FactsOf(const PyValue* args);  // args may be null
 // Records each parameter's (and optimizer state's) TP split on its record for
@@ -70,6 +77,7 @@ Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp);
 // args.<name> as an int / bool / str when present (argparse.Namespace pickled).
 std::optional<int64_t> ArgInt(const PyValue* args, const std::string& name);
 std::optional<bool> ArgBool(const PyValue* args, const std::string& name);
+std::optional<std::string> ArgStr(const PyValue* args, const std::string& name);
 
 // Adds /args.json (ToJson of the run's args) to the checkpoint's exports, and
 // the internal export kArgsPickle: the args Namespace as pickle opcodes (a
