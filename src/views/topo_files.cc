@@ -1,5 +1,6 @@
 #include "views/topo_files.h"
 
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -163,8 +164,14 @@ Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, j
 // TP/PP), checkpoint_version 3.0, iteration, model} with layer numbers local
 // to the stage, and the `_extra_state` None entries Megatron's linear layers
 // save. Optimizer states are in the safetensors rank files.
+//
+// `local_spec`: the run used mcore's local layer spec (args.transformer_impl),
+// whose layer norms are modules of their own: the fused sharded-key names of
+// a torch_dist / zarr source (linear_qkv.layer_norm_*, linear_fc1.layer_norm_*,
+// the spec's sharded_state_dict_keys_map) are written as input_layernorm.* /
+// pre_mlp_layernorm.*, the names its GPTModel.load_state_dict expects.
 Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan, const RankPlan& r,
-                                        const std::string& args_ops) {
+                                        const std::string& args_ops, bool local_spec) {
   const TopoPlan& p = plan;
   formats::PickleWriter w;
   w.BeginDict();
@@ -203,7 +210,13 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
     if (t.role != Role::kParam || t.state != "param") continue;
     if (rt.zero_tail > 0) return Unsupported("'" + t.key + "' needs vocabulary padding rows, which Megatron-native files do not synthesize");
     int64_t layer = -1;
-    const std::string local = formats::megatron::RenumberLayer(t.fqn, -first_layer, &layer);
+    std::string local = formats::megatron::RenumberLayer(t.fqn, -first_layer, &layer);
+    if (local_spec) {
+      for (const auto& [fused, module] : {std::pair<const char*, const char*>{".self_attention.linear_qkv.layer_norm_", ".input_layernorm."},
+                                          {".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."}}) {
+        if (const size_t at = local.find(fused); at != std::string::npos) local.replace(at, std::strlen(fused), module);
+      }
+    }
     const uint64_t numel = static_cast<uint64_t>(NumelOf(rt.shape));
     flush_extra(local);
     w.Str(local);
@@ -342,13 +355,18 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
   // Megatron-native files.
   const std::string& family = index.info().family;
   const ExportFile* args = nullptr;
+  bool local_spec = false;
   for (const ExportFile& x : index.exports()) {
     if (x.path == formats::megatron::kArgsPickle) args = &x;
+    if (x.path == "args.json" && x.parts.size() == 1 && x.parts[0].kind == PartKind::kLiteral) {
+      const json a = json::parse(x.parts[0].literal, nullptr, false);
+      local_spec = a.is_object() && a.value("transformer_impl", json()) == "local";
+    }
   }
   json native = json::array();
   if (family.rfind("megatron", 0) == 0 && args != nullptr && !args->parts.empty()) {
     for (const RankPlan& r : plan.ranks) {
-      ASSIGN_OR_RETURN(NamedLayout nl, MegatronRankArchive(index, plan, r, args->parts[0].literal));
+      ASSIGN_OR_RETURN(NamedLayout nl, MegatronRankArchive(index, plan, r, args->parts[0].literal, local_spec));
       native.push_back(nl.first);
       out.push_back(std::move(nl));
     }

@@ -153,9 +153,16 @@ def test_megatron_rank_files_are_torch_slices(megatron_fixtures, mounter, topo):
         assert layout["source_topology"] == "tp2-pp2"
 
 
-def test_megatron_torch_dist_source(megatron_fixtures, mounter):
-    with mounter(megatron_fixtures / "dist_tp2_pp2_dp2") as m:
-        check_view(m.path, "tp4-pp1", megatron_rule)
+@pytest.mark.parametrize("source,topo", [("dist_tp2_pp2_dp2", "tp4-pp1"), ("dist_dpreshard_tp2_pp2_dp2", "tp4-pp1"),
+                                         ("dist_dpreshard_tp2_pp2_dp2", "tp1-pp4")])
+def test_megatron_torch_dist_source(megatron_fixtures, mounter, source, topo):
+    """torch_dist sources, the dp_reshardable one included: its distributed-optimizer
+    states at a new TP / PP (Megatron itself refuses to reshard them)."""
+    with mounter(megatron_fixtures / source) as m:
+        check_view(m.path, topo, megatron_rule)
+        if "dpreshard" in source:
+            names = set(safe_open(str(m.path / "topo" / topo / "tp0-pp0.safetensors"), framework="pt").keys())
+            assert any(k.startswith("optimizer.state.") and k.endswith(".exp_avg_sq") for k in names), sorted(names)[:5]
 
 
 @pytest.mark.parametrize("topo", ["tp1-pp1", "tp2-pp1", "tp4-pp1", "tp1-pp2", "tp2-pp2", "tp4-pp2"])
@@ -298,10 +305,11 @@ def spawn(script, world, *args):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
 
 
-def test_megatron_core_loads_native_view_at_new_tp(megatron_fixtures, mounter, tmp_path):
+@pytest.mark.parametrize("source", ["legacy_tp2_pp2", "dist_dpreshard_tp2_pp2_dp2"])
+def test_megatron_core_loads_native_view_at_new_tp(megatron_fixtures, mounter, tmp_path, source):
     """GPTModel built at TP=1, 2 and 4 (gloo, CPU) loads topo/tp<T>-pp1's
     model_optim_rng.pt with strict=True, and all three give the same logits."""
-    with mounter(megatron_fixtures / "legacy_tp2_pp2") as m:
+    with mounter(megatron_fixtures / source) as m:
         for tp in (1, 2, 4):
             spawn("topo_megatron_load.py", tp, m.path / "topo" / f"tp{tp}-pp1", tmp_path / f"logits{tp}.pt")
     l1 = torch.load(tmp_path / "logits1.pt")
