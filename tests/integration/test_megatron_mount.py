@@ -6,7 +6,9 @@ Every tensor is compared with a reference merged here, independently of
 ckptfs, from what mcore itself held on each rank (tests/fixtures/make_megatron.py
 dumps each rank's local tensors and, through the optimizer's own parameter ->
 state maps, its fp32 master and Adam states)."""
+import errno
 import filecmp
+import io
 import json
 import os
 import shutil
@@ -354,3 +356,82 @@ def test_hostile_zarr_arrays(megatron_fixtures, mounter, tmp_path):
         np.load(m.path / "params/decoder.final_layernorm.bias/param.npy")
         assert not (m.path / "topo/tp1-pp1").exists()
         assert "final_layernorm.weight" in (m.path / "topo/ERRORS").read_text()
+
+
+# --- dp_reshardable buckets, damaged -------------------------------------------
+
+DPRESHARD = "dist_dpreshard_tp2_pp2_dp2"
+STAGE1 = "decoder.layers.2.mlp.linear_fc1.weight"  # PP stage 1: dp_group_idx_2 (TP 0) and 3 (TP 1)
+STAGE0 = "decoder.layers.0.mlp.linear_fc1.weight"
+
+
+def storage_item(ck, key):
+    """(file, offset, length) of one .metadata storage item, via torch's own reader."""
+    from torch.distributed.checkpoint import FileSystemReader
+    d = ck / "iter_0000007"
+    md = FileSystemReader(str(d)).read_metadata()
+    return next((d / si.relative_path, si.offset, si.length) for idx, si in md.storage_data.items() if idx.fqn == key)
+
+
+def read_errno(p):
+    try:
+        p.read_bytes()
+    except OSError as e:
+        return e.errno
+    return 0
+
+
+def copy_fixture(megatron_fixtures, tmp_path):
+    src = tmp_path / "ck"
+    shutil.copytree(megatron_fixtures / DPRESHARD, src, ignore=shutil.ignore_patterns(".ckptfs"))
+    return src
+
+
+def test_dp_reshardable_per_bucket_numel_contradicting_the_buffer(megatron_fixtures, mounter, tmp_path):
+    """per_bucket_numel_unpadded of TP 0 / PP 1 rewritten (torch.save, same length)
+    to disagree with its bucket tensor: that stage's optimizer states are EIO with
+    the reason (log and checkpoint.json), its weights and stage 0's states are served."""
+    src = copy_fixture(megatron_fixtures, tmp_path)
+    path, off, n = storage_item(src, "optimizer.distributed.dp_group_idx_2.per_bucket_numel_unpadded/shard_0_1")
+    data = bytearray(path.read_bytes())
+    obj = torch.load(io.BytesIO(bytes(data[off:off + n])), weights_only=False)
+    (dtypes, sizes), = obj[0][0].items()
+    obj[0][0][dtypes] = [sizes[0] - 64] + sizes[1:]
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    assert len(buf.getvalue()) == n
+    data[off:off + n] = buf.getvalue()
+    path.write_bytes(bytes(data))
+    ref = reference(src, SCENARIOS[DPRESHARD])
+    with mounter(src) as m:
+        params = m.path / "params"
+        assert read_errno(params / STAGE1 / "exp_avg.npy") == errno.EIO
+        assert read_errno(params / "decoder.final_layernorm.weight" / "fp32.npy") == errno.EIO
+        np.testing.assert_array_equal(np.load(params / STAGE1 / "param.npy"), ref[STAGE1]["param"].float().numpy())
+        np.testing.assert_array_equal(np.load(params / STAGE0 / "exp_avg.npy"), ref[STAGE0]["exp_avg"].numpy())
+        assert "per_bucket_numel_unpadded [8224] contradicts the bucket tensors [8288]" in m.log_text(), m.log_text()[-2000:]
+        findings = json.loads((m.path / "checkpoint.json").read_text())["findings"]
+        assert any(f["check"] == "zero-geometry" and "dp_group_idx_2" in f["message"] for f in findings), findings
+
+
+def test_dp_reshardable_missing_bucket_shard(megatron_fixtures, mounter, tmp_path):
+    """.metadata loses one DP shard of bucket 0 of TP 1 / PP 0 (rewritten with torch's
+    own Metadata): the states of parameters in that bucket are EIO naming the
+    bucket, other buckets' states and all weights are served."""
+    src = copy_fixture(megatron_fixtures, tmp_path)
+    meta = src / "iter_0000007" / ".metadata"
+    import pickle
+    md = pickle.loads(meta.read_bytes())
+    key = "optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.bfloat16, torch.float32).bucket_idx_0.exp_avg"
+    gone = [i for i in md.storage_data if i.fqn == key and i.offset[0] > 0][0]
+    del md.storage_data[gone]
+    meta.write_bytes(pickle.dumps(md))
+    ref = reference(src, SCENARIOS[DPRESHARD])
+    with mounter(src) as m:
+        params = m.path / "params"
+        bad = [n for n in ref if read_errno(params / n / "exp_avg.npy") == errno.EIO]
+        assert bad and all(n.startswith(("decoder.layers.0.", "decoder.layers.1.", "embedding.")) for n in bad), bad
+        for n in ref:
+            np.testing.assert_array_equal(np.load(params / n / "param.npy"), ref[n]["param"].float().numpy())
+            np.testing.assert_array_equal(np.load(params / n / "exp_avg_sq.npy"), ref[n]["exp_avg_sq"].numpy())
+        assert "bucket_idx_0.exp_avg" in m.log_text(), m.log_text()[-2000:]
