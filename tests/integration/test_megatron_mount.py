@@ -149,7 +149,9 @@ def mount_src(fixture, kind):
 
 # Checkpoints written by older megatron-core releases (committed; made by
 # tests/fixtures/make_megatron_versions.sh): name -> producer arguments.
-VERSIONED = {"mcore0.15.0-dist_tp2_pp2": ["dist", "--tp", "2", "--pp", "2", "--bf16"]}
+VERSIONED = {"mcore0.15.0-dist_tp2_pp2": ["dist", "--tp", "2", "--pp", "2", "--bf16"],
+             "mcore0.14.0-dist_distopt_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16",
+                                                      "--dist-opt", "--optim", "fully_sharded_model_space"]}
 VERSIONED_DIR = Path(__file__).resolve().parents[1] / "data" / "megatron_versions"
 
 
@@ -161,8 +163,9 @@ def test_every_tensor_equals_the_reference_merge(megatron_fixtures, mounter, sce
 @pytest.mark.parametrize("scenario", sorted(VERSIONED))
 def test_older_megatron_core_releases(mounter, tmp_path, scenario):
     """megatron-core 0.15 pickles MCoreMetadata (its Metadata subclass) in
-    .metadata: read as DCP's Metadata, every weight and optimizer state equals
-    what mcore held on each rank."""
+    .metadata, 0.14 MCoreSavePlan objects and its distributed optimizer's
+    default N-D flattened states (fully_sharded_model_space): every weight and
+    optimizer state equals what mcore held on each rank."""
     src = tmp_path / scenario
     shutil.copytree(VERSIONED_DIR / scenario, src)  # the index goes beside it, not into the repo
     check_against_reference(src, VERSIONED[scenario], mounter)

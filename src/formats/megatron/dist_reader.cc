@@ -35,6 +35,56 @@ std::vector<Fragment> SliceLayer(const std::vector<Fragment>& frags, int64_t i) 
 
 constexpr int64_t kMaxStackedLayers = 65536;
 
+// fully_sharded_model_space (mcore 0.8-0.14, torch strategy
+// sharded_tensor_to_torch_sharded_tensor): a DistOpt state whose ShardedTensors
+// carry a flattened_range is stored "N-D flattened": for a parameter of global
+// shape O sharded into local chunks of shape c, the DCP tensor has shape
+// [O_0/c_0, ..., O_n-1/c_n-1, prod(c)] and each chunk is one DP rank's flat
+// range [a, a+k) of one local chunk. Rewrites `t` / `frags` to the parameter's
+// shape: each flat range becomes the boxes of that chunk it covers (no bytes
+// move). Returns why not when the shapes do not fit that reading.
+std::string Unflatten(TensorRecord& t, std::vector<Fragment>& frags, const std::vector<int64_t>& global) {
+  const size_t n = global.size();
+  if (t.shape.size() != n + 1) return "not one more axis than its parameter";
+  std::vector<int64_t> chunk(n);
+  int64_t numel = 1;
+  for (size_t d = 0; d < n; ++d) {
+    if (t.shape[d] <= 0 || global[d] % t.shape[d] != 0) return "axis " + std::to_string(d) + " is not a chunk grid";
+    chunk[d] = global[d] / t.shape[d];
+    numel *= chunk[d];
+  }
+  if (numel != t.shape[n]) return "its last axis is not the size of one chunk";
+  const auto strides = ContiguousStrides(chunk);
+  const uint64_t isz = DTypeSize(t.dtype);
+  std::vector<Fragment> out;
+  for (const Fragment& f : frags) {
+    if (f.offsets.size() != n + 1 || f.strides.size() != n + 1 || (f.lengths[n] > 1 && f.strides[n] != 1)) {
+      return "a chunk is not a flat range";
+    }
+    for (size_t d = 0; d < n; ++d) {
+      if (f.lengths[d] != 1) return "a chunk spans several local chunks";
+    }
+    const int64_t a = f.offsets[n], k = f.lengths[n];
+    for (const Box& b : DecomposeRange(chunk, static_cast<uint64_t>(a), static_cast<uint64_t>(a + k))) {
+      Fragment g = f;
+      g.offsets.resize(n);
+      for (size_t d = 0; d < n; ++d) g.offsets[d] = f.offsets[d] * chunk[d] + b.offsets[d];
+      g.lengths = b.lengths;
+      g.strides = strides;
+      const int64_t first = FlatIndex(b.offsets, strides);
+      int64_t last = first;
+      for (size_t d = 0; d < n; ++d) last += (b.lengths[d] - 1) * strides[d];
+      g.data_offset = f.data_offset + static_cast<uint64_t>(first - a) * isz;
+      g.data_length = static_cast<uint64_t>(last - first + 1) * isz;
+      out.push_back(std::move(g));
+    }
+  }
+  t.shape = global;
+  frags = std::move(out);
+  t.num_fragments = static_cast<uint32_t>(frags.size());
+  return "";
+}
+
 // Assigns Megatron roles and splits layer stacks (see the header).
 void Classify(Checkpoint& ck) {
   // Names are untrusted: RE2 (linear time, no recursion), bytes as Latin-1.
@@ -58,13 +108,17 @@ void Classify(Checkpoint& ck) {
       param_shapes[t.fqn] = t.shape;
     }
   }
-  for (TensorRecord& t : ck.tensors) {
+  for (size_t i = 0; i < ck.tensors.size(); ++i) {
+    TensorRecord& t = ck.tensors[i];
     if (t.role != Role::kOptimState) continue;
     auto it = param_shapes.find(t.fqn);
-    if (it != param_shapes.end() && it->second != t.shape) {
-      ck.info.problems.push_back("'" + t.key + "' has shape " + ShapeStr(t.shape) + ", its parameter " +
-                                 ShapeStr(it->second) +
-                                 " (an N-D flattened DistOpt state of mcore <= 0.14?): kept under other/, not mapped");
+    if (it == param_shapes.end() || it->second == t.shape) continue;
+    const std::vector<int64_t> before = t.shape;
+    const std::string why = Unflatten(t, ck.fragments[i], it->second);
+    if (!why.empty()) {
+      ck.info.problems.push_back("'" + t.key + "' has shape " + ShapeStr(before) + ", its parameter " +
+                                 ShapeStr(it->second) + " (read as an N-D flattened DistOpt state: " + why +
+                                 "): kept under other/, not mapped");
       t.role = Role::kOther;
       t.fqn = t.key;
       t.state.clear();

@@ -12,8 +12,9 @@
 //    to params/<fqn>/<state> by replaying the DDP buffers (dist_optim.h); the
 //    bucket tensors and ShardedObjects also stay under other/. common.pt is
 //    served verbatim as other/common.pt and gives the step and args.json.
-// N-D flattened optimizer states of mcore <= 0.14 (flattened_range) are
-// recognised by their shape and reported, not mapped.
+// N-D flattened optimizer states (fully_sharded_model_space, the mcore
+// 0.8-0.14 default: flattened_range ShardedTensors) are recognised by their
+// shape against the parameter's and read back at the parameter's shape.
 #ifndef CKPTFS_FORMATS_MEGATRON_DIST_READER_H_
 #define CKPTFS_FORMATS_MEGATRON_DIST_READER_H_
 
