@@ -38,6 +38,10 @@ SCENARIOS = {
     # (several buckets per buffer: overlap_grad_reduce with a small bucket size).
     "dist_dpreshard_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--dist-opt",
                                    "--optim", "dp_reshardable", "--bucket-size", "2000"],
+    # The older default: DP rank 0's gathered buffers in one ShardedObject, buckets
+    # coalesced (their sizes come from the replay and args.ddp_bucket_size).
+    "dist_dpzero_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--dist-opt",
+                                "--optim", "dp_zero_gather_scatter", "--bucket-size", "2000"],
     "zarr_tp2_pp2": ["zarr", "--tp", "2", "--pp", "2", "--bf16"],
     "zarr_lostwrites_tp2": ["zarr", "--tp", "2", "--bf16", "--lost-writes"],
 }

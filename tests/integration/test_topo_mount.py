@@ -154,13 +154,13 @@ def test_megatron_rank_files_are_torch_slices(megatron_fixtures, mounter, topo):
 
 
 @pytest.mark.parametrize("source,topo", [("dist_tp2_pp2_dp2", "tp4-pp1"), ("dist_dpreshard_tp2_pp2_dp2", "tp4-pp1"),
-                                         ("dist_dpreshard_tp2_pp2_dp2", "tp1-pp4")])
+                                         ("dist_dpreshard_tp2_pp2_dp2", "tp1-pp4"), ("dist_dpzero_tp2_pp2_dp2", "tp4-pp2")])
 def test_megatron_torch_dist_source(megatron_fixtures, mounter, source, topo):
     """torch_dist sources, the dp_reshardable one included: its distributed-optimizer
     states at a new TP / PP (Megatron itself refuses to reshard them)."""
     with mounter(megatron_fixtures / source) as m:
         check_view(m.path, topo, megatron_rule)
-        if "dpreshard" in source:
+        if "dp" in source.split("_")[1]:  # distributed-optimizer sources
             names = set(safe_open(str(m.path / "topo" / topo / "tp0-pp0.safetensors"), framework="pt").keys())
             assert any(k.startswith("optimizer.state.") and k.endswith(".exp_avg_sq") for k in names), sorted(names)[:5]
 

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -20,22 +22,36 @@ namespace ckptfs::formats::megatron {
 namespace {
 
 constexpr int64_t kParamAlign = 64;          // _pad_start_of_param_if_needed
-constexpr uint64_t kMaxObjectBytes = 1 << 20;  // per_bucket_numel objects are a few numbers
 constexpr const char* kStates[] = {"param", "exp_avg", "exp_avg_sq"};
-constexpr uint32_t kNone = UINT32_MAX;
 
+// One state (param, exp_avg, exp_avg_sq) of one bucket: 1-D fragments over
+// [0, bucket numel), or why it is unreadable.
+struct StateSrc {
+  bool present = false;
+  std::string error;
+  DType dtype = DType::kInvalid;
+  std::vector<Fragment> frags;
+};
 struct Bucket {
-  int64_t numel = -1;                          // the tensors' global size (unpadded)
-  uint32_t rec[3] = {kNone, kNone, kNone};     // param, exp_avg, exp_avg_sq
+  int64_t numel = -1;  // unpadded
+  StateSrc st[3];
 };
 struct Buffer {
-  std::string dtype;  // "(torch.bfloat16, torch.float32)"
-  std::map<int64_t, Bucket> buckets;
+  std::string dtype;                  // "(torch.bfloat16, torch.float32)"
+  std::map<int64_t, Bucket> buckets;  // dp_reshardable: the writer's buckets
+  bool chunked = false;               // each parameter's range is its own chunk (dp_reshardable)
+  // dp_zero_gather_scatter: buckets[0] is the whole buffer, the buckets'
+  // unpadded contents back to back; the replay finds their sizes.
+  bool coalesced = false;
 };
 
 // One model parameter of a chunk, with its TP-local geometry.
 struct Member {
   uint32_t rec = 0;  // the parameter's record
+  // The last stage's copy of a tied embedding (output_layer.weight, saved
+  // under the embedding's key): in the buffer, its states not served.
+  bool copy = false;
+  bool shared = false;  // shared_embedding: a bucket of its own
   std::vector<int64_t> local_shape;
   int64_t numel = 0;
   std::tuple<int, int64_t, int, uint32_t> order;  // module order (see OrderOf)
@@ -138,66 +154,130 @@ Result<std::vector<int64_t>> LocalShape(const TensorRecord& t, const std::option
   return s;
 }
 
+// Opens the torch.save object a bytes record holds (a ShardedObject) and hands
+// it to `use`, with the reader and the record's fragment. Returns why not.
+std::string WithObject(const std::string& dir, const Checkpoint& ck, uint32_t rec,
+                       const std::function<std::string(const ByteReader&, const TorchSaveArchive&, const Fragment&)>& use) {
+  const TensorRecord& t = ck.tensors[rec];
+  const auto& frags = ck.fragments[rec];
+  if (!t.error.empty()) return t.error;
+  if (frags.size() != 1 || frags[0].compression != Compression::kNone) return "'" + t.key + "' is not an uncompressed object";
+  const Fragment& f = frags[0];
+  const std::string& rel = ck.files[f.file.v].rel_path;
+  const std::string path = dir + "/" + rel;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "cannot open " + path;
+  FileSliceReader r(fd, f.data_offset, f.data_length, rel + " '" + t.key + "'");
+  auto a = ReadTorchSave(r);
+  std::string why = a.ok() ? use(r, *a, f) : a.status().message();
+  ::close(fd);
+  return why;
+}
+
+// [[x, ...]] (one list per optimizer instance, mcore 0.16) or [x, ...]: the
+// x in order.
+std::vector<const PyValue*> Flatten(const PyValue* root) {
+  std::vector<const PyValue*> out;
+  if (root == nullptr) return out;
+  if (!root->IsSeq()) {
+    out.push_back(root);
+    return out;
+  }
+  for (PyRef g : root->items) {
+    if (g->IsSeq()) {
+      out.insert(out.end(), g->items.begin(), g->items.end());
+    } else {
+      out.push_back(g);
+    }
+  }
+  return out;
+}
+
 // per_bucket_numel[_unpadded] of one model-parallel rank: [gbuf][bucket]
 // (the single dtype entry of each buffer). nullopt with `why` when unreadable.
 std::optional<std::vector<std::vector<int64_t>>> ReadPerBucket(const std::string& dir, const Checkpoint& ck, uint32_t rec,
                                                                 std::string* why) {
-  const TensorRecord& t = ck.tensors[rec];
-  const auto& frags = ck.fragments[rec];
-  if (!t.error.empty()) {
-    *why = t.error;
-    return std::nullopt;
-  }
-  if (frags.size() != 1 || frags[0].compression != Compression::kNone || frags[0].data_length > kMaxObjectBytes) {
-    *why = "'" + t.key + "' is not a small uncompressed object";
-    return std::nullopt;
-  }
-  const Fragment& f = frags[0];
-  const std::string path = dir + "/" + ck.files[f.file.v].rel_path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    *why = "cannot open " + path;
-    return std::nullopt;
-  }
-  FileSliceReader r(fd, f.data_offset, f.data_length, ck.files[f.file.v].rel_path + " '" + t.key + "'");
-  auto a = ReadTorchSave(r);
-  ::close(fd);
-  if (!a.ok()) {
-    *why = a.status().message();
-    return std::nullopt;
-  }
   std::vector<std::vector<int64_t>> out;
-  const PyValue* root = a->root.get();
-  if (root == nullptr || !root->IsSeq()) {
-    *why = "'" + t.key + "' is not a list";
-    return std::nullopt;
-  }
-  // [[{dtypes: [numel, ...]}, ...]] (mcore 0.16: one list per optimizer
-  // instance) or [{...}, ...]: buffers in gbuf_idx order either way.
-  std::vector<PyRef> bufs;
-  for (PyRef g : root->items) {
-    if (g->IsSeq()) {
-      bufs.insert(bufs.end(), g->items.begin(), g->items.end());
-    } else {
-      bufs.push_back(g);
-    }
-  }
-  for (PyRef g : bufs) {
-    if (g->kind != PyKind::kDict || g->dict.size() != 1 || !g->dict[0].second->IsSeq()) {
-      *why = "'" + t.key + "': a buffer entry is not {dtypes: [numel, ...]}";
-      return std::nullopt;
-    }
-    std::vector<int64_t> n;
-    for (PyRef v : g->dict[0].second->items) {
-      if (v->kind != PyKind::kInt) {
-        *why = "'" + t.key + "': a bucket size is not an int";
-        return std::nullopt;
+  const std::string& key = ck.tensors[rec].key;
+  *why = WithObject(dir, ck, rec, [&](const ByteReader&, const TorchSaveArchive& a, const Fragment&) -> std::string {
+    for (const PyValue* g : Flatten(a.root.get())) {
+      if (g->kind != PyKind::kDict || g->dict.size() != 1 || !g->dict[0].second->IsSeq()) {
+        return "'" + key + "': a buffer entry is not {dtypes: [numel, ...]}";
       }
-      n.push_back(v->i);
+      std::vector<int64_t> n;
+      for (PyRef v : g->dict[0].second->items) {
+        if (v->kind != PyKind::kInt) return "'" + key + "': a bucket size is not an int";
+        n.push_back(v->i);
+      }
+      out.push_back(std::move(n));
     }
-    out.push_back(std::move(n));
-  }
+    return "";
+  });
+  if (!why->empty()) return std::nullopt;
   return out;
+}
+
+// dp_zero_gather_scatter's `param_state` object of one model-parallel rank:
+// {buckets_coalesced: True, gbuf: {dtypes: {param, exp_avg, exp_avg_sq:
+// world tensors, numel_unpadded}}} (get_parameter_state_dp_zero on DP rank 0).
+// Each buffer becomes a coalesced Buffer whose tensors are located in the file.
+std::string ReadParamState(const std::string& dir, const Checkpoint& ck, uint32_t rec, std::map<int64_t, Buffer>* out) {
+  const std::string& key = ck.tensors[rec].key;
+  return WithObject(dir, ck, rec, [&](const ByteReader& r, const TorchSaveArchive& a, const Fragment& where) -> std::string {
+    for (const PyValue* inst : Flatten(a.root.get())) {
+      if (inst->kind != PyKind::kDict) return "'" + key + "' is not a dict";
+      const PyValue* coalesced = inst->Get("buckets_coalesced");
+      if (coalesced == nullptr || coalesced->kind != PyKind::kBool || !coalesced->b) {
+        return "'" + key + "' holds per-bucket lists (before buckets_coalesced), which ckptfs does not replay";
+      }
+      for (const auto& [k, v] : inst->dict) {
+        if (k->kind != PyKind::kInt) continue;
+        if (v->kind != PyKind::kDict || v->dict.size() != 1 || v->dict[0].second->kind != PyKind::kDict) {
+          return "'" + key + "': buffer " + std::to_string(k->i) + " is not {dtypes: {param, exp_avg, exp_avg_sq}}";
+        }
+        const PyValue* d = v->dict[0].second;
+        const PyValue* n = d->Get("numel_unpadded");
+        if (n == nullptr || n->kind != PyKind::kInt || n->i < 0) return "'" + key + "': no numel_unpadded";
+        if (out->count(k->i)) return "'" + key + "': buffer " + std::to_string(k->i) + " appears twice";
+        Buffer& buf = (*out)[k->i];
+        buf.coalesced = true;
+        Bucket& bk = buf.buckets[0];
+        bk.numel = n->i;
+        for (int s = 0; s < 3; ++s) {
+          const PyValue* t = d->Get(kStates[s]);
+          StateSrc& src = bk.st[s];
+          src.present = t != nullptr;
+          if (t == nullptr) continue;
+          if (t->kind != PyKind::kTensor || t->tensor.shape.size() != 1 || t->tensor.shape[0] < bk.numel ||
+              (t->tensor.shape[0] > 1 && t->tensor.strides[0] != 1)) {
+            src.error = "'" + key + "': " + kStates[s] + " of buffer " + std::to_string(k->i) + " is not a flat tensor of " +
+                        std::to_string(bk.numel) + " elements";
+            continue;
+          }
+          auto at = ResolveTensor(r, a, t->tensor);
+          if (!at.ok()) {
+            src.error = at.status().message();
+            continue;
+          }
+          Fragment f;
+          f.file = where.file;
+          f.dtype = t->tensor.dtype;
+          f.offsets = {0};
+          f.lengths = {bk.numel};
+          f.strides = {1};
+          f.data_offset = where.data_offset + at->data_offset;
+          f.data_length = static_cast<uint64_t>(bk.numel) * DTypeSize(f.dtype);
+          if (f.data_length > at->data_length) {
+            src.error = "'" + key + "': " + kStates[s] + " of buffer " + std::to_string(k->i) + " is cut short";
+            continue;
+          }
+          src.dtype = f.dtype;
+          src.frags.push_back(std::move(f));
+        }
+      }
+    }
+    return "";
+  });
 }
 
 class Mapper {
@@ -208,6 +288,7 @@ class Mapper {
  private:
   bool Collect();
   void MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector<Member>& members);
+  std::string Split(const Buffer& buf, const std::vector<Member>& ordered, int p, Buffer* out) const;
   std::string Replay(const Buffer& buf, const std::vector<Member>& ordered, std::vector<Placement>& out) const;
   std::string CheckBoundaries(const Buffer& buf, const std::vector<Member>& ordered, const std::vector<Placement>& at,
                               const std::vector<int64_t>* padded) const;
@@ -218,6 +299,7 @@ class Mapper {
   Checkpoint& ck_;
   std::map<std::pair<int64_t, int64_t>, Buffer> buffers_;  // (M, gbuf)
   std::map<int64_t, uint32_t> unpadded_rec_, padded_rec_;  // M -> per_bucket_numel[_unpadded]
+  std::map<int64_t, uint32_t> param_state_rec_;            // M -> dp_zero_gather_scatter param_state
   // Per parameter record and state: fragments gathered over TP ranks, or why not.
   struct StateOut {
     std::vector<Fragment> frags;
@@ -226,7 +308,6 @@ class Mapper {
     int ranks = 0;
   };
   std::map<uint32_t, std::array<StateOut, 3>> out_;
-  std::set<uint32_t> members_;  // every parameter record placed in some chunk
 };
 
 bool Mapper::Collect() {
@@ -235,6 +316,7 @@ bool Mapper::Collect() {
       RE2::Latin1);
   static const RE2 kPerBucket(R"(optimizer\.distributed\.dp_group_idx_(\d{1,6})\.per_bucket_numel(_unpadded)?/shard_.*)",
                               RE2::Latin1);
+  static const RE2 kParamState(R"(optimizer\.distributed\.dp_group_idx_(\d{1,6})\.param_state/shard_.*)", RE2::Latin1);
   for (uint32_t i = 0; i < ck_.tensors.size(); ++i) {
     const TensorRecord& t = ck_.tensors[i];
     int64_t m = 0, g = 0, b = 0;
@@ -242,19 +324,97 @@ bool Mapper::Collect() {
     if (t.encoding == Encoding::kTensor && RE2::FullMatch(t.key, kBucket, &m, &g, &dtype, &b, &state)) {
       Buffer& buf = buffers_[{m, g}];
       buf.dtype = dtype;
+      buf.chunked = true;
       Bucket& bk = buf.buckets[b];
-      const size_t s = state == "param" ? 0 : state == "exp_avg" ? 1 : 2;
-      bk.rec[s] = i;
+      StateSrc& src = bk.st[state == "param" ? 0 : state == "exp_avg" ? 1 : 2];
+      src.present = true;
+      src.error = t.error;
+      src.dtype = t.dtype;
+      for (const Fragment& f : ck_.fragments[i]) {
+        if (f.offsets.size() == 1) src.frags.push_back(f);
+      }
       if (t.shape.size() == 1) bk.numel = t.shape[0];
     } else if (t.encoding == Encoding::kBytes && RE2::FullMatch(t.key, kPerBucket, &m, &unpadded)) {
       (unpadded.empty() ? padded_rec_ : unpadded_rec_)[m] = i;
+    } else if (t.encoding == Encoding::kBytes && RE2::FullMatch(t.key, kParamState, &m)) {
+      param_state_rec_[m] = i;
     }
+  }
+  for (const auto& [m, rec] : param_state_rec_) {
+    std::map<int64_t, Buffer> bufs;
+    const std::string why = ReadParamState(dir_, ck_, rec, &bufs);
+    if (!why.empty()) {
+      ck_.info.Flag(Check::kUnreadable, Severity::kError, ck_.tensors[rec].key, "",
+                    "cannot read the distributed-optimizer state of dp_group_idx_" + std::to_string(m) + ": " + why, "");
+      continue;
+    }
+    for (auto& [g, buf] : bufs) buffers_[{m, g}] = std::move(buf);
   }
   return !buffers_.empty();
 }
 
+// dp_zero_gather_scatter: the bucket sizes Megatron's DDP made of `ordered`
+// (param_and_grad_buffer.py: last parameter first, 64-aligned starts, a
+// bucket closed once it holds ddp_bucket_size elements when
+// overlap_grad_reduce, never on later pipeline stages, and a shared embedding
+// alone), checked against the buffer's size; `out` is `buf` cut into them.
+std::string Mapper::Split(const Buffer& buf, const std::vector<Member>& ordered, int p, Buffer* out) const {
+  int64_t limit = -1;
+  if (f_.overlap_grad_reduce && p == 0) {
+    limit = f_.ddp_bucket_size > 0 ? f_.ddp_bucket_size : std::max<int64_t>(40000000, 1000000 * std::max<int64_t>(f_.dp, 1));
+  }
+  std::vector<int64_t> sizes;
+  int64_t pos = 0;
+  bool open = false;
+  for (size_t k = ordered.size(); k-- > 0;) {
+    const Member& m = ordered[k];
+    int64_t start = (pos + kParamAlign - 1) / kParamAlign * kParamAlign;
+    if (m.shared && open) {
+      sizes.push_back(start);
+      start = 0;
+    }
+    pos = start + m.numel;
+    open = true;
+    if ((limit > 0 && pos >= limit) || m.shared) {
+      sizes.push_back(pos);
+      pos = 0;
+      open = false;
+    }
+  }
+  if (open) sizes.push_back(pos);
+  int64_t total = 0;
+  for (int64_t n : sizes) total += n;
+  const Bucket& whole = buf.buckets.begin()->second;
+  if (total != whole.numel) {
+    return "the buffer holds " + std::to_string(whole.numel) + " elements, its parameters in " +
+           std::to_string(sizes.size()) + " bucket(s) fill " + std::to_string(total);
+  }
+  *out = Buffer{};
+  out->dtype = buf.dtype;
+  int64_t off = 0;
+  for (size_t b = 0; b < sizes.size(); ++b) {
+    Bucket& bk = out->buckets[static_cast<int64_t>(b)];
+    bk.numel = sizes[b];
+    for (int s = 0; s < 3; ++s) {
+      bk.st[s] = whole.st[s];
+      bk.st[s].frags.clear();
+      for (const Fragment& f : whole.st[s].frags) {
+        Fragment g = f;
+        g.lengths = {sizes[b]};
+        g.data_offset = f.data_offset + static_cast<uint64_t>(off) * DTypeSize(f.dtype);
+        g.data_length = static_cast<uint64_t>(sizes[b]) * DTypeSize(f.dtype);
+        bk.st[s].frags.push_back(std::move(g));
+      }
+    }
+    off += sizes[b];
+  }
+  return "";
+}
+
 // Places `ordered` (named_parameters order) in the buckets, last parameter
-// first. Returns why the buckets contradict the parameters, or "".
+// first. A bucket ends at its last parameter's end, or at the 64-aligned
+// start of a shared embedding that opens the next one. Returns why the
+// buckets contradict the parameters, or "".
 std::string Mapper::Replay(const Buffer& buf, const std::vector<Member>& ordered, std::vector<Placement>& at) const {
   std::vector<int64_t> sizes;
   for (const auto& [b, bk] : buf.buckets) {
@@ -262,27 +422,29 @@ std::string Mapper::Replay(const Buffer& buf, const std::vector<Member>& ordered
     if (bk.numel < 0) return "bucket " + std::to_string(b) + " is not a flat tensor";
     sizes.push_back(bk.numel);
   }
+  auto align = [](int64_t x) { return (x + kParamAlign - 1) / kParamAlign * kParamAlign; };
   at.assign(ordered.size(), Placement{});
   size_t b = 0;
   int64_t pos = 0;
   for (size_t k = ordered.size(); k-- > 0;) {
     const Member& m = ordered[k];
     if (m.numel == 0) continue;
+    if (b < sizes.size() && pos > 0 && (pos == sizes[b] || align(pos) == sizes[b])) {
+      ++b;
+      pos = 0;
+    }
     if (b >= sizes.size()) {
       return "the buckets end before '" + ck_.tensors[m.rec].fqn + "' (" + std::to_string(k + 1) + " parameters left)";
     }
-    const int64_t start = (pos + kParamAlign - 1) / kParamAlign * kParamAlign;
+    const int64_t start = align(pos);
     if (start + m.numel > sizes[b]) {
       return "'" + ck_.tensors[m.rec].fqn + "' (" + std::to_string(m.numel) + " elements at " + std::to_string(start) +
              ") overruns bucket " + std::to_string(b) + " of " + std::to_string(sizes[b]) + " elements";
     }
     at[k] = Placement{static_cast<int64_t>(b), start};
     pos = start + m.numel;
-    if (pos == sizes[b]) {
-      ++b;
-      pos = 0;
-    }
   }
+  if (b < sizes.size() && pos > 0 && (pos == sizes[b] || align(pos) == sizes[b])) ++b;
   if (b != sizes.size()) {
     return "bucket " + std::to_string(b) + " holds " + std::to_string(sizes[b]) + " elements, its parameters fill " +
            std::to_string(pos);
@@ -291,32 +453,30 @@ std::string Mapper::Replay(const Buffer& buf, const std::vector<Member>& ordered
 }
 
 // Every parameter boundary must be a recorded chunk boundary, and (DP known)
-// every chunk boundary a parameter, padding or DP-shard boundary.
+// every chunk boundary a parameter or DP-shard boundary: padding between
+// parameters runs from one's end to the next's start.
 std::string Mapper::CheckBoundaries(const Buffer& buf, const std::vector<Member>& ordered, const std::vector<Placement>& at,
                                     const std::vector<int64_t>* padded) const {
   for (const auto& [b, bk] : buf.buckets) {
     for (int s = 0; s < 3; ++s) {
-      if (bk.rec[s] == kNone || !ck_.tensors[bk.rec[s]].error.empty()) continue;
+      if (!bk.st[s].present || !bk.st[s].error.empty()) continue;
       std::set<int64_t> chunk_edges;
-      for (const Fragment& fr : ck_.fragments[bk.rec[s]]) {
-        if (fr.offsets.size() != 1) continue;
+      for (const Fragment& fr : bk.st[s].frags) {
         chunk_edges.insert(fr.offsets[0]);
         chunk_edges.insert(fr.offsets[0] + fr.lengths[0]);
       }
       std::set<int64_t> param_edges = {0, bk.numel};
       for (size_t k = 0; k < ordered.size(); ++k) {
         if (at[k].bucket != b || ordered[k].numel == 0) continue;
-        param_edges.insert(at[k].start);
-        param_edges.insert(at[k].start + ordered[k].numel);
-        if (!chunk_edges.count(at[k].start) || !chunk_edges.count(at[k].start + ordered[k].numel)) {
-          return "'" + ck_.tensors[ordered[k].rec].fqn + "' would span [" + std::to_string(at[k].start) + ", " +
-                 std::to_string(at[k].start + ordered[k].numel) + ") of bucket " + std::to_string(b) +
-                 ", which the writer's chunks do not bound";
+        const int64_t begin = at[k].start, end = at[k].start + ordered[k].numel;
+        param_edges.insert(begin);
+        param_edges.insert(end);
+        if (!chunk_edges.count(begin) || !chunk_edges.count(end)) {
+          return "'" + ck_.tensors[ordered[k].rec].fqn + "' would span [" + std::to_string(begin) + ", " +
+                 std::to_string(end) + ") of bucket " + std::to_string(b) + ", which the writer's chunks do not bound";
         }
       }
       if (padded == nullptr || f_.dp <= 0 || static_cast<size_t>(b) >= padded->size() || (*padded)[b] % f_.dp != 0) continue;
-      // Padding between parameters runs from one's end to the next's start,
-      // so its chunk edges are parameter edges too.
       const int64_t shard = (*padded)[b] / f_.dp;
       for (int64_t e : chunk_edges) {
         if (param_edges.count(e) || (shard > 0 && e % shard == 0)) continue;
@@ -335,12 +495,12 @@ void Mapper::MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector
   std::string why;
   // Bucket sizes against per_bucket_numel_unpadded.
   std::optional<std::vector<std::vector<int64_t>>> unpadded, padded;
-  if (auto it = unpadded_rec_.find(mp); it != unpadded_rec_.end()) {
+  if (auto it = unpadded_rec_.find(mp); it != unpadded_rec_.end() && !buf.coalesced) {
     std::string e;
     unpadded = ReadPerBucket(dir_, ck_, it->second, &e);
     if (!unpadded) why = "cannot read per_bucket_numel_unpadded: " + e;
   }
-  if (auto it = padded_rec_.find(mp); it != padded_rec_.end()) {
+  if (auto it = padded_rec_.find(mp); it != padded_rec_.end() && !buf.coalesced) {
     std::string e;
     padded = ReadPerBucket(dir_, ck_, it->second, &e);
   }
@@ -348,12 +508,13 @@ void Mapper::MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector
     const auto& u = *unpadded;
     std::vector<int64_t> have;
     for (const auto& [b, bk] : buf.buckets) have.push_back(bk.numel);
-    if (static_cast<size_t>(v) >= u.size() || u[static_cast<size_t>(v)] != have) {
+    const bool listed = static_cast<size_t>(v) < u.size();
+    if (!listed || u[static_cast<size_t>(v)] != have) {
       nlohmann::json d;
-      d["per_bucket_numel_unpadded"] = static_cast<size_t>(v) < u.size() ? nlohmann::json(u[static_cast<size_t>(v)]) : nlohmann::json();
+      d["per_bucket_numel_unpadded"] = listed ? nlohmann::json(u[static_cast<size_t>(v)]) : nlohmann::json();
       d["bucket_tensors"] = have;
-      why = "per_bucket_numel_unpadded " + (static_cast<size_t>(v) < u.size() ? nlohmann::json(u[static_cast<size_t>(v)]).dump() : "(no entry)") +
-            " contradicts the bucket tensors " + nlohmann::json(have).dump();
+      why = "per_bucket_numel_unpadded " + (listed ? d["per_bucket_numel_unpadded"].dump() : std::string("(no entry)")) +
+            " contradicts the bucket tensors " + d["bucket_tensors"].dump();
       ck_.info.Flag(Check::kGeometry, Severity::kError, "", ck_.files[ck_.fragments[unpadded_rec_[mp]][0].file.v].rel_path,
                     where + ": " + why, JsonText(d));
     }
@@ -362,17 +523,20 @@ void Mapper::MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector
       padded && static_cast<size_t>(v) < padded->size() ? &(*padded)[static_cast<size_t>(v)] : nullptr;
   std::vector<Member> ordered = members;
   std::vector<Placement> at;
+  Buffer view;
   if (why.empty()) {
     // The layer spec args name first, then the other one (a mismatch shows in
-    // the chunk boundaries; equal-sized neighbours are in the same order in both).
+    // the sizes and chunk boundaries; equal-sized neighbours are in the same
+    // order in both).
     for (bool local : {f_.local_impl, !f_.local_impl}) {
       for (Member& m : ordered) {
-        auto o = OrderOf(ck_.tensors[m.rec].fqn, m.rec, local);
-        m.order = *o;  // members only hold placeable names
+        m.order = *OrderOf(m.copy ? "output_layer.weight" : ck_.tensors[m.rec].fqn, m.rec, local);
       }
       std::sort(ordered.begin(), ordered.end(), [](const Member& a, const Member& b) { return a.order < b.order; });
-      std::string w = Replay(buf, ordered, at);
-      if (w.empty()) w = CheckBoundaries(buf, ordered, at, pad);
+      std::string w = buf.coalesced ? Split(buf, ordered, p, &view) : "";
+      if (!buf.coalesced) view = buf;
+      if (w.empty()) w = Replay(view, ordered, at);
+      if (w.empty() && view.chunked) w = CheckBoundaries(view, ordered, at, pad);
       if (w.empty()) {
         why.clear();
         break;
@@ -386,6 +550,7 @@ void Mapper::MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector
   }
   for (size_t k = 0; k < ordered.size(); ++k) {
     const Member& m = ordered[k];
+    if (m.copy) continue;  // the first stage's embedding is served
     auto rule = SplitRule(ck_.tensors[m.rec].fqn, f_.swiglu);
     if (f_.tp > 1 && rule && rule->kind == Merge::kReplicated && t != 0) continue;  // served from TP rank 0
     auto& outs = out_[m.rec];
@@ -398,24 +563,21 @@ void Mapper::MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector
         continue;
       }
       if (m.numel == 0) continue;
-      const Bucket& bk = buf.buckets.at(at[k].bucket);
-      if (bk.rec[s] == kNone) {
+      const StateSrc& src = view.buckets.at(at[k].bucket).st[s];
+      if (!src.present) {
         so.error = where + ": bucket " + std::to_string(at[k].bucket) + " has no " + kStates[s] + " tensor";
         continue;
       }
-      const TensorRecord& br = ck_.tensors[bk.rec[s]];
-      if (!br.error.empty()) {
-        so.error = br.error;
+      if (!src.error.empty()) {
+        so.error = src.error;
         continue;
       }
-      so.dtype = br.dtype;
-      Rule r = rule.value_or(Rule{Merge::kReplicated});
-      if (f_.tp == 1) r = Rule{Merge::kReplicated};
+      so.dtype = src.dtype;
+      Rule r = f_.tp == 1 ? Rule{Merge::kReplicated} : rule.value_or(Rule{Merge::kReplicated});
       Merger merger(r, std::vector<std::vector<int64_t>>(static_cast<size_t>(std::max<int64_t>(f_.tp, 1)), m.local_shape), -1);
       const int64_t begin = at[k].start, end = at[k].start + m.numel;
       int64_t covered = 0;
-      for (const Fragment& fr : ck_.fragments[bk.rec[s]]) {
-        if (fr.offsets.size() != 1) continue;
+      for (const Fragment& fr : src.frags) {
         const int64_t a = std::max(begin, fr.offsets[0]), e = std::min(end, fr.offsets[0] + fr.lengths[0]);
         if (a >= e) continue;
         const size_t first = so.frags.size();
@@ -465,8 +627,8 @@ void Mapper::Run() {
   if (!Collect()) return;
   if (f_.tp <= 0 || f_.num_layers < 0) {
     ck_.info.problems.push_back(
-        "distributed-optimizer states (dp_reshardable buckets) are shown under other/ and not mapped: common.pt has no "
-        "args with tensor_model_parallel_size and num_layers to replay the buffers");
+        "distributed-optimizer states are shown under other/ and not mapped: common.pt has no args with "
+        "tensor_model_parallel_size and num_layers to replay the buffers");
     return;
   }
   PipelineShape shape;
@@ -480,6 +642,7 @@ void Mapper::Run() {
   std::map<std::pair<int, int>, std::vector<Member>> chunks;
   std::vector<std::string> unplaced;
   bool experts = false;
+  const bool shared = f_.tied && f_.pp > 1;
   for (uint32_t i = 0; i < ck_.tensors.size(); ++i) {
     const TensorRecord& t = ck_.tensors[i];
     if (t.role != Role::kParam || t.encoding != Encoding::kTensor) continue;
@@ -498,13 +661,20 @@ void Mapper::Run() {
     }
     m.local_shape = *ls;
     m.numel = NumelOf(m.local_shape);
+    if (shared && t.fqn == "embedding.word_embeddings.weight") {
+      // Tied with PP > 1: the last stage holds its own copy as output_layer.weight.
+      m.shared = true;
+      Member copy = m;
+      copy.copy = true;
+      chunks[{static_cast<int>(f_.pp) - 1, static_cast<int>(f_.vp) - 1}].push_back(copy);
+    }
     chunks[*c].push_back(std::move(m));
   }
   if (experts || !unplaced.empty()) {
     const std::string why = experts ? "MoE expert buffers are not replayed"
                                     : "ckptfs does not know the module order of '" + unplaced.front() + "'" +
                                           (unplaced.size() > 1 ? " and " + std::to_string(unplaced.size() - 1) + " more" : "");
-    ck_.info.problems.push_back("distributed-optimizer states (dp_reshardable buckets) are shown under other/ and not mapped: " + why);
+    ck_.info.problems.push_back("distributed-optimizer states are shown under other/ and not mapped: " + why);
     return;
   }
   for (const auto& [key, buf] : buffers_) {
@@ -523,7 +693,9 @@ void Mapper::Run() {
   }
   // A chunk whose buffer is missing: its parameters' states are unreadable.
   for (const auto& [c, members] : chunks) {
-    for (const Member& m : members) out_[m.rec];
+    for (const Member& m : members) {
+      if (!m.copy) out_[m.rec];
+    }
   }
   Emit();
 }

@@ -121,6 +121,9 @@ ModelFacts FactsOf(const PyValue* args) {
   f.first_stage_layers = ArgInt(args, "decoder_first_pipeline_num_layers").value_or(-1);
   f.last_stage_layers = ArgInt(args, "decoder_last_pipeline_num_layers").value_or(-1);
   f.local_impl = ArgStr(args, "transformer_impl").value_or("") == "local";
+  f.overlap_grad_reduce = ArgBool(args, "overlap_grad_reduce").value_or(false);
+  f.ddp_bucket_size = ArgInt(args, "ddp_bucket_size").value_or(-1);
+  f.tied = args != nullptr && !ArgBool(args, "untie_embeddings_and_output_weights").value_or(false);
   return f;
 }
 

@@ -51,6 +51,12 @@ struct ModelFacts {
   int64_t pp = 1, vp = 1;
   int64_t num_layers = -1, first_stage_layers = -1, last_stage_layers = -1;
   bool local_impl = false;
+  // DDP bucketing (distributed-optimizer replay): overlap_grad_reduce turns
+  // bucketing on, ddp_bucket_size (-1: Megatron's default) sets the size;
+  // `tied`: embeddings shared with the output layer (untie_... false).
+  bool overlap_grad_reduce = false;
+  int64_t ddp_bucket_size = -1;
+  bool tied = false;
 };
 ModelFacts FactsOf(const PyValue* args);  // args may be null
 // Records each parameter's (and optimizer state's) TP split on its record for
