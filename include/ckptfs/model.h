@@ -165,6 +165,7 @@ enum class Check : uint8_t {
   kNumerics = 5,    // --deep: NaN or Inf values
   kUnreadable = 6,  // bytes that could not be read (corrupt, truncated, I/O error)
   kChecksum = 7,    // a source range fails the CRC-32 its file records (bit rot, a torn write)
+  kMaster = 8,      // an fp32 master does not round to its weight (a mislaid optimizer shard, weights of another step)
 };
 enum class Severity : uint8_t {
   kError = 0,    // the bytes a loader would get are wrong or missing

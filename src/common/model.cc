@@ -137,6 +137,7 @@ std::string_view CheckName(Check c) {
     case Check::kNumerics: return "numerics";
     case Check::kUnreadable: return "unreadable";
     case Check::kChecksum: return "checksum";
+    case Check::kMaster: return "master-mismatch";
   }
   return "unknown";
 }

@@ -195,7 +195,7 @@ Result<CheckpointInfo> DecodeInfo(std::string_view s) {
   if (!r.Num(&n)) return Corrupt("checkpoint info");
   for (uint32_t k = 0; k < n; ++k) {
     Finding f;
-    if (!Enum(r, &f.check, static_cast<uint8_t>(Check::kChecksum)) ||
+    if (!Enum(r, &f.check, static_cast<uint8_t>(Check::kMaster)) ||
         !Enum(r, &f.severity, static_cast<uint8_t>(Severity::kWarning)) || !r.Str(&f.tensor) || !r.Str(&f.file) ||
         !r.Str(&f.message) || !r.Str(&f.detail)) {
       return Corrupt("checkpoint info");

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "ckptfs/geometry.h"
+#include "common/float_bits.h"
 #include "common/json_text.h"
 
 namespace ckptfs {
@@ -243,6 +244,7 @@ class Verifier {
   void DataPass();
   void ReadOne(Work& w, TensorCheck& c, std::vector<Finding>& out);
   void JudgeZeros();
+  void MasterPass();
   bool StepIsPositive(const std::string& fqn);
 
   const Index& ix_;
@@ -554,6 +556,64 @@ void Verifier::DataPass() {
   r_.tensors = std::move(checks);
 }
 
+// Every fp32 master (fp32 / fp32_param / master_param) must round to its
+// weight: mixed-precision optimizers copy the updated master into the bf16 /
+// fp16 model after each step (Megatron's DistOpt, DeepSpeed's BF16/FP16
+// optimizers), and an fp32 weight is its own master. A master that does not is
+// the state of another parameter (an optimizer shard mapped to the wrong
+// range: the failure mode of every buffer replay) or of another step.
+void Verifier::MasterPass() {
+  std::map<std::string, uint32_t> master_of;
+  const auto& ts = ix_.tensors();
+  for (uint32_t i = 0; i < ts.size(); ++i) {
+    const TensorRecord& t = ts[i];
+    if (t.role == Role::kOptimState && IsMaster(t.state) && t.dtype == DType::kF32 && t.error.empty()) master_of[t.fqn] = i;
+  }
+  constexpr uint64_t kElems = 1 << 18;
+  std::vector<float> w(kElems), m(kElems);
+  for (uint32_t i = 0; i < ts.size(); ++i) {
+    const TensorRecord& p = ts[i];
+    if (p.role != Role::kParam || p.state != "param" || !p.error.empty() || p.encoding != Encoding::kTensor) continue;
+    if (p.dtype != DType::kBF16 && p.dtype != DType::kF16 && p.dtype != DType::kF32) continue;
+    auto it = master_of.find(p.fqn);
+    if (it == master_of.end() || ts[it->second].shape != p.shape) continue;
+    const uint64_t n = p.Numel();
+    uint64_t bad = 0, first = 0;
+    float first_w = 0, first_m = 0;
+    bool readable = true;
+    for (uint64_t off = 0; off < n && readable; off += kElems) {
+      const uint64_t k = std::min(kElems, n - off);
+      readable = reader_.Read(TensorId{i}, DType::kF32, off * 4, k * 4, reinterpret_cast<char*>(w.data())).ok() &&
+                 reader_.Read(TensorId{it->second}, DType::kF32, off * 4, k * 4, reinterpret_cast<char*>(m.data())).ok();
+      for (uint64_t e = 0; e < k && readable; ++e) {
+        uint32_t wb, mb;
+        std::memcpy(&wb, &w[e], 4);
+        std::memcpy(&mb, &m[e], 4);
+        const bool nan = std::isnan(w[e]) && std::isnan(m[e]);
+        uint32_t want = mb;
+        if (p.dtype == DType::kBF16) want = BFloat16BitsToFloatBits(FloatBitsToBFloat16Bits(mb));
+        if (p.dtype == DType::kF16) want = HalfBitsToFloatBits(FloatBitsToHalfBits(mb));
+        if (nan || want == wb) continue;
+        if (bad++ == 0) {
+          first = off + e;
+          first_w = w[e];
+          first_m = m[e];
+        }
+      }
+    }
+    if (!readable || bad == 0) continue;  // unreadable: the data pass reported it
+    const TensorRecord& mr = ts[it->second];
+    r_.findings.push_back(
+        {Check::kMaster, Severity::kError, p.key, "",
+         "'" + p.fqn + "': its " + mr.state + " master does not round to the weight at " + std::to_string(bad) + " of " +
+             std::to_string(n) + " elements (first at flat index " + std::to_string(first) + ": weight " + Fmt(first_w) +
+             ", master " + Fmt(first_m) + "): the optimizer state is another parameter's or another step's",
+         json({{"elements", n}, {"mismatched", bad}, {"first_index", first}, {"weight", first_w}, {"master", first_m},
+               {"master_key", mr.key}})
+             .dump()});
+  }
+}
+
 // Every CRC-32 the sources record (ZIP entries of torch.save archives): one
 // finding per failed range. Ranges in files that are missing or refused are
 // left to the coverage and unreadable findings that already name them.
@@ -652,6 +712,7 @@ Result<Report> Verifier::Run() {
   ChecksumPass();  // first: the data pass then reports each tensor over a failed range
   DataPass();
   JudgeZeros();
+  MasterPass();
   r_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return std::move(r_);
 }
