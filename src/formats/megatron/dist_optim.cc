@@ -573,7 +573,8 @@ void Mapper::MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector
         continue;
       }
       so.dtype = src.dtype;
-      Rule r = f_.tp == 1 ? Rule{Merge::kReplicated} : rule.value_or(Rule{Merge::kReplicated});
+      const Rule replicated{Merge::kReplicated, 0, false, {}};
+      Rule r = f_.tp == 1 ? replicated : rule.value_or(replicated);
       Merger merger(r, std::vector<std::vector<int64_t>>(static_cast<size_t>(std::max<int64_t>(f_.tp, 1)), m.local_shape), -1);
       const int64_t begin = at[k].start, end = at[k].start + m.numel;
       int64_t covered = 0;
