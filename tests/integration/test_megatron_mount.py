@@ -42,6 +42,11 @@ SCENARIOS = {
     # coalesced (their sizes come from the replay and args.ddp_bucket_size).
     "dist_dpzero_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--dist-opt",
                                 "--optim", "dp_zero_gather_scatter", "--bucket-size", "2000"],
+    # MoE: 4 experts per layer over expert-parallel size 2 (mp_rank_TT_PPP_EEE),
+    # a dense and an expert optimizer (ChainedOptimizer).
+    "legacy_moe_tp2_pp2_ep2": ["legacy", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--experts", "4",
+                               "--bf16"],
+    "dist_moe_tp2_pp2_ep2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--experts", "4", "--bf16"],
     "zarr_tp2_pp2": ["zarr", "--tp", "2", "--pp", "2", "--bf16"],
     "zarr_lostwrites_tp2": ["zarr", "--tp", "2", "--bf16", "--lost-writes"],
 }
@@ -69,7 +74,7 @@ def megatron_fixtures(tmp_path_factory):
 
 def split_rule(name):
     """Megatron's TP split, written from megatron/core/tensor_parallel/layers.py."""
-    if "layernorm" in name or "layer_norm" in name or "position_embeddings" in name:
+    if "layernorm" in name or "layer_norm" in name or "position_embeddings" in name or ".router." in name:
         return "replicated"
     if ".linear_proj." in name or ".linear_fc2." in name:
         return "replicated" if name.endswith(".bias") else "row"
@@ -117,33 +122,56 @@ def global_name(local, pp_rank, chunk, pp, vp, sharded=False, legacy=False):
     return ".".join(parts)
 
 
+def renumber_expert(name, offset):
+    parts = name.split(".")
+    if "local_experts" not in parts:
+        return name
+    i = parts.index("local_experts")
+    parts[i + 1] = str(int(parts[i + 1]) + offset)
+    return ".".join(parts)
+
+
 def reference(fixture, args):
-    """{global name: {param, fp32, exp_avg, exp_avg_sq}} merged from the rank dumps."""
+    """{global name: {param, fp32, exp_avg, exp_avg_sq}} merged from the rank dumps.
+    MoE: dense parameters from the first expert-parallel rank, each rank's local
+    experts renumbered to global ones (EP rank x local experts), their optimizer
+    ranges merged over that rank's expert-data-parallel group."""
     tp, pp, dp, vp = topology(args[1:])
     dumps = {(t, p, d): torch.load(fixture / "reference" / f"tp{t}_pp{p}_dp{d}.pt", weights_only=False)
              for t in range(tp) for p in range(pp) for d in range(dp)}
     out = {}
     for p in range(pp):
-        for key in dumps[(0, p, 0)]["model"]:
-            chunk, local = key.split("/", 1)
-            rule = split_rule(local)
-            name = global_name(local, p, int(chunk), pp, vp, sharded=args[0] != "legacy",
-                               legacy="--legacy-names" in args)
-            entry = {"param": merge(rule, [dumps[(t, p, 0)]["model"][key] for t in range(tp)])}
-            for state in ("fp32", "exp_avg", "exp_avg_sq"):
-                shards = []
-                for t in range(tp):
-                    shape = dumps[(t, p, 0)]["model"][key].shape
-                    flat = torch.full((int(np.prod(shape)),), float("nan"))
-                    for d in range(dp):
-                        o = dumps[(t, p, d)]["optim"].get(key)
-                        if o is not None:
-                            a, b = o["range"]
-                            flat[a:b] = o[state].float()
-                    assert not torch.isnan(flat).any(), f"DP ranks do not cover {key} {state}"
-                    shards.append(flat.view(shape))
-                entry[state] = merge(rule, shards)
-            out[name] = entry
+        ep_of = {d: dumps[(0, p, d)].get("ep_rank", 0) for d in range(dp)}
+        for e in sorted(set(ep_of.values())):
+            group = [d for d in range(dp) if ep_of[d] == e]
+            keys = dumps[(0, p, group[0])]["model"]
+            local_experts = len({k.split("local_experts.")[1].split(".")[0] for k in keys if "local_experts." in k})
+            for key in keys:
+                expert = ".local_experts." in key
+                if not expert and e != min(ep_of.values()):
+                    continue
+                ranks = group if expert else range(dp)
+                chunk, local = key.split("/", 1)
+                rule = split_rule(local)
+                name = global_name(local, p, int(chunk), pp, vp, sharded=args[0] != "legacy",
+                                   legacy="--legacy-names" in args)
+                name = renumber_expert(name, e * local_experts)
+                entry = {"param": merge(rule, [dumps[(t, p, ranks[0])]["model"][key] for t in range(tp)])}
+                for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                    shards = []
+                    for t in range(tp):
+                        shape = dumps[(t, p, ranks[0])]["model"][key].shape
+                        flat = torch.full((int(np.prod(shape)),), float("nan"))
+                        for d in ranks:
+                            o = dumps[(t, p, d)]["optim"].get(key)
+                            if o is not None:
+                                a, b = o["range"]
+                                flat[a:b] = o[state].float()
+                        assert not torch.isnan(flat).any(), f"DP ranks do not cover {key} {state}"
+                        shards.append(flat.view(shape))
+                    entry[state] = merge(rule, shards)
+                assert name not in out, name
+                out[name] = entry
     return out
 
 

@@ -33,7 +33,36 @@ std::vector<Fragment> SliceLayer(const std::vector<Fragment>& frags, int64_t i) 
   return out;
 }
 
-constexpr int64_t kMaxStackedLayers = 65536;
+constexpr int64_t kMaxStacked = 65536;  // layers or experts one stacked tensor may hold
+
+// Splits record k along its leading axis into one record per index
+// (`fqn_of(i)`, key "<key>[i]"); the stack itself stays as other/<key>.
+// Returns false (noting why) when the axis is longer than any model has: a
+// damaged or hostile .metadata would otherwise make millions of records.
+template <typename FqnOf>
+bool SplitLeading(Checkpoint& ck, size_t k, const char* what, FqnOf fqn_of) {
+  const TensorRecord whole = ck.tensors[k];
+  if (whole.shape[0] > kMaxStacked) {
+    ck.info.problems.push_back("'" + whole.key + "' stacks " + std::to_string(whole.shape[0]) + " " + what +
+                               " (more than " + std::to_string(kMaxStacked) + "): kept whole, not split");
+    return false;
+  }
+  for (int64_t i = 0; i < whole.shape[0]; ++i) {
+    TensorRecord one = whole;
+    one.key = whole.key + "[" + std::to_string(i) + "]";
+    one.fqn = fqn_of(i);
+    one.shape.erase(one.shape.begin());
+    one.alias = false;
+    std::vector<Fragment> frags = SliceLayer(ck.fragments[k], i);
+    ck.AddTensor(std::move(one), std::move(frags));
+  }
+  TensorRecord& w = ck.tensors[k];
+  w.role = Role::kOther;
+  w.fqn = w.key;
+  w.state.clear();
+  w.alias = true;
+  return true;
+}
 
 // fully_sharded_model_space (mcore 0.8-0.14, torch strategy
 // sharded_tensor_to_torch_sharded_tensor): a DistOpt state whose ShardedTensors
@@ -88,8 +117,14 @@ std::string Unflatten(TensorRecord& t, std::vector<Fragment>& frags, const std::
 // Assigns Megatron roles and splits layer stacks (see the header).
 void Classify(Checkpoint& ck) {
   // Names are untrusted: RE2 (linear time, no recursion), bytes as Latin-1.
-  static const RE2 kOptState(R"(optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+))", RE2::Latin1);
+  // chained_<i>.: a ChainedOptimizer's members (MoE: dense and expert optimizers).
+  static const RE2 kOptState(R"((?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+))",
+                             RE2::Latin1);
   static const RE2 kStack(R"((.*(?:^|\.)layers)\.([^0-9].*))", RE2::Latin1);
+  // SequentialMLP's sharded key: the expert axis after the layer axis
+  // (...mlp.experts.experts.linear_fc1.weight [E, ...] once split per layer),
+  // served under the model's own names with global expert indices.
+  static const RE2 kExperts(R"((.*\.experts)\.experts\.(.+))", RE2::Latin1);
   std::map<std::string, std::vector<int64_t>> param_shapes;
   for (TensorRecord& t : ck.tensors) {
     t.role = Role::kOther;
@@ -101,7 +136,7 @@ void Classify(Checkpoint& ck) {
       t.role = Role::kOptimState;
       t.fqn = fqn;
       t.state = state == "exp_avg" || state == "exp_avg_sq" ? state : "fp32";
-    } else if (t.key.rfind("optimizer.", 0) != 0 && t.key.rfind("rng_state", 0) != 0 &&
+    } else if (t.key.rfind("optimizer.", 0) != 0 && t.key.rfind("chained_", 0) != 0 && t.key.rfind("rng_state", 0) != 0 &&
                t.key.rfind("rerun_state_machine", 0) != 0) {
       t.role = Role::kParam;
       t.state = "param";
@@ -129,28 +164,14 @@ void Classify(Checkpoint& ck) {
     if (ck.tensors[k].role == Role::kOther || ck.tensors[k].shape.empty()) continue;
     std::string prefix, rest;
     if (!RE2::FullMatch(ck.tensors[k].fqn, kStack, &prefix, &rest)) continue;
-    const TensorRecord whole = ck.tensors[k];
-    // One record per layer: a leading dimension no model has (from a damaged
-    // or hostile .metadata) would make millions of records.
-    if (whole.shape[0] > kMaxStackedLayers) {
-      ck.info.problems.push_back("'" + whole.key + "' stacks " + std::to_string(whole.shape[0]) +
-                                 " layers (more than " + std::to_string(kMaxStackedLayers) +
-                                 "): kept whole, not split per layer");
-      continue;
-    }
-    for (int64_t i = 0; i < whole.shape[0]; ++i) {
-      TensorRecord layer = whole;
-      layer.key = whole.key + "[" + std::to_string(i) + "]";
-      layer.fqn = prefix + "." + std::to_string(i) + "." + rest;
-      layer.shape.erase(layer.shape.begin());
-      std::vector<Fragment> frags = SliceLayer(ck.fragments[k], i);
-      ck.AddTensor(std::move(layer), std::move(frags));
-    }
-    TensorRecord& w = ck.tensors[k];  // the stack itself: other/<key>
-    w.role = Role::kOther;
-    w.fqn = w.key;
-    w.state.clear();
-    w.alias = true;
+    SplitLeading(ck, k, "layers", [&](int64_t i) { return prefix + "." + std::to_string(i) + "." + rest; });
+  }
+  for (size_t k = 0; k < ck.tensors.size(); ++k) {  // per-layer records included
+    if (ck.tensors[k].role == Role::kOther || ck.tensors[k].shape.empty()) continue;
+    std::string prefix, rest;
+    if (!RE2::FullMatch(ck.tensors[k].fqn, kExperts, &prefix, &rest)) continue;
+    SplitLeading(ck, k, "experts",
+                 [&](int64_t i) { return prefix + ".local_experts." + std::to_string(i) + "." + rest; });
   }
 }
 

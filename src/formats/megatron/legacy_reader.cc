@@ -51,9 +51,9 @@ struct OptStates {
   std::optional<Loc> fp32, exp_avg, exp_avg_sq, step;
 };
 
-// One mp_rank_TT[_PPP] directory.
+// One mp_rank_TT[_PPP][_EEE] directory.
 struct RankFile {
-  int tp = 0, pp = 0;
+  int tp = 0, pp = 0, ep = 0;
   std::string dir;  // relative to the iteration directory's parent (the mount source)
   std::unique_ptr<Source> src;
   std::unique_ptr<Source> distopt;            // distrib_optim.pt, when present
@@ -95,7 +95,7 @@ Result<Loc> AsShape(Loc l, const std::vector<int64_t>& shape, const std::string&
 }
 
 struct Holder {
-  int pp = 0, chunk = 0;
+  int pp = 0, ep = 0, chunk = 0;
   std::string local;
 };
 
@@ -111,8 +111,9 @@ struct Reader {
   Checkpoint ck;
   Files files;
   std::vector<std::unique_ptr<RankFile>> ranks;
-  std::map<std::pair<int, int>, RankFile*> by_rank;  // (tp, pp)
-  int tp = 1, pp = 1, vp = 1;
+  std::map<std::tuple<int, int, int>, RankFile*> by_rank;  // (tp, pp, ep)
+  int tp = 1, pp = 1, vp = 1, ep = 1;
+  int64_t local_experts = -1;  // per expert-parallel rank (MoE); -1: counted from the files
   const PyValue* args = nullptr;
   bool swiglu = false;
   std::vector<std::string> problems;
@@ -122,30 +123,49 @@ struct Reader {
   Status Discover();
   void ParseModel(RankFile& r);
   void MapOptimizer(RankFile& r);
+  RankFile* FirstValid(int p, int e);
   void MapDistOpt(RankFile& r);
   Status Emit();
   void CompareReplicas(const std::string& name, const std::vector<std::pair<std::string, Loc>>& copies,
                        const std::vector<const Source*>& srcs, const std::string& across);
 };
 
+// Expert parameters (MoE) are held per expert-parallel rank and are not
+// all-reduced across data parallelism (megatron/core/optimizer: is_expert_parallel).
+bool IsExpert(const std::string& name) { return name.find(".experts.") != std::string::npos; }
+
+std::string RankDirName(int t, int p, int e, int pp, int ep) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "mp_rank_%02d", t);
+  std::string n = buf;
+  if (pp > 1) {
+    std::snprintf(buf, sizeof buf, "_%03d", p);
+    n += buf;
+  }
+  if (ep > 1) {
+    std::snprintf(buf, sizeof buf, "_%03d", e);
+    n += buf;
+  }
+  return n;
+}
+
 Status Reader::Discover() {
   ASSIGN_OR_RETURN(iter, megatron::FindIterDir(dir));
+  // megatron/training/checkpointing.py get_checkpoint_name: mp_rank_TT, then
+  // _PPP when PP > 1, then _EEE when EP > 1. "mp_rank_TT_XXX" is a pipeline
+  // stage unless args say PP = 1 and EP > 1.
   static const RE2 kRank(R"(mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?)");
+  struct Named {
+    int tp, second = -1, third = -1;
+  };
+  std::vector<Named> names;
   for (const auto& n : ListDirectory(iter.path)) {
     std::string tp_s, pp_s, ep_s;
     if (!RE2::FullMatch(n, kRank, &tp_s, &pp_s, &ep_s)) continue;
-    if (!ep_s.empty()) {
-      problems.push_back(iter.path + "/" + n + ": expert-parallel rank directories (MoE) are not merged by ckptfs; skipped");
-      continue;
-    }
     auto r = std::make_unique<RankFile>();
-    r->tp = std::stoi(tp_s);  // two or three digits: the pattern bounds them
-    r->pp = pp_s.empty() ? 0 : std::stoi(pp_s);
     r->dir = (iter.rel.empty() ? "" : iter.rel + "/") + n;
-    by_rank[{r->tp, r->pp}] = r.get();
-    tp = std::max(tp, r->tp + 1);
-    pp = std::max(pp, r->pp + 1);
-    ranks.push_back(std::move(r));
+    names.push_back(Named{std::stoi(tp_s), pp_s.empty() ? -1 : std::stoi(pp_s), ep_s.empty() ? -1 : std::stoi(ep_s)});
+    ranks.push_back(std::move(r));  // the pattern bounds the numbers to three digits
   }
   if (ranks.empty()) return NotFound("cannot find mp_rank_XX directories in " + iter.path);
   for (auto& r : ranks) {
@@ -158,25 +178,57 @@ Status Reader::Discover() {
       if (const PyValue* a = r->src->root()->Get("args"); a != nullptr && a->kind != PyKind::kNone) args = a;
     }
   }
+  const int64_t args_pp = ArgInt(args, "pipeline_model_parallel_size").value_or(0);
+  const int64_t args_ep = ArgInt(args, "expert_model_parallel_size").value_or(1);
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    RankFile& r = *ranks[i];
+    const Named& n = names[i];
+    r.tp = n.tp;
+    if (n.third >= 0) {
+      r.pp = n.second;
+      r.ep = n.third;
+    } else if (n.second >= 0 && args_pp == 1 && args_ep > 1) {
+      r.ep = n.second;
+    } else {
+      r.pp = std::max(n.second, 0);
+    }
+    if (!by_rank.emplace(std::make_tuple(r.tp, r.pp, r.ep), &r).second) {
+      return Invalid("cannot read " + iter.path + ": two rank directories name TP " + std::to_string(r.tp) + ", PP " +
+                     std::to_string(r.pp) + ", EP " + std::to_string(r.ep) + " (" + r.dir + ")");
+    }
+    tp = std::max(tp, r.tp + 1);
+    pp = std::max(pp, r.pp + 1);
+    ep = std::max(ep, r.ep + 1);
+  }
   // args decide the topology; a rank directory that is absent is then a
   // missing shard (its parameters fail) rather than a smaller model.
   if (auto v = ArgInt(args, "tensor_model_parallel_size"); v && *v > tp) tp = static_cast<int>(*v);
-  if (auto v = ArgInt(args, "pipeline_model_parallel_size"); v && *v > pp) pp = static_cast<int>(*v);
-  for (int p = 0; p < pp; ++p) {
-    for (int t = 0; t < tp; ++t) {
-      if (!by_rank.count({t, p})) {
-        char buf[32];
-        std::snprintf(buf, sizeof buf, pp > 1 ? "mp_rank_%02d_%03d" : "mp_rank_%02d", t, p);
-        const std::string rel = iter.path + "/" + buf + "/model_optim_rng.pt";
+  if (args_pp > pp) pp = static_cast<int>(args_pp);
+  if (args_ep > ep) ep = static_cast<int>(args_ep);
+  if (auto n = ArgInt(args, "num_experts"); n && *n > 0 && *n % ep == 0) local_experts = *n / ep;
+  for (int e = 0; e < ep; ++e) {
+    for (int p = 0; p < pp; ++p) {
+      for (int t = 0; t < tp; ++t) {
+        if (by_rank.count({t, p, e})) continue;
+        const std::string rel = iter.path + "/" + RankDirName(t, p, e, pp, ep) + "/model_optim_rng.pt";
         ck.info.Flag(Check::kCoverage, Severity::kError, "", rel,
                      rel + " is missing (TP=" + std::to_string(tp) + ", PP=" + std::to_string(pp) +
-                         "): the parameters it holds are unreadable",
-                     nlohmann::json({{"tp_rank", t}, {"pp_rank", p}, {"tp", tp}, {"pp", pp}}).dump());
+                         (ep > 1 ? ", EP=" + std::to_string(ep) : "") + "): the parameters it holds are unreadable",
+                     nlohmann::json({{"tp_rank", t}, {"pp_rank", p}, {"ep_rank", e}, {"tp", tp}, {"pp", pp}, {"ep", ep}})
+                         .dump());
       }
     }
   }
   swiglu = ArgBool(args, "swiglu").value_or(false);
   return Status::Ok();
+}
+
+RankFile* Reader::FirstValid(int p, int e) {
+  for (int t = 0; t < tp; ++t) {
+    auto it = by_rank.find({t, p, e});
+    if (it != by_rank.end() && it->second->error.empty()) return it->second;
+  }
+  return nullptr;
 }
 
 void Reader::ParseModel(RankFile& r) {
@@ -204,19 +256,19 @@ void Reader::ParseModel(RankFile& r) {
 }
 
 // The non-distributed optimizer ({optimizer: torch Adam state dict,
-// fp32_from_fp16_params} for fp16/bf16, the bare Adam state dict for fp32).
+// fp32_from_fp16_params} for fp16/bf16, the bare Adam state dict for fp32),
+// or a list of those (ChainedOptimizer: with MoE, one for the dense and one
+// for the expert parameters).
 void Reader::MapOptimizer(RankFile& r) {
   const PyValue* opt = r.src->root()->Get("optimizer");
-  if (opt == nullptr || opt->kind != PyKind::kDict) {
-    r.opt_unavailable = "no optimizer state was saved";
-    return;
+  std::vector<const PyValue*> subs;
+  if (opt != nullptr && opt->kind == PyKind::kDict) {
+    subs.push_back(opt);
+  } else if (opt != nullptr && opt->IsSeq()) {
+    for (PyRef o : opt->items) subs.push_back(o);
   }
-  const PyValue* adam = opt->Get("optimizer") ? opt->Get("optimizer") : opt;
-  const PyValue* fp32_groups = opt->Get("fp32_from_fp16_params");
-  const PyValue* state = adam->Get("state");
-  const PyValue* groups = adam->Get("param_groups");
-  if (state == nullptr || state->kind != PyKind::kDict || groups == nullptr || !groups->IsSeq()) {
-    r.opt_unavailable = "the optimizer state dict has no state / param_groups";
+  if (subs.empty()) {
+    r.opt_unavailable = "no optimizer state was saved";
     return;
   }
   struct Cand {
@@ -228,43 +280,72 @@ void Reader::MapOptimizer(RankFile& r) {
   for (size_t c = 0; c < r.chunks.size(); ++c) {
     for (const Entry& e : r.chunks[c]) cands.push_back(Cand{static_cast<int>(c), &e, e.v->tensor.shape});
   }
-  // Megatron's _get_param_groups: one group per (weight decay, lr scale, expert) key.
-  std::vector<bool> no_wd_of_group;
-  for (PyRef g : groups->items) {
-    if (g->kind != PyKind::kDict) {
-      r.opt_unavailable = "a param group is not a dict";
+  // Megatron's _get_param_groups: one group per (weight decay, lr scale,
+  // expert) key; the members of a group are the model's parameters with that
+  // key, in model order.
+  struct Group {
+    const PyValue* state;        // the optimizer's state {param id: {...}}
+    const PyValue* fp32_groups;  // its fp32_from_fp16_params, or null
+    size_t index;                // within its optimizer
+    const PyValue* params;       // param ids
+    bool no_wd, expert;
+  };
+  std::vector<Group> groups;
+  for (size_t s = 0; s < subs.size(); ++s) {
+    const PyValue* sub = subs[s];
+    const std::string which = subs.size() > 1 ? "optimizer " + std::to_string(s) + ": " : "";
+    if (sub->kind != PyKind::kDict) {
+      r.opt_unavailable = which + "not a dict";
       return;
     }
-    if (const PyValue* e = g->Get("is_expert_parallel"); e && e->kind == PyKind::kBool && e->b) {
-      r.opt_unavailable = "expert-parallel param groups (MoE) are not mapped";
+    const PyValue* adam = sub->Get("optimizer") ? sub->Get("optimizer") : sub;
+    const PyValue* state = adam->Get("state");
+    const PyValue* gs = adam->Get("param_groups");
+    if (state == nullptr || state->kind != PyKind::kDict || gs == nullptr || !gs->IsSeq()) {
+      r.opt_unavailable = which + "the optimizer state dict has no state / param_groups";
       return;
     }
-    const PyValue* wd = g->Get("wd_mult") ? g->Get("wd_mult") : g->Get("weight_decay");
-    if (wd == nullptr || (wd->kind != PyKind::kFloat && wd->kind != PyKind::kInt)) {
-      r.opt_unavailable = "a param group has neither wd_mult nor weight_decay";
-      return;
+    for (size_t g = 0; g < gs->items.size(); ++g) {
+      const PyValue* grp = gs->items[g];
+      if (grp->kind != PyKind::kDict) {
+        r.opt_unavailable = which + "a param group is not a dict";
+        return;
+      }
+      const PyValue* wd = grp->Get("wd_mult") ? grp->Get("wd_mult") : grp->Get("weight_decay");
+      if (wd == nullptr || (wd->kind != PyKind::kFloat && wd->kind != PyKind::kInt)) {
+        r.opt_unavailable = which + "a param group has neither wd_mult nor weight_decay";
+        return;
+      }
+      const PyValue* ex = grp->Get("is_expert_parallel");
+      groups.push_back(Group{state, sub->Get("fp32_from_fp16_params"), g, grp->Get("params"),
+                             (wd->kind == PyKind::kFloat ? wd->f : static_cast<double>(wd->i)) == 0.0,
+                             ex != nullptr && ex->kind == PyKind::kBool && ex->b});
     }
-    no_wd_of_group.push_back((wd->kind == PyKind::kFloat ? wd->f : static_cast<double>(wd->i)) == 0.0);
   }
-  for (bool f : {false, true}) {
-    if (std::count(no_wd_of_group.begin(), no_wd_of_group.end(), f) > 1) {
-      r.opt_unavailable = "several param groups share a weight-decay setting (lr scaling?), so their members cannot be told apart";
-      return;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    for (size_t j = i + 1; j < groups.size(); ++j) {
+      if (groups[i].no_wd == groups[j].no_wd && groups[i].expert == groups[j].expert) {
+        r.opt_unavailable = "several param groups share a weight-decay setting (lr scaling?), so their members cannot be told apart";
+        return;
+      }
     }
   }
-  const std::vector<std::string> group_names = {"weight decay", "no weight decay"};
-  for (size_t g = 0; g < groups->items.size(); ++g) {
-    const PyValue* ids = groups->items[g]->Get("params");
+  for (const Group& grp : groups) {
+    const std::string group_name = std::string(grp.no_wd ? "no weight decay" : "weight decay") +
+                                   (grp.expert ? ", experts" : "");
     std::vector<const Cand*> members;
     for (const Cand& c : cands) {
-      if (NoWeightDecay(c.e->local, c.shape) == no_wd_of_group[g]) members.push_back(&c);
+      if (NoWeightDecay(c.e->local, c.shape) == grp.no_wd && IsExpert(c.e->local) == grp.expert) members.push_back(&c);
     }
+    const PyValue* ids = grp.params;
     if (ids == nullptr || !ids->IsSeq() || ids->items.size() != members.size()) {
-      r.opt_unavailable = "param group " + std::to_string(g) + " (" + group_names[no_wd_of_group[g]] + ") lists " +
+      r.opt_unavailable = "param group " + std::to_string(grp.index) + " (" + group_name + ") lists " +
                           std::to_string(ids && ids->IsSeq() ? ids->items.size() : 0) + " parameters, the model has " +
                           std::to_string(members.size());
       return;
     }
+    const PyValue* fp32_groups = grp.fp32_groups;
+    const size_t g = grp.index;
     const PyValue* fp32 = fp32_groups && fp32_groups->IsSeq() && g < fp32_groups->items.size() ? fp32_groups->items[g] : nullptr;
     for (size_t i = 0; i < members.size(); ++i) {
       const Cand& c = *members[i];
@@ -276,7 +357,7 @@ void Reader::MapOptimizer(RankFile& r) {
       }
       OptStates os;
       os.file = r.src->file;
-      const PyValue* st = GetInt(state, *idx);
+      const PyValue* st = GetInt(grp.state, *idx);
       auto load = [&](const PyValue* v, const char* name) -> Result<std::optional<Loc>> {
         if (v == nullptr) return std::optional<Loc>();
         if (v->kind != PyKind::kTensor) return std::optional<Loc>();
@@ -458,38 +539,60 @@ Status Reader::Emit() {
   std::vector<Global> globals;
   std::map<std::string, size_t> index;
   std::set<int64_t> layers_seen;
+  std::set<int64_t> experts_seen;
   for (int p = 0; p < pp; ++p) {
-    RankFile* r0 = nullptr;
-    for (int t = 0; t < tp && r0 == nullptr; ++t) {
-      auto it = by_rank.find({t, p});
-      if (it != by_rank.end() && it->second->error.empty()) r0 = it->second;
-    }
-    if (r0 == nullptr) continue;
-    for (size_t v = 0; v < r0->chunks.size(); ++v) {
-      int64_t offset = 0;
-      if (shape.num_layers >= 0) {
-        auto o = megatron::LayerOffset(shape, p, static_cast<int>(v));
-        if (!o.ok()) return o.status().Annotate("cannot number the layers of " + r0->src->rel);
-        offset = *o;
-      } else {
-        std::set<int64_t> local;
-        for (const Entry& e : r0->chunks[v]) {
-          int64_t i;
-          megatron::RenumberLayer(e.local, 0, &i);
-          if (i >= 0) local.insert(i);
+    bool dense_done = false;
+    for (int e = 0; e < ep; ++e) {
+      RankFile* r0 = FirstValid(p, e);
+      if (r0 == nullptr) continue;
+      // Experts per EP rank: from args, else what this file holds.
+      int64_t experts_here = local_experts;
+      if (experts_here < 0) {
+        experts_here = 0;
+        for (const auto& chunk : r0->chunks) {
+          for (const Entry& x : chunk) {
+            int64_t k;
+            megatron::RenumberExpert(x.local, 0, &k);
+            experts_here = std::max(experts_here, k + 1);
+          }
         }
-        offset = static_cast<int64_t>(p * static_cast<int>(r0->chunks.size()) + static_cast<int>(v)) *
-                 static_cast<int64_t>(local.size());
       }
-      for (const Entry& e : r0->chunks[v]) {
-        int64_t layer;
-        std::string g = megatron::RenumberLayer(e.local, offset, &layer);
-        if (layer >= 0) layers_seen.insert(layer);
-        auto [it, inserted] = index.emplace(g, globals.size());
-        if (inserted) globals.push_back(Global{g, layer, {}});
-        globals[it->second].holders.push_back(Holder{p, static_cast<int>(v), e.local});
+      for (size_t v = 0; v < r0->chunks.size(); ++v) {
+        int64_t offset = 0;
+        if (shape.num_layers >= 0) {
+          auto o = megatron::LayerOffset(shape, p, static_cast<int>(v));
+          if (!o.ok()) return o.status().Annotate("cannot number the layers of " + r0->src->rel);
+          offset = *o;
+        } else {
+          std::set<int64_t> local;
+          for (const Entry& e : r0->chunks[v]) {
+            int64_t i;
+            megatron::RenumberLayer(e.local, 0, &i);
+            if (i >= 0) local.insert(i);
+          }
+          offset = static_cast<int64_t>(p * static_cast<int>(r0->chunks.size()) + static_cast<int>(v)) *
+                   static_cast<int64_t>(local.size());
+        }
+        for (const Entry& x : r0->chunks[v]) {
+          // Dense parameters from the first EP rank that has the stage (every EP
+          // rank holds them); experts from each, renumbered to global experts.
+          int64_t layer, expert;
+          std::string g = megatron::RenumberLayer(x.local, offset, &layer);
+          g = megatron::RenumberExpert(g, e * experts_here, &expert);
+          if (expert < 0 && dense_done) continue;
+          if (expert >= 0) experts_seen.insert(expert);
+          if (layer >= 0) layers_seen.insert(layer);
+          auto [it, inserted] = index.emplace(g, globals.size());
+          if (inserted) globals.push_back(Global{g, layer, {}});
+          globals[it->second].holders.push_back(Holder{p, e, static_cast<int>(v), x.local});
+        }
       }
+      dense_done = true;
     }
+  }
+  if (local_experts > 0 && static_cast<int64_t>(experts_seen.size()) < local_experts * ep) {
+    problems.push_back("experts held: " + std::to_string(experts_seen.size()) + " of args.num_experts " +
+                       std::to_string(local_experts * ep) + " (expert-parallel rank directories missing)");
   }
   if (shape.num_layers >= 0) {
     std::vector<std::string> missing;
@@ -521,7 +624,7 @@ Status Reader::Emit() {
       std::vector<std::pair<std::string, Loc>> copies;
       std::vector<const Source*> srcs;
       for (const Holder& x : g.holders) {
-        auto it = by_rank.find({0, x.pp});
+        auto it = by_rank.find({0, x.pp, x.ep});
         if (it == by_rank.end() || !it->second->error.empty()) continue;
         auto found = it->second->by_name.find({x.chunk, x.local});
         if (found == it->second->by_name.end()) continue;
@@ -546,9 +649,10 @@ Status Reader::Emit() {
     std::vector<std::optional<Loc>> locs(static_cast<size_t>(tp));
     std::vector<std::vector<int64_t>> local;
     for (int t = 0; t < tp && err.empty(); ++t) {
-      auto it = by_rank.find({t, h.pp});
+      auto it = by_rank.find({t, h.pp, h.ep});
       if (it == by_rank.end()) {
-        err = "'" + g.name + "' needs TP rank " + std::to_string(t) + " of stage " + std::to_string(h.pp) + ", which is missing";
+        err = "'" + g.name + "' needs TP rank " + std::to_string(t) + " of stage " + std::to_string(h.pp) +
+              (ep > 1 ? ", EP rank " + std::to_string(h.ep) : "") + ", which is missing";
         break;
       }
       RankFile& r = *it->second;
@@ -588,7 +692,7 @@ Status Reader::Emit() {
       std::vector<std::pair<std::string, Loc>> copies;
       std::vector<const Source*> srcs;
       for (int t = 0; t < tp; ++t) {
-        const RankFile& r = *by_rank.at({t, h.pp});
+        const RankFile& r = *by_rank.at({t, h.pp, h.ep});
         copies.emplace_back(r.src->rel, *locs[static_cast<size_t>(t)]);
         srcs.push_back(r.src.get());
       }
@@ -604,7 +708,7 @@ Status Reader::Emit() {
     rec.error = err;
     std::vector<Fragment> frags;
     for (int t = 0; t < tp && err.empty(); ++t) {
-      if (merger.UsesRank(t)) AddWholeFragments(merger, t, *locs[static_cast<size_t>(t)], by_rank.at({t, h.pp})->src->file, frags);
+      if (merger.UsesRank(t)) AddWholeFragments(merger, t, *locs[static_cast<size_t>(t)], by_rank.at({t, h.pp, h.ep})->src->file, frags);
     }
     ck.AddTensor(std::move(rec), std::move(frags));
     if (!err.empty()) continue;
@@ -627,7 +731,7 @@ Status Reader::Emit() {
       bool any = false;
       for (int t = 0; t < tp && st.error.empty(); ++t) {
         if (!merger.UsesRank(t)) continue;
-        RankFile& r = *by_rank.at({t, h.pp});
+        RankFile& r = *by_rank.at({t, h.pp, h.ep});
         auto it = r.opt.find({h.chunk, h.local});
         if (it == r.opt.end() || !(it->second.*s.field).has_value()) {
           if (any) st.error = "'" + g.name + "': TP rank " + std::to_string(t) + " has no " + s.name + " state";
@@ -642,8 +746,8 @@ Status Reader::Emit() {
       if (any) ck.AddTensor(std::move(st), std::move(sf));
     }
     // step: TP rank 0's (every rank takes the same number of steps).
-    if (auto it = by_rank.at({0, h.pp})->opt.find({h.chunk, h.local});
-        it != by_rank.at({0, h.pp})->opt.end() && it->second.step.has_value()) {
+    if (auto it = by_rank.at({0, h.pp, h.ep})->opt.find({h.chunk, h.local});
+        it != by_rank.at({0, h.pp, h.ep})->opt.end() && it->second.step.has_value()) {
       const Loc& l = *it->second.step;
       TensorRecord st;
       st.key = "optimizer/" + g.name + "/step";
@@ -671,8 +775,13 @@ Status Reader::Run() {
     struct stat st{};
     if (::stat((dir + "/" + distopt_rel).c_str(), &st) == 0) {
       r->distopt = files.Open(distopt_rel);
+      const bool experts = std::any_of(r->chunks.begin(), r->chunks.end(), [](const std::vector<Entry>& c) {
+        return std::any_of(c.begin(), c.end(), [](const Entry& e) { return IsExpert(e.local); });
+      });
       if (!r->distopt->error.empty()) {
         r->opt_unavailable = r->distopt->error;
+      } else if (experts) {
+        r->opt_unavailable = distopt_rel + ": distributed-optimizer buffers of MoE expert parameters are not replayed";
       } else {
         MapDistOpt(*r);
       }
@@ -710,7 +819,9 @@ Status Reader::Run() {
     if (auto it = ArgInt(root, "iteration"); it) ck.info.step = *it;
   }
   if (ck.info.step < 0) ck.info.step = iter.step;
-  note += ", TP=" + std::to_string(tp) + " PP=" + std::to_string(pp) + (vp > 1 ? " VP=" + std::to_string(vp) : "");
+  note += ", TP=" + std::to_string(tp) + " PP=" + std::to_string(pp) + (vp > 1 ? " VP=" + std::to_string(vp) : "") +
+          (ep > 1 ? " EP=" + std::to_string(ep) : "");
+  if (local_experts > 0 || ep > 1) note += ", MoE";
   bool distopt = std::any_of(ranks.begin(), ranks.end(), [](const auto& r) { return r->distopt != nullptr; });
   if (distopt) note += ", distributed optimizer";
   if (skipped_extra > 0) note += ", " + std::to_string(skipped_extra) + " _extra_state entries not shown";

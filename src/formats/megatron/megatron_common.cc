@@ -78,6 +78,10 @@ std::optional<Rule> SplitRule(const std::string& name, bool swiglu) {
     r.kind = Merge::kReplicated;
     return r;
   }
+  if (Contains(name, ".mlp.router.")) {  // MoE router (weight, expert_bias): every TP rank holds all of it
+    r.kind = Merge::kReplicated;
+    return r;
+  }
   for (const char* row : {".linear_proj.", ".self_attention.dense.", ".attention.dense.", ".linear_fc2.",
                           ".dense_4h_to_h."}) {
     if (Contains(name, row)) {
@@ -150,6 +154,18 @@ std::string RenumberLayer(const std::string& name, int64_t offset, int64_t* inde
   const size_t begin = m[0].data() - name.data(), end = begin + m[0].size();
   return name.substr(0, begin) + std::string(m[1].data(), m[1].size()) + "layers." + std::to_string(*index) + "." +
          name.substr(end);
+}
+
+std::string RenumberExpert(const std::string& name, int64_t offset, int64_t* index) {
+  static const RE2 kExpert(R"((^|\.)local_experts\.(\d+)\.)", RE2::Latin1);
+  *index = -1;
+  re2::StringPiece m[3];
+  if (!kExpert.Match(name, 0, name.size(), RE2::UNANCHORED, m, 3)) return name;
+  if (m[2].size() > 9) return name;  // not an expert index a model has
+  *index = std::stoll(std::string(m[2].data(), m[2].size())) + offset;
+  const size_t begin = m[0].data() - name.data(), end = begin + m[0].size();
+  return name.substr(0, begin) + std::string(m[1].data(), m[1].size()) + "local_experts." + std::to_string(*index) +
+         "." + name.substr(end);
 }
 
 Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp) {

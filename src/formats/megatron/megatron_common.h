@@ -36,7 +36,7 @@ bool HasTracker(const std::string& dir);
 //    linear_fc1 / dense_h_to_4h as two sub-parameters when `swiglu`.
 //  * row parallel (dim 1): linear_proj, self_attention.dense, linear_fc2,
 //    dense_4h_to_h weights; their biases are replicated.
-//  * replicated: norms, position embeddings.
+//  * replicated: norms, position embeddings, the MoE router.
 std::optional<Rule> SplitRule(const std::string& name, bool swiglu);
 
 // What the split rules need from the run's args: swiglu, and the query groups
@@ -67,6 +67,12 @@ void SetSplits(const ModelFacts& facts, Checkpoint& ck);
 // Returns the name unchanged when it has no layer index; `index` gets the
 // global layer (or -1).
 std::string RenumberLayer(const std::string& name, int64_t offset, int64_t* index);
+
+// An MoE expert name ("...mlp.experts.local_experts.<k>...") with k
+// renumbered: `offset` (expert-parallel rank x local experts) added. Returns
+// the name unchanged when it names no expert; `index` gets the global expert
+// (or -1).
+std::string RenumberExpert(const std::string& name, int64_t offset, int64_t* index);
 
 // The global index of the first layer of pipeline stage `pp`, model chunk
 // `vp` (megatron/core/transformer/transformer_layer.py get_transformer_layer_offset):
