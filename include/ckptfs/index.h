@@ -31,8 +31,9 @@ namespace ckptfs {
 class Index {
  public:
   // Bump whenever a reader's output changes, too (v6: TP split rules; v7:
-  // mean-of-replicas tensors, DeepSpeed pipeline checkpoints).
-  static constexpr uint32_t kSchemaVersion = 8;
+  // mean-of-replicas tensors, DeepSpeed pipeline checkpoints; v9: Megatron
+  // distributed-optimizer states and MoE experts, the master-mismatch check).
+  static constexpr uint32_t kSchemaVersion = 9;
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);

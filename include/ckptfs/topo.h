@@ -14,7 +14,9 @@
 // everything else outside the layer stack to the last. A rank's tensor is a
 // list of global boxes concatenated along dim 0 (one box; two for SwiGLU's
 // [W_r; V_r]). A dimension that does not divide is an error naming the
-// tensor, never a silently wrong shard.
+// tensor, never a silently wrong shard. With -ep<E>, MoE experts
+// ("...local_experts.<g>...", global g) are dealt to expert-parallel rank
+// g / (experts / E) of their stage; everything else is held by every EP rank.
 #ifndef CKPTFS_TOPO_H_
 #define CKPTFS_TOPO_H_
 
@@ -66,7 +68,7 @@ Status ParseRulesFile(const std::string& path, TopoOptions& opts);
 // "3,5" -> {3, 5}.
 Result<std::vector<int64_t>> ParsePpLayers(std::string_view text);
 
-// A tensor as rank (tp, pp) holds it.
+// A tensor as rank (tp, pp[, ep]) holds it.
 struct RankTensor {
   TensorId id;
   std::string name;                  // safetensors key: <fqn> or optimizer.state.<fqn>.<state>
@@ -76,20 +78,24 @@ struct RankTensor {
   std::string rule;                  // "dim 0 (megatron)", "replicated (no rule)", ...
 };
 struct RankPlan {
-  int tp = 0, pp = 0;
+  int tp = 0, pp = 0, ep = 0;
   std::vector<RankTensor> tensors;
 };
 struct TopoPlan {
   Topology topo;
   std::vector<std::pair<int64_t, int64_t>> stage_layers;  // [first, end) global layers per stage
   int64_t num_layers = 0;
-  std::vector<RankPlan> ranks;  // index pp * tp + t
+  int64_t num_experts = 0;  // MoE experts per layer (local_experts.<i>.), 0: none
+  std::vector<RankPlan> ranks;  // index (pp * EP + ep) * TP + tp, EP = max(topo.ep, 1)
   std::vector<std::string> notes;
 };
 Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const TopoOptions& opts);
 
 // Layer index of "...layers.<i>..." (also layer, h, blocks); -1 when none.
 int64_t LayerOf(const std::string& fqn);
+
+// Global MoE expert index of "...local_experts.<g>..."; -1 when none.
+int64_t ExpertOf(const std::string& fqn);
 
 // safetensors dtype name ("BF16"); empty when safetensors has none.
 std::string_view SafetensorsDType(DType d);

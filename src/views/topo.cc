@@ -197,6 +197,13 @@ int64_t LayerOf(const std::string& fqn) {
   return -1;
 }
 
+int64_t ExpertOf(const std::string& fqn) {
+  static const RE2 kExpert(R"((?:^|\.)local_experts\.(\d{1,9})\.)", RE2::Latin1);
+  int64_t i = -1;
+  if (RE2::PartialMatch(fqn, kExpert, &i)) return i;
+  return -1;
+}
+
 std::string_view SafetensorsDType(DType d) {
   switch (d) {
     case DType::kBool: return "BOOL";
@@ -225,10 +232,6 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
   TopoPlan plan;
   plan.topo = topo;
   const std::string view = "topo/" + topo.Name();
-  if (topo.ep > 1) {
-    return Unsupported(view + ": expert parallelism (ep > 1) is not supported yet; this checkpoint's experts are in "
-                              "params/ under their own names");
-  }
   const auto& tensors = index.tensors();
   // Which records take part, and the global layer count.
   std::vector<uint32_t> ids;
@@ -243,9 +246,22 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
     ids.push_back(i);
     if (t.state == "param") param_shape[t.fqn] = t.shape;
     max_layer = std::max(max_layer, LayerOf(t.fqn));
+    plan.num_experts = std::max(plan.num_experts, ExpertOf(t.fqn) + 1);
   }
   if (ids.empty()) return Invalid(view + ": the checkpoint has no parameters to reshard");
   plan.num_layers = max_layer + 1;
+  const int EP = std::max(topo.ep, 1);
+  if (EP > 1 && plan.num_experts == 0) {
+    return Invalid(view + ": the checkpoint has no MoE experts (local_experts.<i>) to place on expert-parallel ranks");
+  }
+  if (plan.num_experts % EP != 0) {
+    return Invalid(view + ": " + std::to_string(plan.num_experts) + " experts per layer do not divide by EP=" +
+                   std::to_string(EP));
+  }
+  const int64_t local_experts = plan.num_experts / EP;
+  if (EP > 1 && topo.dp > 0) {
+    return Unsupported(view + ": DeepSpeed-style -dp partitions are not laid out for expert-parallel views");
+  }
 
   // Pipeline stages.
   const int64_t L = plan.num_layers;
@@ -275,11 +291,15 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
   }
   if (topo.pp > 1 && L == 0) return Invalid(view + ": no layers.<i> (or pipeline <i>.) parameters, so there is nothing to split into stages");
 
-  plan.ranks.resize(static_cast<size_t>(topo.tp) * topo.pp);
+  plan.ranks.resize(static_cast<size_t>(topo.tp) * topo.pp * EP);
   for (int p = 0; p < topo.pp; ++p) {
-    for (int t = 0; t < topo.tp; ++t) {
-      plan.ranks[static_cast<size_t>(p) * topo.tp + t].tp = t;
-      plan.ranks[static_cast<size_t>(p) * topo.tp + t].pp = p;
+    for (int e = 0; e < EP; ++e) {
+      for (int t = 0; t < topo.tp; ++t) {
+        RankPlan& r = plan.ranks[(static_cast<size_t>(p) * EP + e) * topo.tp + t];
+        r.tp = t;
+        r.pp = p;
+        r.ep = e;
+      }
     }
   }
   const int T = topo.tp;
@@ -344,6 +364,9 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
     } else {
       stage = IsEmbedding(rec.fqn) ? 0 : topo.pp - 1;
     }
+    const int64_t expert = ExpertOf(rec.fqn);
+    const int e_first = expert >= 0 ? static_cast<int>(expert / local_experts) : 0;
+    const int e_end = expert >= 0 ? e_first + 1 : EP;
     for (int t = 0; t < T; ++t) {
       RankTensor rt;
       rt.id = TensorId{i};
@@ -372,7 +395,9 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
       } else {
         rt.pieces.push_back(whole);
       }
-      plan.ranks[static_cast<size_t>(stage) * T + t].tensors.push_back(std::move(rt));
+      for (int e = e_first; e < e_end; ++e) {  // an expert: its EP rank; the rest: every EP rank
+        plan.ranks[(static_cast<size_t>(stage) * EP + e) * T + t].tensors.push_back(rt);
+      }
     }
   }
   return plan;

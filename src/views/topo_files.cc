@@ -48,7 +48,9 @@ FileLayout SafetensorsFile(const json& header, std::vector<Segment> body) {
   return l;
 }
 
-std::string RankFile(const RankPlan& r) { return "tp" + std::to_string(r.tp) + "-pp" + std::to_string(r.pp); }
+std::string RankFile(const TopoPlan& p, const RankPlan& r) {
+  return "tp" + std::to_string(r.tp) + "-pp" + std::to_string(r.pp) + (p.topo.ep > 0 ? "-ep" + std::to_string(r.ep) : "");
+}
 
 // The flat range [a, b) of a rank tensor's local C order (its pieces
 // concatenated, then its zero tail) as global boxes; returns how many zero
@@ -153,7 +155,7 @@ Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, j
                        {"group_numel", s.numel}, {"group_padded", s.padded}, {"fragments", frags}};
     }
     FileLayout l = SafetensorsFile(header, std::move(body));
-    const std::string file = RankFile(r) + "-dp" + std::to_string(d) + ".safetensors";
+    const std::string file = RankFile(plan, r) + "-dp" + std::to_string(d) + ".safetensors";
     dp_json.push_back({{"file", file}, {"tp", r.tp}, {"pp", r.pp}, {"dp", d}, {"partitions", parts}});
     out.emplace_back(file, std::move(l));
   }
@@ -184,6 +186,8 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
   w.Int(p.topo.pp);
   w.Str("virtual_pipeline_model_parallel_size");
   w.None();
+  w.Str("expert_model_parallel_size");
+  w.Int(std::max(p.topo.ep, 1));
   w.EndDict();
   w.Build();
   w.Str("checkpoint_version");
@@ -211,6 +215,10 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
     if (rt.zero_tail > 0) return Unsupported("'" + t.key + "' needs vocabulary padding rows, which Megatron-native files do not synthesize");
     int64_t layer = -1;
     std::string local = formats::megatron::RenumberLayer(t.fqn, -first_layer, &layer);
+    if (p.num_experts > 0) {  // expert indices local to the EP rank
+      int64_t expert;
+      local = formats::megatron::RenumberExpert(local, -r.ep * (p.num_experts / std::max(p.topo.ep, 1)), &expert);
+    }
     if (local_spec) {
       for (const auto& [fused, module] : {std::pair<const char*, const char*>{".self_attention.linear_qkv.layer_norm_", ".input_layernorm."},
                                           {".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."}}) {
@@ -238,10 +246,14 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
   std::snprintf(dir, sizeof dir, "iter_%07lld/mp_rank_%02d", static_cast<long long>(std::max<int64_t>(index.info().step, 0)),
                 r.tp);
   std::string path = dir;
+  char suffix[16];
   if (p.topo.pp > 1) {
-    char pp[16];
-    std::snprintf(pp, sizeof pp, "_%03d", r.pp);
-    path += pp;
+    std::snprintf(suffix, sizeof suffix, "_%03d", r.pp);
+    path += suffix;
+  }
+  if (p.topo.ep > 1) {  // get_checkpoint_name: _EEE after _PPP
+    std::snprintf(suffix, sizeof suffix, "_%03d", r.ep);
+    path += suffix;
   }
   path += "/model_optim_rng.pt";
   auto parts = formats::TorchSaveParts("model_optim_rng", w.Finish(), storages);
@@ -321,6 +333,10 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
   lj["tp"] = plan.topo.tp;
   lj["pp"] = plan.topo.pp;
   if (plan.topo.dp > 0) lj["dp"] = plan.topo.dp;
+  if (plan.topo.ep > 0) {
+    lj["ep"] = plan.topo.ep;
+    lj["num_experts"] = plan.num_experts;
+  }
   lj["num_layers"] = plan.num_layers;
   json stages = json::array();
   for (size_t p = 0; p < plan.stage_layers.size(); ++p) {
@@ -330,11 +346,16 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
   json ranks = json::array();
   json dp_json = json::array();
   for (const RankPlan& r : plan.ranks) {
-    const std::string file = RankFile(r) + ".safetensors";
-    auto l = Safetensors(index, r.tensors,
-                         {{"format", "pt"}, {"ckptfs_topology", name}, {"tp_rank", std::to_string(r.tp)},
-                          {"pp_rank", std::to_string(r.pp)}, {"tp_size", std::to_string(plan.topo.tp)},
-                          {"pp_size", std::to_string(plan.topo.pp)}});
+    const std::string file = RankFile(plan, r) + ".safetensors";
+    std::vector<std::pair<std::string, std::string>> meta = {
+        {"format", "pt"}, {"ckptfs_topology", name}, {"tp_rank", std::to_string(r.tp)},
+        {"pp_rank", std::to_string(r.pp)}, {"tp_size", std::to_string(plan.topo.tp)},
+        {"pp_size", std::to_string(plan.topo.pp)}};
+    if (plan.topo.ep > 0) {
+      meta.emplace_back("ep_rank", std::to_string(r.ep));
+      meta.emplace_back("ep_size", std::to_string(plan.topo.ep));
+    }
+    auto l = Safetensors(index, r.tensors, meta);
     if (!l.ok()) return l.status().Annotate("topo/" + name + "/" + file);
     out.emplace_back(file, std::move(*l));
     json ts = json::array();
@@ -346,7 +367,10 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
                     {"shape", IntsJson(rt.shape)}, {"global_shape", IntsJson(t.shape)}, {"rule", rt.rule},
                     {"slices", slices}, {"zero_padding_elements", rt.zero_tail}});
     }
-    ranks.push_back({{"file", file}, {"tp", r.tp}, {"pp", r.pp}, {"tensors", ts}});
+    json rj = {{"file", file}, {"tp", r.tp}, {"pp", r.pp}};
+    if (plan.topo.ep > 0) rj["ep"] = r.ep;
+    rj["tensors"] = ts;
+    ranks.push_back(std::move(rj));
     if (plan.topo.dp > 0) RETURN_IF_ERROR(AddDpFiles(index, plan, r, dp_json, out));
   }
   lj["ranks"] = ranks;

@@ -317,6 +317,48 @@ def test_megatron_core_loads_native_view_at_new_tp(megatron_fixtures, mounter, t
         assert torch.allclose(torch.load(tmp_path / f"logits{tp}.pt"), l1, atol=1e-5, rtol=1e-4), tp
 
 
+def test_megatron_moe_native_view_at_source_topology_equals_source(megatron_fixtures, mounter):
+    """topo/tp2-pp2-ep2 of an EP=2 legacy MoE checkpoint: the 8 rank archives
+    (mp_rank_TT_PPP_EEE, expert indices local to each EP rank) hold exactly the
+    tensors, names and order megatron-core wrote."""
+    src = megatron_fixtures / "legacy_moe_tp2_pp2_ep2"
+    with mounter(src) as m:
+        assert "tp2-pp2-ep2" in os.listdir(m.path / "topo")
+        layout = json.loads((m.path / "topo/tp2-pp2-ep2/layout.json").read_text())
+        assert layout["ep"] == 2 and layout["num_experts"] == 4 and len(layout["ranks"]) == 8
+        for t in range(2):
+            for p in range(2):
+                for e in range(2):
+                    rel = f"iter_0000007/mp_rank_{t:02d}_{p:03d}_{e:03d}/model_optim_rng.pt"
+                    mine = torch.load(m.path / "topo" / "tp2-pp2-ep2" / rel, weights_only=False)
+                    theirs = torch.load(src / rel, weights_only=False)
+                    assert mine["args"].expert_model_parallel_size == 2 and mine["args"].num_experts == 4
+                    assert list(mine["model"]) == list(theirs["model"]), rel
+                    for k, v in theirs["model"].items():
+                        assert (v is None and mine["model"][k] is None) or torch.equal(mine["model"][k], v), k
+        with safe_open(str(m.path / "topo/tp2-pp2-ep2/tp0-pp1-ep1.safetensors"), "pt") as f:
+            experts = {k.split("local_experts.")[1].split(".")[0] for k in f.keys() if "local_experts." in k}
+            assert experts == {"2", "3"} and f.metadata()["ep_rank"] == "1"  # global names in the rank files
+
+
+@pytest.mark.parametrize("source", ["legacy_moe_tp2_pp2_ep2", "dist_moe_tp2_pp2_ep2"])
+def test_megatron_core_loads_moe_view_at_new_tp_and_ep(megatron_fixtures, mounter, tmp_path, source):
+    """An MoE GPTModel (4 experts, top-2) built at (TP, EP) = (1, 1), (2, 1),
+    (1, 2) and (2, 2) loads topo/tp<T>-pp1-ep<E> with strict=True; all give the
+    same logits."""
+    layouts = [(1, 1), (2, 1), (1, 2), (2, 2)]
+    with mounter(megatron_fixtures / source) as m:
+        for tp, ep in layouts:
+            spawn("topo_megatron_load.py", tp * ep, m.path / "topo" / f"tp{tp}-pp1-ep{ep}", tmp_path / f"l{tp}{ep}.pt", ep)
+        with pytest.raises(OSError):  # 4 experts do not divide by EP=3: the view says why
+            os.listdir(m.path / "topo" / "tp1-pp1-ep3")
+        assert "do not divide by EP=3" in (m.path / "topo" / "ERRORS").read_text()
+    first = torch.load(tmp_path / "l11.pt")
+    assert first.abs().max() > 0
+    for tp, ep in layouts[1:]:
+        assert torch.allclose(torch.load(tmp_path / f"l{tp}{ep}.pt"), first, atol=1e-5, rtol=1e-4), (tp, ep)
+
+
 def test_hand_split_tp2_model_matches_hf(mounter, tmp_path):
     """A small Llama-style model saved with dcp.save, then split TP=2 by hand
     (column-parallel w1/w3/output, row-parallel w2, vocab-parallel embedding)

@@ -541,53 +541,70 @@ Status Reader::Emit() {
   std::set<int64_t> layers_seen;
   std::set<int64_t> experts_seen;
   for (int p = 0; p < pp; ++p) {
-    bool dense_done = false;
-    for (int e = 0; e < ep; ++e) {
-      RankFile* r0 = FirstValid(p, e);
-      if (r0 == nullptr) continue;
-      // Experts per EP rank: from args, else what this file holds.
-      int64_t experts_here = local_experts;
-      if (experts_here < 0) {
-        experts_here = 0;
-        for (const auto& chunk : r0->chunks) {
-          for (const Entry& x : chunk) {
-            int64_t k;
-            megatron::RenumberExpert(x.local, 0, &k);
-            experts_here = std::max(experts_here, k + 1);
-          }
+    // Dense parameters from the first EP rank that has the stage (every EP
+    // rank holds them); each run of expert parameters from every EP rank in
+    // turn, renumbered to global experts: the order of the model at EP = 1.
+    std::vector<RankFile*> by_ep(static_cast<size_t>(ep));
+    RankFile* r0 = nullptr;
+    for (int e = ep; e-- > 0;) {
+      by_ep[static_cast<size_t>(e)] = FirstValid(p, e);
+      if (by_ep[static_cast<size_t>(e)] != nullptr) r0 = by_ep[static_cast<size_t>(e)];
+    }
+    if (r0 == nullptr) continue;
+    int64_t experts_here = local_experts;  // from args, else what the file holds
+    if (experts_here < 0) {
+      experts_here = 0;
+      for (const auto& chunk : r0->chunks) {
+        for (const Entry& x : chunk) {
+          int64_t k;
+          megatron::RenumberExpert(x.local, 0, &k);
+          experts_here = std::max(experts_here, k + 1);
         }
       }
-      for (size_t v = 0; v < r0->chunks.size(); ++v) {
-        int64_t offset = 0;
-        if (shape.num_layers >= 0) {
-          auto o = megatron::LayerOffset(shape, p, static_cast<int>(v));
-          if (!o.ok()) return o.status().Annotate("cannot number the layers of " + r0->src->rel);
-          offset = *o;
-        } else {
-          std::set<int64_t> local;
-          for (const Entry& e : r0->chunks[v]) {
-            int64_t i;
-            megatron::RenumberLayer(e.local, 0, &i);
-            if (i >= 0) local.insert(i);
-          }
-          offset = static_cast<int64_t>(p * static_cast<int>(r0->chunks.size()) + static_cast<int>(v)) *
-                   static_cast<int64_t>(local.size());
+    }
+    for (size_t v = 0; v < r0->chunks.size(); ++v) {
+      int64_t offset = 0;
+      if (shape.num_layers >= 0) {
+        auto o = megatron::LayerOffset(shape, p, static_cast<int>(v));
+        if (!o.ok()) return o.status().Annotate("cannot number the layers of " + r0->src->rel);
+        offset = *o;
+      } else {
+        std::set<int64_t> local;
+        for (const Entry& e : r0->chunks[v]) {
+          int64_t i;
+          megatron::RenumberLayer(e.local, 0, &i);
+          if (i >= 0) local.insert(i);
         }
-        for (const Entry& x : r0->chunks[v]) {
-          // Dense parameters from the first EP rank that has the stage (every EP
-          // rank holds them); experts from each, renumbered to global experts.
-          int64_t layer, expert;
-          std::string g = megatron::RenumberLayer(x.local, offset, &layer);
-          g = megatron::RenumberExpert(g, e * experts_here, &expert);
-          if (expert < 0 && dense_done) continue;
-          if (expert >= 0) experts_seen.insert(expert);
-          if (layer >= 0) layers_seen.insert(layer);
-          auto [it, inserted] = index.emplace(g, globals.size());
-          if (inserted) globals.push_back(Global{g, layer, {}});
-          globals[it->second].holders.push_back(Holder{p, e, static_cast<int>(v), x.local});
-        }
+        offset = static_cast<int64_t>(p * static_cast<int>(r0->chunks.size()) + static_cast<int>(v)) *
+                 static_cast<int64_t>(local.size());
       }
-      dense_done = true;
+      auto add = [&](int e, const Entry& x) {
+        int64_t layer, expert;
+        std::string g = megatron::RenumberLayer(x.local, offset, &layer);
+        g = megatron::RenumberExpert(g, e * experts_here, &expert);
+        if (expert >= 0) experts_seen.insert(expert);
+        if (layer >= 0) layers_seen.insert(layer);
+        auto [it, inserted] = index.emplace(g, globals.size());
+        if (inserted) globals.push_back(Global{g, layer, {}});
+        globals[it->second].holders.push_back(Holder{p, e, static_cast<int>(v), x.local});
+      };
+      const std::vector<Entry>& entries = r0->chunks[v];
+      for (size_t i = 0; i < entries.size();) {
+        if (!IsExpert(entries[i].local)) {
+          add(r0->ep, entries[i++]);
+          continue;
+        }
+        size_t j = i;
+        while (j < entries.size() && IsExpert(entries[j].local)) ++j;
+        for (int e = 0; e < ep; ++e) {  // the same run in each EP rank's file (Megatron: same structure)
+          const RankFile* re = by_ep[static_cast<size_t>(e)];
+          if (re == nullptr || v >= re->chunks.size()) continue;
+          for (size_t k = i; k < j && k < re->chunks[v].size(); ++k) {
+            if (IsExpert(re->chunks[v][k].local)) add(e, re->chunks[v][k]);
+          }
+        }
+        i = j;
+      }
     }
   }
   if (local_experts > 0 && static_cast<int64_t>(experts_seen.size()) < local_experts * ep) {
@@ -829,7 +846,7 @@ Status Reader::Run() {
   ck.info.world_size = static_cast<uint32_t>(ranks.size());
   if (args != nullptr) megatron::ExportArgsJson(args, ck);
   megatron::SetSplits(megatron::FactsOf(args), ck);
-  ck.info.topology = "tp" + std::to_string(tp) + "-pp" + std::to_string(pp);
+  ck.info.topology = "tp" + std::to_string(tp) + "-pp" + std::to_string(pp) + (ep > 1 ? "-ep" + std::to_string(ep) : "");
   if (std::string note = files.PlaceholderNote(); !note.empty()) problems.push_back(std::move(note));
   ck.info.problems = std::move(problems);
   return Status::Ok();
