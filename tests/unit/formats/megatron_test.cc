@@ -16,6 +16,7 @@ namespace fs = std::filesystem;
 using ckptfs::testing::TempDir;
 using megatron::LayerOffset;
 using megatron::PipelineShape;
+using megatron::RenumberExpert;
 using megatron::RenumberLayer;
 using megatron::SplitRule;
 
@@ -43,7 +44,21 @@ TEST(MegatronSplitRuleTest, LayerTypes) {
   EXPECT_EQ(SplitRule("language_model.encoder.layers.1.self_attention.dense.weight", false)->cat_dim, 1);
   EXPECT_EQ(SplitRule("language_model.encoder.layers.1.mlp.dense_4h_to_h.bias", false)->kind, Merge::kReplicated);
   EXPECT_EQ(SplitRule("language_model.encoder.layers.1.self_attention.query_key_value.bias", false)->kind, Merge::kCat);
-  EXPECT_FALSE(SplitRule("decoder.layers.0.mlp.router.weight", true).has_value());
+  // MoE: the router is replicated; experts split like the dense MLP.
+  EXPECT_EQ(SplitRule("decoder.layers.0.mlp.router.weight", true)->kind, Merge::kReplicated);
+  EXPECT_EQ(SplitRule("decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight", true)->kind, Merge::kSub2);
+  EXPECT_FALSE(SplitRule("decoder.layers.0.mlp.some_new_module.weight", true).has_value());
+}
+
+TEST(MegatronLayersTest, RenumberExpert) {
+  int64_t i;
+  EXPECT_EQ(RenumberExpert("decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight", 6, &i),
+            "decoder.layers.1.mlp.experts.local_experts.7.linear_fc1.weight");
+  EXPECT_EQ(i, 7);
+  EXPECT_EQ(RenumberExpert("decoder.layers.1.mlp.linear_fc1.weight", 6, &i), "decoder.layers.1.mlp.linear_fc1.weight");
+  EXPECT_EQ(i, -1);
+  EXPECT_EQ(RenumberExpert("x.local_experts.99999999999.w", 1, &i), "x.local_experts.99999999999.w");  // no such model
+  EXPECT_EQ(i, -1);
 }
 
 TEST(MegatronLayersTest, RenumberAndOffsets) {

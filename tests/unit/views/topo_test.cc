@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "../test_util.h"
 #include "ckptfs/io.h"
@@ -45,6 +47,12 @@ class TopoTest : public ::testing::Test {
     Add("norm.weight", "param", {6});
     Add("layers.0.qkv.weight", "param", {8, 2}, TensorSplit{SplitKind::kDim, 0, 2, false});
     Add("layers.1.fc1.weight", "param", {8, 2}, TensorSplit{SplitKind::kSub2, 0, 0, false});
+    Rebuild();
+  }
+  // Writes the data file and (re)builds the index of ck_.
+  void Rebuild() {
+    ix_.reset();
+    ck_.files.clear();
     std::string data;
     for (uint32_t i = 0; i < next_ / 4; ++i) {
       float f = static_cast<float>(i);
@@ -91,6 +99,42 @@ class TopoTest : public ::testing::Test {
   uint64_t next_ = 0;
   std::map<std::string, uint64_t> base_;
 };
+
+TEST_F(TopoTest, ExpertParallelRanks) {
+  // Without experts, -ep is refused; 4 experts on top: dealt 2 per EP rank.
+  auto none = PlanTopology(*ix_, *Topology::Parse("tp1-pp1-ep2"), TopoOptions{});
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("no MoE experts"), std::string::npos) << none.status().message();
+  for (int e = 0; e < 4; ++e) Add("layers.1.mlp.experts.local_experts." + std::to_string(e) + ".w1.weight", "param", {4, 2});
+  Rebuild();
+  auto plan = PlanTopology(*ix_, *Topology::Parse("tp2-pp1-ep2"), TopoOptions{});
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  EXPECT_EQ(plan->num_experts, 4);
+  ASSERT_EQ(plan->ranks.size(), 4u);  // (pp * EP + ep) * TP + tp
+  auto names = [&](int e, int t) {
+    std::set<std::string> out;
+    const RankPlan& r = plan->ranks[static_cast<size_t>(e) * 2 + t];
+    EXPECT_EQ(r.ep, e);
+    EXPECT_EQ(r.tp, t);
+    for (const RankTensor& rt : r.tensors) {
+      if (ExpertOf(rt.name) >= 0) out.insert(rt.name);
+    }
+    return out;
+  };
+  EXPECT_EQ(names(1, 0), (std::set<std::string>{"layers.1.mlp.experts.local_experts.2.w1.weight",
+                                                "layers.1.mlp.experts.local_experts.3.w1.weight"}));
+  EXPECT_EQ(names(0, 1).size(), 2u);
+  // Dense tensors on every EP rank.
+  for (size_t r = 0; r < 4; ++r) {
+    EXPECT_TRUE(std::any_of(plan->ranks[r].tensors.begin(), plan->ranks[r].tensors.end(),
+                            [](const RankTensor& rt) { return rt.name == "norm.weight"; }));
+  }
+  auto three = PlanTopology(*ix_, *Topology::Parse("tp1-pp1-ep3"), TopoOptions{});
+  ASSERT_FALSE(three.ok());
+  EXPECT_NE(three.status().message().find("4 experts per layer do not divide by EP=3"), std::string::npos);
+  auto dp = PlanTopology(*ix_, *Topology::Parse("tp1-pp1-dp2-ep2"), TopoOptions{});
+  EXPECT_FALSE(dp.ok());
+}
 
 TEST_F(TopoTest, SplitsStagesAndRules) {
   auto plan = PlanTopology(*ix_, *Topology::Parse("tp2-pp2"), TopoOptions{});
