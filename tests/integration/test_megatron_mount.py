@@ -47,6 +47,10 @@ SCENARIOS = {
     "legacy_moe_tp2_pp2_ep2": ["legacy", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--experts", "4",
                                "--bf16"],
     "dist_moe_tp2_pp2_ep2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--experts", "4", "--bf16"],
+    # The newest default with MoE: dense and expert distributed optimizers
+    # (chained_0. / chained_1.), the expert buffers per EP rank.
+    "dist_moe_dpreshard_tp2_pp2_ep2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--experts", "4",
+                                       "--bf16", "--dist-opt", "--optim", "dp_reshardable", "--bucket-size", "2000"],
     "zarr_tp2_pp2": ["zarr", "--tp", "2", "--pp", "2", "--bf16"],
     "zarr_lostwrites_tp2": ["zarr", "--tp", "2", "--bf16", "--lost-writes"],
 }

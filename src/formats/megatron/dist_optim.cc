@@ -87,9 +87,17 @@ int LayerRank(const std::string& suffix, bool local) {
       {"self_attention.linear_qkv.layer_norm_weight", 12}, {"self_attention.linear_qkv.layer_norm_bias", 13},
       {"mlp.linear_fc1.layer_norm_weight", 40}, {"mlp.linear_fc1.layer_norm_bias", 41},
   };
+  // MoELayer: the router, then the experts (SequentialMLP: local_experts.<i>,
+  // each linear_fc1 before linear_fc2). Expert parameters live in buffers of
+  // their own, so only their order among themselves matters.
+  static const RE2 kExpert(R"(mlp\.experts\.local_experts\.(\d{1,6})\.linear_fc([12])\.(weight|bias))", RE2::Latin1);
   const auto& fused = local ? kLocal : kTe;
   if (auto it = fused.find(suffix); it != fused.end()) return it->second;
   if (auto it = kCommon.find(suffix); it != kCommon.end()) return it->second;
+  if (suffix == "mlp.router.weight") return 46;
+  int expert = 0, fc = 0;
+  std::string kind;
+  if (RE2::FullMatch(suffix, kExpert, &expert, &fc, &kind)) return 100 + 4 * expert + 2 * (fc - 1) + (kind == "bias");
   return -1;
 }
 
@@ -280,6 +288,11 @@ std::string ReadParamState(const std::string& dir, const Checkpoint& ck, uint32_
   });
 }
 
+// With MoE, a ChainedOptimizer saves each member under chained_<i>.: the
+// dense distributed optimizer first, the expert one last. Its dp_group_idx is
+// the rank in the model-parallel group: t + TP * p for the dense buffers,
+// t + TP * (e + EP * p) for the expert ones (the expert tensor-pipeline group
+// of mcore's "tp-ep-dp-pp" rank order; expert TP = TP).
 class Mapper {
  public:
   Mapper(const std::string& dir, const ModelFacts& facts, Checkpoint& ck) : dir_(dir), f_(facts), ck_(ck) {}
@@ -287,7 +300,10 @@ class Mapper {
 
  private:
   bool Collect();
-  void MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector<Member>& members);
+  // Maps the buffers of one optimizer (chain -1: unchained) over `experts` or
+  // the dense parameters.
+  void RunPart(int64_t chain, bool experts);
+  void MapBuffer(int64_t mp, int t, int p, int v, const Buffer& buf, const std::vector<Member>& members);
   std::string Split(const Buffer& buf, const std::vector<Member>& ordered, int p, Buffer* out) const;
   std::string Replay(const Buffer& buf, const std::vector<Member>& ordered, std::vector<Placement>& out) const;
   std::string CheckBoundaries(const Buffer& buf, const std::vector<Member>& ordered, const std::vector<Placement>& at,
@@ -297,9 +313,14 @@ class Mapper {
   const std::string& dir_;
   const ModelFacts& f_;
   Checkpoint& ck_;
-  std::map<std::pair<int64_t, int64_t>, Buffer> buffers_;  // (M, gbuf)
-  std::map<int64_t, uint32_t> unpadded_rec_, padded_rec_;  // M -> per_bucket_numel[_unpadded]
-  std::map<int64_t, uint32_t> param_state_rec_;            // M -> dp_zero_gather_scatter param_state
+  std::map<std::tuple<int64_t, int64_t, int64_t>, Buffer> buffers_;    // (chain, M, gbuf)
+  std::map<std::pair<int64_t, int64_t>, uint32_t> unpadded_rec_, padded_rec_;  // (chain, M) -> per_bucket_numel[_unpadded]
+  std::map<std::pair<int64_t, int64_t>, uint32_t> param_state_rec_;            // (chain, M) -> param_state
+  // The part being mapped: its chain and data-parallel size (experts: the
+  // expert data-parallel group, DP / EP).
+  int64_t chain_ = -1;
+  bool experts_ = false;
+  int64_t dp_ = -1;
   // Per parameter record and state: fragments gathered over TP ranks, or why not.
   struct StateOut {
     std::vector<Fragment> frags;
@@ -312,17 +333,20 @@ class Mapper {
 
 bool Mapper::Collect() {
   static const RE2 kBucket(
-      R"(optimizer\.distributed\.dp_group_idx_(\d{1,6})\.gbuf_idx_(\d{1,6})\.dtype_(.*)\.bucket_idx_(\d{1,9})\.(param|exp_avg|exp_avg_sq))",
+      R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.gbuf_idx_(\d{1,6})\.dtype_(.*)\.bucket_idx_(\d{1,9})\.(param|exp_avg|exp_avg_sq))",
       RE2::Latin1);
-  static const RE2 kPerBucket(R"(optimizer\.distributed\.dp_group_idx_(\d{1,6})\.per_bucket_numel(_unpadded)?/shard_.*)",
-                              RE2::Latin1);
-  static const RE2 kParamState(R"(optimizer\.distributed\.dp_group_idx_(\d{1,6})\.param_state/shard_.*)", RE2::Latin1);
+  static const RE2 kPerBucket(
+      R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.per_bucket_numel(_unpadded)?/shard_.*)",
+      RE2::Latin1);
+  static const RE2 kParamState(R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.param_state/shard_.*)",
+                               RE2::Latin1);
   for (uint32_t i = 0; i < ck_.tensors.size(); ++i) {
     const TensorRecord& t = ck_.tensors[i];
     int64_t m = 0, g = 0, b = 0;
-    std::string dtype, state, unpadded;
-    if (t.encoding == Encoding::kTensor && RE2::FullMatch(t.key, kBucket, &m, &g, &dtype, &b, &state)) {
-      Buffer& buf = buffers_[{m, g}];
+    std::string chain_s, dtype, state, unpadded;
+    auto chain = [&] { return chain_s.empty() ? int64_t{-1} : std::stoll(chain_s); };  // at most 3 digits
+    if (t.encoding == Encoding::kTensor && RE2::FullMatch(t.key, kBucket, &chain_s, &m, &g, &dtype, &b, &state)) {
+      Buffer& buf = buffers_[{chain(), m, g}];
       buf.dtype = dtype;
       buf.chunked = true;
       Bucket& bk = buf.buckets[b];
@@ -334,21 +358,23 @@ bool Mapper::Collect() {
         if (f.offsets.size() == 1) src.frags.push_back(f);
       }
       if (t.shape.size() == 1) bk.numel = t.shape[0];
-    } else if (t.encoding == Encoding::kBytes && RE2::FullMatch(t.key, kPerBucket, &m, &unpadded)) {
-      (unpadded.empty() ? padded_rec_ : unpadded_rec_)[m] = i;
-    } else if (t.encoding == Encoding::kBytes && RE2::FullMatch(t.key, kParamState, &m)) {
-      param_state_rec_[m] = i;
+    } else if (t.encoding == Encoding::kBytes && RE2::FullMatch(t.key, kPerBucket, &chain_s, &m, &unpadded)) {
+      (unpadded.empty() ? padded_rec_ : unpadded_rec_)[{chain(), m}] = i;
+    } else if (t.encoding == Encoding::kBytes && RE2::FullMatch(t.key, kParamState, &chain_s, &m)) {
+      param_state_rec_[{chain(), m}] = i;
     }
   }
-  for (const auto& [m, rec] : param_state_rec_) {
+  for (const auto& [cm, rec] : param_state_rec_) {
     std::map<int64_t, Buffer> bufs;
     const std::string why = ReadParamState(dir_, ck_, rec, &bufs);
     if (!why.empty()) {
       ck_.info.Flag(Check::kUnreadable, Severity::kError, ck_.tensors[rec].key, "",
-                    "cannot read the distributed-optimizer state of dp_group_idx_" + std::to_string(m) + ": " + why, "");
+                    "cannot read the distributed-optimizer state of dp_group_idx_" + std::to_string(cm.second) + ": " +
+                        why,
+                    "");
       continue;
     }
-    for (auto& [g, buf] : bufs) buffers_[{m, g}] = std::move(buf);
+    for (auto& [g, buf] : bufs) buffers_[{cm.first, cm.second, g}] = std::move(buf);
   }
   return !buffers_.empty();
 }
@@ -361,7 +387,7 @@ bool Mapper::Collect() {
 std::string Mapper::Split(const Buffer& buf, const std::vector<Member>& ordered, int p, Buffer* out) const {
   int64_t limit = -1;
   if (f_.overlap_grad_reduce && p == 0) {
-    limit = f_.ddp_bucket_size > 0 ? f_.ddp_bucket_size : std::max<int64_t>(40000000, 1000000 * std::max<int64_t>(f_.dp, 1));
+    limit = f_.ddp_bucket_size > 0 ? f_.ddp_bucket_size : std::max<int64_t>(40000000, 1000000 * std::max<int64_t>(dp_, 1));
   }
   std::vector<int64_t> sizes;
   int64_t pos = 0;
@@ -476,8 +502,8 @@ std::string Mapper::CheckBoundaries(const Buffer& buf, const std::vector<Member>
                  std::to_string(end) + ") of bucket " + std::to_string(b) + ", which the writer's chunks do not bound";
         }
       }
-      if (padded == nullptr || f_.dp <= 0 || static_cast<size_t>(b) >= padded->size() || (*padded)[b] % f_.dp != 0) continue;
-      const int64_t shard = (*padded)[b] / f_.dp;
+      if (padded == nullptr || dp_ <= 0 || static_cast<size_t>(b) >= padded->size() || (*padded)[b] % dp_ != 0) continue;
+      const int64_t shard = (*padded)[b] / dp_;
       for (int64_t e : chunk_edges) {
         if (param_edges.count(e) || (shard > 0 && e % shard == 0)) continue;
         return "a chunk of bucket " + std::to_string(b) + " ends at " + std::to_string(e) +
@@ -488,19 +514,20 @@ std::string Mapper::CheckBoundaries(const Buffer& buf, const std::vector<Member>
   return "";
 }
 
-void Mapper::MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector<Member>& members) {
-  const int64_t mp = t + f_.tp * p;
-  const std::string where = "distributed-optimizer buffer " + std::to_string(v) + " of TP rank " + std::to_string(t) +
-                            ", PP rank " + std::to_string(p) + " (dp_group_idx_" + std::to_string(mp) + ")";
+void Mapper::MapBuffer(int64_t mp, int t, int p, int v, const Buffer& buf, const std::vector<Member>& members) {
+  const std::string where = "distributed-optimizer " + std::string(experts_ ? "expert " : "") + "buffer " +
+                            std::to_string(v) + " of TP rank " + std::to_string(t) + ", PP rank " + std::to_string(p) +
+                            " (" + (chain_ >= 0 ? "chained_" + std::to_string(chain_) + "." : "") + "dp_group_idx_" +
+                            std::to_string(mp) + ")";
   std::string why;
   // Bucket sizes against per_bucket_numel_unpadded.
   std::optional<std::vector<std::vector<int64_t>>> unpadded, padded;
-  if (auto it = unpadded_rec_.find(mp); it != unpadded_rec_.end() && !buf.coalesced) {
+  if (auto it = unpadded_rec_.find({chain_, mp}); it != unpadded_rec_.end() && !buf.coalesced) {
     std::string e;
     unpadded = ReadPerBucket(dir_, ck_, it->second, &e);
     if (!unpadded) why = "cannot read per_bucket_numel_unpadded: " + e;
   }
-  if (auto it = padded_rec_.find(mp); it != padded_rec_.end() && !buf.coalesced) {
+  if (auto it = padded_rec_.find({chain_, mp}); it != padded_rec_.end() && !buf.coalesced) {
     std::string e;
     padded = ReadPerBucket(dir_, ck_, it->second, &e);
   }
@@ -515,7 +542,7 @@ void Mapper::MapBuffer(int t, int p, int v, const Buffer& buf, const std::vector
       d["bucket_tensors"] = have;
       why = "per_bucket_numel_unpadded " + (listed ? d["per_bucket_numel_unpadded"].dump() : std::string("(no entry)")) +
             " contradicts the bucket tensors " + d["bucket_tensors"].dump();
-      ck_.info.Flag(Check::kGeometry, Severity::kError, "", ck_.files[ck_.fragments[unpadded_rec_[mp]][0].file.v].rel_path,
+      ck_.info.Flag(Check::kGeometry, Severity::kError, "", ck_.files[ck_.fragments[unpadded_rec_[{chain_, mp}]][0].file.v].rel_path,
                     where + ": " + why, JsonText(d));
     }
   }
@@ -632,6 +659,32 @@ void Mapper::Run() {
         "tensor_model_parallel_size and num_layers to replay the buffers");
     return;
   }
+  std::set<int64_t> chains;
+  for (const auto& [key, buf] : buffers_) chains.insert(std::get<0>(key));
+  bool experts = false;
+  for (const TensorRecord& t : ck_.tensors) {
+    experts |= t.role == Role::kParam && t.fqn.find(".experts.") != std::string::npos;
+  }
+  if (!experts) {
+    RunPart(*chains.begin(), false);
+    return;
+  }
+  if (chains.size() < 2 || f_.ep <= 0 || f_.num_experts <= 0 || f_.num_experts % f_.ep != 0 || f_.dp % f_.ep != 0) {
+    ck_.info.problems.push_back(
+        "distributed-optimizer states are shown under other/ and not mapped: an MoE checkpoint needs a dense and an "
+        "expert optimizer (chained_0., chained_1.) and args num_experts / expert_model_parallel_size that divide");
+    return;
+  }
+  RunPart(*chains.begin(), false);
+  RunPart(*chains.rbegin(), true);
+}
+
+void Mapper::RunPart(int64_t chain, bool experts) {
+  chain_ = chain;
+  experts_ = experts;
+  const int64_t ep = experts ? f_.ep : 1;
+  dp_ = f_.dp > 0 ? f_.dp / ep : -1;
+  const int64_t local_experts = experts ? f_.num_experts / f_.ep : 0;
   PipelineShape shape;
   shape.num_layers = f_.num_layers;
   shape.pp = static_cast<int>(f_.pp);
@@ -639,15 +692,24 @@ void Mapper::Run() {
   shape.first_stage_layers = f_.first_stage_layers;
   shape.last_stage_layers = f_.last_stage_layers;
 
-  // The parameters of every chunk (p, v), with their TP-local shapes.
-  std::map<std::pair<int, int>, std::vector<Member>> chunks;
+  // The parameters of every chunk (p, v) of EP rank e, with their TP-local shapes.
+  static const RE2 kExpert(R"(.*\.experts\.local_experts\.(\d{1,9})\..*)", RE2::Latin1);
+  std::map<std::tuple<int, int, int>, std::vector<Member>> chunks;
   std::vector<std::string> unplaced;
-  bool experts = false;
-  const bool shared = f_.tied && f_.pp > 1;
+  const bool shared = !experts && f_.tied && f_.pp > 1;
   for (uint32_t i = 0; i < ck_.tensors.size(); ++i) {
     const TensorRecord& t = ck_.tensors[i];
     if (t.role != Role::kParam || t.encoding != Encoding::kTensor) continue;
-    experts |= t.fqn.find(".experts.") != std::string::npos;
+    int64_t g = -1;
+    if (t.fqn.find(".experts.") != std::string::npos) {
+      if (!experts) continue;
+      if (!RE2::FullMatch(t.fqn, kExpert, &g) || g >= f_.num_experts) {
+        unplaced.push_back(t.fqn);
+        continue;
+      }
+    } else if (experts) {
+      continue;
+    }
     auto c = ChunkOf(t.fqn, f_, shape);
     if (!c || !OrderOf(t.fqn, i, f_.local_impl)) {
       unplaced.push_back(t.fqn);
@@ -667,30 +729,33 @@ void Mapper::Run() {
       m.shared = true;
       Member copy = m;
       copy.copy = true;
-      chunks[{static_cast<int>(f_.pp) - 1, static_cast<int>(f_.vp) - 1}].push_back(copy);
+      chunks[{static_cast<int>(f_.pp) - 1, static_cast<int>(f_.vp) - 1, 0}].push_back(copy);
     }
-    chunks[*c].push_back(std::move(m));
+    const int e = g >= 0 ? static_cast<int>(g / local_experts) : 0;
+    chunks[{c->first, c->second, e}].push_back(std::move(m));
   }
-  if (experts || !unplaced.empty()) {
-    const std::string why = experts ? "MoE expert buffers are not replayed"
-                                    : "ckptfs does not know the module order of '" + unplaced.front() + "'" +
-                                          (unplaced.size() > 1 ? " and " + std::to_string(unplaced.size() - 1) + " more" : "");
-    ck_.info.problems.push_back("distributed-optimizer states are shown under other/ and not mapped: " + why);
+  if (!unplaced.empty()) {
+    ck_.info.problems.push_back("distributed-optimizer states are shown under other/ and not mapped: ckptfs does not know "
+                                "the module order of '" + unplaced.front() + "'" +
+                                (unplaced.size() > 1 ? " and " + std::to_string(unplaced.size() - 1) + " more" : ""));
     return;
   }
   for (const auto& [key, buf] : buffers_) {
-    const auto [mp, g] = key;
-    const int t = static_cast<int>(mp % f_.tp), p = static_cast<int>(mp / f_.tp), v = static_cast<int>(g);
-    auto it = chunks.find({p, v});
+    const auto [c, mp, g] = key;
+    if (c != chain) continue;
+    const int t = static_cast<int>(mp % f_.tp), e = static_cast<int>(mp / f_.tp % ep),
+              p = static_cast<int>(mp / f_.tp / ep), v = static_cast<int>(g);
+    auto it = chunks.find({p, v, e});
     if (p >= f_.pp || it == chunks.end()) {
       ck_.info.Flag(Check::kGeometry, Severity::kError, "", "",
                     "distributed-optimizer buffer dp_group_idx_" + std::to_string(mp) + ".gbuf_idx_" + std::to_string(g) +
                         " belongs to no model chunk of TP " + std::to_string(f_.tp) + ", PP " + std::to_string(f_.pp) +
-                        ", VP " + std::to_string(f_.vp) + " (a buffer per dtype is not replayed)",
+                        ", VP " + std::to_string(f_.vp) + (experts ? ", EP " + std::to_string(ep) : "") +
+                        " (a buffer per dtype is not replayed)",
                     "");
       continue;
     }
-    MapBuffer(t, p, v, buf, it->second);
+    MapBuffer(mp, t, p, v, buf, it->second);
   }
   // A chunk whose buffer is missing: its parameters' states are unreadable.
   for (const auto& [c, members] : chunks) {
@@ -699,6 +764,7 @@ void Mapper::Run() {
     }
   }
   Emit();
+  out_.clear();
 }
 
 }  // namespace

@@ -128,6 +128,8 @@ ModelFacts FactsOf(const PyValue* args) {
   f.overlap_grad_reduce = ArgBool(args, "overlap_grad_reduce").value_or(false);
   f.ddp_bucket_size = ArgInt(args, "ddp_bucket_size").value_or(-1);
   f.tied = args != nullptr && !ArgBool(args, "untie_embeddings_and_output_weights").value_or(false);
+  f.num_experts = ArgInt(args, "num_experts").value_or(0);
+  f.ep = ArgInt(args, "expert_model_parallel_size").value_or(1);
   return f;
 }
 

@@ -57,6 +57,8 @@ struct ModelFacts {
   bool overlap_grad_reduce = false;
   int64_t ddp_bucket_size = -1;
   bool tied = false;
+  // MoE: experts per layer and the expert-parallel size (0 / 1 without).
+  int64_t num_experts = 0, ep = 1;
 };
 ModelFacts FactsOf(const PyValue* args);  // args may be null
 // Records each parameter's (and optimizer state's) TP split on its record for
