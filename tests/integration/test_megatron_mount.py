@@ -313,6 +313,31 @@ def test_legacy_missing_rank_and_truncated_file(megatron_fixtures, mounter, tmp_
         assert "mp_rank_00_000/model_optim_rng.pt" in m.log_text()
 
 
+def test_legacy_moe_missing_expert_parallel_rank(megatron_fixtures, mounter, tmp_path, bin_path):
+    """One EP rank directory gone: exactly the experts it held are EIO (with the
+    missing file in the log and a coverage finding); dense weights, the other
+    EP rank's experts and their optimizer states are served."""
+    src = tmp_path / "moe"
+    shutil.copytree(megatron_fixtures / "legacy_moe_tp2_pp2_ep2", src, ignore=shutil.ignore_patterns(".ckptfs"))
+    shutil.rmtree(src / "iter_0000007" / "mp_rank_01_001_001")
+    ref = reference(megatron_fixtures / "legacy_moe_tp2_pp2_ep2", SCENARIOS["legacy_moe_tp2_pp2_ep2"])
+    with mounter(src) as m:
+        params = m.path / "params"
+        for layer in (2, 3):
+            for e in (2, 3):
+                name = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight"
+                assert read_errno(params / name / "param.raw") == 5, name
+        assert "EP rank 1 (" in m.log_text() and "mp_rank_01_001_001/model_optim_rng.pt), which is missing" in m.log_text()
+        for name in ["decoder.layers.3.mlp.router.weight", "decoder.layers.3.self_attention.linear_qkv.weight",
+                     "decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight",
+                     "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"]:
+            np.testing.assert_array_equal(np.load(params / name / "param.npy"), ref[name]["param"].float().numpy())
+            np.testing.assert_array_equal(np.load(params / name / "exp_avg.npy"), ref[name]["exp_avg"].numpy())
+    rc, report = verify_json(bin_path, src)
+    assert rc != 0
+    assert any(f["check"] == "coverage" and "mp_rank_01_001_001" in f["message"] for f in report["findings"]), report
+
+
 def verify_json(bin_path, src):
     r = run([bin_path, "verify", str(src), "--json"])
     return r.returncode, json.loads(r.stdout)

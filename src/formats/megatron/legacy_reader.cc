@@ -669,7 +669,8 @@ Status Reader::Emit() {
       auto it = by_rank.find({t, h.pp, h.ep});
       if (it == by_rank.end()) {
         err = "'" + g.name + "' needs TP rank " + std::to_string(t) + " of stage " + std::to_string(h.pp) +
-              (ep > 1 ? ", EP rank " + std::to_string(h.ep) : "") + ", which is missing";
+              (ep > 1 ? ", EP rank " + std::to_string(h.ep) : "") + " (" + iter.path + "/" +
+              RankDirName(t, h.pp, h.ep, pp, ep) + "/model_optim_rng.pt), which is missing";
         break;
       }
       RankFile& r = *it->second;
