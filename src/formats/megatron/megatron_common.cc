@@ -35,6 +35,21 @@ std::string JsonStr(const std::string& s) {
   return o + "\"";
 }
 
+// `name` with the index after the first "<component>." component (preceded by
+// a dot or the start) moved by `offset`; unchanged (index -1) when absent or
+// longer than `max_digits`.
+std::string RenumberComponent(const std::string& name, const RE2& re, const char* component, size_t max_digits,
+                              int64_t offset, int64_t* index) {
+  *index = -1;
+  re2::StringPiece m[3];
+  if (!re.Match(name, 0, name.size(), RE2::UNANCHORED, m, 3)) return name;
+  if (m[2].size() > max_digits) return name;  // not an index a model has
+  *index = std::stoll(std::string(m[2].data(), m[2].size())) + offset;
+  const size_t begin = m[0].data() - name.data(), end = begin + m[0].size();
+  return name.substr(0, begin) + std::string(m[1].data(), m[1].size()) + component + "." + std::to_string(*index) +
+         "." + name.substr(end);
+}
+
 }  // namespace
 
 bool HasTracker(const std::string& dir) { return Exists(dir + "/latest_checkpointed_iteration.txt"); }
@@ -148,26 +163,12 @@ void SetSplits(const ModelFacts& facts, Checkpoint& ck) {
 
 std::string RenumberLayer(const std::string& name, int64_t offset, int64_t* index) {
   static const RE2 kLayer(R"((^|\.)layers\.(\d+)\.)", RE2::Latin1);
-  *index = -1;
-  re2::StringPiece m[3];
-  if (!kLayer.Match(name, 0, name.size(), RE2::UNANCHORED, m, 3)) return name;
-  if (m[2].size() > 15) return name;  // not a layer index a model has
-  *index = std::stoll(std::string(m[2].data(), m[2].size())) + offset;
-  const size_t begin = m[0].data() - name.data(), end = begin + m[0].size();
-  return name.substr(0, begin) + std::string(m[1].data(), m[1].size()) + "layers." + std::to_string(*index) + "." +
-         name.substr(end);
+  return RenumberComponent(name, kLayer, "layers", 15, offset, index);
 }
 
 std::string RenumberExpert(const std::string& name, int64_t offset, int64_t* index) {
   static const RE2 kExpert(R"((^|\.)local_experts\.(\d+)\.)", RE2::Latin1);
-  *index = -1;
-  re2::StringPiece m[3];
-  if (!kExpert.Match(name, 0, name.size(), RE2::UNANCHORED, m, 3)) return name;
-  if (m[2].size() > 9) return name;  // not an expert index a model has
-  *index = std::stoll(std::string(m[2].data(), m[2].size())) + offset;
-  const size_t begin = m[0].data() - name.data(), end = begin + m[0].size();
-  return name.substr(0, begin) + std::string(m[1].data(), m[1].size()) + "local_experts." + std::to_string(*index) +
-         "." + name.substr(end);
+  return RenumberComponent(name, kExpert, "local_experts", 9, offset, index);
 }
 
 Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp) {
