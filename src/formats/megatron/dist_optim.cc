@@ -274,8 +274,9 @@ std::string ReadParamState(const std::string& dir, const Checkpoint& ck, uint32_
           f.lengths = {bk.numel};
           f.strides = {1};
           f.data_offset = where.data_offset + at->data_offset;
-          f.data_length = static_cast<uint64_t>(bk.numel) * DTypeSize(f.dtype);
-          if (f.data_length > at->data_length) {
+          const uint64_t isz = DTypeSize(f.dtype);
+          f.data_length = static_cast<uint64_t>(bk.numel) * isz;
+          if (isz == 0 || static_cast<uint64_t>(bk.numel) > at->data_length / isz) {  // no overflow on hostile sizes
             src.error = "'" + key + "': " + kStates[s] + " of buffer " + std::to_string(k->i) + " is cut short";
             continue;
           }
