@@ -63,6 +63,7 @@ def main():
                               (fx / "deepspeed_pipe" / "pp2_dp2_fp32", 300_000, ())],
             "megatron_legacy_dir": [(fx / "megatron" / "legacy_tp1_pp1", 1_200_000, ())],
             "megatron_dist_dir": [(fx / "megatron" / "dist_tp2_pp2_dp2", 1_000_000, (".distcp",)),
+                                  (fx / "megatron" / "dist_moe_dpreshard_tp2_pp2_ep2", 1_000_000, (".distcp",)),
                                   (fx / "megatron" / "zarr_tp2_pp2", 100_000, ())],
             "views": [(hostile, 300_000, ()), (data / "ds_py3112" / "padspan_z2_dp4", 300_000, ())],
         }
