@@ -46,6 +46,8 @@ SCENARIOS = {
     # a dense and an expert optimizer (ChainedOptimizer).
     "legacy_moe_tp2_pp2_ep2": ["legacy", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--experts", "4",
                                "--bf16"],
+    "legacy_moe_distopt_tp2_pp2_ep2": ["legacy", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--experts", "4",
+                                       "--bf16", "--dist-opt"],
     "dist_moe_tp2_pp2_ep2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--experts", "4", "--bf16"],
     # The newest default with MoE: dense and expert distributed optimizers
     # (chained_0. / chained_1.), the expert buffers per EP rank.

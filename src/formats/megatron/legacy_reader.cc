@@ -125,6 +125,7 @@ struct Reader {
   void MapOptimizer(RankFile& r);
   RankFile* FirstValid(int p, int e);
   void MapDistOpt(RankFile& r);
+  void MapDistOptBuffers(RankFile& r, const PyValue* state, bool experts);
   Status Emit();
   void CompareReplicas(const std::string& name, const std::vector<std::pair<std::string, Loc>>& copies,
                        const std::vector<const Source*>& srcs, const std::string& across);
@@ -401,11 +402,30 @@ void Reader::MapOptimizer(RankFile& r) {
 }
 
 // distrib_optim.pt (get_parameter_state_dp_zero): per DDP buffer, the whole
-// (DP-gathered) fp32 param / exp_avg / exp_avg_sq with bucket-end padding removed.
+// (DP-gathered) fp32 param / exp_avg / exp_avg_sq with bucket-end padding
+// removed. A ChainedOptimizer (MoE) saves a list, one entry per member: the
+// dense optimizer's (None on EP ranks that are not its DP rank 0), then the
+// expert optimizer's, whose buffers hold this EP rank's experts.
 void Reader::MapDistOpt(RankFile& r) {
   const PyValue* root = r.distopt->root();
+  if (root != nullptr && root->kind == PyKind::kDict) {
+    MapDistOptBuffers(r, root, false);
+    return;
+  }
+  if (root == nullptr || !root->IsSeq() || root->items.empty() || root->items.size() > 2) {
+    r.opt_unavailable = r.distopt->rel + ": top level is neither a dict nor a list of one or two optimizers' states";
+    return;
+  }
+  for (size_t i = 0; i < root->items.size() && r.opt_unavailable.empty(); ++i) {
+    const PyValue* member = root->items[i];
+    if (member->kind == PyKind::kNone) continue;  // another EP rank's directory holds it
+    MapDistOptBuffers(r, member, i == 1);
+  }
+}
+
+void Reader::MapDistOptBuffers(RankFile& r, const PyValue* root, bool experts) {
   if (root == nullptr || root->kind != PyKind::kDict) {
-    r.opt_unavailable = r.distopt->rel + ": top level is not a dict";
+    r.opt_unavailable = r.distopt->rel + ": an optimizer's state is not a dict";
     return;
   }
   const PyValue* coalesced = root->Get("buckets_coalesced");
@@ -413,25 +433,31 @@ void Reader::MapDistOpt(RankFile& r) {
     r.opt_unavailable = r.distopt->rel + ": per-bucket (pre-coalesced) layout; re-save with a current Megatron to map it";
     return;
   }
+  const std::string which = experts ? "expert buffer " : "buffer ";
   for (size_t c = 0; c < r.chunks.size(); ++c) {
+    std::vector<const Entry*> members;  // the buffer's parameters: experts or the rest
+    for (const Entry& e : r.chunks[c]) {
+      if (IsExpert(e.local) == experts) members.push_back(&e);
+    }
+    if (members.empty()) continue;
     const PyValue* gbuf = GetInt(root, static_cast<int64_t>(c));
     if (gbuf == nullptr || gbuf->kind != PyKind::kDict || gbuf->dict.size() != 1) {
-      r.opt_unavailable = r.distopt->rel + ": buffer " + std::to_string(c) +
+      r.opt_unavailable = r.distopt->rel + ": " + which + std::to_string(c) +
                           (gbuf == nullptr ? " is missing" : " holds several dtypes (mixed-precision buffers are not mapped)");
       return;
     }
     const PyValue* b = gbuf->dict[0].second;
     auto numel = AsInt(b->Get("numel_unpadded"), "numel_unpadded");
     // Replay param_and_grad_buffer.py: parameters in reverse, 64-aligned starts.
-    std::vector<int64_t> start(r.chunks[c].size());
+    std::vector<int64_t> start(members.size());
     int64_t pos = 0;
-    for (size_t i = r.chunks[c].size(); i-- > 0;) {
+    for (size_t i = members.size(); i-- > 0;) {
       pos = (pos + kParamAlign - 1) / kParamAlign * kParamAlign;
       start[i] = pos;
-      pos += NumelOf(r.chunks[c][i].v->tensor.shape);
+      pos += NumelOf(members[i]->v->tensor.shape);
     }
     if (!numel.ok() || *numel != pos) {
-      r.opt_unavailable = r.distopt->rel + ": buffer " + std::to_string(c) + " holds " +
+      r.opt_unavailable = r.distopt->rel + ": " + which + std::to_string(c) + " holds " +
                           (numel.ok() ? std::to_string(*numel) : std::string("?")) +
                           " elements; one bucket of this model's parameters (reverse order, 64-aligned) needs " +
                           std::to_string(pos) + " (several buckets or another layout version)";
@@ -439,16 +465,16 @@ void Reader::MapDistOpt(RankFile& r) {
     }
     std::map<std::string, Loc> flat;
     for (const char* s : {"param", "exp_avg", "exp_avg_sq"}) {
-      auto l = Resolve(*r.distopt, b->Get(s), std::string("buffer ") + std::to_string(c) + " " + s);
+      auto l = Resolve(*r.distopt, b->Get(s), which + std::to_string(c) + " " + s);
       if (!l.ok() || !l->Contiguous() || l->Numel() < pos) {
-        r.opt_unavailable = l.ok() ? r.distopt->rel + ": buffer " + std::to_string(c) + " " + s + " is too short"
+        r.opt_unavailable = l.ok() ? r.distopt->rel + ": " + which + std::to_string(c) + " " + s + " is too short"
                                    : l.status().message();
         return;
       }
       flat[s] = *l;
     }
-    for (size_t i = 0; i < r.chunks[c].size(); ++i) {
-      const auto& shape = r.chunks[c][i].v->tensor.shape;
+    for (size_t i = 0; i < members.size(); ++i) {
+      const auto& shape = members[i]->v->tensor.shape;
       auto at = [&](const Loc& f) {
         Loc l;
         l.dtype = f.dtype;
@@ -463,7 +489,7 @@ void Reader::MapDistOpt(RankFile& r) {
       os.fp32 = at(flat["param"]);
       os.exp_avg = at(flat["exp_avg"]);
       os.exp_avg_sq = at(flat["exp_avg_sq"]);
-      r.opt[{static_cast<int>(c), r.chunks[c][i].local}] = std::move(os);
+      r.opt[{static_cast<int>(c), members[i]->local}] = std::move(os);
     }
   }
 }
@@ -793,13 +819,8 @@ Status Reader::Run() {
     struct stat st{};
     if (::stat((dir + "/" + distopt_rel).c_str(), &st) == 0) {
       r->distopt = files.Open(distopt_rel);
-      const bool experts = std::any_of(r->chunks.begin(), r->chunks.end(), [](const std::vector<Entry>& c) {
-        return std::any_of(c.begin(), c.end(), [](const Entry& e) { return IsExpert(e.local); });
-      });
       if (!r->distopt->error.empty()) {
         r->opt_unavailable = r->distopt->error;
-      } else if (experts) {
-        r->opt_unavailable = distopt_rel + ": distributed-optimizer buffers of MoE expert parameters are not replayed";
       } else {
         MapDistOpt(*r);
       }
