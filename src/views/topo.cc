@@ -291,7 +291,15 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
   }
   if (topo.pp > 1 && L == 0) return Invalid(view + ": no layers.<i> (or pipeline <i>.) parameters, so there is nothing to split into stages");
 
-  plan.ranks.resize(static_cast<size_t>(topo.tp) * topo.pp * EP);
+  // A lookup names the degrees: bound what it can make the daemon hold.
+  constexpr uint64_t kMaxRanks = 1 << 16, kMaxSlices = 1 << 23;
+  const uint64_t ranks = static_cast<uint64_t>(topo.tp) * static_cast<uint64_t>(topo.pp) * static_cast<uint64_t>(EP);
+  if (ranks > kMaxRanks) {
+    return Invalid(view + ": " + std::to_string(ranks) + " model-parallel ranks (more than " + std::to_string(kMaxRanks) +
+                   ")");
+  }
+  uint64_t slices = 0;
+  plan.ranks.resize(ranks);
   for (int p = 0; p < topo.pp; ++p) {
     for (int e = 0; e < EP; ++e) {
       for (int t = 0; t < topo.tp; ++t) {
@@ -396,6 +404,9 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
         rt.pieces.push_back(whole);
       }
       for (int e = e_first; e < e_end; ++e) {  // an expert: its EP rank; the rest: every EP rank
+        if (++slices > kMaxSlices) {
+          return Invalid(view + ": the plan would hold more than " + std::to_string(kMaxSlices) + " tensor slices");
+        }
         plan.ranks[(static_cast<size_t>(stage) * EP + e) * T + t].tensors.push_back(rt);
       }
     }

@@ -134,6 +134,10 @@ TEST_F(TopoTest, ExpertParallelRanks) {
   EXPECT_NE(three.status().message().find("4 experts per layer do not divide by EP=3"), std::string::npos);
   auto dp = PlanTopology(*ix_, *Topology::Parse("tp1-pp1-dp2-ep2"), TopoOptions{});
   EXPECT_FALSE(dp.ok());
+  // A lookup cannot make the daemon plan a million ranks.
+  auto huge = PlanTopology(*ix_, *Topology::Parse("tp1048576-pp1-ep4"), TopoOptions{});
+  ASSERT_FALSE(huge.ok());
+  EXPECT_NE(huge.status().message().find("model-parallel ranks"), std::string::npos) << huge.status().message();
 }
 
 TEST_F(TopoTest, SplitsStagesAndRules) {
