@@ -824,8 +824,8 @@ std::string ReportTable(const Report& r, const Index& index) {
   line(buf);
   line("");
   if (r.findings.empty()) {
-    line("no findings: coverage, name collisions, zeroed optimizer states, replica drift, ZeRO geometry" +
-         std::string(r.deep ? ", NaN/Inf" : "") + " all clean");
+    line("no findings: coverage, name collisions, zeroed optimizer states, replica drift, ZeRO geometry, "
+         "fp32 masters" + std::string(r.deep ? ", NaN/Inf" : "") + " all clean");
   } else {
     std::snprintf(buf, sizeof buf, "%-8s  %-22s  %s", "SEVERITY", "CHECK", "FINDING");
     line(buf);
