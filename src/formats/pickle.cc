@@ -216,7 +216,9 @@ class Vm {
   Result<PyRef> RebuildTensor(const std::string& fn, const std::vector<PyRef>& a);
   Result<PyRef> PersistentLoad(const PyRef& pid);
   Status Memoize(uint64_t idx, const PyRef& v) {
-    if (memo_.size() > kMaxStack) return Err("memo too large");
+    // Every memo entry costs at least one opcode byte (MEMOIZE), so the input
+    // bounds the memo; a fixed cap broke DCP .metadata of ~100k tensors.
+    if (memo_.size() > std::max<size_t>(kMaxStack, d_.size())) return Err("memo too large");
     memo_[idx] = v;
     return Status::Ok();
   }

@@ -39,6 +39,27 @@ TEST(PickleTest, DictListTupleMemo) {
   EXPECT_EQ(b->items[1]->s, "x");
 }
 
+TEST(PickleTest, MemoScalesWithTheInput) {
+  // [0, 1, ..., n-1] with every element memoized (MEMOIZE, protocol 4): more
+  // memo entries than the old fixed cap of 2^20 (DCP .metadata of ~100k
+  // tensors memoizes millions of objects), and the last one fetched back.
+  constexpr int n = (1 << 20) + 1000;
+  std::string p = B({0x80, 0x04, ']', 0x94});
+  for (int i = 0; i < n; ++i) {
+    if (i % 1000 == 0) p += i == 0 ? "(" : "e(";  // APPENDS in batches of 1000, as pickle.py writes
+    p += B({'M', i & 0xff, (i >> 8) & 0xff});    // BININT2: i mod 65536
+    p.push_back(static_cast<char>(0x94));
+  }
+  p += B({'e', 0x94});  // the last APPENDS; memoize the list once more
+  p += B({'j', 1, 0, 0, 0});  // LONG_BINGET 1: the first element
+  p += B({0x86, '.'});  // (list, first)
+  auto r = Unpickle(p, "t");
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  ASSERT_EQ((*r)->items.size(), 2u);
+  EXPECT_EQ((*r)->items[0]->items.size(), static_cast<size_t>(n));
+  EXPECT_EQ((*r)->items[1]->i, 0);
+}
+
 TEST(PickleTest, NegativeLong1AndBinFloat) {
   // LONG1 of -3 (one byte 0xfd), BINFLOAT 1.5 big-endian, in a tuple.
   std::string p = B({0x80, 0x02, 0x8a, 1, 0xfd, 'G', 0x3f, 0xf8, 0, 0, 0, 0, 0, 0, 0x86, '.'});
