@@ -10,6 +10,7 @@
 #include "formats/dcp/dcp_reader.h"
 #include "formats/megatron/dist_optim.h"
 #include "formats/megatron/megatron_common.h"
+#include "formats/megatron/run_config.h"
 #include "formats/torch_file.h"
 #include "formats/zarr/zarr_reader.h"
 
@@ -118,8 +119,10 @@ std::string Unflatten(TensorRecord& t, std::vector<Fragment>& frags, const std::
 void Classify(Checkpoint& ck) {
   // Names are untrusted: RE2 (linear time, no recursion), bytes as Latin-1.
   // chained_<i>.: a ChainedOptimizer's members (MoE: dense and expert optimizers).
-  static const RE2 kOptState(R"((?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+))",
-                             RE2::Latin1);
+  // NeMo 2's MegatronParallel puts "module." before every mcore key (its
+  // Lightning module wraps the mcore model); Megatron's own keys never start so.
+  static const RE2 kOptState(
+      R"((?:chained_\d+\.)?optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(?:module\.)?(.+))", RE2::Latin1);
   static const RE2 kStack(R"((.*(?:^|\.)layers)\.([^0-9].*))", RE2::Latin1);
   // SequentialMLP's sharded key: the expert axis after the layer axis
   // (...mlp.experts.experts.linear_fc1.weight [E, ...] once split per layer),
@@ -140,6 +143,7 @@ void Classify(Checkpoint& ck) {
                t.key.rfind("rerun_state_machine", 0) != 0) {
       t.role = Role::kParam;
       t.state = "param";
+      if (t.fqn.rfind("module.", 0) == 0) t.fqn.erase(0, 7);
       param_shapes[t.fqn] = t.shape;
     }
   }
@@ -186,6 +190,8 @@ megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, C
   if (!src->error.empty()) ck.info.problems.push_back(src->error);
   if (const PyValue* root = src->root(); root != nullptr && root->kind == PyKind::kDict) {
     if (auto it = megatron::ArgInt(root, "iteration"); it) ck.info.step = *it;
+    // NeMo 2 saves Lightning's checkpoint dict: global_step, no iteration.
+    if (auto it = megatron::ArgInt(root, "global_step"); it && ck.info.step < 0) ck.info.step = *it;
     if (const PyValue* args = root->Get("args"); args != nullptr && args->kind != PyKind::kNone) {
       megatron::ExportArgsJson(args, ck);
       facts = megatron::FactsOf(args);
@@ -196,6 +202,50 @@ megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, C
   if (src->fd < 0) t.error = src->error;
   ck.AddFileBytes(src->file, std::move(t));
   return facts;
+}
+
+// The run configuration a wrapper keeps instead of args: Megatron-Bridge's
+// iter_N/run_config.yaml, NeMo 2's <checkpoint>/context/model.yaml (weights/'s
+// sibling). Read inside the mount source (OpenSourceFile), at most 16 MiB.
+// A config that cannot be read is a problem, not a failure: the weights are
+// still served, the distributed-optimizer states stay under other/.
+megatron::ModelFacts ConfigFacts(const std::string& dir, const megatron::IterDir& iter, Checkpoint& ck) {
+  struct Candidate {
+    std::string rel, model, ddp;
+  };
+  const std::string prefix = iter.rel.empty() ? "" : iter.rel + "/";
+  std::vector<Candidate> candidates = {{prefix + "run_config.yaml", "model.", "ddp."}};
+  if (!iter.wrapper.empty() && EndsWith(iter.rel, "weights")) {
+    candidates.push_back({iter.rel.substr(0, iter.rel.size() - 7) + "context/model.yaml", "config.", ""});
+  }
+  for (const Candidate& c : candidates) {
+    struct stat st{};
+    if (::stat((dir + "/" + c.rel).c_str(), &st) != 0) continue;
+    auto text = [&]() -> Result<std::string> {
+      ASSIGN_OR_RETURN(int fd, OpenSourceFile(dir, c.rel));
+      const uint64_t size = ::fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+      if (size > (16u << 20)) {
+        ::close(fd);
+        return Invalid("cannot read " + dir + "/" + c.rel + ": " + std::to_string(size) + " bytes (at most 16 MiB)");
+      }
+      FileSliceReader r(fd, 0, size, dir + "/" + c.rel);
+      auto res = size == 0 ? Result<std::string>(std::string()) : r.ReadAt(0, size);
+      ::close(fd);
+      return res;
+    }();
+    Result<std::map<std::string, std::string>> kv =
+        text.ok() ? megatron::YamlScalars(*text, dir + "/" + c.rel) : Result<std::map<std::string, std::string>>(text.status());
+    if (!kv.ok()) {
+      ck.info.problems.push_back(kv.status().message() + " (the model's parallel layout is unknown)");
+      continue;
+    }
+    megatron::ModelFacts f = megatron::FactsOfConfig(*kv, c.model, c.ddp);
+    if (f.tp > 0) {
+      ck.info.format_note += (ck.info.format_note.empty() ? "" : "; ") + std::string("layout from ") + c.rel;
+      return f;
+    }
+  }
+  return {};
 }
 
 }  // namespace
@@ -229,7 +279,8 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
   }
   ck.info.family = "megatron-" + backend;
   ck.info.format_note = "Megatron-LM dist_checkpointing, " + backend + " backend" +
-                        (ck.info.format_note.empty() ? "" : " (" + ck.info.format_note + ")");
+                        (ck.info.format_note.empty() ? "" : " (" + ck.info.format_note + ")") +
+                        (iter.wrapper.empty() ? "" : ", " + iter.wrapper);
   struct stat st{};
   megatron::ModelFacts facts;
   if (::stat((iter.path + "/common.pt").c_str(), &st) == 0) {
@@ -238,6 +289,7 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
     ck.info.problems.push_back(iter.path + "/common.pt is missing (args and iteration unknown)");
   }
   if (ck.info.step < 0) ck.info.step = iter.step;
+  if (facts.tp <= 0) facts = ConfigFacts(dir, iter, ck);
   Classify(ck);
   megatron::MapBucketStates(dir, facts, ck);
   megatron::SetSplits(facts, ck);

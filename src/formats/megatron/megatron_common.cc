@@ -1,7 +1,9 @@
 #include "formats/megatron/megatron_common.h"
 
+#include <dirent.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <re2/re2.h>
@@ -54,9 +56,93 @@ std::string RenumberComponent(const std::string& name, const RE2& re, const char
 
 bool HasTracker(const std::string& dir) { return Exists(dir + "/latest_checkpointed_iteration.txt"); }
 
+namespace {
+
+bool IsNemo2Checkpoint(const std::string& dir) { return Exists(dir + "/weights/metadata.json"); }
+
+// NeMo 2 (nemo.lightning): <log_dir>/checkpoints/<name>/{weights/, context/},
+// <name> from ModelCheckpoint's pattern (...-step=<N>-...), "-last" on the
+// save_last copy, "-end" on the final one, and a "<name>-unfinished" marker
+// file beside a save in progress. nullopt: `dir` is neither a checkpoint nor a
+// directory of them. Of several, the one AutoResume resumes from
+// (nemo/lightning/resume.py): a finished *end, else the newest finished *last;
+// without either, the highest step=<N>.
+std::optional<Result<IterDir>> FindNemo2(const std::string& dir) {
+  static const RE2 kStep(R"((?:^|-)step=(\d{1,15})(?:-|$))");
+  IterDir it;
+  if (IsNemo2Checkpoint(dir)) {
+    it.rel = "weights";
+    it.path = dir + "/weights";
+    std::string base = dir;
+    while (base.size() > 1 && base.back() == '/') base.pop_back();
+    base = base.substr(base.rfind('/') + 1);  // npos + 1 == 0
+    RE2::PartialMatch(base, kStep, &it.step);
+    it.wrapper = "NeMo 2 checkpoint '" + base + "'";
+    return it;
+  }
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return std::nullopt;
+  struct Candidate {
+    std::string name;
+    int rank = 0;  // 2: *end, 1: *last, 0: other
+    int64_t mtime_ns = 0, step = -1;
+  };
+  std::vector<Candidate> found;
+  std::vector<std::string> unfinished;
+  size_t entries = 0;
+  while (dirent* e = ::readdir(d)) {
+    if (++entries > 100000) break;  // a directory of checkpoints, not of everything
+    const std::string name = e->d_name;
+    if (name == "." || name == ".." || !IsNemo2Checkpoint(dir + "/" + name)) continue;
+    if (Exists(dir + "/" + name + "-unfinished")) {
+      unfinished.push_back(name);
+      continue;
+    }
+    Candidate c;
+    c.name = name;
+    c.rank = EndsWith(name, "end") ? 2 : EndsWith(name, "last") ? 1 : 0;
+    struct stat st{};
+    if (::lstat((dir + "/" + name).c_str(), &st) == 0) c.mtime_ns = st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+    RE2::PartialMatch(name, kStep, &c.step);
+    found.push_back(std::move(c));
+  }
+  ::closedir(d);
+  if (found.empty()) {
+    if (unfinished.empty()) return std::nullopt;
+    return Result<IterDir>(NotFound("cannot read " + dir + ": its only NeMo 2 checkpoint" +
+                                    (unfinished.size() > 1 ? "s ('" + unfinished.front() + "' and " +
+                                                                 std::to_string(unfinished.size() - 1) + " more) are"
+                                                           : " '" + unfinished.front() + "' is") +
+                                    " unfinished (a '-unfinished' marker beside it: the save did not complete)"));
+  }
+  // The best: highest rank, then (NeMo's tie-break for *last) newest, then highest step, then name.
+  const Candidate& best = *std::max_element(found.begin(), found.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.rank != b.rank) return a.rank < b.rank;
+    if (a.rank > 0 && a.mtime_ns != b.mtime_ns) return a.mtime_ns < b.mtime_ns;
+    if (a.step != b.step) return a.step < b.step;
+    return a.name < b.name;
+  });
+  if (best.rank == 0 && best.step < 0 && found.size() > 1) {
+    return Result<IterDir>(Invalid("cannot choose among the " + std::to_string(found.size()) +
+                                   " NeMo 2 checkpoints in " + dir + " ('" + found.front().name +
+                                   "', ...): none ends in -last or -end and their names carry no step=<N>; mount one"));
+  }
+  it.rel = best.name + "/weights";
+  it.path = dir + "/" + it.rel;
+  it.step = best.step;
+  it.wrapper = "NeMo 2 checkpoint '" + best.name + "' (of " + std::to_string(found.size()) + " in this directory" +
+               (unfinished.empty() ? "" : ", " + std::to_string(unfinished.size()) + " unfinished skipped") + ")";
+  return it;
+}
+
+}  // namespace
+
 Result<IterDir> FindIterDir(const std::string& dir) {
   IterDir it;
   static const RE2 kIter(R"((?:^|/)iter_(\d+)/?$)");
+  if (!HasTracker(dir) && !Exists(dir + "/metadata.json")) {
+    if (auto nemo = FindNemo2(dir)) return *std::move(nemo);
+  }
   if (!HasTracker(dir)) {
     it.path = dir;
     int64_t step = -1;

@@ -20,11 +20,15 @@ namespace ckptfs::formats::megatron {
 
 // The directory of one saved iteration: `dir` itself when it holds rank
 // directories or a metadata.json, else the one latest_checkpointed_iteration.txt
-// names (iter_%07d or release). `step` is set from the tracker or the name.
+// names (iter_%07d or release; Megatron-LM and Megatron-Bridge). NeMo 2 roots:
+// a checkpoint directory (weights/ + context/) reads its weights/; a
+// checkpoints/ directory of several reads the one NeMo resumes from (see
+// FindNemo2). `step` is set from the tracker or the name.
 struct IterDir {
   std::string path;     // absolute or as given
   std::string rel;      // relative to the mount source ("" or "iter_0000007")
   int64_t step = -1;
+  std::string wrapper;  // what wrote it when not Megatron-LM itself ("NeMo 2 checkpoint '<name>'")
 };
 Result<IterDir> FindIterDir(const std::string& dir);
 bool HasTracker(const std::string& dir);
