@@ -209,9 +209,84 @@ def test_older_megatron_core_releases(mounter, tmp_path, scenario):
     check_against_reference(src, VERSIONED[scenario], mounter)
 
 
-def check_against_reference(fx, args, mounter):
+# The same model saved through Megatron-Core's wrappers (committed; made by
+# tests/fixtures/make_megatron_wrappers.sh): NeMo 2 and Megatron-Bridge, the
+# distributed optimizer in its default dp_reshardable layout.
+WRAPPED_ARGS = ["dist", "--tp", "2", "--dp", "2", "--bf16", "--dist-opt", "--optim", "dp_reshardable"]
+WRAPPED_DIR = Path(__file__).resolve().parents[1] / "data" / "megatron_wrappers"
+NEMO2 = "nemo2-dist_distopt_tp2_dp2"
+NEMO2_LAST = "default--reduced_train_loss=1.2345-epoch=0-step=6-consumed_samples=14.0-last"
+
+
+@pytest.mark.parametrize("root", ["bridge", "nemo2-checkpoints", "nemo2-checkpoint"])
+def test_megatron_wrapper_roots(mounter, bin_path, tmp_path, root):
+    """The directory a NeMo 2 or Megatron-Bridge user has mounts as the
+    checkpoint: Bridge's save directory (its tracker; the layout from
+    run_config.yaml), NeMo 2's checkpoints/ directory and one checkpoint in it
+    (weights/, "module." prefixes, global_step; the layout from context/'s
+    model.yaml and io.json). Every weight and every Adam state equals what mcore
+    held; verify is clean."""
+    name = "bridge-dist_distopt_tp2_dp2" if root == "bridge" else NEMO2
+    fx = tmp_path / name
+    shutil.copytree(WRAPPED_DIR / name, fx)  # the index goes beside it, not into the repo
+    src = {"bridge": fx, "nemo2-checkpoints": fx / "checkpoints",
+           "nemo2-checkpoint": fx / "checkpoints" / NEMO2_LAST}[root]
+    check_against_reference(fx, WRAPPED_ARGS, mounter, src=src)
+    rc, rep = verify_json(bin_path, src)
+    assert rep["findings"] == [] and rc == 0, rep["findings"]
+    r = run([bin_path, "info", str(src)])
+    assert ("run_config.yaml" if root == "bridge" else "context/model.yaml and io.json") in r.stdout, r.stdout[:600]
+
+
+def test_nemo2_checkpoint_without_context(mounter, tmp_path):
+    """weights/ without context/ (copied alone, or a NeMo that did not write
+    it): TP and SwiGLU come from how mcore sharded the weights, which all map;
+    the distributed-optimizer buckets need the pipeline layout, so they stay
+    under other/ and checkpoint.json says why."""
+    fx = tmp_path / NEMO2
+    shutil.copytree(WRAPPED_DIR / NEMO2, fx)
+    shutil.rmtree(fx / "checkpoints" / NEMO2_LAST / "context")
+    ref = reference(fx, WRAPPED_ARGS)
+    with mounter(fx / "checkpoints" / NEMO2_LAST) as m:
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        assert info["step"] == 7
+        assert "NeMo 2 checkpoint" in info["format"] and "TP 2, SwiGLU read from the chunk geometry" in info["format"]
+        for name, r in ref.items():
+            np.testing.assert_array_equal(np.load(m.path / "params" / name / "param.npy"), r["param"].float().numpy())
+        assert any("run config" in p and "not mapped" in p for p in info["problems"]), info["problems"]
+        assert not (m.path / "params/embedding.word_embeddings.weight/exp_avg.npy").exists()
+        # topo/ splits linear_fc1 as two SwiGLU halves: each TP=4 rank holds [W_r; V_r].
+        from safetensors.torch import load_file
+        layout = json.loads((m.path / "topo/tp4-pp1/layout.json").read_text())
+        fc1 = ref["decoder.layers.1.mlp.linear_fc1.weight"]["param"]
+        w, v = fc1.chunk(2, 0)
+        for t, rank in enumerate(layout["ranks"]):
+            got = load_file(str(m.path / "topo/tp4-pp1" / rank["file"]))["decoder.layers.1.mlp.linear_fc1.weight"]
+            assert torch.equal(got, torch.cat([w.chunk(4, 0)[t], v.chunk(4, 0)[t]], 0)), t
+
+
+def test_nemo2_checkpoints_directory_skips_an_unfinished_save(mounter, tmp_path, bin_path):
+    """A newer *last save with NeMo's -unfinished marker beside it is skipped
+    (AutoResume would not resume from it); when it is the only one, the mount
+    is refused with the reason."""
+    fx = tmp_path / NEMO2
+    shutil.copytree(WRAPPED_DIR / NEMO2, fx)
+    ckpts = fx / "checkpoints"
+    newer = "default--reduced_train_loss=1.2000-epoch=0-step=9-consumed_samples=20.0-last"
+    shutil.copytree(ckpts / NEMO2_LAST, ckpts / newer)
+    (ckpts / newer / "weights" / "__0_0.distcp").write_bytes(b"partial")  # the save was cut off
+    (ckpts / (newer + "-unfinished")).touch()
+    r = run([bin_path, "info", str(ckpts)])
+    assert r.returncode == 0, r.stderr
+    assert NEMO2_LAST in r.stdout and "1 unfinished skipped" in r.stdout and "step        7" in r.stdout, r.stdout[:800]
+    shutil.rmtree(ckpts / NEMO2_LAST)
+    r = run([bin_path, "info", str(ckpts)])
+    assert r.returncode != 0 and "unfinished" in r.stderr and newer in r.stderr, r.stderr
+
+
+def check_against_reference(fx, args, mounter, src=None):
     ref = reference(fx, args)
-    with mounter(fx) as m:
+    with mounter(src or fx) as m:
         params = m.path / "params"
         shown = {p.name for p in params.iterdir()}
         assert set(ref) <= shown, sorted(set(ref) - shown)[:5]

@@ -656,8 +656,9 @@ void Mapper::Run() {
   if (!Collect()) return;
   if (f_.tp <= 0 || f_.num_layers < 0) {
     ck_.info.problems.push_back(
-        "distributed-optimizer states are shown under other/ and not mapped: common.pt has no args with "
-        "tensor_model_parallel_size and num_layers to replay the buffers");
+        "distributed-optimizer states are shown under other/ and not mapped: neither args in common.pt nor a run "
+        "config (Megatron-Bridge run_config.yaml, NeMo 2 context/model.yaml) give tensor_model_parallel_size and "
+        "num_layers to replay the buffers");
     return;
   }
   std::set<int64_t> chains;

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <re2/re2.h>
 
@@ -206,54 +207,109 @@ megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, C
 
 // The run configuration a wrapper keeps instead of args: Megatron-Bridge's
 // iter_N/run_config.yaml, NeMo 2's <checkpoint>/context/model.yaml (weights/'s
-// sibling). Read inside the mount source (OpenSourceFile), at most 16 MiB.
+// sibling). Read inside the mount source (OpenSourceFile), at most 4 MiB.
 // A config that cannot be read is a problem, not a failure: the weights are
 // still served, the distributed-optimizer states stay under other/.
+Result<std::string> ReadConfigFile(const std::string& dir, const std::string& rel) {
+  ASSIGN_OR_RETURN(int fd, OpenSourceFile(dir, rel));
+  struct stat st{};
+  const uint64_t size = ::fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+  if (size > (4u << 20)) {
+    ::close(fd);
+    return Invalid("cannot read " + dir + "/" + rel + ": " + std::to_string(size) + " bytes (at most 4 MiB)");
+  }
+  FileSliceReader r(fd, 0, size, dir + "/" + rel);
+  auto res = size == 0 ? Result<std::string>(std::string()) : r.ReadAt(0, size);
+  ::close(fd);
+  return res;
+}
+
 megatron::ModelFacts ConfigFacts(const std::string& dir, const megatron::IterDir& iter, Checkpoint& ck) {
   struct Candidate {
-    std::string rel, model, ddp;
+    std::string rel, model, ddp, strategy;  // strategy: NeMo 2's io.json
   };
   const std::string prefix = iter.rel.empty() ? "" : iter.rel + "/";
-  std::vector<Candidate> candidates = {{prefix + "run_config.yaml", "model.", "ddp."}};
+  std::vector<Candidate> candidates = {{prefix + "run_config.yaml", "model.", "ddp.", ""}};
   if (!iter.wrapper.empty() && EndsWith(iter.rel, "weights")) {
-    candidates.push_back({iter.rel.substr(0, iter.rel.size() - 7) + "context/model.yaml", "config.", ""});
+    const std::string context = iter.rel.substr(0, iter.rel.size() - 7) + "context/";
+    candidates.push_back({context + "model.yaml", "config.", "strategy.ddp.", context + "io.json"});
   }
   for (const Candidate& c : candidates) {
     struct stat st{};
     if (::stat((dir + "/" + c.rel).c_str(), &st) != 0) continue;
-    auto text = [&]() -> Result<std::string> {
-      ASSIGN_OR_RETURN(int fd, OpenSourceFile(dir, c.rel));
-      const uint64_t size = ::fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
-      if (size > (16u << 20)) {
-        ::close(fd);
-        return Invalid("cannot read " + dir + "/" + c.rel + ": " + std::to_string(size) + " bytes (at most 16 MiB)");
-      }
-      FileSliceReader r(fd, 0, size, dir + "/" + c.rel);
-      auto res = size == 0 ? Result<std::string>(std::string()) : r.ReadAt(0, size);
-      ::close(fd);
-      return res;
-    }();
+    auto text = ReadConfigFile(dir, c.rel);
     Result<std::map<std::string, std::string>> kv =
         text.ok() ? megatron::YamlScalars(*text, dir + "/" + c.rel) : Result<std::map<std::string, std::string>>(text.status());
+    if (kv.ok() && !c.strategy.empty()) {
+      // NeMo 2: the parallel sizes are MegatronStrategy's (1 where the run left the default).
+      auto json = ReadConfigFile(dir, c.strategy);
+      auto strategy = json.ok() ? megatron::Nemo2StrategyArgs(*json, dir + "/" + c.strategy)
+                                : Result<std::map<std::string, std::string>>(json.status());
+      if (!strategy.ok()) {
+        kv = strategy.status();
+      } else {
+        for (const char* size : {"tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                 "virtual_pipeline_model_parallel_size", "expert_model_parallel_size"}) {
+          auto it = strategy->find(std::string("strategy.") + size);
+          (*kv)[c.model + size] = it == strategy->end() ? (Contains(size, "virtual") ? "null" : "1") : it->second;
+        }
+        kv->insert(strategy->begin(), strategy->end());
+      }
+    }
     if (!kv.ok()) {
       ck.info.problems.push_back(kv.status().message() + " (the model's parallel layout is unknown)");
       continue;
     }
     megatron::ModelFacts f = megatron::FactsOfConfig(*kv, c.model, c.ddp);
     if (f.tp > 0) {
-      ck.info.format_note += (ck.info.format_note.empty() ? "" : "; ") + std::string("layout from ") + c.rel;
+      ck.info.format_note += (ck.info.format_note.empty() ? "" : "; ") + std::string("layout from ") + c.rel +
+                             (c.strategy.empty() ? "" : " and io.json");
       return f;
     }
   }
   return {};
 }
 
+// Without args or a config (a NeMo 2 checkpoint without context/, a wrapper
+// ckptfs does not know): the TP degree and whether linear_fc1 holds two SwiGLU
+// halves, from how mcore sharded them. A row-parallel linear_fc2 weight is
+// saved in TP chunks along dim 1; linear_fc1 in TP chunks along dim 0, or 2 x TP
+// with SwiGLU (mcore's swiglu sharded factory saves each half's shard apart).
+// Anything else stays unknown: the distributed-optimizer buffers are not
+// replayed (the note says why) and topo/ splits no fused QKV by query groups.
+void InferFacts(const Checkpoint& ck, megatron::ModelFacts& facts) {
+  auto chunks_along = [&](const char* suffix, size_t dim) -> int64_t {
+    for (size_t i = 0; i < ck.tensors.size(); ++i) {
+      const TensorRecord& t = ck.tensors[i];
+      if (t.role != Role::kParam || t.shape.size() != 2 || !EndsWith(t.fqn, suffix) ||
+          t.fqn.find(".experts.") != std::string::npos) {  // experts may have their own TP size
+        continue;
+      }
+      std::set<int64_t> starts;
+      for (const Fragment& f : ck.fragments[i]) {
+        if (f.offsets.size() == 2) starts.insert(f.offsets[dim]);
+      }
+      return static_cast<int64_t>(starts.size());
+    }
+    return 0;
+  };
+  const int64_t row = chunks_along(".linear_fc2.weight", 1), col = chunks_along(".linear_fc1.weight", 0);
+  if (row <= 0 || col <= 0) return;
+  if (col == 2 * row) {
+    facts.swiglu = true;
+  } else if (col != row) {
+    return;  // neither: leave it unknown
+  }
+  facts.tp = row;
+}
+
 }  // namespace
 
 bool LooksLikeMegatronDist(const std::string& dir) {
   auto it = megatron::FindIterDir(dir);
+  if (!it.ok()) return megatron::IsNemo2Root(dir);  // none to choose: let the reader say why
   struct stat st{};
-  return it.ok() && ::stat((it->path + "/metadata.json").c_str(), &st) == 0;
+  return ::stat((it->path + "/metadata.json").c_str(), &st) == 0;
 }
 
 Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
@@ -291,6 +347,18 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
   if (ck.info.step < 0) ck.info.step = iter.step;
   if (facts.tp <= 0) facts = ConfigFacts(dir, iter, ck);
   Classify(ck);
+  megatron::ModelFacts seen;  // what the chunks say
+  InferFacts(ck, seen);
+  if (facts.tp <= 0 && seen.tp > 0) {
+    facts.tp = seen.tp;
+    facts.swiglu = seen.swiglu;
+    ck.info.format_note += std::string(ck.info.format_note.empty() ? "" : "; ") + "no args or run config: TP " +
+                           std::to_string(facts.tp) + (facts.swiglu ? ", SwiGLU" : "") + " read from the chunk geometry";
+  } else if (facts.tp > 0 && seen.tp > 0 && seen.tp != facts.tp) {
+    ck.info.problems.push_back("the run's args or config say TP " + std::to_string(facts.tp) + ", but linear_fc2 is "
+                               "saved in " + std::to_string(seen.tp) + " tensor-parallel chunks: the chunks are used");
+    facts.tp = seen.tp;
+  }
   megatron::MapBucketStates(dir, facts, ck);
   megatron::SetSplits(facts, ck);
   return ck;

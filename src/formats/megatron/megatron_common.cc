@@ -137,6 +137,8 @@ std::optional<Result<IterDir>> FindNemo2(const std::string& dir) {
 
 }  // namespace
 
+bool IsNemo2Root(const std::string& dir) { return FindNemo2(dir).has_value(); }
+
 Result<IterDir> FindIterDir(const std::string& dir) {
   IterDir it;
   static const RE2 kIter(R"((?:^|/)iter_(\d+)/?$)");

@@ -32,6 +32,8 @@ struct IterDir {
 };
 Result<IterDir> FindIterDir(const std::string& dir);
 bool HasTracker(const std::string& dir);
+// A NeMo 2 checkpoint, or a directory of them (even when none can be chosen).
+bool IsNemo2Root(const std::string& dir);
 
 // How TP ranks of a parameter merge, from its name (mcore and legacy
 // GPT/BERT names). nullopt: ckptfs knows no rule for the name.

@@ -4,6 +4,7 @@
 
 #include <charconv>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 namespace ckptfs::formats::megatron {
@@ -32,6 +33,17 @@ std::optional<bool> Bool(const std::map<std::string, std::string>& kv, const std
 }  // namespace
 
 Result<std::map<std::string, std::string>> YamlScalars(const std::string& text, const std::string& what) {
+  // libyaml walks its stack of possible simple keys, one per open flow
+  // collection, for every token: 100k nested '[' take 40 s. No run config
+  // nests flow collections deeply; an upper bound of the depth (brackets
+  // counted even inside quotes) is checked before parsing.
+  int64_t depth = 0;
+  for (char c : text) {
+    depth += c == '[' || c == '{' ? 1 : c == ']' || c == '}' ? -1 : 0;
+    if (depth > static_cast<int64_t>(kMaxDepth)) {
+      return Invalid("cannot parse " + what + ": nested deeper than " + std::to_string(kMaxDepth) + " levels");
+    }
+  }
   yaml_parser_t parser;
   if (!yaml_parser_initialize(&parser)) return Internal("cannot parse " + what + ": libyaml out of memory");
   std::unique_ptr<yaml_parser_t, void (*)(yaml_parser_t*)> guard(&parser, yaml_parser_delete);
@@ -103,6 +115,35 @@ Result<std::map<std::string, std::string>> YamlScalars(const std::string& text, 
               std::string(reinterpret_cast<const char*>(ev.data.scalar.value), ev.data.scalar.length);
         }
         f.want_key = true;
+      }
+    }
+  }
+  return out;
+}
+
+Result<std::map<std::string, std::string>> Nemo2StrategyArgs(const std::string& text, const std::string& what) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("objects") || !j["objects"].is_object()) {
+    return Invalid("cannot parse " + what + ": not fiddle's JSON serialization (no objects)");
+  }
+  static const std::string kRoot = "<root>.trainer.strategy.";
+  std::map<std::string, std::string> out;
+  for (const auto& [key, obj] : j["objects"].items()) {
+    if (!obj.is_object() || !obj.contains("items") || !obj["items"].is_array()) continue;
+    for (const nlohmann::json& item : obj["items"]) {
+      if (!item.is_array() || item.size() != 2 || !item[1].is_object()) continue;
+      const nlohmann::json& leaf = item[1];
+      if (leaf.value("type", "") != "leaf" || !leaf.contains("value") || !leaf.contains("paths") ||
+          !leaf["paths"].is_array()) {
+        continue;
+      }
+      const nlohmann::json& v = leaf["value"];
+      if (!v.is_primitive()) continue;
+      for (const nlohmann::json& path : leaf["paths"]) {
+        if (!path.is_string()) continue;
+        const std::string p = path.get<std::string>();
+        if (p.rfind(kRoot, 0) != 0) continue;
+        out["strategy." + p.substr(kRoot.size())] = v.is_string() ? v.get<std::string>() : v.dump();
       }
     }
   }

@@ -22,6 +22,12 @@ namespace ckptfs::formats::megatron {
 // in errors.
 Result<std::map<std::string, std::string>> YamlScalars(const std::string& text, const std::string& what);
 
+// NeMo 2's context/io.json (fiddle's serialization of the TrainerContext):
+// the MegatronStrategy arguments the run set, as "strategy.<name>" (and
+// "strategy.ddp.<name>") -> value; the parallel sizes live there, not in the
+// model's config (GPTConfig keeps what it was constructed with).
+Result<std::map<std::string, std::string>> Nemo2StrategyArgs(const std::string& text, const std::string& what);
+
 // ModelFacts from TransformerConfig / DistributedDataParallelConfig fields
 // under `model` and `ddp` ("model." / "ddp." for Bridge, "config." / "" for
 // NeMo 2). Fields that are absent or null keep ModelFacts' unknowns; the data

@@ -5,6 +5,7 @@
 
 #include "../test_util.h"
 #include "formats/megatron/megatron_common.h"
+#include "formats/megatron/run_config.h"
 #include "formats/pickle.h"
 #include "formats/tp_merge.h"
 #include "formats/zarr/zarr_reader.h"
@@ -124,6 +125,109 @@ TEST(MegatronTrackerTest, FollowsTheTrackerAndReportsADanglingOne) {
   EXPECT_EQ(it->step, 12);
   WriteFile(t.path() + "/latest_checkpointed_iteration.txt", "garbage");
   EXPECT_FALSE(megatron::FindIterDir(t.path()).ok());
+}
+
+TEST(MegatronTrackerTest, Nemo2CheckpointsDirectoryPicksWhatAutoResumeWould) {
+  TempDir t;
+  auto ckpt = [&](const std::string& name) {
+    fs::create_directories(t.path() + "/" + name + "/weights");
+    fs::create_directories(t.path() + "/" + name + "/context");
+    WriteFile(t.path() + "/" + name + "/weights/metadata.json", "{}");
+  };
+  // One checkpoint directory: its weights/.
+  ckpt("m--val_loss=1.0-epoch=0-step=99-consumed_samples=800.0");
+  auto it = megatron::FindIterDir(t.path() + "/m--val_loss=1.0-epoch=0-step=99-consumed_samples=800.0/");
+  ASSERT_TRUE(it.ok()) << it.status().message();
+  EXPECT_EQ(it->rel, "weights");
+  EXPECT_EQ(it->step, 99);
+  // Several without -last / -end: the highest step.
+  ckpt("m--val_loss=0.9-epoch=0-step=199-consumed_samples=1600.0");
+  it = megatron::FindIterDir(t.path());
+  ASSERT_TRUE(it.ok()) << it.status().message();
+  EXPECT_EQ(it->rel, "m--val_loss=0.9-epoch=0-step=199-consumed_samples=1600.0/weights");
+  EXPECT_EQ(it->step, 199);
+  // A finished *last wins over a higher step; an unfinished one is skipped.
+  ckpt("m--val_loss=0.9-epoch=0-step=149-consumed_samples=1200.0-last");
+  ckpt("m--val_loss=0.8-epoch=0-step=249-consumed_samples=2000.0-last");
+  WriteFile(t.path() + "/m--val_loss=0.8-epoch=0-step=249-consumed_samples=2000.0-last-unfinished", "");
+  it = megatron::FindIterDir(t.path());
+  ASSERT_TRUE(it.ok()) << it.status().message();
+  EXPECT_EQ(it->rel, "m--val_loss=0.9-epoch=0-step=149-consumed_samples=1200.0-last/weights");
+  EXPECT_NE(it->wrapper.find("1 unfinished skipped"), std::string::npos) << it->wrapper;
+  // *end over *last.
+  ckpt("m--val_loss=0.7-epoch=1-step=300-consumed_samples=2400.0-end");
+  it = megatron::FindIterDir(t.path());
+  ASSERT_TRUE(it.ok());
+  EXPECT_EQ(it->step, 300);
+}
+
+TEST(MegatronTrackerTest, Nemo2OnlyUnfinishedOrNoStepIsAnError) {
+  TempDir t;
+  for (const char* name : {"a", "b"}) {
+    fs::create_directories(t.path() + "/" + name + "/weights");
+    WriteFile(t.path() + "/" + name + "/weights/metadata.json", "{}");
+  }
+  auto it = megatron::FindIterDir(t.path());
+  ASSERT_FALSE(it.ok());
+  EXPECT_NE(it.status().message().find("cannot choose among the 2 NeMo 2 checkpoints"), std::string::npos)
+      << it.status().message();
+  WriteFile(t.path() + "/a-unfinished", "");
+  WriteFile(t.path() + "/b-unfinished", "");
+  it = megatron::FindIterDir(t.path());
+  ASSERT_FALSE(it.ok());
+  EXPECT_NE(it.status().message().find("unfinished"), std::string::npos) << it.status().message();
+}
+
+TEST(MegatronRunConfigTest, YamlScalarsFlattenMappingsAndSkipSequences) {
+  auto kv = megatron::YamlScalars(
+      "_target_: megatron.bridge.training.config.ConfigContainer\n"
+      "model:\n  num_layers: 4\n  gated_linear_unit: true\n  tensor_model_parallel_size: 2\n"
+      "  virtual_pipeline_model_parallel_size: null\n  num_query_groups: 4\n"
+      "  transformer_layer_spec:\n    submodules:\n      mlp: {module: MLP}\n"
+      "  layers: [1, 2, {num_layers: 99}]\n  anchored: &a 5\n  aliased: *a\n"
+      "ddp:\n  overlap_grad_reduce: true\n  bucket_size: 40000000\n",
+      "run_config.yaml");
+  ASSERT_TRUE(kv.ok()) << kv.status().message();
+  EXPECT_EQ(kv->at("model.num_layers"), "4");
+  EXPECT_EQ(kv->at("model.transformer_layer_spec.submodules.mlp.module"), "MLP");
+  EXPECT_EQ(kv->at("model.anchored"), "5");
+  EXPECT_EQ(kv->count("model.aliased"), 0u);  // an alias is not expanded
+  EXPECT_EQ(kv->count("model.layers.num_layers"), 0u);
+  megatron::ModelFacts f = megatron::FactsOfConfig(*kv, "model.", "ddp.");
+  EXPECT_EQ(f.tp, 2);
+  EXPECT_EQ(f.pp, 1);
+  EXPECT_EQ(f.vp, 1);  // null
+  EXPECT_EQ(f.num_layers, 4);
+  EXPECT_TRUE(f.swiglu);
+  EXPECT_EQ(f.qkv_groups, 4);
+  EXPECT_TRUE(f.overlap_grad_reduce);
+  EXPECT_EQ(f.ddp_bucket_size, 40000000);
+  EXPECT_EQ(f.dp, -1);
+}
+
+TEST(MegatronRunConfigTest, HostileYamlIsAnErrorNamingTheFile) {
+  auto bad = megatron::YamlScalars("model: {a: [1, 2}\n", "x/run_config.yaml");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("x/run_config.yaml"), std::string::npos) << bad.status().message();
+  std::string deep;
+  for (int i = 0; i < 1000; ++i) deep += "{a: ";
+  deep += "1";
+  for (int i = 0; i < 1000; ++i) deep += "}";
+  auto d = megatron::YamlScalars(deep, "deep.yaml");
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("nested deeper"), std::string::npos) << d.status().message();
+  // Refused before libyaml sees it (libyaml is quadratic in flow depth).
+  std::string seqs(1 << 20, '[');
+  auto q = megatron::YamlScalars(seqs, "seq.yaml");
+  ASSERT_FALSE(q.ok());
+  EXPECT_NE(q.status().message().find("nested deeper"), std::string::npos) << q.status().message();
+  // Block mappings nest by indentation only.
+  std::string block;
+  for (int i = 0; i < 200; ++i) block += std::string(static_cast<size_t>(i), ' ') + "k:\n";
+  block += std::string(200, ' ') + "k: 1\n";
+  auto b = megatron::YamlScalars(block, "block.yaml");
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("nested deeper"), std::string::npos) << b.status().message();
 }
 
 std::string Zarray(const std::string& dtype, const std::string& shape, const std::string& chunks,
