@@ -126,6 +126,8 @@ Result<int> OpenRegularFile(const std::string& path);
 enum class LogLevel : uint8_t { kDebug, kInfo, kWarn, kError };
 void SetLogLevel(LogLevel level);
 void SetLogFile(const std::string& path);  // empty: stderr
+// Names the mount in every line ("ckptfs[/mnt/ck] info: ..."); empty: none.
+void SetLogTag(const std::string& tag);
 void Log(LogLevel level, std::string_view message);
 inline void LogError(std::string_view m) { Log(LogLevel::kError, m); }
 inline void LogWarn(std::string_view m) { Log(LogLevel::kWarn, m); }

@@ -3,6 +3,7 @@
 #ifndef CKPTFS_MOUNT_H_
 #define CKPTFS_MOUNT_H_
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -14,6 +15,9 @@ struct MountOptions {
   bool allow_other = false;  // off unless asked (DESIGN.md FUSE rules)
   bool debug = false;        // libfuse request tracing
   unsigned max_threads = 16; // worker threads of the multithreaded loop
+  std::string fsname;        // the source shown by findmnt / df ("ckptfs" when empty)
+  int64_t uid = -1;          // owner shown for every file (-1: the mounting user)
+  int64_t gid = -1;          // group shown for every file (-1: the mounting group)
 };
 
 // Mounts `fs` at `mountpoint`, calls `ready` once the mount is live (the CLI

@@ -70,7 +70,7 @@ struct Report {
   uint64_t tensors_read = 0;
   double seconds = 0;
 
-  // 0 clean, 1 problems found, 2 something could not be read.
+  // 0 clean, 1 something could not be read, 3 problems found (the CLI exit codes).
   int ExitCode() const;
 };
 

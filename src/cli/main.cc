@@ -1,6 +1,7 @@
-// ckptfs command-line interface: mount | umount | index | info | ls | cat | verify.
-// Exit codes: 0 success; 1 the checkpoint (or part of it) could not be read;
-// 2 usage error. verify: 0 clean, 1 problems found, 2 could not read.
+// ckptfs command-line interface: mount | umount | index | info | ls | cat |
+// verify | help, parsed by CLI11 (per-command help, validated values, one-line
+// errors). The same binary is mount(8)'s helper when called as mount.ckptfs or
+// mount.fuse.ckptfs: `mount -t fuse.ckptfs SRC MNT -o OPTS` and fstab lines.
 #include <fcntl.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -15,6 +16,7 @@
 #include <iostream>
 #include <map>
 #include <optional>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -28,57 +30,59 @@
 namespace ckptfs {
 namespace {
 
-constexpr const char* kUsage = R"(ckptfs: mount training checkpoints as a lazily computed, read-only tree.
+// Exit codes, the same for every command (also in the README and --help).
+constexpr int kExitOk = 0;          // success; verify: clean
+constexpr int kExitUnreadable = 1;  // the checkpoint, or part of it, cannot be read (or is not one)
+constexpr int kExitUsage = 2;       // bad command line
+// kExitProblems = 3: verify read the checkpoint and its checks found problems
+// (Report::ExitCode()).
 
-usage:
-  ckptfs --version
-  ckptfs mount SRC MNT [-f] [--index DIR] [--log FILE] [--engine auto|uring|pread]
-                       [--gpu auto|on|off] [--threads N] [--allow-other] [--debug]
-                       [--rules FILE] [--pp-layers N,N,..] [--hf-shard-size BYTES]
-                       [--verify-on-read] [--nonempty]
-      Index SRC (once; reused while SRC is unchanged) and mount the view at MNT.
-      Without -f the daemon detaches once the mount is live; its log goes to
-      --log FILE (default /tmp/ckptfs-<uid>/<mountpoint-name>.log).
-      topo/tp<T>-pp<P>[-dp<D>]/ is made on first lookup; --rules FILE overrides
-      TP split rules and stages (JSON, see README), --pp-layers sets layers per
-      stage, --hf-shard-size the hf/ shard size (default 5000000000; K/M/G ok).
-      --gpu: where merges, padding strips and widening casts run (same bytes
-      either way). auto (default): on a CUDA GPU for plans a calibration
-      measured faster there, else the CPU; on: every plan with such work on
-      the GPU (an error without one); off: the CPU. mount, cat and verify
-      take it.
-      A mountpoint that is already a mount (or a dead one) is refused with the
-      command that cleans it; --nonempty mounts over it anyway.
-      --verify-on-read (mount, cat): check the CRC-32 a source records for
-      each range (ZIP entry) before serving the first byte over it; a range
-      that fails is EIO for its tensors (verify always checks them all).
-      Bounds on untrusted metadata (every command; K/M/G ok):
-      --max-metadata-bytes (a DCP .metadata, default 1G) and --max-item-bytes
-      (a zstd-compressed DCP bytes item once decompressed, default 4G; a
-      tensor item is bounded by its chunk's size).
-  ckptfs umount MNT
-  ckptfs index SRC [--index DIR] [--force]
-      Build (or check) the index; prints what was found and how long it took.
-  ckptfs info SRC [--index DIR] [--json]
-      Family, step, ranks and a table of every tensor. Exit 1 if any tensor is
-      unreadable (each reason is printed as "cannot <verb> <file>: <reason>").
-  ckptfs ls SRC [PATH] [--index DIR] [--rules FILE] [--pp-layers N,N,..]
-      List a directory of the view without mounting.
-  ckptfs cat SRC KEY [--format npy|raw] [--index DIR] [--rules FILE] [--pp-layers ..]
-      Write one file of the view to stdout: the same bytes as the mount, no FUSE.
-      KEY is a view path (params/w/param.npy) or a checkpoint key / FQN.
+constexpr const char* kExitCodes =
+    "exit codes (every command): 0 success (verify: clean); 1 the checkpoint, or part of it,\n"
+    "cannot be read, or SRC is not a checkpoint (each problem printed as\n"
+    "\"cannot <verb> <file>: <reason>\"); 2 bad command line; 3 verify: the checks found problems.";
 
-  ckptfs verify SRC [--json] [--deep] [--num-layers N] [--threads N] [--index DIR]
-      Integrity report: coverage holes and overlaps, name collisions (pipeline
-      stages reusing layer names), optimizer chunks zeroed at step > 0, TP/PP
-      replica drift, ZeRO padding/partition geometry; --deep adds NaN/Inf
-      counts and norms per tensor (each byte read once). Human table, or JSON
-      with --json (the same as a mount's .ckptfs/report.json). --num-layers
-      gives the configured layer count (default: config.json / params.json
-      next to SRC). Exit 0 clean, 1 problems found, 2 something unreadable.
+constexpr const char* kMountFooter = R"(
+Index SRC (once; reused while SRC is unchanged) and mount the view at MNT, read-only.
+Without -f the daemon detaches once the mount is live; its log goes to --log FILE
+(default /tmp/ckptfs-<uid>/<mountpoint path, escaped>.log; each line names the mount).
+mount prints one line saying how many tensors cannot be read; --strict refuses to
+mount then. A mountpoint that is already a mount (or a dead one) is refused with
+the command that cleans it; --nonempty mounts over it anyway.
 
+-o OPT[,OPT..] takes the options of mount(8) / fstab (also through mount.ckptfs and
+`mount -t fuse.ckptfs SRC MNT -o ...`): allow_other, uid=N, gid=N, index=DIR, log=FILE,
+engine=, gpu=, threads=N, rules=FILE, pp_layers=, hf_shard_size=, verify_on_read,
+nonempty, strict, debug; ro, defaults, noauto, auto, nofail, _netdev, users, noatime,
+nosuid, nodev, noexec, x-* and comment= are accepted and have nothing to do here;
+rw is refused. The mount shows SRC as its source (findmnt, df) with type fuse.ckptfs.
+
+topo/tp<T>-pp<P>[-dp<D>][-ep<E>]/ is made on first lookup; --rules FILE overrides TP
+split rules and stages (JSON, see README), --pp-layers sets layers per stage,
+--hf-shard-size the hf/ shard size (default 5000000000; K/M/G ok).
+--gpu: where merges, padding strips and widening casts run (same bytes either way).
+auto (default): on a CUDA GPU for plans a calibration measured faster there, else
+the CPU; on: every plan with such work on the GPU (an error without one); off: the CPU.
+--verify-on-read: check the CRC-32 a source records for each range (ZIP entry)
+before serving the first byte over it; a range that fails is EIO for its tensors.
+)";
+
+constexpr const char* kIndexFooter = R"(
 The index lives in SRC/.ckptfs/index when SRC is writable, else in
-$XDG_CACHE_HOME/ckptfs/<hash>; --index DIR puts it elsewhere.
+$XDG_CACHE_HOME/ckptfs/<hash>; --index DIR puts it elsewhere. Every command that
+reads SRC takes --max-metadata-bytes (a DCP .metadata, default 1G) and
+--max-item-bytes (a zstd-compressed DCP bytes item once decompressed, default 4G);
+K/M/G ok.
+)";
+
+constexpr const char* kVerifyFooter = R"(
+Checks: coverage holes and overlaps, name collisions (pipeline stages reusing layer
+names), optimizer chunks zeroed at step > 0, TP/PP replica drift, ZeRO padding and
+partition geometry, fp32 masters against the weights; --deep adds NaN/Inf counts and
+norms per tensor (each byte read once). Human table, or JSON with --json (the same as
+a mount's .ckptfs/report.json). --num-layers gives the configured layer count
+(default: config.json / params.json next to SRC).
+Exit 0 clean, 1 something could not be read, 3 problems found.
 )";
 
 struct Args {
@@ -91,46 +95,9 @@ struct Args {
   }
 };
 
-bool ParseArgs(int argc, char** argv, int start, Args* a, std::string* err) {
-  static const std::map<std::string, bool> kTakesValue = {
-      {"--index", true}, {"--log", true},     {"--engine", true}, {"--gpu", true},      {"--threads", true}, {"--format", true},
-      {"-f", false},     {"--force", false},  {"--allow-other", false}, {"--debug", false}, {"--json", false},
-      {"--help", false}, {"-h", false},       {"--foreground", false}, {"--deep", false},
-      {"--num-layers", true}, {"--rules", true}, {"--pp-layers", true}, {"--hf-shard-size", true},
-      {"--max-item-bytes", true}, {"--max-metadata-bytes", true}, {"--verify-on-read", false},
-      {"--nonempty", false}, {"--version", false}};
-  for (int i = start; i < argc; ++i) {
-    std::string s = argv[i];
-    if (s.size() > 1 && s[0] == '-') {
-      std::string key = s, value;
-      size_t eq = s.find('=');
-      if (eq != std::string::npos) {
-        key = s.substr(0, eq);
-        value = s.substr(eq + 1);
-      }
-      auto it = kTakesValue.find(key);
-      if (it == kTakesValue.end()) {
-        *err = "unknown option " + key;
-        return false;
-      }
-      if (it->second && eq == std::string::npos) {
-        if (i + 1 >= argc) {
-          *err = key + " needs a value";
-          return false;
-        }
-        value = argv[++i];
-      }
-      a->opt[key] = value;
-    } else {
-      a->pos.push_back(s);
-    }
-  }
-  return true;
-}
-
 int Fail(const Status& s) {
   std::cerr << "ckptfs: " << s.message() << "\n";
-  return 1;
+  return kExitUnreadable;
 }
 
 // "5000", "5K", "5M", "5G" (decimal units); nullopt for anything else or 0.
@@ -192,7 +159,6 @@ std::string HumanBytes(uint64_t b) {
 }
 
 int CmdIndex(const Args& a) {
-  if (a.pos.size() != 1) return std::cerr << "usage: ckptfs index SRC [--index DIR] [--force]\n", 2;
   auto o = FsOpts(a, a.pos[0]);
   if (!o.ok()) return Fail(o.status());
   auto r = OpenOrBuild(o->src, o->index_dir, o->force_rebuild);
@@ -207,11 +173,55 @@ int CmdIndex(const Args& a) {
     std::printf("build time %.3f s (%.0f fragments/s)\n", r->build_seconds,
                 r->build_seconds > 0 ? static_cast<double>(ix.num_fragments()) / r->build_seconds : 0.0);
   }
-  return broken ? 1 : 0;
+  return broken ? kExitUnreadable : kExitOk;
+}
+
+// Each distinct reason once, in the order first met, with how many tensors it
+// affects: a missing or truncated shard makes hundreds of tensors unreadable
+// with the same message but for the tensor's name, offset and size, which are
+// left out to compare.
+void PrintUnreadable(const std::vector<const TensorRecord*>& broken) {
+  if (broken.empty()) return;
+  struct Group {
+    const TensorRecord* first;
+    uint64_t count;
+  };
+  std::vector<std::pair<std::string, Group>> groups;
+  std::map<std::string, size_t> at;
+  for (const TensorRecord* t : broken) {
+    std::string shape = t->error;
+    for (const std::string& name : {t->key, t->fqn}) {
+      if (name.empty()) continue;
+      for (size_t p = shape.find(name); p != std::string::npos; p = shape.find(name, p + 3)) {
+        shape.replace(p, name.size(), "...");
+      }
+    }
+    // Offsets and sizes differ per tensor; numbers inside names do not count.
+    std::string key;
+    for (size_t i = 0; i < shape.size(); ++i) {
+      const bool starts_number = std::isdigit(static_cast<unsigned char>(shape[i])) &&
+                                 (i == 0 || shape[i - 1] == ' ' || shape[i - 1] == '(' || shape[i - 1] == '=');
+      if (!starts_number) {
+        key += shape[i];
+        continue;
+      }
+      while (i + 1 < shape.size() && std::isdigit(static_cast<unsigned char>(shape[i + 1]))) ++i;
+      key += '#';
+    }
+    auto [it, fresh] = at.emplace(key, groups.size());
+    if (fresh) groups.push_back({key, Group{t, 0}});
+    groups[it->second].second.count++;
+  }
+  std::cerr << "ckptfs: " << broken.size() << " tensor(s) cannot be read (" << groups.size()
+            << " distinct reason(s)):\n";
+  for (const auto& [shape, g] : groups) {
+    std::cerr << "ckptfs: " << g.first->error;
+    if (g.count > 1) std::cerr << " (and " << g.count - 1 << " more tensor(s) for the same reason)";
+    std::cerr << "\n";
+  }
 }
 
 int CmdInfo(const Args& a) {
-  if (a.pos.size() != 1) return std::cerr << "usage: ckptfs info SRC [--index DIR] [--json]\n", 2;
   auto o = FsOpts(a, a.pos[0]);
   if (!o.ok()) return Fail(o.status());
   auto r = OpenOrBuild(o->src, o->index_dir, o->force_rebuild);
@@ -269,8 +279,8 @@ int CmdInfo(const Args& a) {
                   t.num_fragments, t.error.empty() ? "" : "  UNREADABLE");
     }
   }
-  for (const TensorRecord* t : broken) std::cerr << "ckptfs: " << t->error << "\n";
-  return broken.empty() ? 0 : 1;
+  PrintUnreadable(broken);
+  return broken.empty() ? kExitOk : kExitUnreadable;
 }
 
 Result<std::unique_ptr<Filesystem>> OpenFs(const Args& a, const std::string& src) {
@@ -279,7 +289,6 @@ Result<std::unique_ptr<Filesystem>> OpenFs(const Args& a, const std::string& src
 }
 
 int CmdLs(const Args& a) {
-  if (a.pos.empty() || a.pos.size() > 2) return std::cerr << "usage: ckptfs ls SRC [PATH]\n", 2;
   auto fs = OpenFs(a, a.pos[0]);
   if (!fs.ok()) return Fail(fs.status());
   auto ino = (*fs)->view().Resolve(a.pos.size() == 2 ? a.pos[1] : "");
@@ -296,9 +305,7 @@ int CmdLs(const Args& a) {
 }
 
 int CmdCat(const Args& a) {
-  if (a.pos.size() != 2) return std::cerr << "usage: ckptfs cat SRC KEY [--format npy|raw]\n", 2;
-  std::string fmt = a.Get("--format", "npy");
-  if (fmt != "npy" && fmt != "raw") return std::cerr << "ckptfs: --format is npy or raw\n", 2;
+  const std::string fmt = a.Get("--format", "npy");
   auto fs_or = OpenFs(a, a.pos[0]);
   if (!fs_or.ok()) return Fail(fs_or.status());
   Filesystem& fs = **fs_or;
@@ -333,23 +340,14 @@ int CmdCat(const Args& a) {
 }
 
 int CmdVerify(const Args& a) {
-  if (a.pos.size() != 1) {
-    return std::cerr << "usage: ckptfs verify SRC [--json] [--deep] [--num-layers N] [--threads N]\n", 2;
-  }
   VerifyOptions vo;
   vo.deep = a.Has("--deep");
-  if (a.Has("--num-layers")) {
-    char* end = nullptr;
-    const std::string v = a.Get("--num-layers");
-    vo.expected_layers = std::strtoll(v.c_str(), &end, 10);
-    if (v.empty() || *end != '\0' || vo.expected_layers < 0) return std::cerr << "ckptfs: --num-layers needs a count\n", 2;
-  }
-  if (a.Has("--threads")) vo.threads = static_cast<unsigned>(std::max(1, std::atoi(a.Get("--threads").c_str())));
-  // Exit 2 (could not read) for everything that stops verify from running.
+  if (a.Has("--num-layers")) vo.expected_layers = std::stoll(a.Get("--num-layers"));  // validated by CLI11
+  if (a.Has("--threads")) vo.threads = static_cast<unsigned>(std::stoul(a.Get("--threads")));
   auto fs = OpenFs(a, a.pos[0]);
-  if (!fs.ok()) return Fail(fs.status()), 2;
+  if (!fs.ok()) return Fail(fs.status());
   auto rep = (*fs)->Verify(vo);
-  if (!rep.ok()) return Fail(rep.status()), 2;
+  if (!rep.ok()) return Fail(rep.status());
   if (a.Has("--json")) {
     std::cout << ReportJson(*rep, (*fs)->index());
   } else {
@@ -360,17 +358,21 @@ int CmdVerify(const Args& a) {
 }
 
 int CmdUmount(const Args& a) {
-  if (a.pos.size() != 1) return std::cerr << "usage: ckptfs umount MNT\n", 2;
   const std::string& mnt = a.pos[0];
+  const bool lazy = a.Has("--lazy");
   pid_t pid = ::fork();
   if (pid == 0) {
-    ::execlp("fusermount3", "fusermount3", "-u", mnt.c_str(), static_cast<char*>(nullptr));
+    ::execlp("fusermount3", "fusermount3", lazy ? "-uz" : "-u", mnt.c_str(), static_cast<char*>(nullptr));
     ::_exit(127);
   }
   int st = 0;
-  if (pid > 0 && ::waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0) return 0;
-  if (::umount2(mnt.c_str(), 0) == 0) return 0;
-  return Fail(ErrnoStatus("unmount", mnt, errno));
+  if (pid > 0 && ::waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0) return kExitOk;
+  if (::umount2(mnt.c_str(), lazy ? MNT_DETACH : 0) == 0) return kExitOk;
+  const int err = errno;
+  return Fail(Status(Code::kIo, "cannot unmount " + mnt + ": " + std::strerror(err) +
+                                    (err == EBUSY ? " (a process still uses it; `ckptfs umount --lazy " + mnt +
+                                                        "` detaches it now and finishes when it is free)"
+                                                  : "")));
 }
 
 // A mountpoint that is already a mount (live, or a dead FUSE mount whose
@@ -401,8 +403,46 @@ Status CheckMountpoint(const std::string& mnt) {
   return Status::Ok();
 }
 
+// The default log of a mount: one file per mountpoint, named after its full
+// path ("/mnt/ck" -> "mnt-ck.log"; '-', '%' and bytes outside [A-Za-z0-9._]
+// as %XX, so two paths never share a name).
+std::string DefaultLogPath(const std::string& mnt) {
+  std::string dir = "/tmp/ckptfs-" + std::to_string(::getuid()), name;
+  ::mkdir(dir.c_str(), 0700);
+  for (size_t i = mnt.front() == '/' ? 1 : 0; i < mnt.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(mnt[i]);
+    if (c == '/') {
+      name += '-';
+    } else if (std::isalnum(c) || c == '.' || c == '_') {
+      name += static_cast<char>(c);
+    } else {
+      char hex[4];
+      std::snprintf(hex, sizeof(hex), "%%%02X", c);
+      name += hex;
+    }
+  }
+  if (name.empty()) name = "root";
+  if (name.size() > 200) name = name.substr(0, 180) + "~" + Hex64(std::hash<std::string>{}(mnt)).substr(0, 16);
+  return dir + "/" + name + ".log";
+}
+
+// One line for a mount that serves a checkpoint with unreadable tensors
+// (empty when all can be read).
+std::string UnreadableSummary(const Index& ix) {
+  uint64_t broken = 0;
+  const TensorRecord* first = nullptr;
+  for (const auto& t : ix.tensors()) {
+    if (t.error.empty()) continue;
+    if (first == nullptr) first = &t;
+    ++broken;
+  }
+  if (broken == 0) return "";
+  return std::to_string(broken) + " of " + std::to_string(ix.tensors().size()) +
+         " tensors cannot be read and answer EIO (first: " + first->error + "); `ckptfs info " + ix.src_dir() +
+         "` lists why";
+}
+
 int CmdMount(const Args& a) {
-  if (a.pos.size() != 2) return std::cerr << "usage: ckptfs mount SRC MNT [-f] [--index DIR]\n", 2;
   auto o = FsOpts(a, a.pos[0]);
   if (!o.ok()) return Fail(o.status());
   std::error_code ec;
@@ -414,15 +454,25 @@ int CmdMount(const Args& a) {
   MountOptions mo;
   mo.allow_other = a.Has("--allow-other");
   mo.debug = a.Has("--debug");
-  if (a.Has("--threads")) mo.max_threads = static_cast<unsigned>(std::max(1, std::atoi(a.Get("--threads").c_str())));
-  const bool foreground = a.Has("-f") || a.Has("--foreground") || mo.debug;
+  mo.fsname = o->src;
+  if (a.Has("--threads")) mo.max_threads = static_cast<unsigned>(std::stoul(a.Get("--threads")));
+  if (a.Has("--uid")) mo.uid = std::stoll(a.Get("--uid"));
+  if (a.Has("--gid")) mo.gid = std::stoll(a.Get("--gid"));
+  const bool foreground = a.Has("-f") || mo.debug;
+  const bool strict = a.Has("--strict");
+  SetLogTag(mnt);
 
   if (foreground) {
+    if (a.Has("--log")) SetLogFile(a.Get("--log"));
     auto fs = Filesystem::Open(*o);
     if (!fs.ok()) return Fail(fs.status());
     const OpenResult& r = (*fs)->open_result();
     LogInfo(std::string(r.built ? "built" : "reused") + " index " + (*fs)->index().dir() +
             (r.built ? " in " + std::to_string(r.build_seconds) + " s" : ""));
+    if (std::string bad = UnreadableSummary((*fs)->index()); !bad.empty()) {
+      if (strict) return Fail(Invalid("not mounting " + o->src + " (--strict): " + bad));
+      LogWarn(bad);
+    }
     return MountAndServe(**fs, mnt, mo, [&](const Status& s) {
       if (s.ok()) LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ", transforms " + (*fs)->transforms_name() + ")");
       else LogError(s.message());
@@ -430,13 +480,9 @@ int CmdMount(const Args& a) {
   }
 
   // Daemon: fork first, so that nothing (RocksDB, io_uring) runs before the
-  // fork; the parent waits for the child to report the mount live or failed.
-  std::string log = a.Get("--log");
-  if (log.empty()) {
-    std::string dir = "/tmp/ckptfs-" + std::to_string(::getuid());
-    ::mkdir(dir.c_str(), 0700);
-    log = dir + "/" + std::filesystem::path(mnt).filename().string() + ".log";
-  }
+  // fork; the parent waits for the child to report the mount live ("ok" and
+  // the unreadable summary) or failed (the reason).
+  const std::string log = a.Has("--log") ? a.Get("--log") : DefaultLogPath(mnt);
   int pipefd[2];
   if (::pipe2(pipefd, O_CLOEXEC) != 0) return Fail(ErrnoStatus("create", "pipe", errno));
   pid_t pid = ::fork();
@@ -447,12 +493,13 @@ int CmdMount(const Args& a) {
     char buf[512];
     ssize_t n;
     while ((n = ::read(pipefd[0], buf, sizeof(buf))) > 0) msg.append(buf, static_cast<size_t>(n));
-    if (msg == "ok") {
+    if (msg.rfind("ok\n", 0) == 0) {
       std::printf("mounted %s at %s (log: %s)\n", o->src.c_str(), mnt.c_str(), log.c_str());
-      return 0;
+      if (msg.size() > 3) std::fprintf(stderr, "ckptfs: warning: %s\n", msg.c_str() + 3);
+      return kExitOk;
     }
     std::cerr << "ckptfs: " << (msg.empty() ? "the daemon exited before mounting; see " + log : msg) << "\n";
-    return 1;
+    return kExitUnreadable;
   }
   ::close(pipefd[0]);
   ::setsid();
@@ -465,7 +512,17 @@ int CmdMount(const Args& a) {
   if (!fs.ok()) {
     LogError(fs.status().message());
     report(fs.status().message());
-    ::_exit(1);
+    ::_exit(kExitUnreadable);
+  }
+  const std::string bad = UnreadableSummary((*fs)->index());
+  if (!bad.empty()) {
+    if (strict) {
+      const std::string why = "not mounting " + o->src + " (--strict): " + bad;
+      LogError(why);
+      report(why);
+      ::_exit(kExitUnreadable);
+    }
+    LogWarn(bad);
   }
   int rc = MountAndServe(**fs, mnt, mo, [&](const Status& s) {
     if (!s.ok()) {
@@ -482,56 +539,336 @@ int CmdMount(const Args& a) {
       if (null > 2) ::close(null);
     }
     if (::chdir("/") != 0) LogWarn("cannot chdir to /");
-    report("ok");
+    report("ok\n" + bad);
   });
   ::_exit(rc);
 }
 
+// Splits a mount(8) option string at unescaped commas ("a,b\,c" -> a, b,c).
+std::vector<std::string> SplitMountOptions(const std::string& s) {
+  std::vector<std::string> out(1);
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '\\' && i + 1 < s.size()) {
+      out.back() += s[++i];
+    } else if (s[i] == ',') {
+      out.emplace_back();
+    } else {
+      out.back() += s[i];
+    }
+  }
+  std::vector<std::string> kept;
+  for (auto& o : out) {
+    if (!o.empty()) kept.push_back(std::move(o));
+  }
+  return kept;
+}
+
+// `-o OPT,..` of mount(8) and fstab, as the command-line flags they stand for
+// (so that CLI11 validates both spellings the same way).
+Result<std::vector<std::string>> MountOptionFlags(const std::string& opts) {
+  static const std::map<std::string, std::string> kValued = {
+      {"uid", "--uid"},         {"gid", "--gid"},         {"index", "--index"},
+      {"log", "--log"},         {"engine", "--engine"},   {"gpu", "--gpu"},
+      {"threads", "--threads"}, {"rules", "--rules"},     {"pp_layers", "--pp-layers"},
+      {"pp-layers", "--pp-layers"}, {"hf_shard_size", "--hf-shard-size"}, {"hf-shard-size", "--hf-shard-size"},
+      {"max_metadata_bytes", "--max-metadata-bytes"}, {"max_item_bytes", "--max-item-bytes"}};
+  static const std::map<std::string, std::string> kFlags = {
+      {"allow_other", "--allow-other"}, {"verify_on_read", "--verify-on-read"}, {"nonempty", "--nonempty"},
+      {"strict", "--strict"},           {"debug", "--debug"}};
+  // Options that mount(8), fstab or systemd pass and that mean nothing (or
+  // what ckptfs always does: ro, default_permissions) here.
+  static const std::vector<std::string> kIgnored = {
+      "ro", "defaults", "auto", "noauto", "nofail", "_netdev", "user", "users", "nouser", "owner", "group",
+      "noexec", "exec", "nosuid", "suid", "nodev", "dev", "noatime", "atime", "relatime", "norelatime",
+      "nodiratime", "diratime", "strictatime", "lazytime", "nolazytime", "async", "sync", "silent", "loud",
+      "default_permissions", "fsname", "subtype"};
+  std::vector<std::string> out;
+  for (const std::string& o : SplitMountOptions(opts)) {
+    const size_t eq = o.find('=');
+    const std::string key = o.substr(0, eq);
+    if (eq != std::string::npos && kValued.count(key)) {
+      out.push_back(kValued.at(key));
+      out.push_back(o.substr(eq + 1));
+    } else if (eq == std::string::npos && kFlags.count(key)) {
+      out.push_back(kFlags.at(key));
+    } else if (std::find(kIgnored.begin(), kIgnored.end(), key) != kIgnored.end() || key.rfind("x-", 0) == 0 ||
+               key == "comment") {
+      continue;
+    } else if (key == "rw") {
+      return Invalid("cannot mount read-write: ckptfs is a read-only filesystem (use ro)");
+    } else {
+      return Invalid("unknown mount option '" + o + "'");
+    }
+  }
+  return out;
+}
+
+// Replaces every `-o OPTS` / `-oOPTS` after the `mount` command by the flags
+// they stand for.
+Result<std::vector<std::string>> ExpandMountOptions(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  bool in_mount = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (!in_mount) {
+      in_mount = a == "mount";
+      out.push_back(a);
+      continue;
+    }
+    if (a == "-o" || (a.rfind("-o", 0) == 0 && a.size() > 2 && a[2] != '-')) {
+      std::string opts = a.size() > 2 ? a.substr(2) : "";
+      if (a == "-o") {
+        if (i + 1 >= args.size()) return Invalid("-o needs a value (e.g. -o allow_other,index=DIR)");
+        opts = args[++i];
+      }
+      ASSIGN_OR_RETURN(auto flags, MountOptionFlags(opts));
+      out.insert(out.end(), flags.begin(), flags.end());
+    } else {
+      out.push_back(a);
+    }
+  }
+  return out;
+}
+
+// mount.ckptfs SRC MNT [-sfnv] [-o OPTS] [-t TYPE] (how mount(8) calls a
+// helper) as `ckptfs mount SRC MNT [-o OPTS]`; empty for -f, which mount(8)
+// means as "fake: do everything but the mount".
+Result<std::vector<std::string>> MountHelperArgs(const std::vector<std::string>& args) {
+  std::vector<std::string> pos, out = {"mount"};
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "-o" || a == "-t") {
+      if (i + 1 >= args.size()) return Invalid(a + " needs a value");
+      if (a == "-o") {
+        // mount(8) adds "rw" whenever "ro" is not given; the mount is
+        // read-only either way, so only an explicit `ckptfs mount -o rw` is
+        // refused.
+        std::string kept;
+        for (const std::string& o : SplitMountOptions(args[i + 1])) {
+          if (o == "rw") continue;
+          if (!kept.empty()) kept += ',';
+          for (char c : o) {
+            if (c == ',' || c == '\\') kept += '\\';
+            kept += c;
+          }
+        }
+        if (!kept.empty()) out.insert(out.end(), {"-o", kept});
+      }
+      ++i;
+    } else if (a.size() > 1 && a[0] == '-' && a.find_first_not_of("sfnvwr", 1) == std::string::npos) {
+      if (a.find('f') != std::string::npos) return std::vector<std::string>{};
+      if (a.find('w') != std::string::npos) return Invalid("cannot mount read-write: ckptfs is a read-only filesystem");
+    } else if (a.size() > 1 && a[0] == '-') {
+      return Invalid("unknown option " + a + " (usage: mount.ckptfs SRC MNT [-o OPTIONS])");
+    } else {
+      pos.push_back(a);
+    }
+  }
+  if (pos.size() != 2) return Invalid("usage: mount.ckptfs SRC MNT [-o OPTIONS]");
+  out.insert(out.begin() + 1, pos.begin(), pos.end());
+  return out;
+}
+
+int Main(std::vector<std::string> raw) {
+  CLI::App app{"ckptfs: mount training checkpoints as a lazily computed, read-only tree.", "ckptfs"};
+  app.set_version_flag("--version", std::string("ckptfs ") + CKPTFS_VERSION + " (index schema v" +
+                                        std::to_string(Index::kSchemaVersion) + ")");
+  app.fallthrough();  // global options may follow the command
+  app.footer(std::string("\nRun `ckptfs help CMD` or `ckptfs CMD --help` for a command's options.\n") + kExitCodes);
+  std::map<std::string, std::string> str;  // option name -> value, filled by CLI11
+  std::vector<std::string> pos;
+  bool quiet = false;
+  app.add_flag("-q,--quiet", quiet, "no progress output (it is shown only on a terminal anyway)");
+  const auto bytes_check = CLI::Validator(
+      [](std::string& v) { return ParseBytes(v) ? std::string() : "expected bytes, e.g. 8G (K/M/G ok)"; }, "BYTES");
+  for (const char* flag : {"--max-metadata-bytes", "--max-item-bytes"}) {
+    app.add_option(flag, str[flag], "bound on untrusted metadata (see `ckptfs help index`)")
+        ->check(bytes_check)
+        ->option_text("BYTES");
+  }
+
+  std::string cmd_src, cmd_mnt, cmd_path, cmd_key;
+  auto add_src = [&](CLI::App* c) { c->add_option("SRC", cmd_src, "checkpoint directory")->required(); };
+  auto add_index = [&](CLI::App* c) {
+    c->add_option("--index", str["--index"], "index directory (default: SRC/.ckptfs/index or the user cache)")
+        ->option_text("DIR");
+  };
+  auto add_view = [&](CLI::App* c) {
+    c->add_option("--rules", str["--rules"], "TP split rules and stages for topo/ (JSON)")->option_text("FILE");
+    c->add_option("--pp-layers", str["--pp-layers"], "layers per pipeline stage for topo/")->option_text("N,N,..");
+    c->add_option("--hf-shard-size", str["--hf-shard-size"], "hf/ shard size (default 5000000000)")
+        ->check(bytes_check)
+        ->option_text("BYTES");
+  };
+  auto add_read = [&](CLI::App* c) {
+    c->add_option("--engine", str["--engine"], "read engine (default auto)")
+        ->check(CLI::IsMember({"auto", "uring", "io_uring", "pread"}));
+    c->add_option("--gpu", str["--gpu"], "where element transforms run (default auto)")
+        ->check(CLI::IsMember({"auto", "on", "off"}));
+  };
+  std::map<std::string, bool> flag;
+  auto add_flag = [&](CLI::App* c, const std::string& names, const std::string& key, const std::string& help) {
+    c->add_flag(names, flag[key], help);
+  };
+  const auto threads_check = CLI::Range(1, 1024);
+
+  CLI::App* mount = app.add_subcommand("mount", "mount SRC at MNT");
+  add_src(mount);
+  mount->add_option("MNT", cmd_mnt, "mountpoint (an empty directory)")->required();
+  add_flag(mount, "-f,--foreground", "-f", "stay in the foreground, logging to stderr (or --log)");
+  mount->add_option("-o", str["-o"], "mount(8) options, see below")->option_text("OPT[,OPT..]");
+  add_index(mount);
+  mount->add_option("--log", str["--log"], "log file of the daemon")->option_text("FILE");
+  add_read(mount);
+  mount->add_option("--threads", str["--threads"], "FUSE worker threads (default 16)")
+      ->check(threads_check)
+      ->option_text("N");
+  add_flag(mount, "--allow-other", "--allow-other", "let other users (and root) see the mount");
+  mount->add_option("--uid", str["--uid"], "owner shown for every file (default: the mounting user)")
+      ->check(CLI::NonNegativeNumber)
+      ->option_text("N");
+  mount->add_option("--gid", str["--gid"], "group shown for every file")->check(CLI::NonNegativeNumber)->option_text("N");
+  add_flag(mount, "--debug", "--debug", "trace every FUSE request (implies -f)");
+  add_view(mount);
+  add_flag(mount, "--verify-on-read", "--verify-on-read", "check source CRCs before serving");
+  add_flag(mount, "--nonempty", "--nonempty", "mount even over an existing mount");
+  add_flag(mount, "--strict", "--strict", "refuse to mount when any tensor cannot be read");
+  mount->footer(std::string(kMountFooter) + kIndexFooter);
+
+  CLI::App* umount = app.add_subcommand("umount", "unmount MNT")->alias("unmount");
+  umount->add_option("MNT", cmd_mnt, "mountpoint")->required();
+  add_flag(umount, "-z,--lazy", "--lazy", "detach now, finish when the mount is no longer busy");
+
+  CLI::App* index = app.add_subcommand("index", "build (or check) the index; prints counts and build time");
+  add_src(index);
+  add_index(index);
+  add_flag(index, "--force", "--force", "rebuild even when the index is current");
+  index->footer(kIndexFooter);
+
+  CLI::App* info = app.add_subcommand("info", "family, step, ranks and a table of every tensor");
+  add_src(info);
+  add_index(info);
+  add_flag(info, "--json", "--json", "machine-readable output");
+  info->footer(std::string("\nExit 1 if any tensor cannot be read; each distinct reason is printed once as\n"
+                           "\"cannot <verb> <file>: <reason>\" with how many tensors it affects.\n") +
+               kIndexFooter);
+
+  CLI::App* ls = app.add_subcommand("ls", "list a directory of the view without mounting");
+  add_src(ls);
+  ls->add_option("PATH", cmd_path, "directory in the view (default: the root)");
+  add_index(ls);
+  add_view(ls);
+
+  CLI::App* cat = app.add_subcommand("cat", "write one file of the view to stdout (same bytes as the mount)");
+  add_src(cat);
+  cat->add_option("KEY", cmd_key, "a view path (params/w/param.npy), a checkpoint key or an FQN")->required();
+  cat->add_option("--format", str["--format"], "for keys and FQNs: npy (default) or raw")
+      ->check(CLI::IsMember({"npy", "raw"}));
+  add_index(cat);
+  add_read(cat);
+  add_view(cat);
+  add_flag(cat, "--verify-on-read", "--verify-on-read", "check source CRCs before serving");
+
+  CLI::App* verify = app.add_subcommand("verify", "integrity report");
+  add_src(verify);
+  add_flag(verify, "--json", "--json", "the report as JSON");
+  add_flag(verify, "--deep", "--deep", "also NaN/Inf counts and norms (reads every byte once)");
+  verify->add_option("--num-layers", str["--num-layers"], "the configured layer count")
+      ->check(CLI::NonNegativeNumber)
+      ->option_text("N");
+  verify->add_option("--threads", str["--threads"], "reader threads")->check(threads_check)->option_text("N");
+  add_index(verify);
+  add_read(verify);
+  verify->footer(std::string(kVerifyFooter) + kIndexFooter);
+
+  CLI::App* help = app.add_subcommand("help", "help for a command");
+  help->add_option("CMD", cmd_key, "command");
+  app.require_subcommand(0, 1);
+
+  auto expanded = ExpandMountOptions(raw);
+  if (!expanded.ok()) {
+    std::cerr << "ckptfs mount: " << expanded.status().message() << " (see `ckptfs mount --help`)\n";
+    return kExitUsage;
+  }
+  std::vector<std::string> rev(expanded->rbegin(), expanded->rend());
+  try {
+    app.parse(rev);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    if (app.get_subcommands().empty() && !raw.empty() && !raw[0].empty() && raw[0][0] != '-') {
+      std::cerr << "ckptfs: unknown command '" << raw[0] << "' (see `ckptfs --help`)\n";
+      return kExitUsage;
+    }
+    std::string where = "ckptfs", pointer = "ckptfs --help";
+    for (CLI::App* c : app.get_subcommands()) {
+      where += " " + c->get_name();
+      pointer = "ckptfs " + c->get_name() + " --help";
+    }
+    std::cerr << where << ": " << e.what() << " (see `" << pointer << "`)\n";
+    return kExitUsage;
+  }
+  if (app.get_subcommands().empty()) {
+    std::cerr << app.help();
+    return kExitUsage;
+  }
+  CLI::App* cmd = app.get_subcommands().front();
+  if (cmd == help) {
+    if (cmd_key.empty()) {
+      std::cout << app.help();
+      return kExitOk;
+    }
+    CLI::App* target = nullptr;
+    try {
+      target = app.get_subcommand(cmd_key);
+    } catch (const CLI::OptionNotFound&) {
+    }
+    if (target == nullptr || target == help) {
+      std::cerr << "ckptfs help: no command '" << cmd_key << "' (see `ckptfs --help`)\n";
+      return kExitUsage;
+    }
+    std::cout << target->help("ckptfs");
+    return kExitOk;
+  }
+  (void)quiet;  // PROGRESS_HOOK
+  Args a;
+  for (auto& [key, value] : str) {
+    if (!value.empty()) a.opt[key] = value;
+  }
+  for (auto& [key, on] : flag) {
+    if (on) a.opt[key] = "";
+  }
+  for (const std::string* p : {&cmd_src, &cmd_mnt}) {
+    if (!p->empty()) a.pos.push_back(*p);
+  }
+  if (cmd == ls && !cmd_path.empty()) a.pos.push_back(cmd_path);
+  if (cmd == cat) a.pos.push_back(cmd_key);
+  ReadLimits limits;
+  if (a.Has("--max-item-bytes")) limits.max_item_bytes = *ParseBytes(a.Get("--max-item-bytes"));
+  if (a.Has("--max-metadata-bytes")) limits.max_metadata_bytes = *ParseBytes(a.Get("--max-metadata-bytes"));
+  SetReadLimits(limits);
+  if (cmd == mount) return CmdMount(a);
+  if (cmd == umount) return CmdUmount(a);
+  if (cmd == index) return CmdIndex(a);
+  if (cmd == info) return CmdInfo(a);
+  if (cmd == ls) return CmdLs(a);
+  if (cmd == cat) return CmdCat(a);
+  return CmdVerify(a);
+}
 }  // namespace
 }  // namespace ckptfs
 
 int main(int argc, char** argv) {
-  using namespace ckptfs;
-  if (argc >= 2 && (std::string(argv[1]) == "--version" || std::string(argv[1]) == "version")) {
-    std::printf("ckptfs %s (index schema v%u)\n", CKPTFS_VERSION, Index::kSchemaVersion);
-    return 0;
-  }
-  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" || std::string(argv[1]) == "help") {
-    std::fputs(kUsage, argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
-  }
-  std::string cmd = argv[1];
-  Args a;
-  std::string err;
-  if (!ParseArgs(argc, argv, 2, &a, &err)) {
-    std::cerr << "ckptfs " << cmd << ": " << err << "\n" << kUsage;
-    return 2;
-  }
-  if (a.Has("--help") || a.Has("-h")) {
-    std::fputs(kUsage, stdout);
-    return 0;
-  }
-  {
-    ReadLimits limits;
-    for (auto [flag, field] : {std::pair{"--max-item-bytes", &limits.max_item_bytes},
-                               std::pair{"--max-metadata-bytes", &limits.max_metadata_bytes}}) {
-      if (!a.Has(flag)) continue;
-      auto n = ParseBytes(a.Get(flag));
-      if (!n) {
-        std::cerr << "ckptfs " << cmd << ": " << flag << " '" << a.Get(flag) << "': expected bytes, e.g. 8G\n";
-        return 2;
-      }
-      *field = *n;
+  const std::string self = std::filesystem::path(argc > 0 ? argv[0] : "ckptfs").filename().string();
+  std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);
+  if (self == "mount.ckptfs" || self == "mount.fuse.ckptfs") {
+    // mount(8) helper: mount.ckptfs SRC MNT [-sfnv] [-o OPTS] [-t TYPE].
+    auto translated = ckptfs::MountHelperArgs(args);
+    if (!translated.ok()) {
+      std::cerr << self << ": " << translated.status().message() << "\n";
+      return ckptfs::kExitUsage;
     }
-    SetReadLimits(limits);
+    if (translated->empty()) return ckptfs::kExitOk;  // -f: mount(8)'s "fake"
+    args = std::move(translated).value();
   }
-  if (cmd == "mount") return CmdMount(a);
-  if (cmd == "umount" || cmd == "unmount") return CmdUmount(a);
-  if (cmd == "index") return CmdIndex(a);
-  if (cmd == "info") return CmdInfo(a);
-  if (cmd == "ls") return CmdLs(a);
-  if (cmd == "cat") return CmdCat(a);
-  if (cmd == "verify") return CmdVerify(a);
-  std::cerr << "ckptfs: unknown command '" << cmd << "'\n" << kUsage;
-  return 2;
+  return ckptfs::Main(args);
 }

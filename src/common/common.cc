@@ -100,7 +100,13 @@ namespace {
 std::mutex g_log_mu;
 LogLevel g_level = LogLevel::kInfo;
 FILE* g_log = nullptr;  // nullptr: stderr
+std::string g_tag;      // "[/mnt/ck]" once SetLogTag() named the mount
 }  // namespace
+
+void SetLogTag(const std::string& tag) {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  g_tag = tag.empty() ? "" : "[" + tag + "]";
+}
 
 void SetLogLevel(LogLevel level) {
   std::lock_guard<std::mutex> lock(g_log_mu);
@@ -124,7 +130,7 @@ void Log(LogLevel level, std::string_view message) {
   char ts[32];
   std::strftime(ts, sizeof(ts), "%Y-%m-%dT%H:%M:%SZ", &tm);
   FILE* out = g_log != nullptr ? g_log : stderr;
-  std::fprintf(out, "%s ckptfs %s: %.*s\n", ts, kNames[static_cast<int>(level)],
+  std::fprintf(out, "%s ckptfs%s %s: %.*s\n", ts, g_tag.c_str(), kNames[static_cast<int>(level)],
                static_cast<int>(message.size()), message.data());
   std::fflush(out);
 }

@@ -26,6 +26,22 @@ constexpr unsigned kMaxRequest = 1u << 20;  // 1 MiB reads: max_pages 256
 
 Filesystem& Fs(fuse_req_t req) { return *static_cast<Filesystem*>(fuse_req_userdata(req)); }
 
+// Owner shown for every file: MountOptions uid/gid, else the mounting user.
+// Set once before the session starts (a process serves one mount).
+uid_t g_uid = 0;
+gid_t g_gid = 0;
+
+// fsname= is parsed by libfuse's option parser, where ',' separates options
+// and '\' escapes.
+std::string EscapeOptionValue(const std::string& v) {
+  std::string out;
+  for (char c : v) {
+    if (c == ',' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
 void FillStat(const Attr& a, struct stat* st) {
   std::memset(st, 0, sizeof(*st));
   st->st_ino = a.ino;
@@ -34,8 +50,8 @@ void FillStat(const Attr& a, struct stat* st) {
   st->st_size = static_cast<off_t>(a.size);
   st->st_blksize = 1 << 20;
   st->st_blocks = static_cast<blkcnt_t>((a.size + 511) / 512);
-  st->st_uid = ::getuid();
-  st->st_gid = ::getgid();
+  st->st_uid = g_uid;
+  st->st_gid = g_gid;
   st->st_mtim.tv_sec = a.mtime_ns / 1000000000;
   st->st_mtim.tv_nsec = a.mtime_ns % 1000000000;
   st->st_atim = st->st_mtim;
@@ -229,7 +245,10 @@ fuse_lowlevel_ops MakeOps() {
 
 int MountAndServe(Filesystem& fs, const std::string& mountpoint, const MountOptions& opts,
                   const std::function<void(const Status&)>& ready) {
-  std::string o = "ro,default_permissions,fsname=ckptfs,subtype=ckptfs";
+  g_uid = opts.uid >= 0 ? static_cast<uid_t>(opts.uid) : ::getuid();
+  g_gid = opts.gid >= 0 ? static_cast<gid_t>(opts.gid) : ::getgid();
+  std::string o = "ro,default_permissions,fsname=" + EscapeOptionValue(opts.fsname.empty() ? "ckptfs" : opts.fsname) +
+                  ",subtype=ckptfs";
   if (opts.allow_other) o += ",allow_other";
   std::vector<std::string> argv = {"ckptfs", "-o", o};
   if (opts.debug) argv.push_back("-d");

@@ -729,11 +729,11 @@ json DetailJson(const std::string& s) {
 }  // namespace
 
 int Report::ExitCode() const {
-  int code = 0;
+  bool unreadable = false, problems = false;
   for (const Finding& f : findings) {
-    code = std::max(code, f.check == Check::kUnreadable || f.check == Check::kChecksum ? 2 : 1);
+    (f.check == Check::kUnreadable || f.check == Check::kChecksum ? unreadable : problems) = true;
   }
-  return code;
+  return unreadable ? 1 : problems ? 3 : 0;
 }
 
 Result<Report> Verify(const Index& index, TensorReader& reader, const VerifyOptions& opts) {
@@ -747,7 +747,7 @@ std::string ReportJson(const Report& r, const Index& index, bool timing) {
   j["format"] = r.format;
   j["step"] = r.step >= 0 ? json(r.step) : json(nullptr);
   const int code = r.ExitCode();
-  j["verdict"] = code == 0 ? "clean" : code == 1 ? "problems" : "unreadable";
+  j["verdict"] = code == 0 ? "clean" : code == 3 ? "problems" : "unreadable";
   j["exit_code"] = code;
   j["deep"] = r.deep;
   std::map<std::string, uint64_t> counts;
@@ -856,7 +856,7 @@ std::string ReportTable(const Report& r, const Index& index) {
   for (const std::string& n : r.notes) line("note: " + n);
   const int code = r.ExitCode();
   line("");
-  line(std::string("verdict: ") + (code == 0 ? "clean" : code == 1 ? "problems found" : "some data could not be read") +
+  line(std::string("verdict: ") + (code == 0 ? "clean" : code == 3 ? "problems found" : "some data could not be read") +
        " (exit " + std::to_string(code) + ")");
   return out;
 }

@@ -328,13 +328,13 @@ def _flip_tensor_byte(ck, fqn):
 
 def test_flipped_tensor_byte_fails_its_crc(ck, mounter, tmp_path):
     """One flipped bit in a tensor's stored bytes: verify reports the CRC-32
-    mismatch naming the file and entry (exit 2); a mount with
+    mismatch naming the file and entry (exit 1); a mount with
     --verify-on-read answers EIO for that tensor only; without it, the first
     read of .ckptfs/report.json finds it and the tensor is EIO from then on."""
     rel = _flip_tensor_byte(ck, "model.proj.weight")
     ix = tmp_path / "ix"
     v = run([ckptfs_bin(), "verify", str(ck), "--index", str(ix), "--json"], timeout=120)
-    assert v.returncode == 2, (v.returncode, v.stdout[-2000:], v.stderr[-2000:])
+    assert v.returncode == 1, (v.returncode, v.stdout[-2000:], v.stderr[-2000:])
     import json
     rep = json.loads(v.stdout)
     crc = [f for f in rep["findings"] if f["check"] == "checksum"]

@@ -367,7 +367,7 @@ def test_verify_fixtures_have_no_finding_but_their_incident(scenario, bin_path):
     name, ck, _ = scenario
     rc, rep = verify_json(bin_path, ck)
     if name == "padspan_bf16opt_dp4":  # the recorded-padding incident: only that (see below)
-        assert rc == 1 and {(f["check"], f["severity"]) for f in rep["findings"]} == {("zero-geometry", "warning")}
+        assert rc == 3 and {(f["check"], f["severity"]) for f in rep["findings"]} == {("zero-geometry", "warning")}
     else:
         assert rep["findings"] == [] and rc == 0, rep["findings"]
     assert rep["summary"]["tensors_read"] > 0
@@ -379,7 +379,7 @@ def test_verify_flags_recorded_padding_defect(ds_root, bin_path):
     rank): a recorded-padding defect that ckptfs corrects, not unreadable."""
     ck, _ = produce(ds_root, "padspan_bf16opt_dp4")
     rc, rep = verify_json(bin_path, ck)
-    assert rc == 1 and rep["verdict"] == "problems"
+    assert rc == 3 and rep["verdict"] == "problems"
     geo = [f for f in rep["findings"] if f["check"] == "zero-geometry"]
     assert len(geo) == len(rep["findings"]) == 2
     assert all(f["severity"] == "warning" for f in geo)
@@ -395,7 +395,7 @@ def test_verify_missing_dp_rank_file_is_a_coverage_hole(ds_root, tmp_path, bin_p
     ck, tag = damaged_copy(ds_root, tmp_path)
     (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     rc, rep = verify_json(bin_path, ck)
-    assert rc == 1
+    assert rc == 3
     cov = [f for f in rep["findings"] if f["check"] == "coverage"]
     assert len(cov) == 1 and cov[0]["file"].endswith("zero_pp_rank_1_mp_rank_00_optim_states.pt")
     assert not any(f["check"] == "unreadable" for f in rep["findings"]), rep["findings"]

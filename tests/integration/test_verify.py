@@ -58,7 +58,7 @@ def test_pipeline_stages_reusing_layer_names_are_flagged(dcp_fixtures, bin_path,
     each, so layers 2 and 3 of the 4 in params.json are gone."""
     src = dcp_fixtures / "pp_collision_w2"
     rc, rep = verify(bin_path, src)
-    assert rc == 1 and rep["verdict"] == "problems"
+    assert rc == 3 and rep["verdict"] == "problems"
     [f] = rep["findings"]
     assert f["check"] == "name-collision" and f["severity"] == "error"
     assert f["detail"]["missing_layers"] == [2, 3]
@@ -69,7 +69,7 @@ def test_pipeline_stages_reusing_layer_names_are_flagged(dcp_fixtures, bin_path,
     bare = copy_ckpt(src, tmp_path / "bare")
     (bare / "params.json").unlink()
     rc, rep = verify(bin_path, bare, "--num-layers", "4")
-    assert rc == 1 and rep["findings"][0]["detail"]["missing_layers"] == [2, 3]
+    assert rc == 3 and rep["findings"][0]["detail"]["missing_layers"] == [2, 3]
     # Without any configured count, layers 0..1 with no gap are a 2-layer model.
     rc, rep = verify(bin_path, bare)
     assert rc == 0 and rep["findings"] == []
@@ -86,7 +86,7 @@ def test_gap_in_layer_numbering_is_flagged_without_config(dcp_fixtures, bin_path
     state = {f"layers.{i}.w": torch.full((2, 2), float(i + 1)) for i in (0, 1, 3)}
     dcp.save({"model": state}, checkpoint_id=str(out))
     rc, rep = verify(bin_path, out)
-    assert rc == 1
+    assert rc == 3
     [f] = rep["findings"]
     assert f["check"] == "name-collision" and f["detail"]["missing_layers"] == [2]
 
@@ -95,7 +95,7 @@ def test_missing_rank_file_is_a_hole_with_coordinates(dcp_fixtures, bin_path, tm
     src = copy_ckpt(dcp_fixtures / "dtensor_dim0_w2", tmp_path / "ck")
     (src / "__1_0.distcp").unlink()
     rc, rep = verify(bin_path, src)
-    assert rc == 1
+    assert rc == 3
     cov = [f for f in rep["findings"] if f["check"] == "coverage"]
     assert len(cov) == 1 and cov[0]["file"] == "__1_0.distcp"
     assert "__1_0.distcp is missing" in cov[0]["message"]
@@ -104,20 +104,20 @@ def test_missing_rank_file_is_a_hole_with_coordinates(dcp_fixtures, bin_path, tm
     assert cov[0]["detail"]["tensors_affected"] >= 1
 
 
-def test_truncated_shard_is_unreadable_exit_2(dcp_fixtures, bin_path, tmp_path):
+def test_truncated_shard_is_unreadable_exit_1(dcp_fixtures, bin_path, tmp_path):
     src = copy_ckpt(dcp_fixtures / "fsdp2_w3", tmp_path / "ck")
     p = src / "__2_0.distcp"
     p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
     rc, rep = verify(bin_path, src)
-    assert rc == 2 and rep["verdict"] == "unreadable"
+    assert rc == 1 and rep["verdict"] == "unreadable"
     bad = [f for f in rep["findings"] if f["check"] == "unreadable"]
     assert bad and all("__2_0.distcp" in f["message"] for f in bad)
 
 
-def test_not_a_checkpoint_exits_2(bin_path, tmp_path):
+def test_not_a_checkpoint_exits_1(bin_path, tmp_path):
     (tmp_path / "x.txt").write_text("hello")
     r = run([bin_path, "verify", str(tmp_path)])
-    assert r.returncode == 2 and "ckptfs:" in r.stderr
+    assert r.returncode == 1 and "ckptfs:" in r.stderr
 
 
 def test_deep_counts_nan_inf_and_norms_match_numpy(bin_path, tmp_path, mounter):
@@ -136,7 +136,7 @@ def test_deep_counts_nan_inf_and_norms_match_numpy(bin_path, tmp_path, mounter):
     rc, plain = verify(bin_path, out)
     assert rc == 0 and plain["findings"] == []  # NaN is only looked for with --deep
     rc, rep = verify(bin_path, out, "--deep")
-    assert rc == 1
+    assert rc == 3
     [f] = rep["findings"]
     assert f["check"] == "numerics" and f["tensor"] == "w"
     assert f["detail"] == {"nan": 1, "inf": 2, "elements": 64 * 33}
@@ -154,7 +154,7 @@ def test_deep_counts_nan_inf_and_norms_match_numpy(bin_path, tmp_path, mounter):
     assert rep["summary"]["bytes_read"] == plain["summary"]["bytes_read"]
     # The table names the tensor and its counts.
     r = run([bin_path, "verify", str(out), "--deep"])
-    assert r.returncode == 1 and "numerics" in r.stdout and "NAN" in r.stdout
+    assert r.returncode == 3 and "numerics" in r.stdout and "NAN" in r.stdout
 
 
 def test_xxh3_in_report_equals_info_json(dcp_fixtures, bin_path, mounter, tmp_path):

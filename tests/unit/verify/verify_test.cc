@@ -253,7 +253,7 @@ TEST(VerifyTest, ZeroChunksAreJudgedAgainstTheirSiblings) {
   EXPECT_EQ(r.findings.size(), 3u);
   ASSERT_EQ(r.notes.size(), 1u);
   EXPECT_NE(r.notes[0].find("'unused'"), std::string::npos);
-  EXPECT_EQ(r.ExitCode(), 1);
+  EXPECT_EQ(r.ExitCode(), 3);
 
   // At step 0 nothing has been written by the optimizer yet: no judgement.
   TempDir t0;
@@ -310,7 +310,7 @@ TEST(VerifyTest, MissingFileIsOneCoverageFindingAndNaNNeedsDeep) {
   EXPECT_EQ(num[0]->tensor, "a/param");
   EXPECT_EQ(r.tensors[0].nan, 1u);
   EXPECT_EQ(r.tensors[0].inf, 1u);
-  EXPECT_EQ(r.ExitCode(), 1);
+  EXPECT_EQ(r.ExitCode(), 3);
 }
 
 TEST(VerifyTest, IndexFindingsSurviveTheRoundTripAndUnexplainedErrorsExit2) {
@@ -338,7 +338,7 @@ TEST(VerifyTest, IndexFindingsSurviveTheRoundTripAndUnexplainedErrorsExit2) {
   Report r = RunVerify(*ix);
   ASSERT_EQ(r.findings.size(), 2u);
   EXPECT_EQ(r.findings[1].check, Check::kUnreadable);
-  EXPECT_EQ(r.ExitCode(), 2);
+  EXPECT_EQ(r.ExitCode(), 1);
   const std::string json = ReportJson(r, *ix, false);
   EXPECT_NE(json.find("\"verdict\": \"unreadable\""), std::string::npos);
   EXPECT_EQ(json.find("seconds"), std::string::npos);
