@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PKGS=(build-essential cmake pkg-config git libfuse3-dev fuse3 librocksdb-dev liburing-dev libgtest-dev
+APT_PKGS=(build-essential cmake pkg-config git help2man libfuse3-dev fuse3 librocksdb-dev liburing-dev libgtest-dev
           libre2-dev libyaml-dev nlohmann-json3-dev libxxhash-dev libzstd-dev zlib1g-dev python3 python3-venv python3-pip)
 [[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev)
 
