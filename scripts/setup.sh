@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 APT_PKGS=(build-essential cmake pkg-config git libfuse3-dev fuse3 librocksdb-dev liburing-dev libgtest-dev
           libre2-dev libyaml-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libzstd-dev zlib1g-dev python3 python3-venv python3-pip)
 [[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev)
+APT_PKGS+=(help2man)  # ckptfs.1 at build time (CMake leaves the man page out without it)
 
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
