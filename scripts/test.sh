@@ -5,26 +5,27 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 JOBS=$(nproc)
+stage() { echo "== $* ($(date -u +%H:%M:%S), $SECONDS s in)"; }
 # SANITIZERS=0 / FUZZ=0 skip those stages (for quick local runs).
 
-echo "== build (RelWithDebInfo, -Werror)"
+stage "build (RelWithDebInfo, -Werror)"
 scripts/build.sh
-echo "== unit tests"
+stage "unit tests"
 ctest --test-dir build --output-on-failure -j"$JOBS"
 
 if [[ "${SANITIZERS:-1}" == 1 ]]; then
-  echo "== unit tests under ASan+UBSan"
+  stage "unit tests under ASan+UBSan"
   cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DCKPTFS_SANITIZE="address;undefined" >/dev/null
   cmake --build build-asan -j"$JOBS" --target ckptfs_unit_tests
   ASAN_OPTIONS=detect_leaks=1 build-asan/ckptfs_unit_tests --gtest_brief=1
-  echo "== unit tests under TSan"
+  stage "unit tests under TSan"
   cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCKPTFS_SANITIZE=thread >/dev/null
   cmake --build build-tsan -j"$JOBS" --target ckptfs_unit_tests
   TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp halt_on_error=1" build-tsan/ckptfs_unit_tests --gtest_brief=1
 fi
 
 if [[ "${FUZZ:-1}" == 1 ]]; then
-  echo "== fuzz smoke (libFuzzer, 20 s per target)"
+  stage "fuzz smoke (libFuzzer, 20 s per target)"
   CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPTFS_FUZZ=ON \
     -DCKPTFS_BUILD_TESTS=OFF -DCKPTFS_CUDA=OFF >/dev/null
   dirs=(dcp_dir deepspeed_dir megatron_legacy_dir megatron_dist_dir views)
@@ -45,8 +46,9 @@ if [[ "${FUZZ:-1}" == 1 ]]; then
   rm -rf "$work"
 fi
 
-echo "== integration tests (real FUSE mounts, real torch checkpoints)"
+stage "integration tests (real FUSE mounts, real torch checkpoints)"
 # Fixtures are written once into build/fixtures (shared by the test modules that
 # use the same checkpoints; a fresh clone starts empty).
 CKPTFS_FIXTURE_CACHE=${CKPTFS_FIXTURE_CACHE:-$PWD/build/fixtures} CKPTFS_BIN=$PWD/build/ckptfs \
   .venv/bin/python -m pytest tests/integration -q -p no:cacheprovider --timeout=900
+stage "all tests passed"

@@ -176,12 +176,17 @@ int CmdIndex(const Args& a) {
   return broken ? kExitUnreadable : kExitOk;
 }
 
-// Each distinct reason once, in the order first met, with how many tensors it
+// Up to ten reasons are printed as they are; more, each distinct reason once,
+// in the order first met, with how many tensors it
 // affects: a missing or truncated shard makes hundreds of tensors unreadable
 // with the same message but for the tensor's name, offset and size, which are
 // left out to compare.
 void PrintUnreadable(const std::vector<const TensorRecord*>& broken) {
-  if (broken.empty()) return;
+  constexpr size_t kEachUpTo = 10;  // a few are printed whole, offsets and all
+  if (broken.size() <= kEachUpTo) {
+    for (const TensorRecord* t : broken) std::cerr << "ckptfs: " << t->error << "\n";
+    return;
+  }
   struct Group {
     const TensorRecord* first;
     uint64_t count;
@@ -673,6 +678,7 @@ int Main(std::vector<std::string> raw) {
   CLI::App app{"ckptfs: mount training checkpoints as a lazily computed, read-only tree.", "ckptfs"};
   app.set_version_flag("--version", std::string("ckptfs ") + CKPTFS_VERSION + " (index schema v" +
                                         std::to_string(Index::kSchemaVersion) + ")");
+  app.set_help_all_flag("--help-all", "every command's help (the man page is made from it)");
   app.fallthrough();  // global options may follow the command
   app.footer(std::string("\nRun `ckptfs help CMD` or `ckptfs CMD --help` for a command's options.\n") + kExitCodes);
   std::map<std::string, std::string> str;  // option name -> value, filled by CLI11

@@ -196,6 +196,11 @@ def test_stat_and_listing_never_run_the_checks(dcp_fixtures, mounter, tmp_path):
     with mounter(src, index=tmp_path / "ix") as m:
         for cmd in (["du", "-sh", str(m.path)], ["find", str(m.path), "-size", "+0"], ["ls", "-laR", str(m.path)]):
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        # du is honest: the tree occupies no storage; its apparent size is what reads return.
+        du = subprocess.run(["du", "-s", "--block-size=1", str(m.path)], capture_output=True, text=True, timeout=120)
+        apparent = subprocess.run(["du", "-s", "--apparent-size", "--block-size=1", str(m.path)],
+                                  capture_output=True, text=True, timeout=120)
+        assert du.stdout.split()[0] == "0" and int(apparent.stdout.split()[0]) > 0, (du.stdout, apparent.stdout)
         p = m.path / ".ckptfs" / "report.json"
         assert p.stat().st_size == 0
         assert "verified" not in m.log_text(), m.log_text()[-2000:]
