@@ -85,6 +85,8 @@ a mount's .ckptfs/report.json). --num-layers gives the configured layer count
 Exit 0 clean, 1 something could not be read, 3 problems found.
 )";
 
+// What CLI11 parsed, as the command functions read it: positionals in order,
+// and each option given under its long name ("" for a flag).
 struct Args {
   std::vector<std::string> pos;
   std::map<std::string, std::string> opt;
@@ -717,6 +719,7 @@ int Main(std::vector<std::string> raw) {
     c->add_flag(names, flag[key], help);
   };
   const auto threads_check = CLI::Range(1, 1024);
+  const auto kIdCheck = CLI::Range(int64_t{0}, int64_t{4294967294});  // (uid_t)-1 means "unchanged"
 
   CLI::App* mount = app.add_subcommand("mount", "mount SRC at MNT");
   add_src(mount);
@@ -731,9 +734,9 @@ int Main(std::vector<std::string> raw) {
       ->option_text("N");
   add_flag(mount, "--allow-other", "--allow-other", "let other users (and root) see the mount");
   mount->add_option("--uid", str["--uid"], "owner shown for every file (default: the mounting user)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(kIdCheck)
       ->option_text("N");
-  mount->add_option("--gid", str["--gid"], "group shown for every file")->check(CLI::NonNegativeNumber)->option_text("N");
+  mount->add_option("--gid", str["--gid"], "group shown for every file")->check(kIdCheck)->option_text("N");
   add_flag(mount, "--debug", "--debug", "trace every FUSE request (implies -f)");
   add_view(mount);
   add_flag(mount, "--verify-on-read", "--verify-on-read", "check source CRCs before serving");
@@ -763,6 +766,7 @@ int Main(std::vector<std::string> raw) {
   add_src(ls);
   ls->add_option("PATH", cmd_path, "directory in the view (default: the root)");
   add_index(ls);
+  add_read(ls);  // the reader is opened (sizes, --gpu=on without a device is an error)
   add_view(ls);
 
   CLI::App* cat = app.add_subcommand("cat", "write one file of the view to stdout (same bytes as the mount)");
@@ -780,7 +784,7 @@ int Main(std::vector<std::string> raw) {
   add_flag(verify, "--json", "--json", "the report as JSON");
   add_flag(verify, "--deep", "--deep", "also NaN/Inf counts and norms (reads every byte once)");
   verify->add_option("--num-layers", str["--num-layers"], "the configured layer count")
-      ->check(CLI::NonNegativeNumber)
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))
       ->option_text("N");
   verify->add_option("--threads", str["--threads"], "reader threads")->check(threads_check)->option_text("N");
   add_index(verify);
