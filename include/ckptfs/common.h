@@ -126,6 +126,10 @@ Result<int> OpenRegularFile(const std::string& path);
 enum class LogLevel : uint8_t { kDebug, kInfo, kWarn, kError };
 void SetLogLevel(LogLevel level);
 void SetLogFile(const std::string& path);  // empty: stderr
+bool LogsToFile();  // SetLogFile named a file (the mount daemon)
+// Silences the progress lines long work draws on a terminal (false); the
+// daemon's progress log lines stay. See ckptfs/progress.h.
+void SetProgressQuiet(bool quiet);
 void Log(LogLevel level, std::string_view message);
 inline void LogError(std::string_view m) { Log(LogLevel::kError, m); }
 inline void LogWarn(std::string_view m) { Log(LogLevel::kWarn, m); }

@@ -98,7 +98,7 @@ bool ParseArgs(int argc, char** argv, int start, Args* a, std::string* err) {
       {"--help", false}, {"-h", false},       {"--foreground", false}, {"--deep", false},
       {"--num-layers", true}, {"--rules", true}, {"--pp-layers", true}, {"--hf-shard-size", true},
       {"--max-item-bytes", true}, {"--max-metadata-bytes", true}, {"--verify-on-read", false},
-      {"--nonempty", false}, {"--version", false}};
+      {"--nonempty", false}, {"--version", false}, {"-q", false}, {"--quiet", false}};
   for (int i = start; i < argc; ++i) {
     std::string s = argv[i];
     if (s.size() > 1 && s[0] == '-') {
@@ -511,6 +511,7 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, stdout);
     return 0;
   }
+  SetProgressQuiet(a.Has("-q") || a.Has("--quiet"));
   {
     ReadLimits limits;
     for (auto [flag, field] : {std::pair{"--max-item-bytes", &limits.max_item_bytes},
