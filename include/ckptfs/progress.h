@@ -7,8 +7,9 @@
 //    and a final line once done; work that ends before the first redraw
 //    prints nothing, so quick commands stay quiet;
 //  * stderr is not a terminal and the log goes to a file (the mount daemon:
-//    its .ckptfs/report.json verify): a LogInfo line at most every 10 s, and a
-//    final one, only for work that runs longer than 10 s;
+//    its index build, the verify behind .ckptfs/report.json): a LogInfo line
+//    at most every 10 s (CKPTFS_PROGRESS_INTERVAL_MS overrides this too), and
+//    a final one, only for work that runs longer than one interval;
 //  * otherwise (a pipe, a test): nothing at all.
 // Add() is thread-safe and cheap: a relaxed atomic add, and one clock read
 // plus a compare-and-swap deciding which caller draws; drawing happens under

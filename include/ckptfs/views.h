@@ -90,6 +90,9 @@ struct Node {
   // filesystem core runs on first use (the layout stays empty).
   bool report = false;
   // .ckptfs/stats: the filesystem core's live counters (Filesystem::StatsJson).
+  // Found by name but never listed (as JuiceFS's .stats): its bytes differ
+  // between any two mounts and between two reads, so `diff -r`, `cp -r` and
+  // `rsync` of mounts must not meet it.
   bool stats = false;
   // topo/ERRORS: its bytes are View::TopoErrors() at the time of the read.
   bool topo_errors = false;

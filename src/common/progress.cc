@@ -73,14 +73,16 @@ Progress::Progress(std::string label, uint64_t total, Unit unit, std::string ite
     if (g_quiet.load(std::memory_order_relaxed)) return;
     mode_ = Mode::kTerminal;
     interval_ns_ = kTerminalIntervalNs;
-    if (const char* e = std::getenv("CKPTFS_PROGRESS_INTERVAL_MS"); e != nullptr && *e != '\0') {
-      char* end = nullptr;
-      const long long ms = std::strtoll(e, &end, 10);
-      if (end != e && *end == '\0' && ms >= 0) interval_ns_ = ms * 1'000'000;
-    }
   } else if (LogsToFile()) {
     mode_ = Mode::kLog;
     interval_ns_ = kLogIntervalNs;
+  } else {
+    return;
+  }
+  if (const char* e = std::getenv("CKPTFS_PROGRESS_INTERVAL_MS"); e != nullptr && *e != '\0') {
+    char* end = nullptr;
+    const long long ms = std::strtoll(e, &end, 10);
+    if (end != e && *end == '\0' && ms >= 0 && ms <= 86'400'000) interval_ns_ = ms * 1'000'000;
   }
   next_draw_ns_.store(start_ns_ + interval_ns_, std::memory_order_relaxed);
 }

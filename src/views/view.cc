@@ -57,7 +57,9 @@ std::string ReadmeText(const Index& ix) {
          "                             read runs the checks, which read every byte once; a stat\n"
          "                             never does (its size shows 0 until then, like /proc)\n"
          "  .ckptfs/stats              live counters (JSON): reads, bytes, errors, read latency\n"
-         "                             percentiles, source bytes read; cheap, fresh at each read\n"
+         "                             percentiles, source bytes read; fresh at each read, never\n"
+         "                             listed (diff -r and cp -r of two mounts do not see it):\n"
+         "                             cat <mountpoint>/.ckptfs/stats\n"
          "  hf/                        consolidated model-0000k-of-0000n.safetensors + index.json;\n"
          "                             hf/ERRORS names every parameter left out, and why\n"
          "  topo/tp<T>-pp<P>[-dp<D>]/  any parallel layout, made when you first look it up:\n"
@@ -346,7 +348,11 @@ std::vector<std::tuple<std::string, uint64_t, bool>> View::List(uint64_t ino) co
   const Node* n = GetLocked(ino);
   if (n == nullptr) return out;
   out.reserve(n->children.size());
-  for (const auto& [name, child] : n->children) out.emplace_back(name, child, GetLocked(child)->is_dir);
+  for (const auto& [name, child] : n->children) {
+    const Node* c = GetLocked(child);
+    if (c->stats) continue;  // open by name only (see Node::stats)
+    out.emplace_back(name, child, c->is_dir);
+  }
   return out;
 }
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, ckptfs_bin, run
+from conftest import ROOT, ckptfs_bin, fuse_usable, run
 
 SAMPLE = ROOT / "samples" / "dcp-tiny"
 TTY_TIMEOUT = 60
@@ -22,7 +22,7 @@ TTY_TIMEOUT = 60
 @pytest.fixture
 def src(tmp_path):
     out = tmp_path / "ck"
-    shutil.copytree(SAMPLE, out)
+    shutil.copytree(SAMPLE, out, ignore=shutil.ignore_patterns(".ckptfs"))
     return out
 
 
@@ -38,7 +38,9 @@ def test_stats_after_du_find_ls_read_no_checkpoint_data(src, mounter):
         for cmd in (["du", "-sh", str(m.path)], ["find", str(m.path)], ["ls", "-laR", str(m.path)]):
             r = run(cmd, timeout=60)
             assert r.returncode == 0, (cmd, r.stderr)
-        assert ".ckptfs/stats" in run(["find", str(m.path)]).stdout
+        # Opened by name, never listed: diff -r of two mounts does not meet it.
+        assert ".ckptfs/stats" not in run(["find", str(m.path)]).stdout
+        assert "stats" not in os.listdir(m.path / ".ckptfs")
         s = read_stats(m.path)
         assert s["source_bytes_read"] == 0, s
         assert s["report_made"] is False, s
@@ -169,3 +171,34 @@ def test_no_progress_when_stderr_is_a_pipe(src, tmp_path):
         r = run([ckptfs_bin(), *args, "--index", str(idx)], env=tty_env(), timeout=60)
         assert r.returncode == 0, (args, r.stderr)
         assert r.stderr == "", (args, r.stderr)
+
+
+def test_daemon_logs_progress_to_its_log_file(src, tmp_path):
+    """The detached daemon (stderr not a terminal, a --log file) logs progress
+    lines instead of drawing; the interval is shortened so the tiny sample logs."""
+    if not fuse_usable():
+        pytest.skip("no usable /dev/fuse or fusermount3")
+    mnt, log = tmp_path / "mnt", tmp_path / "daemon.log"
+    mnt.mkdir()
+    env = tty_env()  # interval 0: a line per step instead of every 10 s
+    r = run([ckptfs_bin(), "mount", str(src), str(mnt), "--index", str(tmp_path / "idx"), "--log", str(log)],
+            env=env, timeout=60, stdin=subprocess.DEVNULL)
+    try:
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert os.path.ismount(mnt)
+        assert "indexing" not in r.stderr and "verifying" not in r.stderr, r.stderr
+        report = json.loads((mnt / ".ckptfs" / "report.json").read_text())
+        assert report["source"] == str(src)
+        assert read_stats(mnt)["report_made"] is True
+        text = log.read_text()
+        assert re.search(rf"ckptfs info: indexing {re.escape(str(src))}: {BYTES} in ", text), text
+        assert re.search(rf"ckptfs info: verifying {re.escape(str(src))}: {BYTES} / {BYTES} \(\d+%\), {BYTES}/s", text), text
+        assert re.search(rf"ckptfs info: verifying {re.escape(str(src))}: {BYTES} in \d+(?:\.\d)? s, {BYTES}/s", text), text
+        assert "\r" not in text and "\x1b" not in text
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, timeout=60)
+        deadline = time.time() + 30
+        while os.path.ismount(mnt) and time.time() < deadline:
+            time.sleep(0.05)
+        if os.path.ismount(mnt):
+            subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True, timeout=60)
