@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -42,8 +43,10 @@ uint64_t LatencyHistogram::PercentileNs(double q) const {
   uint64_t counts[kBuckets], n = 0;
   for (int i = 0; i < kBuckets; ++i) n += counts[i] = buckets_[i].load(std::memory_order_relaxed);
   if (n == 0) return 0;
-  // The rank of the q-quantile, 1-based: ceil(q * n), at least 1.
-  const uint64_t want = std::max<uint64_t>(1, static_cast<uint64_t>(q * static_cast<double>(n) + 0.999999));
+  // The rank of the q-quantile, 1-based: ceil(q * n) (less a rounding
+  // error's worth: 0.9 * 100 is 90, not 91), at least 1.
+  const uint64_t want =
+      std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * static_cast<double>(n) - 1e-9)));
   uint64_t seen = 0;
   for (int i = 0; i < kBuckets; ++i) {
     seen += counts[i];
