@@ -138,6 +138,11 @@ def test_verify_deep_draws_progress_on_a_terminal(src, tmp_path):
     mine = check_progress(term, f"verifying {src} (deep): ")
     # With a known total: a percentage and, before the end, an ETA.
     assert any(re.search(r"\(\d+%\)", l) for l in mine), term
+    assert any(re.search(r"\(\d+%\), .*, ETA ", l) for l in mine), term
+    # The total is every byte the checks read: the count reaches it exactly.
+    last = [l for l in mine if "%" in l][-1]
+    m = re.search(rf": ({BYTES}) / ({BYTES}) \(100%\)", last)
+    assert m and m.group(1) == m.group(2), term
     assert mine[-1] == [l for l in re.split(r"\r\n|\r|\n", term.replace("\x1b[K", "")) if l][-1], term
 
 
