@@ -128,6 +128,10 @@ void SetLogLevel(LogLevel level);
 void SetLogFile(const std::string& path);  // empty: stderr
 // Names the mount in every line ("ckptfs[/mnt/ck] info: ..."); empty: none.
 void SetLogTag(const std::string& tag);
+bool LogsToFile();  // SetLogFile named a file (the mount daemon)
+// Silences the progress lines long work draws on a terminal (false); the
+// daemon's progress log lines stay. See ckptfs/progress.h.
+void SetProgressQuiet(bool quiet);
 void Log(LogLevel level, std::string_view message);
 inline void LogError(std::string_view m) { Log(LogLevel::kError, m); }
 inline void LogWarn(std::string_view m) { Log(LogLevel::kWarn, m); }

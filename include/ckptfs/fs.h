@@ -41,6 +41,25 @@ struct DirEntry {
   bool is_dir = false;
 };
 
+// Read latencies in log2 buckets of nanoseconds: bucket i holds [2^i, 2^(i+1))
+// ns (bucket 0 also 0 ns). Record() is three relaxed atomic operations and
+// no lock, so every read path thread may call it; percentiles are the upper
+// edge of the bucket that holds them (at most 2x off), capped at the maximum.
+class LatencyHistogram {
+ public:
+  static constexpr int kBuckets = 64;
+  void Record(uint64_t ns);
+  uint64_t count() const;
+  uint64_t max_ns() const { return max_ns_.load(std::memory_order_relaxed); }
+  // q in (0, 1]: the latency at or below which a fraction q of the reads
+  // finished; 0 when nothing was recorded.
+  uint64_t PercentileNs(double q) const;
+
+ private:
+  std::atomic<uint64_t> buckets_[kBuckets] = {};
+  std::atomic<uint64_t> max_ns_{0};
+};
+
 struct FsOptions {
   std::string src;
   std::string index_dir;  // empty: DefaultIndexDir(src)
@@ -69,6 +88,12 @@ class Filesystem {
   Status OpenFile(uint64_t ino);
   // Reads up to `size` bytes at `offset`; short only at end of file.
   Result<size_t> Read(uint64_t ino, uint64_t offset, size_t size, char* buf);
+  // .ckptfs/stats: the counters below as one JSON object (no checkpoint I/O,
+  // never a verify). A read at offset 0 takes a fresh snapshot; reads past 0
+  // continue the latest one (the adapter passes no file handle), so a reader
+  // that takes the document in pieces while another starts over may see two
+  // snapshots: read it whole (any buffer of 4 KiB or more does).
+  std::string StatsJson() const;
 
   // `ckptfs verify` over this filesystem's index and read engine.
   Result<Report> Verify(const VerifyOptions& opts) const;
@@ -80,12 +105,19 @@ class Filesystem {
   // "cpu", "gpu (<device>)" or "auto (<device> where calibrated faster)".
   std::string transforms_name() const { return reader_->policy() ? reader_->policy()->Describe() : "cpu"; }
   const TensorReader& reader() const { return *reader_; }
+  // Reads served of the tree's files (not .ckptfs/ or topo/ERRORS) and their bytes.
   uint64_t reads() const { return reads_.load(); }
   uint64_t bytes_read() const { return bytes_.load(); }
+  // Opens and reads that failed (EIO, ESTALE, ...), of any file.
+  uint64_t errors() const { return errors_.load(); }
+  const LatencyHistogram& read_latency() const { return latency_; }
 
  private:
   Filesystem() = default;
   Attr AttrOf(const Node& n, uint64_t size) const;
+  Result<Attr> AttrOfIno(uint64_t ino) const;  // GetAttr, uncounted
+  Result<size_t> ReadData(uint64_t ino, uint64_t offset, size_t size, char* buf);
+  Result<size_t> ReadStats(uint64_t offset, size_t size, char* buf);
   // .ckptfs/report.json, made by the first caller; later callers wait for it.
   Result<std::shared_ptr<const std::string>> ReportBytes() const;
 
@@ -94,7 +126,14 @@ class Filesystem {
   std::unique_ptr<View> view_;
   std::unique_ptr<TensorReader> reader_;
   int64_t mtime_ns_ = 0;
-  std::atomic<uint64_t> reads_{0}, bytes_{0};
+  // Counters for .ckptfs/stats: relaxed atomics, no lock on any FUSE path.
+  std::atomic<uint64_t> reads_{0}, bytes_{0}, errors_{0}, opens_{0};
+  mutable std::atomic<uint64_t> lookups_{0}, getattrs_{0};
+  LatencyHistogram latency_;
+  int64_t start_ns_ = 0;  // steady clock at Open, for uptime_s
+  // Leaf lock: guards stats_, the latest .ckptfs/stats snapshot.
+  std::mutex stats_mu_;
+  std::shared_ptr<const std::string> stats_;
   // Leaf lock: guards report_; held while the report is made (a second
   // reader of report.json waits rather than verifying twice).
   mutable std::mutex report_mu_;

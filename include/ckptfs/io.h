@@ -109,6 +109,10 @@ class TensorReader {
     uint64_t cpu_plans = 0, gpu_plans = 0, gpu_fallbacks = 0;
   };
   TransformCounts transform_counts() const { return {cpu_plans_.load(), gpu_plans_.load(), gpu_fallbacks_.load()}; }
+  // Bytes read from the checkpoint's files since Open (every engine batch that
+  // succeeded, CRC checks and compressed items included), and the batches.
+  uint64_t source_bytes_read() const { return source_bytes_.load(std::memory_order_relaxed); }
+  uint64_t source_reads() const { return source_reads_.load(std::memory_order_relaxed); }
 
  private:
   TensorReader(const Index& index, EngineKind kind, std::unique_ptr<TransformPolicy> policy);
@@ -147,11 +151,14 @@ class TensorReader {
   // Renders the whole tensor as `out` in chunks, handing each to `fn`.
   Status Stream(TensorId id, DType out, const Box* box, const std::function<void(const char*, size_t)>& fn);
   ReadEngine& Engine();
+  // Engine().ReadBatch, counted in source_bytes_read().
+  Status ReadSource(std::span<IoRequest> reqs);
 
   const Index& index_;
   EngineKind kind_;
   std::unique_ptr<TransformPolicy> policy_;
   std::atomic<uint64_t> cpu_plans_{0}, gpu_plans_{0}, gpu_fallbacks_{0};
+  std::atomic<uint64_t> source_bytes_{0}, source_reads_{0};
   std::vector<int> fds_;
   std::vector<std::string> open_errors_;
   // Lock order: each mutex below is a leaf; none is held while calling out.

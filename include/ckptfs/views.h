@@ -11,7 +11,7 @@
 // first use and then fixed.
 //
 // Tree:  README.txt, checkpoint.json, params/<fqn>/{param,<state>}.{npy,raw},
-//        params/<fqn>/info.json, other/<key>[.npy|.raw], .ckptfs/report.json,
+//        params/<fqn>/info.json, other/<key>[.npy|.raw], .ckptfs/{report.json,stats},
 //        the family reader's synthesized files (ExportFile: universal/,
 //        latest_universal), hf/ and topo/ (topo.h).
 //
@@ -89,6 +89,11 @@ struct Node {
   // .ckptfs/report.json: its bytes come from `ckptfs verify`, which the
   // filesystem core runs on first use (the layout stays empty).
   bool report = false;
+  // .ckptfs/stats: the filesystem core's live counters (Filesystem::StatsJson).
+  // Found by name but never listed (as JuiceFS's .stats): its bytes differ
+  // between any two mounts and between two reads, so `diff -r`, `cp -r` and
+  // `rsync` of mounts must not meet it.
+  bool stats = false;
   // topo/ERRORS: its bytes are View::TopoErrors() at the time of the read.
   bool topo_errors = false;
 };

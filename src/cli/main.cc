@@ -839,7 +839,7 @@ int Main(std::vector<std::string> raw) {
     std::cout << target->help("ckptfs");
     return kExitOk;
   }
-  (void)quiet;  // PROGRESS_HOOK
+  SetProgressQuiet(quiet);
   Args a;
   for (auto& [key, value] : str) {
     if (!value.empty()) a.opt[key] = value;

@@ -119,6 +119,11 @@ void SetLogFile(const std::string& path) {
   g_log = path.empty() ? nullptr : std::fopen(path.c_str(), "ae");
 }
 
+bool LogsToFile() {
+  std::lock_guard<std::mutex> lock(g_log_mu);
+  return g_log != nullptr;
+}
+
 void Log(LogLevel level, std::string_view message) {
   static constexpr const char* kNames[] = {"debug", "info", "warn", "error"};
   std::lock_guard<std::mutex> lock(g_log_mu);

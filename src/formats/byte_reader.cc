@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 
+#include "ckptfs/progress.h"
+
 namespace ckptfs::formats {
 
 namespace {
@@ -39,6 +41,7 @@ Result<std::string> FileSliceReader::Pread(uint64_t offset, uint64_t len) const 
                      " bytes at offset " + std::to_string(base_ + offset) + ")");
     }
     done += static_cast<uint64_t>(n);
+    ReportProgress(static_cast<uint64_t>(n));  // the index build's progress (ProgressScope)
   }
   return out;
 }

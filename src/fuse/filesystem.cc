@@ -1,13 +1,66 @@
 #include <algorithm>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
 #include "ckptfs/fs.h"
 
 namespace ckptfs {
+namespace {
+
+int64_t SteadyNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Microseconds with one decimal: sub-microsecond reads (cached literals) are not 0.
+std::string Micros(uint64_t ns) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.1f", static_cast<double>(ns) / 1000.0);
+  return b;
+}
+
+}  // namespace
+
+void LatencyHistogram::Record(uint64_t ns) {
+  const int b = ns == 0 ? 0 : std::bit_width(ns) - 1;
+  buckets_[b].fetch_add(1, std::memory_order_relaxed);
+  uint64_t m = max_ns_.load(std::memory_order_relaxed);
+  while (ns > m && !max_ns_.compare_exchange_weak(m, ns, std::memory_order_relaxed)) {
+  }
+}
+
+uint64_t LatencyHistogram::count() const {
+  uint64_t n = 0;
+  for (const auto& b : buckets_) n += b.load(std::memory_order_relaxed);
+  return n;
+}
+
+uint64_t LatencyHistogram::PercentileNs(double q) const {
+  uint64_t counts[kBuckets], n = 0;
+  for (int i = 0; i < kBuckets; ++i) n += counts[i] = buckets_[i].load(std::memory_order_relaxed);
+  if (n == 0) return 0;
+  // The rank of the q-quantile, 1-based: ceil(q * n) (less a rounding
+  // error's worth: 0.9 * 100 is 90, not 91), at least 1.
+  const uint64_t want =
+      std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * static_cast<double>(n) - 1e-9)));
+  uint64_t seen = 0;
+  for (int i = 0; i < kBuckets; ++i) {
+    seen += counts[i];
+    if (seen >= want) {
+      const uint64_t upper = i >= 63 ? UINT64_MAX : (uint64_t{2} << i) - 1;
+      return std::min(upper, max_ns());
+    }
+  }
+  return max_ns();
+}
 
 Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   std::unique_ptr<Filesystem> fs(new Filesystem());
+  fs->start_ns_ = SteadyNs();
   ASSIGN_OR_RETURN(fs->opened_, OpenOrBuild(opts.src, opts.index_dir, opts.force_rebuild));
   fs->index_ = std::move(fs->opened_.index);
   ASSIGN_OR_RETURN(fs->view_, View::Build(*fs->index_, opts.topo));
@@ -51,9 +104,15 @@ Result<std::shared_ptr<const std::string>> Filesystem::ReportBytes() const {
 }
 
 Result<Attr> Filesystem::GetAttr(uint64_t ino) const {
+  getattrs_.fetch_add(1, std::memory_order_relaxed);
+  return AttrOfIno(ino);
+}
+
+Result<Attr> Filesystem::AttrOfIno(uint64_t ino) const {
   const Node* n = view_->Get(ino);
   if (n == nullptr) return NotFound("no inode " + std::to_string(ino));
   if (n->is_dir) return AttrOf(*n, 4096);
+  if (n->stats) return AttrOf(*n, 0);  // like /proc: read it to the end, never trust the size
   if (n->report) {
     // A stat never runs the checks (du, find, ls -la, file managers and
     // backup tools stat everything): size 0 until the first open/read has
@@ -70,9 +129,10 @@ Result<Attr> Filesystem::GetAttr(uint64_t ino) const {
 }
 
 Result<Attr> Filesystem::Lookup(uint64_t parent, std::string_view name) const {
+  lookups_.fetch_add(1, std::memory_order_relaxed);
   const Node* n = view_->Lookup(parent, name);
   if (n == nullptr) return NotFound(std::string(name));
-  return GetAttr(n->ino);
+  return AttrOfIno(n->ino);
 }
 
 Result<std::vector<DirEntry>> Filesystem::ReadDir(uint64_t ino) const {
@@ -89,10 +149,19 @@ Result<std::vector<DirEntry>> Filesystem::ReadDir(uint64_t ino) const {
 }
 
 Status Filesystem::OpenFile(uint64_t ino) {
-  if (const Node* n = view_->Get(ino); n != nullptr && n->report) return ReportBytes().status();
-  if (const Node* n = view_->Get(ino); n != nullptr && n->topo_errors) return Status::Ok();
+  opens_.fetch_add(1, std::memory_order_relaxed);
+  const Node* node = view_->Get(ino);
+  if (node != nullptr && node->report) {
+    Status st = ReportBytes().status();
+    if (!st.ok()) errors_.fetch_add(1, std::memory_order_relaxed);
+    return st;
+  }
+  if (node != nullptr && (node->topo_errors || node->stats)) return Status::Ok();
   auto layout = view_->Layout(ino);
-  if (!layout.ok()) return layout.status();
+  if (!layout.ok()) {
+    errors_.fetch_add(1, std::memory_order_relaxed);
+    return layout.status();
+  }
   std::vector<uint32_t> checked;  // an archive names its tensor in several segments
   for (const Segment& s : (*layout)->segments) {
     if (s.kind == SegmentKind::kLiteral || std::find(checked.begin(), checked.end(), s.tensor.v) != checked.end()) {
@@ -101,6 +170,7 @@ Status Filesystem::OpenFile(uint64_t ino) {
     checked.push_back(s.tensor.v);
     Status st = reader_->CheckFresh(s.tensor);
     if (!st.ok()) {
+      errors_.fetch_add(1, std::memory_order_relaxed);
       LogError(view_->PathOf(ino) + ": " + st.message());
       return st;
     }
@@ -109,6 +179,69 @@ Status Filesystem::OpenFile(uint64_t ino) {
 }
 
 Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char* buf) {
+  const Node* node = view_->Get(ino);
+  if (node != nullptr && node->stats) return ReadStats(offset, size, buf);
+  const bool timed = node != nullptr && !node->report && !node->topo_errors;
+  const int64_t t0 = timed ? SteadyNs() : 0;
+  auto n = ReadData(ino, offset, size, buf);
+  if (!n.ok()) {
+    errors_.fetch_add(1, std::memory_order_relaxed);
+    return n;
+  }
+  if (timed) {
+    latency_.Record(static_cast<uint64_t>(SteadyNs() - t0));
+    reads_.fetch_add(1, std::memory_order_relaxed);
+    bytes_.fetch_add(*n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+Result<size_t> Filesystem::ReadStats(uint64_t offset, size_t size, char* buf) {
+  std::shared_ptr<const std::string> doc;
+  if (offset != 0) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    doc = stats_;
+  }
+  if (doc == nullptr) {
+    doc = std::make_shared<const std::string>(StatsJson());
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    stats_ = doc;
+  }
+  if (offset >= doc->size()) return size_t{0};
+  const size_t k = static_cast<size_t>(std::min<uint64_t>(size, doc->size() - offset));
+  std::memcpy(buf, doc->data() + offset, k);
+  return k;
+}
+
+std::string Filesystem::StatsJson() const {
+  auto u = [](uint64_t v) { return std::to_string(v); };
+  char uptime[32];
+  std::snprintf(uptime, sizeof(uptime), "%.3f", static_cast<double>(SteadyNs() - start_ns_) / 1e9);
+  const TensorReader::TransformCounts tc = reader_->transform_counts();
+  std::string j = "{\n";
+  j += "  \"uptime_s\": " + std::string(uptime) + ",\n";
+  j += "  \"reads\": " + u(reads_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"bytes\": " + u(bytes_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"errors\": " + u(errors_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"opens\": " + u(opens_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"lookups\": " + u(lookups_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"getattrs\": " + u(getattrs_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"read_latency_us\": {\"count\": " + u(latency_.count()) + ", \"p50\": " + Micros(latency_.PercentileNs(0.50)) +
+       ", \"p90\": " + Micros(latency_.PercentileNs(0.90)) + ", \"p99\": " + Micros(latency_.PercentileNs(0.99)) +
+       ", \"max\": " + Micros(latency_.max_ns()) + "},\n";
+  j += "  \"source_bytes_read\": " + u(reader_->source_bytes_read()) + ",\n";
+  j += "  \"source_reads\": " + u(reader_->source_reads()) + ",\n";
+  j += "  \"engine\": " + JsonEscape(engine_name()) + ",\n";
+  j += "  \"transforms\": " + JsonEscape(transforms_name()) + ",\n";
+  j += "  \"cpu_plans\": " + u(tc.cpu_plans) + ",\n";
+  j += "  \"gpu_plans\": " + u(tc.gpu_plans) + ",\n";
+  j += "  \"gpu_fallbacks\": " + u(tc.gpu_fallbacks) + ",\n";
+  j += "  \"report_made\": " + std::string(report_size_.load(std::memory_order_acquire) > 0 ? "true" : "false") + "\n";
+  j += "}\n";
+  return j;
+}
+
+Result<size_t> Filesystem::ReadData(uint64_t ino, uint64_t offset, size_t size, char* buf) {
   if (const Node* n = view_->Get(ino); n != nullptr && (n->report || n->topo_errors)) {
     std::shared_ptr<const std::string> bytes;
     if (n->report) {
@@ -174,8 +307,6 @@ Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char
     }
     if (seg_end >= offset + size) break;
   }
-  reads_.fetch_add(1, std::memory_order_relaxed);
-  bytes_.fetch_add(size, std::memory_order_relaxed);
   return size;
 }
 

@@ -13,6 +13,7 @@
 #include <functional>
 
 #include "ckptfs/formats.h"
+#include "ckptfs/progress.h"
 #include "index/codec.h"
 
 namespace ckptfs {
@@ -242,8 +243,17 @@ Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& in
     }
   }
   auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(Checkpoint ck, ReadCheckpoint(src_dir));
+  // The parsers report the source bytes they read (metadata, headers, zip
+  // directories): the total is not known before they finish.
+  Progress progress("indexing " + src_dir, 0, Progress::Unit::kBytes);
+  Result<Checkpoint> read = [&] {
+    ProgressScope scope(&progress);
+    return ReadCheckpoint(src_dir);
+  }();
+  if (!read.ok()) return read.status();
+  const Checkpoint& ck = *read;
   RETURN_IF_ERROR(Index::Build(ck, dir));
+  progress.Finish();
   r.build_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.built = true;
   ASSIGN_OR_RETURN(r.index, Index::Open(dir, src_dir));

@@ -97,6 +97,17 @@ ReadEngine& TensorReader::Engine() {
   return *e.pread;
 }
 
+Status TensorReader::ReadSource(std::span<IoRequest> reqs) {
+  Status s = Engine().ReadBatch(reqs);
+  if (s.ok()) {
+    uint64_t n = 0;
+    for (const IoRequest& r : reqs) n += r.length;
+    source_bytes_.fetch_add(n, std::memory_order_relaxed);
+    source_reads_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return s;
+}
+
 const char* TensorReader::engine_name() const { return kind_ == EngineKind::kPread ? "pread" : "io_uring"; }
 
 Status TensorReader::CheckFd(FileId file) const {
@@ -140,7 +151,7 @@ Status TensorReader::CheckChecksum(uint32_t i) {
   for (uint64_t off = 0; off < c.length; off += kPiece) {
     const uint64_t n = std::min(kPiece, c.length - off);
     IoRequest req{fds_[c.file.v], c.offset + off, n, buf.data()};
-    RETURN_IF_ERROR(Engine().ReadBatch(std::span<IoRequest>(&req, 1)).Annotate(rel));
+    RETURN_IF_ERROR(ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel));
     crc = crc32_z(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<z_size_t>(n));
   }
   std::lock_guard<std::mutex> lock(range_mu_);
@@ -233,7 +244,7 @@ Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f)
   RETURN_IF_ERROR(CheckFd(f.file));
   std::string raw(f.item_length, '\0');
   IoRequest req{fds_[f.file.v], f.item_offset, f.item_length, raw.data()};
-  RETURN_IF_ERROR(Engine().ReadBatch(std::span<IoRequest>(&req, 1)).Annotate(rel));
+  RETURN_IF_ERROR(ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel));
   // The index says how many bytes the item holds; more is a bomb, refused
   // before allocating when the frame declares its size.
   uint64_t bound = 0;
@@ -288,7 +299,7 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
     cur = std::make_unique<formats::ZstdCursor>(
         [this, fd, base, rel](uint64_t o, uint64_t n, char* dst) {
           IoRequest req{fd, base + o, n, dst};
-          return Engine().ReadBatch(std::span<IoRequest>(&req, 1)).Annotate(rel);
+          return ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel);
         },
         f.item_length, bound + (uint64_t{1} << 20), what);
   }
@@ -328,7 +339,7 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
     Status fresh = CheckFd(f.file);
     if (!fresh.ok()) return fail(fresh);
     IoRequest req{fds_[f.file.v], f.data_offset + offset, len, dst};
-    Status s = Engine().ReadBatch(std::span<IoRequest>(&req, 1));
+    Status s = ReadSource(std::span<IoRequest>(&req, 1));
     return s.ok() ? s : fail(s.Annotate(index_.files()[f.file.v].rel_path));
   }
 
@@ -546,7 +557,7 @@ Status TensorReader::RunChunks(const TensorRecord& t, const std::vector<Fragment
     if (!staging.ok()) return dev(staging.status());
     for (const Chunk::ItemCopy& c : plan.items) std::memcpy(*staging + c.staging_off, c.item->data() + c.offset, c.length);
     for (auto [ri, off] : plan.staged) plan.reqs[ri].dst = *staging + off;
-    Status io = Engine().ReadBatch(plan.reqs);
+    Status io = ReadSource(plan.reqs);
     if (!io.ok()) return fail(io);
     if (plan.ops.empty()) continue;
     Status sub = pipe.Submit(slot, plan.staging, plan.ops, out, base, out_len);

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "ckptfs/geometry.h"
+#include "ckptfs/progress.h"
 #include "common/float_bits.h"
 #include "common/json_text.h"
 
@@ -252,6 +253,8 @@ class Verifier {
   VerifyOptions opts_;
   Report r_;
   std::vector<Work> work_;
+  // The checksum and data passes' bytes against their total (made in Run()).
+  std::unique_ptr<Progress> progress_;
   std::map<std::string, int64_t> step_of_fqn_;
 };
 
@@ -392,6 +395,7 @@ void Verifier::ReadOne(Work& w, TensorCheck& c, std::vector<Finding>& out) {
       return;
     }
     XXH3_64bits_update(st.get(), buf.data(), n);
+    progress_->Add(n);
     Transforms& tf = reader_.policy() != nullptr ? reader_.policy()->For(TransformKind::kCrc32c, n) : CpuTransforms();
     const ByteRange whole{0, n};
     uint32_t crc = 0;
@@ -632,6 +636,7 @@ void Verifier::ChecksumPass() {
       if (files[sums[i].file.v].mtime_ns == -1) continue;
       Status s = reader_.CheckChecksum(static_cast<uint32_t>(i));
       if (!s.ok() && reader_.ChecksumFailed(static_cast<uint32_t>(i))) failed[i] = s.message();
+      progress_->Add(sums[i].length);
     }
   };
   std::vector<std::thread> pool;
@@ -712,8 +717,20 @@ Result<Report> Verifier::Run() {
   }
   Plan();
   CheckLayers();
+  {
+    uint64_t total = 0;
+    for (const ChecksumRange& c : ix_.checksums()) {
+      if (ix_.files()[c.file.v].mtime_ns != -1) total += c.length;
+    }
+    for (const Work& w : work_) {
+      const TensorRecord& t = ix_.tensors()[w.id];
+      total += t.encoding == Encoding::kBytes ? t.byte_size : t.Numel() * DTypeSize(t.dtype);
+    }
+    progress_ = std::make_unique<Progress>("verifying " + ix_.src_dir() + (opts_.deep ? " (deep)" : ""), total);
+  }
   ChecksumPass();  // first: the data pass then reports each tensor over a failed range
   DataPass();
+  progress_->Finish();
   JudgeZeros();
   MasterPass();
   r_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

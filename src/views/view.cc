@@ -56,6 +56,10 @@ std::string ReadmeText(const Index& ix) {
          "  .ckptfs/report.json        integrity report (= ckptfs verify --json); the first\n"
          "                             read runs the checks, which read every byte once; a stat\n"
          "                             never does (its size shows 0 until then, like /proc)\n"
+         "  .ckptfs/stats              live counters (JSON): reads, bytes, errors, read latency\n"
+         "                             percentiles, source bytes read; fresh at each read, never\n"
+         "                             listed (diff -r and cp -r of two mounts do not see it):\n"
+         "                             cat <mountpoint>/.ckptfs/stats\n"
          "  hf/                        consolidated model-0000k-of-0000n.safetensors + index.json;\n"
          "                             hf/ERRORS names every parameter left out, and why\n"
          "  topo/tp<T>-pp<P>[-dp<D>]/  any parallel layout, made when you first look it up:\n"
@@ -140,6 +144,8 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
     uint64_t meta = v->AddDir(root, ".ckptfs");
     uint64_t rep = v->AddFile(meta, "report.json", FileLayout{}, TensorId{}, false);
     v->nodes_[rep - 1]->report = true;
+    uint64_t stats = v->AddFile(meta, "stats", FileLayout{}, TensorId{}, false);
+    v->nodes_[stats - 1]->stats = true;
   }
   uint64_t params = v->AddDir(root, "params");
   uint64_t other = v->AddDir(root, "other");
@@ -342,7 +348,11 @@ std::vector<std::tuple<std::string, uint64_t, bool>> View::List(uint64_t ino) co
   const Node* n = GetLocked(ino);
   if (n == nullptr) return out;
   out.reserve(n->children.size());
-  for (const auto& [name, child] : n->children) out.emplace_back(name, child, GetLocked(child)->is_dir);
+  for (const auto& [name, child] : n->children) {
+    const Node* c = GetLocked(child);
+    if (c->stats) continue;  // open by name only (see Node::stats)
+    out.emplace_back(name, child, c->is_dir);
+  }
   return out;
 }
 
@@ -356,7 +366,7 @@ uint32_t View::NLink(uint64_t ino) const {
 bool View::Dynamic(uint64_t ino) const {
   if (ino == topo_dir_) return true;
   const Node* n = Get(ino);
-  return n != nullptr && (n->topo_errors || n->report);
+  return n != nullptr && (n->topo_errors || n->report || n->stats);
 }
 
 std::string View::TopoErrors() const {

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cerrno>
 #include <filesystem>
 
@@ -107,6 +109,127 @@ TEST_F(FilesystemTest, ChangedSourceGivesStaleOnOpenAndRead) {
   // Literal files keep working.
   auto r = fs_->view().Resolve("README.txt");
   EXPECT_TRUE(fs_->Read(*r, 0, sizeof(buf), buf).ok());
+}
+
+// .ckptfs/stats is read like /proc: size 0, fresh bytes at each read from
+// offset 0, and no checkpoint I/O of its own.
+nlohmann::json ReadStats(Filesystem& fs) {
+  auto ino = fs.view().Resolve(".ckptfs/stats");
+  EXPECT_TRUE(ino.ok());
+  EXPECT_TRUE(fs.OpenFile(*ino).ok());
+  std::string out;
+  char buf[64];  // in pieces: later pieces continue the snapshot taken at offset 0
+  for (;;) {
+    auto n = fs.Read(*ino, out.size(), sizeof(buf), buf);
+    EXPECT_TRUE(n.ok()) << n.status().message();
+    if (!n.ok() || *n == 0) break;
+    out.append(buf, *n);
+  }
+  return nlohmann::json::parse(out);
+}
+
+TEST_F(FilesystemTest, StatsCountReadsWithoutReadingTheCheckpoint) {
+  auto ino = fs_->view().Resolve(".ckptfs/stats");
+  ASSERT_TRUE(ino.ok());
+  auto a = fs_->GetAttr(*ino);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->size, 0u);
+  EXPECT_TRUE(a->dynamic);
+  EXPECT_TRUE(fs_->Dynamic(*ino));
+
+  nlohmann::json s0 = ReadStats(*fs_);
+  EXPECT_EQ(s0["reads"], 0);
+  EXPECT_EQ(s0["bytes"], 0);
+  EXPECT_EQ(s0["errors"], 0);
+  EXPECT_EQ(s0["source_bytes_read"], 0);
+  EXPECT_EQ(s0["report_made"], false);
+  EXPECT_EQ(s0["read_latency_us"]["count"], 0);
+  EXPECT_EQ(s0["engine"], fs_->engine_name());
+  EXPECT_EQ(s0["transforms"], fs_->transforms_name());
+  EXPECT_GE(s0["uptime_s"].get<double>(), 0.0);
+
+  // Metadata operations count, and read nothing from the checkpoint.
+  ASSERT_TRUE(fs_->Lookup(kRootIno, "params").ok());
+  ASSERT_TRUE(fs_->GetAttr(*fs_->view().Resolve("params/proj.weight/param.npy")).ok());
+  ASSERT_TRUE(fs_->ReadDir(kRootIno).ok());
+  nlohmann::json s1 = ReadStats(*fs_);
+  EXPECT_GE(s1["lookups"].get<uint64_t>(), 1u);
+  EXPECT_GE(s1["getattrs"].get<uint64_t>(), s0["getattrs"].get<uint64_t>() + 1);
+  EXPECT_EQ(s1["opens"].get<uint64_t>(), s0["opens"].get<uint64_t>() + 1);  // ReadStats opened it
+  EXPECT_EQ(s1["source_bytes_read"], 0);
+
+  std::string raw = ReadAll("params/proj.weight/param.raw");  // 240 bytes in reads of 37
+  ASSERT_EQ(raw.size(), 240u);
+  const uint64_t source = fs_->reader().source_bytes_read();
+  EXPECT_GE(source, 240u);
+  nlohmann::json s2 = ReadStats(*fs_);
+  EXPECT_EQ(s2["reads"], 7);  // ceil(240 / 37)
+  EXPECT_EQ(s2["bytes"], 240);
+  EXPECT_EQ(s2["source_bytes_read"], source);
+  EXPECT_GE(s2["source_reads"].get<uint64_t>(), 7u);
+  EXPECT_EQ(s2["read_latency_us"]["count"], 7);
+  const double p50 = s2["read_latency_us"]["p50"], p99 = s2["read_latency_us"]["p99"];
+  const double mx = s2["read_latency_us"]["max"];
+  EXPECT_GT(mx, 0.0);
+  EXPECT_LE(p50, p99);
+  EXPECT_LE(p99, mx);
+  const TensorReader::TransformCounts tc = fs_->reader().transform_counts();
+  EXPECT_EQ(s2["cpu_plans"], tc.cpu_plans);
+  EXPECT_EQ(s2["gpu_plans"], tc.gpu_plans);
+  EXPECT_EQ(s2["gpu_fallbacks"], tc.gpu_fallbacks);
+  // Reading the stats again moves none of the read counters.
+  nlohmann::json s3 = ReadStats(*fs_);
+  EXPECT_EQ(s3["reads"], s2["reads"]);
+  EXPECT_EQ(s3["bytes"], s2["bytes"]);
+  EXPECT_EQ(s3["source_bytes_read"], s2["source_bytes_read"]);
+  EXPECT_EQ(fs_->reader().source_bytes_read(), source);
+  EXPECT_EQ(s3["report_made"], false);
+}
+
+TEST_F(FilesystemTest, StatsCountFailedOpensAndReads) {
+  auto ino = fs_->view().Resolve("params/proj.weight/param.raw");
+  ASSERT_TRUE(fs_->OpenFile(*ino).ok());
+  std::string d = ckptfs::testing::ReadFile(src_ + "/__0_0.distcp");
+  ckptfs::testing::WriteFile(src_ + "/__0_0.distcp", d + "junk");
+  EXPECT_FALSE(fs_->OpenFile(*ino).ok());
+  char buf[16];
+  EXPECT_FALSE(fs_->Read(*ino, 0, sizeof(buf), buf).ok());
+  EXPECT_EQ(fs_->errors(), 2u);
+  EXPECT_EQ(ReadStats(*fs_)["errors"], 2);
+  EXPECT_EQ(fs_->reads(), 0u);  // a failed read is an error, not a read served
+}
+
+// Named in README.txt and found by name, but not listed: `diff -r` of two
+// mounts must not meet counters that differ.
+TEST_F(FilesystemTest, StatsAreDocumentedAndOpenedByNameButNotListed) {
+  EXPECT_NE(ReadAll("README.txt").find(".ckptfs/stats"), std::string::npos);
+  auto meta = fs_->view().Resolve(".ckptfs");
+  ASSERT_TRUE(meta.ok());
+  auto a = fs_->Lookup(*meta, "stats");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(a->size, 0u);
+  auto entries = fs_->ReadDir(*meta);
+  ASSERT_TRUE(entries.ok());
+  std::vector<std::string> names;
+  for (const DirEntry& e : *entries) names.push_back(e.name);
+  EXPECT_EQ(names, (std::vector<std::string>{".", "..", "report.json"}));
+}
+
+TEST(LatencyHistogramTest, PercentilesAreBucketUpperEdgesCappedAtMax) {
+  LatencyHistogram h;
+  EXPECT_EQ(h.PercentileNs(0.5), 0u);
+  for (int i = 0; i < 90; ++i) h.Record(1000);  // bucket [512, 1024)
+  for (int i = 0; i < 9; ++i) h.Record(100'000);  // bucket [65536, 131072)
+  h.Record(5'000'000);
+  EXPECT_EQ(h.count(), 100u);
+  EXPECT_EQ(h.max_ns(), 5'000'000u);
+  EXPECT_EQ(h.PercentileNs(0.5), 1023u);
+  EXPECT_EQ(h.PercentileNs(0.9), 1023u);
+  EXPECT_EQ(h.PercentileNs(0.91), 131071u);
+  EXPECT_EQ(h.PercentileNs(0.99), 131071u);
+  EXPECT_EQ(h.PercentileNs(1.0), 5'000'000u);  // its bucket's edge (8388607) capped at the max
+  h.Record(0);
+  EXPECT_EQ(h.count(), 101u);
 }
 
 TEST(ErrnoMapTest, OneMap) {
