@@ -196,9 +196,9 @@ def test_daemon_logs_progress_to_its_log_file(src, tmp_path):
         assert report["source"] == str(src)
         assert read_stats(mnt)["report_made"] is True
         text = log.read_text()
-        assert re.search(rf"ckptfs info: indexing {re.escape(str(src))}: {BYTES} in ", text), text
-        assert re.search(rf"ckptfs info: verifying {re.escape(str(src))}: {BYTES} / {BYTES} \(\d+%\), {BYTES}/s", text), text
-        assert re.search(rf"ckptfs info: verifying {re.escape(str(src))}: {BYTES} in \d+(?:\.\d)? s, {BYTES}/s", text), text
+        assert re.search(rf"ckptfs\[{re.escape(str(mnt))}\] info: indexing {re.escape(str(src))}: {BYTES} in ", text), text
+        assert re.search(rf"ckptfs\[{re.escape(str(mnt))}\] info: verifying {re.escape(str(src))}: {BYTES} / {BYTES} \(\d+%\), {BYTES}/s", text), text
+        assert re.search(rf"ckptfs\[{re.escape(str(mnt))}\] info: verifying {re.escape(str(src))}: {BYTES} in \d+(?:\.\d)? s, {BYTES}/s", text), text
         assert "\r" not in text and "\x1b" not in text
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, timeout=60)
