@@ -24,6 +24,7 @@
 #include "ckptfs/formats.h"
 #include "ckptfs/fs.h"
 #include "ckptfs/mount.h"
+#include "ckptfs/progress.h"
 #include "ckptfs/verify.h"
 #include "common/json_text.h"
 
@@ -145,19 +146,6 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
     o.topo.hf_shard_bytes = *n;
   }
   return o;
-}
-
-std::string HumanBytes(uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) {
-    v /= 1024;
-    ++u;
-  }
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
-  return buf;
 }
 
 int CmdIndex(const Args& a) {
