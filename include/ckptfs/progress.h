@@ -13,7 +13,7 @@
 //  * otherwise (a pipe, a test): nothing at all.
 // Add() is thread-safe and cheap: a relaxed atomic add, and one clock read
 // plus a compare-and-swap deciding which caller draws; drawing happens under
-// a leaf mutex held only while formatting and writing the line.
+// a mutex held only while formatting and writing the line.
 #ifndef CKPTFS_PROGRESS_H_
 #define CKPTFS_PROGRESS_H_
 
@@ -60,7 +60,8 @@ class Progress {
   int64_t interval_ns_ = 0;
   std::atomic<uint64_t> done_{0}, total_{0};
   std::atomic<int64_t> next_draw_ns_{0};
-  // Leaf lock: serializes drawing; guards shown_ and finished_.
+  // Serializes drawing; guards shown_ and finished_. Lock order: draw_mu_,
+  // then the log's own lock (LogInfo); nothing else is taken under it.
   std::mutex draw_mu_;
   bool shown_ = false, finished_ = false;
 };
