@@ -598,15 +598,18 @@ Result<std::vector<std::string>> MountOptionFlags(const std::string& opts) {
   return out;
 }
 
-// Replaces every `-o OPTS` / `-oOPTS` after the `mount` command by the flags
-// they stand for.
+// Replaces every `-o OPTS` / `-oOPTS` after the `mount` command (the first
+// command word, so a SRC named "mount" of another command is left alone) by
+// the flags they stand for.
 Result<std::vector<std::string>> ExpandMountOptions(const std::vector<std::string>& args) {
+  static const std::vector<std::string> kCommands = {"mount", "umount", "unmount", "index", "info",
+                                                     "ls",    "cat",    "verify",  "help"};
   std::vector<std::string> out;
-  bool in_mount = false;
+  std::string command;  // the first word that names one
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
-    if (!in_mount) {
-      in_mount = a == "mount";
+    if (command != "mount") {
+      if (command.empty() && std::find(kCommands.begin(), kCommands.end(), a) != kCommands.end()) command = a;
       out.push_back(a);
       continue;
     }
