@@ -324,12 +324,18 @@ int CmdCat(const Args& a) {
     if (!ino.ok()) return Fail(ino.status());
   }
   std::vector<char> buf(4 << 20);
+  auto attr = fs.GetAttr(*ino);
+  // On a terminal (stderr), a large file shows bytes, rate and ETA.
+  std::string shown = fs.view().PathOf(*ino);
+  if (!shown.empty() && shown.front() == '/') shown.erase(0, 1);
+  Progress progress("cat " + shown, attr.ok() ? attr->size : 0);
   for (uint64_t off = 0;;) {
     auto n = fs.Read(*ino, off, buf.size(), buf.data());
     if (!n.ok()) return Fail(n.status());
     if (*n == 0) break;
     if (std::fwrite(buf.data(), 1, *n, stdout) != *n) return Fail(IoError("cannot write stdout"));
     off += *n;
+    progress.Add(*n);
   }
   return std::fflush(stdout) == 0 ? 0 : 1;
 }

@@ -153,6 +153,18 @@ def test_index_force_draws_progress_on_a_terminal(src, tmp_path):
     check_progress(term, f"indexing {src}: ")
 
 
+def test_cat_draws_progress_on_a_terminal_and_stdout_is_the_file(src, tmp_path):
+    idx = tmp_path / "idx"
+    key = "model.embed.weight"
+    plain = subprocess.run([ckptfs_bin(), "cat", str(src), key, "--index", str(idx)], capture_output=True, timeout=60)
+    assert plain.returncode == 0 and plain.stderr == b"", plain.stderr
+    rc, term, out = run_on_pty([ckptfs_bin(), "cat", str(src), key, "--index", str(idx)], tty_env())
+    assert rc == 0, term
+    mine = check_progress(term, "cat params/")
+    assert any(re.search(r"\(100%\)", l) for l in mine), term
+    assert out == plain.stdout.decode(errors="replace")  # the bytes go to stdout; only stderr is the terminal
+
+
 @pytest.mark.parametrize("quiet", ["-q", "--quiet"])
 def test_quiet_draws_nothing(src, tmp_path, quiet):
     idx = tmp_path / "idx"
