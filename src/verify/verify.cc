@@ -722,10 +722,7 @@ Result<Report> Verifier::Run() {
     for (const ChecksumRange& c : ix_.checksums()) {
       if (ix_.files()[c.file.v].mtime_ns != -1) total += c.length;
     }
-    for (const Work& w : work_) {
-      const TensorRecord& t = ix_.tensors()[w.id];
-      total += t.encoding == Encoding::kBytes ? t.byte_size : t.Numel() * DTypeSize(t.dtype);
-    }
+    for (const Work& w : work_) total += ix_.tensors()[w.id].byte_size;
     progress_ = std::make_unique<Progress>("verifying " + ix_.src_dir() + (opts_.deep ? " (deep)" : ""), total);
   }
   ChecksumPass();  // first: the data pass then reports each tensor over a failed range
