@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <deque>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace ckptfs::formats {
 namespace {
@@ -95,9 +96,51 @@ class Vm {
 
  private:
   PyRef Make(PyKind k) {
+    if (!free_.empty()) {
+      PyRef v = free_.back();
+      free_.pop_back();
+      v->kind = k;
+      return v;
+    }
     PyValue& v = arena_->emplace_back();
     v.kind = k;
     return &v;
+  }
+  // Streaming: pins `v` and everything it holds (see the header note).
+  void Pin(PyRef v) {
+    if (!streaming_ || v == nullptr || v->pinned) return;
+    std::vector<PyRef> todo{v};
+    while (!todo.empty()) {
+      PyRef n = todo.back();
+      todo.pop_back();
+      if (n == nullptr || n->pinned) continue;
+      n->pinned = true;
+      ForEachChild(*n, [&](PyRef c) { todo.push_back(c); });
+    }
+  }
+  template <typename F>
+  static void ForEachChild(const PyValue& n, F&& f) {
+    for (PyRef c : n.items) f(c);
+    for (const auto& [k, v] : n.dict) {
+      f(k);
+      f(v);
+    }
+    for (PyRef c : n.args) f(c);
+    f(n.callable);
+    f(n.state);
+  }
+  // Streaming: returns the unpinned nodes of a taken entry to the free list.
+  void Free(PyRef root) {
+    std::vector<PyRef> todo{root};
+    while (!todo.empty()) {
+      PyRef n = todo.back();
+      todo.pop_back();
+      if (n == nullptr || n->pinned || n->kind == kFreed) continue;
+      ForEachChild(*n, [&](PyRef c) { todo.push_back(c); });
+      *n = PyValue{};
+      n->kind = kFreed;
+      free_.push_back(n);
+    }
   }
   PyRef MakeInt(int64_t i) {
     PyRef v = Make(PyKind::kInt);
@@ -157,6 +200,7 @@ class Vm {
     return out;
   }
   Status Adopt(PyValue* parent, const PyRef& child) {
+    if (parent->pinned) Pin(child);
     if (child && child->depth + 1 > parent->depth) parent->depth = child->depth + 1;
     if (parent->depth > kMaxDepth) return Err("values nested deeper than " + std::to_string(kMaxDepth));
     return Status::Ok();
@@ -188,6 +232,26 @@ class Vm {
   Status SetItems(const PyRef& target, std::vector<PyRef>& kv) {
     if (kv.size() % 2 != 0) return Err("odd number of items for SETITEMS");
     if (target->kind != PyKind::kDict && target->kind != PyKind::kObject) return Err("SETITEM on a non-dict");
+    if (streaming_ && target->kind == PyKind::kDict) {
+      // Every entry is offered before any is freed: a value DUP'd within the
+      // batch is pinned, so nothing the consumer reads is freed under it.
+      std::vector<bool> taken(kv.size() / 2, false);
+      for (size_t i = 0; i < kv.size(); i += 2) {
+        ASSIGN_OR_RETURN(taken[i / 2], opts_.consume(*target, *kv[i], *kv[i + 1]));
+      }
+      for (size_t i = 0; i < kv.size(); i += 2) {
+        if (taken[i / 2]) continue;
+        RETURN_IF_ERROR(Adopt(target, kv[i]));
+        RETURN_IF_ERROR(Adopt(target, kv[i + 1]));
+        target->dict.emplace_back(kv[i], kv[i + 1]);
+      }
+      for (size_t i = 0; i < kv.size(); i += 2) {
+        if (!taken[i / 2]) continue;
+        Free(kv[i]);
+        Free(kv[i + 1]);
+      }
+      return Status::Ok();
+    }
     for (size_t i = 0; i < kv.size(); i += 2) {
       RETURN_IF_ERROR(Adopt(target, kv[i + 1]));
       target->dict.emplace_back(std::move(kv[i]), std::move(kv[i + 1]));
@@ -219,9 +283,19 @@ class Vm {
     // Every memo entry costs at least one opcode byte (MEMOIZE), so the input
     // bounds the memo; a fixed cap broke DCP .metadata of ~100k tensors.
     if (memo_.size() > std::max<size_t>(kMaxStack, d_.size())) return Err("memo too large");
+    if (streaming_) {
+      if (!memo_read_.contains(idx)) return Status::Ok();  // never read back: not kept
+      Pin(v);
+    }
     memo_[idx] = v;
     return Status::Ok();
   }
+  // Streaming: the first pass. Finds the memo indices some GET reads. MEMOIZE
+  // then numbers entries by count (CPython numbers them len(memo): the same
+  // unless a pickle also PUTs an index twice, which no pickler writes; such a
+  // GET then misses and the unpickling fails plainly).
+  void ScanMemoReads();
+  static constexpr PyKind kFreed = static_cast<PyKind>(0xff);
   Result<PyRef> MemoGet(uint64_t idx) {
     auto it = memo_.find(idx);
     if (it == memo_.end()) return Err("memo key " + std::to_string(idx) + " missing");
@@ -237,6 +311,10 @@ class Vm {
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PyRef> memo_;
   std::shared_ptr<Arena> arena_;
+  bool streaming_ = false;
+  std::unordered_set<uint64_t> memo_read_;  // streaming: indices some GET reads
+  uint64_t memoized_ = 0;                   // MEMOIZE ops so far (the next index)
+  std::vector<PyRef> free_;                 // streaming: freed nodes to reuse
   std::vector<std::string> placeholders_;  // unknown globals kept inert, in first-seen order
 };
 
@@ -401,7 +479,89 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
   return o;
 }
 
+void Vm::ScanMemoReads() {
+  size_t p = 0;
+  auto skip = [&](uint64_t n) {
+    if (n > d_.size() - p) return false;
+    p += n;
+    return true;
+  };
+  auto le = [&](size_t n, uint64_t* out) {
+    if (n > d_.size() - p) return false;
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(d_[p + i])) << (8 * i);
+    p += n;
+    *out = v;
+    return true;
+  };
+  auto line = [&](std::string_view* out) {
+    size_t e = d_.find('\n', p);
+    if (e == std::string_view::npos) return false;
+    if (out != nullptr) *out = d_.substr(p, e - p);
+    p = e + 1;
+    return true;
+  };
+  // A malformed stream stops the scan; the VM reports the error where it is.
+  while (p < d_.size()) {
+    unsigned char op = static_cast<unsigned char>(d_[p++]);
+    uint64_t n = 0;
+    std::string_view text;
+    switch (op) {
+      case '.':
+        return;
+      case 0x80: case 'K': case 'q':
+        if (!skip(1)) return;
+        break;
+      case 'M':
+        if (!skip(2)) return;
+        break;
+      case 'J': case 'r':
+        if (!skip(4)) return;
+        break;
+      case 0x95: case 'G':
+        if (!skip(8)) return;
+        break;
+      case 0x8a: case 0x8c: case 'C': case 'U':
+        if (!le(1, &n) || !skip(n)) return;
+        break;
+      case 0x8b: case 'X': case 'B': case 'T':
+        if (!le(4, &n) || !skip(n)) return;
+        break;
+      case 0x8d: case 0x8e: case 0x96:
+        if (!le(8, &n) || !skip(n)) return;
+        break;
+      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P':
+        if (!line(nullptr)) return;
+        break;
+      case 'c': case 'i':
+        if (!line(nullptr) || !line(nullptr)) return;
+        break;
+      case 'p':
+        if (!line(nullptr)) return;
+        break;
+      case 'h':
+        if (!le(1, &n)) return;
+        memo_read_.insert(n);
+        break;
+      case 'j':
+        if (!le(4, &n)) return;
+        memo_read_.insert(n);
+        break;
+      case 'g':
+        if (!line(&text)) return;
+        memo_read_.insert(std::strtoull(std::string(text).c_str(), nullptr, 10));
+        break;
+      default:
+        break;  // no argument (or unknown: the VM refuses it)
+    }
+  }
+}
+
 Result<PyRef> Vm::Run() {
+  if (opts_.consume) {
+    streaming_ = true;
+    ScanMemoReads();
+  }
   while (true) {
     op_pos_ = p_;
     if (!Need(1)) return Err("truncated: no STOP opcode");
@@ -433,6 +593,7 @@ Result<PyRef> Vm::Run() {
       }
       case '2': {
         ASSIGN_OR_RETURN(PyRef v, Top());
+        Pin(v);
         RETURN_IF_ERROR(Push(v));
         break;
       }
@@ -730,7 +891,7 @@ Result<PyRef> Vm::Run() {
           ASSIGN_OR_RETURN(std::string_view line, Line());
           idx = std::strtoull(std::string(line).c_str(), nullptr, 10);
         } else {
-          idx = memo_.size();
+          idx = streaming_ ? memoized_++ : memo_.size();
         }
         ASSIGN_OR_RETURN(PyRef v, Top());
         RETURN_IF_ERROR(Memoize(idx, v));

@@ -31,10 +31,21 @@
 // Limits: the input size bounds the number of values; the stack and memo are
 // bounded; out-of-band buffers (protocol 5 NEXT_BUFFER) and extension codes
 // are refused.
+//
+// Streaming (PickleOptions::consume). A reader of a huge pickle (a DCP
+// .metadata with millions of chunks) takes dict entries as they are set and
+// the VM frees what it took, so the tree never holds them. What makes freeing
+// safe: a first pass over the opcodes finds the memo entries that are ever
+// read back (GET); only those are stored, and a stored value is pinned with
+// everything it holds or will hold (and so is a DUP'd value). Any other value
+// is reachable from one place only (the stack, or one live parent): an entry
+// popped by SETITEM(S) and taken by the consumer is then unreachable, and its
+// unpinned nodes go back to the arena's free list.
 #ifndef CKPTFS_FORMATS_PICKLE_H_
 #define CKPTFS_FORMATS_PICKLE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -90,6 +101,7 @@ struct PyValue {
   uint64_t storage_numel = 0;
   TensorRef tensor;
   uint32_t depth = 0;  // nesting depth, bounded so that recursive consumers cannot overflow the stack
+  bool pinned = false;  // streaming: reachable from the memo or the stack twice, never freed
 
   // Convenience accessors (nullptr / empty when absent or of another kind).
   const PyValue* Get(std::string_view key) const;  // dict lookup by str key
@@ -107,6 +119,11 @@ struct PickleOptions {
   // Unknown globals (outside the strict classes in the header note) become
   // placeholders instead of failing the pickle. Default: on.
   bool placeholders = true;
+  // Streaming: called for each key/value set into a dict (SETITEM(S), DICT),
+  // before the entry is added. Returning true takes the entry: it is not added
+  // and its values are freed after the call (copy what you need). An error
+  // stops the unpickling and is returned as is.
+  std::function<Result<bool>(const PyValue& dict, const PyValue& key, const PyValue& value)> consume;
 };
 
 // Unpickles `data`; `what` names the source in errors ("x.distcp @ 431 data.pkl").

@@ -2,6 +2,7 @@
 
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
+#include <rocksdb/sst_file_writer.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
 #include <sys/stat.h>
@@ -86,48 +87,63 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
   if (ec) return IoError("cannot create " + target.parent_path().string() + ": " + ec.message());
   std::string tmp = dir + ".tmp." + std::to_string(::getpid());
   fs::remove_all(tmp, ec);
+  // The records stream, in key order (c < f < g < m < t < x, numbers
+  // big-endian), into one SST file that the new DB ingests: no memtable, no
+  // write-ahead log and no compaction, and memory does not grow with the
+  // number of fragments.
+  for (size_t i = 0; i < ck.exports.size(); ++i) {
+    for (const ExportPart& part : ck.exports[i].parts) {
+      if (part.kind != PartKind::kLiteral && part.tensor >= ck.tensors.size()) {
+        return Invalid("cannot build index: export " + ck.exports[i].path + " names an unknown tensor");
+      }
+    }
+  }
+  for (const ChecksumRange& c : ck.checksums) {
+    if (c.file.v >= ck.files.size()) return Invalid("cannot build index: a checksum names an unknown file");
+  }
+  const std::string sst = tmp + ".sst";
+  auto fail = [&](Status s) {
+    fs::remove_all(tmp, ec);
+    fs::remove(sst, ec);
+    return s;
+  };
+  {
+    rocksdb::Options o = DbOptions();
+    rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), o);
+    Status st = FromRocks(writer.Open(sst), "create", sst);
+    auto put = [&](const std::string& k, const std::string& v) {
+      if (st.ok()) st = FromRocks(writer.Put(k, v), "write", sst);
+    };
+    for (size_t i = 0; i < ck.checksums.size(); ++i) {
+      put(KeyU32('c', static_cast<uint32_t>(i)), index::EncodeChecksum(ck.checksums[i]));
+    }
+    for (size_t i = 0; i < ck.files.size(); ++i) put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
+    for (size_t i = 0; i < ck.tensors.size(); ++i) {
+      for (size_t j = 0; j < ck.fragments[i].size(); ++j) {
+        put(KeyU32U32('g', static_cast<uint32_t>(i), static_cast<uint32_t>(j)), index::EncodeFragment(ck.fragments[i][j]));
+      }
+    }
+    put(kInfoKey, index::EncodeInfo(ck.info));
+    put(kSchemaKey, SchemaValue());
+    for (size_t i = 0; i < ck.tensors.size(); ++i) put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(ck.tensors[i]));
+    for (size_t i = 0; i < ck.exports.size(); ++i) put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
+    if (st.ok()) st = FromRocks(writer.Finish(), "finish", sst);
+    if (!st.ok()) return fail(st);
+  }
   {
     rocksdb::Options o = DbOptions();
     o.create_if_missing = true;
-    o.error_if_exists = true;
     rocksdb::DB* raw = nullptr;
-    RETURN_IF_ERROR(FromRocks(rocksdb::DB::Open(o, tmp, &raw), "create", tmp));
+    Status st = FromRocks(rocksdb::DB::Open(o, tmp, &raw), "create", tmp);
+    if (!st.ok()) return fail(st);
     std::unique_ptr<rocksdb::DB> db(raw);
-    rocksdb::WriteBatch batch;
-    batch.Put(kSchemaKey, SchemaValue());
-    batch.Put(kInfoKey, index::EncodeInfo(ck.info));
-    for (size_t i = 0; i < ck.files.size(); ++i) {
-      batch.Put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
-    }
-    for (size_t i = 0; i < ck.tensors.size(); ++i) {
-      batch.Put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(ck.tensors[i]));
-      for (size_t j = 0; j < ck.fragments[i].size(); ++j) {
-        batch.Put(KeyU32U32('g', static_cast<uint32_t>(i), static_cast<uint32_t>(j)),
-                  index::EncodeFragment(ck.fragments[i][j]));
-      }
-    }
-    for (size_t i = 0; i < ck.exports.size(); ++i) {
-      for (const ExportPart& part : ck.exports[i].parts) {
-        if (part.kind != PartKind::kLiteral && part.tensor >= ck.tensors.size()) {
-          fs::remove_all(tmp, ec);
-          return Invalid("cannot build index: export " + ck.exports[i].path + " names an unknown tensor");
-        }
-      }
-      batch.Put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
-    }
-    for (size_t i = 0; i < ck.checksums.size(); ++i) {
-      if (ck.checksums[i].file.v >= ck.files.size()) {
-        fs::remove_all(tmp, ec);
-        return Invalid("cannot build index: a checksum names an unknown file");
-      }
-      batch.Put(KeyU32('c', static_cast<uint32_t>(i)), index::EncodeChecksum(ck.checksums[i]));
-    }
-    rocksdb::WriteOptions wo;
-    wo.sync = true;
-    RETURN_IF_ERROR(FromRocks(db->Write(wo, &batch), "write", tmp));
-    RETURN_IF_ERROR(FromRocks(db->Flush(rocksdb::FlushOptions()), "flush", tmp));
-    RETURN_IF_ERROR(FromRocks(db->Close(), "close", tmp));
+    rocksdb::IngestExternalFileOptions io;
+    io.move_files = true;
+    st = FromRocks(db->IngestExternalFile({sst}, io), "ingest", tmp);
+    if (st.ok()) st = FromRocks(db->Close(), "close", tmp);
+    if (!st.ok()) return fail(st);
   }
+  fs::remove(sst, ec);  // ingestion moved it (a link); the name may remain
   // Swap in: the old (stale) index moves aside first; rename(2) is atomic.
   std::string old = dir + ".old." + std::to_string(::getpid());
   bool had_old = fs::exists(dir, ec);

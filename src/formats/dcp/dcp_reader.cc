@@ -319,8 +319,144 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   auto bytes = ReadWholeFile(meta_path, GetReadLimits().max_metadata_bytes);
   if (!bytes.ok()) return bytes.status();
   if (bytes->empty()) return Invalid("cannot parse " + meta_path + ": empty file");
-  auto root_or = Unpickle(*bytes, ".metadata");
-  if (!root_or.ok()) return fail(root_or.status());
+
+  Checkpoint ck;
+  // Source files: .metadata first, then every data file in storage_data order.
+  std::map<std::string, uint32_t> file_ids;
+  auto add_file = [&](const std::string& rel) {
+    auto [it, inserted] = file_ids.emplace(rel, static_cast<uint32_t>(ck.files.size()));
+    if (inserted) ck.files.push_back(SourceFile{rel, 0, 0, 0});
+    return it->second;
+  };
+  add_file(".metadata");
+
+  // storage_data: MetadataIndex(fqn, offset) -> _StorageInfo(file, offset, length).
+  std::unordered_map<std::string, ItemLoc> items;
+  auto add_storage = [&](const PyValue& k, const PyValue& v) -> Status {
+    if (k.ClassName() != "MetadataIndex" || v.ClassName() != "_StorageInfo") {
+      return Invalid("cannot parse " + meta_path + ": storage_data entry is not MetadataIndex -> _StorageInfo");
+    }
+    const PyValue* fqn = k.Attr("fqn");
+    const PyValue* off = k.Attr("offset");
+    if (fqn == nullptr || !fqn->IsStr()) return Invalid("cannot parse " + meta_path + ": MetadataIndex without fqn");
+    std::vector<int64_t> offsets;
+    if (off != nullptr && off->kind != PyKind::kNone) {
+      auto o = AsIntVector(off, "MetadataIndex.offset");
+      if (!o.ok()) return fail(o.status());
+      offsets = *o;
+    }
+    const PyValue* rel = v.Attr("relative_path");
+    if (rel == nullptr || !rel->IsStr()) return Invalid("cannot parse " + meta_path + ": _StorageInfo without relative_path");
+    if (rel->s.empty() || rel->s.find("..") != std::string::npos || rel->s[0] == '/') {
+      return Invalid("cannot parse " + meta_path + ": unsafe relative_path '" + rel->s + "'");
+    }
+    ItemLoc loc;
+    loc.file = add_file(rel->s);
+    auto o = AsInt(v.Attr("offset"), "_StorageInfo.offset");
+    auto l = AsInt(v.Attr("length"), "_StorageInfo.length");
+    if (!o.ok() || !l.ok() || *o < 0 || *l < 0) return Invalid("cannot parse " + meta_path + ": bad _StorageInfo offset/length");
+    loc.offset = static_cast<uint64_t>(*o);
+    loc.length = static_cast<uint64_t>(*l);
+    if (const PyValue* td = v.Attr("transform_descriptors"); td != nullptr && td->IsSeq()) {
+      for (const auto& d : td->items) {
+        if (d->IsStr() && d->s.rfind("stream.zstd", 0) == 0) {
+          loc.zstd = true;
+        } else if (d->IsStr()) {
+          return Unsupported("cannot parse " + meta_path + ": unknown storage transform '" + d->s + "'");
+        }
+      }
+    }
+    items[ChunkKey(fqn->s, offsets)] = loc;
+    return Status::Ok();
+  };
+
+  // state_dict_metadata: a tensor (its chunks become work items, located in
+  // storage_data once both are read) or a bytes entry.
+  std::vector<Work> work;
+  auto add_sdm = [&](const PyValue& k, const PyValue& md) -> Status {
+    if (!k.IsStr()) return Invalid("cannot parse " + meta_path + ": non-string key in state_dict_metadata");
+    TensorRecord t;
+    t.key = k.s;
+    size_t ti = ck.tensors.size();
+    std::string cls = md.ClassName();
+    if (cls == "BytesStorageMetadata") {
+      t.encoding = Encoding::kBytes;
+      t.dtype = DType::kU8;
+      Work w;
+      w.tensor = ti;
+      w.bytes = true;
+      work.push_back(w);
+    } else if (cls == "TensorStorageMetadata") {
+      t.encoding = Encoding::kTensor;
+      auto dt = PropertiesDType(md.Attr("properties"));
+      auto shape = AsIntVector(md.Attr("size"), "size");
+      if (!dt.ok() || !shape.ok()) {
+        return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': " +
+                       (!dt.ok() ? dt.status().message() : shape.status().message()));
+      }
+      t.dtype = *dt;
+      t.shape = *shape;
+      for (int64_t s : t.shape) {
+        if (s < 0) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has a negative size");
+      }
+      if (std::string why = CheckTensorGeometry(t, {}); !why.empty()) {
+        t.error = "cannot index '" + t.key + "' (" + meta_path + "): " + why;
+        t.shape.assign(1, 0);
+        ck.info.problems.push_back(t.error);
+        ck.tensors.push_back(std::move(t));
+        return Status::Ok();
+      }
+      const PyValue* chunks = md.Attr("chunks");
+      if (chunks == nullptr || !chunks->IsSeq()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has no chunks");
+      size_t ordinal = 0;
+      for (const auto& c : chunks->items) {
+        auto offs = AsIntVector(c->Attr("offsets"), "chunk offsets");
+        auto sizes = AsIntVector(c->Attr("sizes"), "chunk sizes");
+        if (!offs.ok() || !sizes.ok()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': bad chunk");
+        Work w;
+        w.tensor = ti;
+        w.ordinal = ordinal++;
+        w.offsets = *std::move(offs);
+        w.sizes = *std::move(sizes);
+        work.push_back(std::move(w));
+      }
+      t.byte_size = t.Numel() * DTypeSize(t.dtype);
+    } else {
+      return Unsupported("cannot parse " + meta_path + ": unknown storage metadata class " + cls + " for '" + t.key + "'");
+    }
+    ck.tensors.push_back(std::move(t));
+    return Status::Ok();
+  };
+
+  // The entries are taken as the VM sets them (see pickle.h, streaming): a
+  // .metadata of millions of chunks never becomes a tree of Python objects.
+  // Only the dicts that end up as Metadata's two fields may hold them.
+  const PyValue* sdm_seen = nullptr;
+  const PyValue* storage_seen = nullptr;
+  PickleOptions opts;
+  opts.consume = [&](const PyValue& dict, const PyValue& k, const PyValue& v) -> Result<bool> {
+    const std::string vc = v.ClassName();
+    const PyValue** seen = nullptr;
+    if (vc == "_StorageInfo" && k.ClassName() == "MetadataIndex") {
+      seen = &storage_seen;
+      RETURN_IF_ERROR(add_storage(k, v));
+    } else if (k.IsStr() && (vc == "TensorStorageMetadata" || vc == "BytesStorageMetadata")) {
+      seen = &sdm_seen;
+      RETURN_IF_ERROR(add_sdm(k, v));
+    } else {
+      return false;
+    }
+    if (*seen != nullptr && *seen != &dict) {
+      return Invalid("cannot parse " + meta_path + ": " + (seen == &sdm_seen ? "tensor metadata" : "storage items") +
+                     " in two different dicts");
+    }
+    *seen = &dict;
+    return true;
+  };
+  auto root_or = Unpickle(*bytes, ".metadata", opts);
+  if (!root_or.ok()) return root_or.status().message().rfind("cannot parse ", 0) == 0 ? root_or.status() : fail(root_or.status());
+  bytes->clear();
+  bytes->shrink_to_fit();
   const PyValue& root = **root_or;
   // megatron-core 0.12-0.15 pickled its own subclass of Metadata (MCoreMetadata,
   // with an `mcore_data` attribute beside torch's fields); today's mcore keeps a
@@ -337,8 +473,13 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   const PyValue* planner = root.Attr("planner_data");
   if (sdm == nullptr || sdm->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no state_dict_metadata");
   if (storage == nullptr || storage->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no storage_data");
+  if ((sdm_seen != nullptr && sdm_seen != sdm) || (storage_seen != nullptr && storage_seen != storage)) {
+    return Invalid("cannot parse " + meta_path + ": chunk metadata outside Metadata.state_dict_metadata / storage_data");
+  }
+  // What the VM did not take: refused here with the reason.
+  for (const auto& [k, v] : storage->dict) RETURN_IF_ERROR(add_storage(*k, *v));
+  for (const auto& [k, v] : sdm->dict) RETURN_IF_ERROR(add_sdm(*k, *v));
 
-  Checkpoint ck;
   ck.info.family = "pytorch-dcp";
   const PyValue* version = root.Attr("version");
   // torch 1.13 writes neither storage_meta nor planner_data (module names are
@@ -349,51 +490,25 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
                          : has_planner             ? " (torch 2.0-2.2)"
                                                    : " (torch 1.13 _shard.checkpoint layout)");
 
-  // Source files: .metadata first, then every data file in storage_data order.
-  std::map<std::string, uint32_t> file_ids;
-  auto add_file = [&](const std::string& rel) {
-    auto [it, inserted] = file_ids.emplace(rel, static_cast<uint32_t>(ck.files.size()));
-    if (inserted) ck.files.push_back(SourceFile{rel, 0, 0, 0});
-    return it->second;
-  };
-  add_file(".metadata");
-  std::unordered_map<std::string, ItemLoc> items;
-  for (const auto& [k, v] : storage->dict) {
-    if (k->ClassName() != "MetadataIndex" || v->ClassName() != "_StorageInfo") {
-      return Invalid("cannot parse " + meta_path + ": storage_data entry is not MetadataIndex -> _StorageInfo");
-    }
-    const PyValue* fqn = k->Attr("fqn");
-    const PyValue* off = k->Attr("offset");
-    if (fqn == nullptr || !fqn->IsStr()) return Invalid("cannot parse " + meta_path + ": MetadataIndex without fqn");
-    std::vector<int64_t> offsets;
-    if (off != nullptr && off->kind != PyKind::kNone) {
-      auto o = AsIntVector(off, "MetadataIndex.offset");
-      if (!o.ok()) return fail(o.status());
-      offsets = *o;
-    }
-    const PyValue* rel = v->Attr("relative_path");
-    if (rel == nullptr || !rel->IsStr()) return Invalid("cannot parse " + meta_path + ": _StorageInfo without relative_path");
-    if (rel->s.empty() || rel->s.find("..") != std::string::npos || rel->s[0] == '/') {
-      return Invalid("cannot parse " + meta_path + ": unsafe relative_path '" + rel->s + "'");
-    }
-    ItemLoc loc;
-    loc.file = add_file(rel->s);
-    auto o = AsInt(v->Attr("offset"), "_StorageInfo.offset");
-    auto l = AsInt(v->Attr("length"), "_StorageInfo.length");
-    if (!o.ok() || !l.ok() || *o < 0 || *l < 0) return Invalid("cannot parse " + meta_path + ": bad _StorageInfo offset/length");
-    loc.offset = static_cast<uint64_t>(*o);
-    loc.length = static_cast<uint64_t>(*l);
-    if (const PyValue* td = v->Attr("transform_descriptors"); td != nullptr && td->IsSeq()) {
-      for (const auto& d : td->items) {
-        if (d->IsStr() && d->s.rfind("stream.zstd", 0) == 0) {
-          loc.zstd = true;
-        } else if (d->IsStr()) {
-          return Unsupported("cannot parse " + meta_path + ": unknown storage transform '" + d->s + "'");
-        }
+  // Each chunk's storage item.
+  size_t kept = 0;
+  for (size_t i = 0; i < work.size(); ++i) {
+    Work& w = work[i];
+    TensorRecord& t = ck.tensors[w.tensor];
+    auto it = items.find(ChunkKey(t.key, w.bytes ? std::vector<int64_t>{} : w.offsets));
+    if (it == items.end()) {
+      if (t.error.empty()) {
+        t.error = w.bytes ? "cannot find the storage item of bytes entry '" + t.key + "' in .metadata"
+                          : "cannot find the storage item of a chunk of '" + t.key + "' in .metadata";
       }
+      continue;
     }
-    items[ChunkKey(fqn->s, offsets)] = loc;
+    w.loc = it->second;
+    if (kept != i) work[kept] = std::move(w);
+    ++kept;
   }
+  work.resize(kept);
+  items.clear();
 
   // Stat and open every file; a missing one is a per-tensor error, not fatal.
   OpenFiles files;
@@ -406,74 +521,6 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     } else {
       files.errors[i] = fd.status().message();
     }
-  }
-
-  // Tensors and their work items.
-  std::vector<Work> work;
-  for (const auto& [k, md] : sdm->dict) {
-    if (!k->IsStr()) return Invalid("cannot parse " + meta_path + ": non-string key in state_dict_metadata");
-    TensorRecord t;
-    t.key = k->s;
-    size_t ti = ck.tensors.size();
-    std::string cls = md->ClassName();
-    if (cls == "BytesStorageMetadata") {
-      t.encoding = Encoding::kBytes;
-      t.dtype = DType::kU8;
-      Work w;
-      w.tensor = ti;
-      w.bytes = true;
-      auto it = items.find(ChunkKey(t.key, {}));
-      if (it == items.end()) {
-        t.error = "cannot find the storage item of bytes entry '" + t.key + "' in .metadata";
-      } else {
-        w.loc = it->second;
-        work.push_back(w);
-      }
-    } else if (cls == "TensorStorageMetadata") {
-      t.encoding = Encoding::kTensor;
-      auto dt = PropertiesDType(md->Attr("properties"));
-      auto shape = AsIntVector(md->Attr("size"), "size");
-      if (!dt.ok() || !shape.ok()) {
-        return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': " +
-                       (!dt.ok() ? dt.status().message() : shape.status().message()));
-      }
-      t.dtype = *dt;
-      t.shape = *shape;
-      for (int64_t s : t.shape) {
-        if (s < 0) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has a negative size");
-      }
-      if (std::string why = CheckTensorGeometry(t, {}); !why.empty()) {
-        t.error = "cannot index '" + t.key + "' (" + meta_path + "): " + why;
-        t.shape.assign(1, 0);
-        ck.info.problems.push_back(t.error);
-        ck.tensors.push_back(std::move(t));
-        continue;
-      }
-      const PyValue* chunks = md->Attr("chunks");
-      if (chunks == nullptr || !chunks->IsSeq()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has no chunks");
-      size_t ordinal = 0;
-      for (const auto& c : chunks->items) {
-        auto offs = AsIntVector(c->Attr("offsets"), "chunk offsets");
-        auto sizes = AsIntVector(c->Attr("sizes"), "chunk sizes");
-        if (!offs.ok() || !sizes.ok()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': bad chunk");
-        Work w;
-        w.tensor = ti;
-        w.ordinal = ordinal++;
-        w.offsets = *offs;
-        w.sizes = *sizes;
-        auto it = items.find(ChunkKey(t.key, w.offsets));
-        if (it == items.end()) {
-          t.error = "cannot find the storage item of a chunk of '" + t.key + "' in .metadata";
-          continue;
-        }
-        w.loc = it->second;
-        work.push_back(w);
-      }
-      t.byte_size = t.Numel() * DTypeSize(t.dtype);
-    } else {
-      return Unsupported("cannot parse " + meta_path + ": unknown storage metadata class " + cls + " for '" + t.key + "'");
-    }
-    ck.tensors.push_back(std::move(t));
   }
   ck.fragments.assign(ck.tensors.size(), {});
 

@@ -196,5 +196,66 @@ TEST(PickleTest, DeepNestingIsBounded) {
   EXPECT_NE(r.status().message().find("nested deeper"), std::string::npos);
 }
 
+// Streaming: a consumer that takes entries whose key starts with 'k'.
+struct Taker {
+  std::vector<std::string> taken;
+  PickleOptions Options() {
+    PickleOptions o;
+    o.consume = [this](const PyValue&, const PyValue& k, const PyValue& v) -> Result<bool> {
+      if (!k.IsStr() || k.s.empty() || k.s[0] != 'k') return false;
+      std::string what = k.s + "=";
+      if (v.kind == PyKind::kList) {
+        for (const auto& it : v.items) what += std::to_string(it->i) + ",";
+      }
+      taken.push_back(what);
+      return true;
+    };
+    return o;
+  }
+};
+
+TEST(PickleTest, StreamingTakesEntriesAndKeepsWhatTheMemoShares) {
+  // Protocol 4: {'k1': L, 'good': L, 'k2': [3]} where L = [1, 2] is memoized
+  // and read back by BINGET: taking 'k1' must not free what 'good' holds.
+  std::string p = B({0x80, 0x04, '}', 0x94, '(', 0x8c, 2, 'k', '1', 0x94, ']', 0x94, '(', 'K', 1, 'K', 2, 'e',
+                     0x8c, 4, 'g', 'o', 'o', 'd', 0x94, 'h', 2, 0x8c, 2, 'k', '2', 0x94, ']', 0x94, 'K', 3, 'a',
+                     'u', '.'});
+  Taker t;
+  auto r = Unpickle(p, "t", t.Options());
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(t.taken, (std::vector<std::string>{"k1=1,2,", "k2=3,"}));
+  ASSERT_EQ((*r)->dict.size(), 1u);
+  const PyValue* keep = (*r)->Get("good");
+  ASSERT_NE(keep, nullptr);
+  ASSERT_EQ(keep->items.size(), 2u);
+  EXPECT_EQ(keep->items[0]->i, 1);
+  EXPECT_EQ(keep->items[1]->i, 2);
+}
+
+TEST(PickleTest, StreamingKeepsADuplicatedValue) {
+  // {'k': L, L: 'b'} with L DUP'd inside the SETITEMS batch (a crafted file:
+  // a list as a key). The ASan build checks that nothing freed is read.
+  std::string p = B({0x80, 0x04, '}', '(', 0x8c, 1, 'k', ']', 'K', 7, 'a', '2', 0x8c, 1, 'b', 'u', '.'});
+  Taker t;
+  auto r = Unpickle(p, "t", t.Options());
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(t.taken, (std::vector<std::string>{"k=7,"}));
+  ASSERT_EQ((*r)->dict.size(), 1u);
+  const PyValue* key = (*r)->dict[0].first;
+  ASSERT_EQ(key->kind, PyKind::kList);
+  ASSERT_EQ(key->items.size(), 1u);
+  EXPECT_EQ(key->items[0]->i, 7);
+}
+
+TEST(PickleTest, StreamingConsumerErrorStopsTheUnpickling) {
+  PickleOptions o;
+  o.consume = [](const PyValue&, const PyValue&, const PyValue&) -> Result<bool> {
+    return Invalid("cannot parse x: refused");
+  };
+  auto r = Unpickle(B({0x80, 0x04, '}', 0x8c, 1, 'k', 'K', 1, 's', '.'}), "t", o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().message(), "cannot parse x: refused");
+}
+
 }  // namespace
 }  // namespace ckptfs::formats

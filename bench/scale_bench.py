@@ -1,0 +1,186 @@
+"""Scale benchmark (issue 18): checkpoints with the metadata of very large runs
+and tiny tensors, written by the producers' own serializers (bench/scale/),
+each measured in one run against the targets:
+
+  index build  seconds, fragments per minute per CPU-second (target >= 1M), peak
+               RSS of `ckptfs index` (target <= 512 MiB);
+  mount        seconds from `ckptfs mount` to a served mountpoint with the index
+               built (target < 1 s), daemon RSS after the listing (<= 256 MiB);
+  ls -lR       of the whole tree on a fresh mount (target < 1 s for 100k files);
+  reference    every sampled tensor (REF.npz, written by the generator from the
+               values it saved) equals what the mount serves, bit for bit.
+
+Inputs are generated once into --out (default bench/out/scale) and reused:
+
+  dcp       bench/scale/make_dcp_scale.py (torch's SavePlan / FileSystemWriter)
+  deepspeed bench/scale/make_deepspeed_scale.py (ZeRO-2 at DP=768), when present
+  megatron  bench/scale/make_megatron_scale.py (torch_dist, ShardedTensors), when present
+
+Read throughput against the null-FUSE ceiling is bench/read_bench.py
+(`bash bench/run.sh scale` runs both).
+
+    python bench/scale_bench.py [--inputs dcp,deepspeed,megatron] [--dcp-ranks 96 --dcp-tensors 16384]
+"""
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MIB = 1 << 20
+
+
+def run_measured(cmd):
+    """Runs cmd; returns (wall s, cpu s of the child, peak RSS bytes, stdout+stderr)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    r = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB=%M"] + cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    rss = 0
+    for line in r.stderr.splitlines():
+        if line.startswith("MAXRSS_KB="):
+            rss = int(line.split("=")[1]) * 1024
+    if r.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout}{r.stderr}")
+    return wall, cpu, rss, r.stdout + r.stderr
+
+
+def rss_of(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def daemon_pid(mnt):
+    """The pid of the ckptfs daemon serving mnt (its command line names it)."""
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"ckptfs") and b"mount" in args and mnt.encode() in args:
+            return int(p)
+    return None
+
+
+def generate(name, a, out):
+    """Makes input `name` under out/ unless it is there; returns (ckpt dir, ref npz) or None."""
+    ckpt, ref = os.path.join(out, name), os.path.join(out, name + ".ref.npz")
+    if os.path.exists(ref):
+        return ckpt, ref
+    script = os.path.join(HERE, "scale", f"make_{name}_scale.py")
+    if not os.path.exists(script):
+        print(f"{name}: no generator ({script}), skipped")
+        return None
+    shutil.rmtree(ckpt, ignore_errors=True)
+    args = {"dcp": ["--ranks", str(a.dcp_ranks), "--tensors", str(a.dcp_tensors)]}.get(name, [])
+    print(f"{name}: generating (once) ...", flush=True)
+    t0 = time.time()
+    subprocess.run([sys.executable, script, ckpt, "--ref", ref] + args, check=True)
+    print(f"{name}: generated in {time.time() - t0:.0f} s", flush=True)
+    return ckpt, ref
+
+
+def ratio(value, target, higher_is_better):
+    r = value / target if higher_is_better else target / max(value, 1e-9)
+    return f"{r:5.2f}x {'ok' if r >= 1.0 else 'MISSED'}"
+
+
+def bench_one(name, ckpt, ref, a):
+    res = {"input": name}
+    meta = os.path.join(ckpt, ".metadata")
+    if os.path.exists(meta):
+        res["metadata_mib"] = os.path.getsize(meta) / MIB
+    index = tempfile.mkdtemp(prefix=f"ckptfs-scale-{name}-ix-")
+    shutil.rmtree(index)
+    subprocess.run(["sync"], check=True)
+    wall, cpu, rss, out = run_measured([a.bin, "index", ckpt, "--index", index, "-q"])
+    frags = 0
+    for tok in out.split(","):
+        if tok.strip().endswith("fragments"):
+            frags = int(tok.split()[0])
+    res.update(index_s=wall, index_cpu_s=cpu, fragments=frags, index_rss=rss,
+               frags_per_min_core=frags / max(cpu, 1e-9) * 60)
+    mnt = tempfile.mkdtemp(prefix=f"ckptfs-scale-{name}-mnt-")
+    t0 = time.perf_counter()
+    r = subprocess.run([a.bin, "mount", ckpt, mnt, "--index", index, "--log", mnt + ".log"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"mount failed: {r.stderr}")
+    os.stat(os.path.join(mnt, "params"))
+    res["mount_s"] = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        ls = subprocess.run(["ls", "-lR", mnt], capture_output=True, check=True)
+        res["ls_lR_s"] = time.perf_counter() - t0
+        res["files"] = sum(1 for line in ls.stdout.splitlines() if line.startswith(b"-"))
+        pid = daemon_pid(mnt)
+        res["daemon_rss"] = rss_of(pid) if pid else 0
+        bad = []
+        with np.load(ref) as z:
+            for key in z.files:
+                got = np.load(os.path.join(mnt, key))
+                want = z[key]
+                if got.dtype != want.dtype or got.shape != want.shape or got.tobytes() != want.tobytes():
+                    bad.append(key)
+            res["reference_checked"] = len(z.files)
+        res["reference_mismatches"] = bad
+    finally:
+        subprocess.run([a.bin, "umount", mnt], capture_output=True)
+        shutil.rmtree(index, ignore_errors=True)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default=os.path.join(ROOT, "build", "ckptfs"))
+    ap.add_argument("--out", default=os.path.join(HERE, "out", "scale"))
+    ap.add_argument("--inputs", default="dcp,deepspeed,megatron")
+    ap.add_argument("--dcp-ranks", type=int, default=96)
+    ap.add_argument("--dcp-tensors", type=int, default=16384)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    results = []
+    for name in a.inputs.split(","):
+        made = generate(name, a, a.out)
+        if made:
+            results.append(bench_one(name, *made, a))
+    print(f"\nscale benchmark, {os.uname().nodename}, {os.cpu_count()} cores")
+    for r in results:
+        print(f"\n[{r['input']}] {r['fragments']} fragments"
+              + (f", .metadata {r['metadata_mib']:.0f} MiB" if "metadata_mib" in r else "")
+              + f", {r['files']} files in the tree")
+        print(f"  index build      {r['index_s']:8.2f} s wall, {r['index_cpu_s']:.2f} s CPU")
+        print(f"  fragments/min/core {r['frags_per_min_core'] / 1e6:6.2f} M   target >= 1 M     {ratio(r['frags_per_min_core'], 1e6, True)}")
+        print(f"  index peak RSS   {r['index_rss'] / MIB:8.0f} MiB target <= 512 MiB {ratio(r['index_rss'] / MIB, 512, False)}")
+        print(f"  mount            {r['mount_s']:8.3f} s   target < 1 s      {ratio(r['mount_s'], 1.0, False)}")
+        print(f"  daemon RSS       {r['daemon_rss'] / MIB:8.0f} MiB target <= 256 MiB {ratio(r['daemon_rss'] / MIB, 256, False)}")
+        print(f"  ls -lR           {r['ls_lR_s']:8.3f} s   target < 1 s per 100k files "
+              f"{ratio(r['ls_lR_s'], max(r['files'], 1) / 100_000, False)}")
+        print(f"  reference        {r['reference_checked']} tensors, "
+              f"{'all equal' if not r['reference_mismatches'] else 'MISMATCH: ' + ', '.join(r['reference_mismatches'])}")
+    path = os.path.join(a.out, f"scale-{os.uname().nodename}.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {path}")
+    if any(r["reference_mismatches"] for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
