@@ -79,6 +79,10 @@ void OnInit(void*, fuse_conn_info* conn) {
   conn->max_write = kMaxRequest;  // libfuse derives max_pages from this
   conn->max_readahead = kMaxRequest;
   if (conn->capable & FUSE_CAP_SPLICE_WRITE) conn->want |= FUSE_CAP_SPLICE_WRITE;
+  // Listings carry attributes (OnReaddirplus), always: the tree answers them
+  // without I/O, so the adaptive mode's plain READDIR + LOOKUPs never pays.
+  if (conn->capable & FUSE_CAP_READDIRPLUS) conn->want |= FUSE_CAP_READDIRPLUS;
+  conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
   conn->want &= ~FUSE_CAP_ASYNC_READ;
   conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;
 }
@@ -144,6 +148,39 @@ void OnReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_inf
       st.st_mode = entries[i].is_dir ? S_IFDIR : S_IFREG;
       size_t n = fuse_add_direntry(req, buf.data() + used, size - used, entries[i].name.c_str(), &st,
                                    static_cast<off_t>(i + 1));
+      if (n > size - used) break;
+      used += n;
+    }
+    fuse_reply_buf(req, buf.data(), used);
+  });
+}
+
+// READDIRPLUS: each entry with its attributes, answered from the tree, so
+// `ls -l` / `find -size` of a directory costs one round trip per buffer of
+// entries instead of a LOOKUP per name. "." and ".." carry no entry (no lookup
+// count), nor does a file whose attributes fail: the kernel then looks it up
+// and the error is answered there.
+void OnReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+  Guard(req, "readdirplus", [&] {
+    const auto& entries = *reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
+    std::vector<char> buf(size);
+    size_t used = 0;
+    for (size_t i = static_cast<size_t>(off); i < entries.size(); ++i) {
+      const DirEntry& d = entries[i];
+      fuse_entry_param e{};
+      e.attr.st_ino = d.ino;
+      e.attr.st_mode = d.is_dir ? S_IFDIR : S_IFREG;
+      if (d.name != "." && d.name != "..") {
+        auto a = Fs(req).GetAttr(d.ino);
+        if (a.ok()) {
+          e.ino = d.ino;
+          e.entry_timeout = kTimeout;
+          e.attr_timeout = a->dynamic ? 0 : kTimeout;
+          FillStat(*a, &e.attr);
+        }
+      }
+      size_t n = fuse_add_direntry_plus(req, buf.data() + used, size - used, d.name.c_str(), &e,
+                                        static_cast<off_t>(i + 1));
       if (n > size - used) break;
       used += n;
     }
@@ -225,6 +262,7 @@ fuse_lowlevel_ops MakeOps() {
   ops.getattr = OnGetattr;
   ops.opendir = OnOpendir;
   ops.readdir = OnReaddir;
+  ops.readdirplus = OnReaddirplus;
   ops.releasedir = OnReleasedir;
   ops.open = OnOpen;
   ops.read = OnRead;

@@ -9,6 +9,15 @@
 namespace ckptfs {
 namespace {
 
+void AppendInts(std::string& out, const std::vector<int64_t>& v) {
+  out += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) out += ',';
+    out += std::to_string(v[i]);
+  }
+  out += ']';
+}
+
 using json = nlohmann::ordered_json;
 
 Segment TensorSeg(TensorId id, const TensorRecord& t, DType out) {
@@ -426,25 +435,31 @@ Status View::MakeInfoJson(Node& n) const {
     e["bytes"] = t.byte_size;
     if (!t.error.empty()) e["error"] = t.error;
     if (t.replicas > 1) e["mean_of_copies"] = t.replicas;  // sum(copies) / n, as ds_to_universal.py averages
-    json frags = json::array();
+    // Fragments are written by hand (a tensor may have thousands, and `ls -l`
+    // sizes every info.json): the same compact JSON nlohmann would write.
+    std::string body = JsonText(e);
+    body.pop_back();
+    body += ",\"fragments\":[";
     if (t.error.empty()) {
       ASSIGN_OR_RETURN(std::vector<Fragment> fs, index_.Fragments(id));
-      for (const auto& f : fs) {
-        json fj;
-        fj["file"] = index_.files()[f.file.v].rel_path;
-        fj["offsets"] = ShapeJson(f.offsets);
-        fj["lengths"] = ShapeJson(f.lengths);
-        fj["strides"] = ShapeJson(f.strides);
-        fj["byte_offset"] = f.data_offset;
+      for (size_t k = 0; k < fs.size(); ++k) {
+        const Fragment& f = fs[k];
+        if (k > 0) body += ',';
+        body += "{\"file\":" + JsonEscape(index_.files()[f.file.v].rel_path) + ",\"offsets\":";
+        AppendInts(body, f.offsets);
+        body += ",\"lengths\":";
+        AppendInts(body, f.lengths);
+        body += ",\"strides\":";
+        AppendInts(body, f.strides);
+        body += ",\"byte_offset\":" + std::to_string(f.data_offset);
         if (f.compression == Compression::kZstd) {
-          fj["zstd_item"] = {f.item_offset, f.item_length};
+          body += ",\"zstd_item\":[" + std::to_string(f.item_offset) + "," + std::to_string(f.item_length) + "]";
         }
-        if (t.replicas > 1) fj["copy"] = f.replica;
-        frags.push_back(fj);
+        if (t.replicas > 1) body += ",\"copy\":" + std::to_string(f.replica);
+        body += '}';
       }
     }
-    e["fragments"] = frags;
-    std::string body = JsonText(e);
+    body += "]}";
     body.pop_back();  // reopen the object to append the hash field
     text += std::string(first ? "" : ",") + "\n    " + JsonEscape(t.state) + ": " + body + ", \"xxh3_64_raw\": ";
     first = false;
