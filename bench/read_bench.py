@@ -136,6 +136,12 @@ def bdi_readahead_kb(mnt):
         return -1
 
 
+def set_readahead_kb(mnt, kb):
+    st = os.stat(mnt)
+    with open(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb", "w") as f:
+        f.write(f"{kb}\n")
+
+
 def wait_readahead(mnt):
     """Both daemons raise read_ahead_kb on a thread after the mount answers; wait for it."""
     for _ in range(200):
@@ -147,7 +153,7 @@ def wait_readahead(mnt):
 
 
 class NullMount:
-    def __init__(self, binary, sizes, threads=16):
+    def __init__(self, binary, sizes, threads=16, ra_kb=None):
         self.mnt = tempfile.mkdtemp(prefix="null-fuse-mnt-")
         self.stats_path = self.mnt + ".stats.json"
         args = [binary, self.mnt, "--threads", str(threads), "--stats", self.stats_path]
@@ -162,6 +168,9 @@ class NullMount:
                 raise SystemExit(f"null_fuse failed: {self.proc.stderr.read().decode()}")
             time.sleep(0.01)
         self.readahead_kb = wait_readahead(self.mnt)
+        if ra_kb:
+            set_readahead_kb(self.mnt, ra_kb)
+            self.readahead_kb = bdi_readahead_kb(self.mnt)
         self.paths = [os.path.join(self.mnt, f"f{i:05d}") for i in range(len(sizes))]
         self.stats = None
 
@@ -179,7 +188,7 @@ class NullMount:
 
 
 class CkptfsMount:
-    def __init__(self, binary, src, index, rules=None):
+    def __init__(self, binary, src, index, rules=None, ra_kb=None):
         self.binary = binary
         self.mnt = tempfile.mkdtemp(prefix="ckptfs-read-mnt-")
         args = [binary, "mount", src, self.mnt, "--index", index, "--log", self.mnt + ".log"]
@@ -190,6 +199,9 @@ class CkptfsMount:
             raise SystemExit(f"ckptfs mount failed: {r.stderr}")
         _mounts.append(("ckptfs", self.mnt, None))
         self.readahead_kb = wait_readahead(self.mnt)
+        if ra_kb:
+            set_readahead_kb(self.mnt, ra_kb)
+            self.readahead_kb = bdi_readahead_kb(self.mnt)
 
     def stats(self):
         with open(os.path.join(self.mnt, ".ckptfs", "stats")) as f:
@@ -343,6 +355,94 @@ def measure_topo(a, src, index, rules, reps):
     return res
 
 
+def read_direct(paths, block=4 << 20, depth=8):
+    """O_DIRECT reads of the files in order, `depth` blocks in flight (one thread each, GIL released
+    in preadv): what the storage gives with a deep queue and no page cache."""
+    import mmap
+    total = 0
+    t0 = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+        size = os.fstat(fd).st_size
+        nxt = [0]
+        lock = threading.Lock()
+        got = [0] * depth
+
+        def run(i):
+            buf = mmap.mmap(-1, block)
+            while True:
+                with lock:
+                    off = nxt[0]
+                    nxt[0] += block
+                if off >= size:
+                    return
+                got[i] += os.preadv(fd, [buf], off)
+
+        ts = [threading.Thread(target=run, args=(i,)) for i in range(depth)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        os.close(fd)
+        total += sum(got)
+    return total, time.perf_counter() - t0
+
+
+def experiments(a, dcp, index, sources, reps):
+    """Diagnosis of the merged case: the mount's readahead window (how many 1 MiB requests the
+    kernel keeps in flight) for the null daemon and ckptfs, warm and cold; the storage with
+    O_DIRECT and deep queues vs buffered 1 MiB reads."""
+    med = statistics.median
+    out = {"readahead": {}, "source": {}}
+    rels = None
+    m = CkptfsMount(a.ckptfs, dcp, index)
+    try:
+        files = sorted(glob.glob(os.path.join(m.mnt, "params", "model.layers.*.w", "param.raw")))
+        rels = [os.path.relpath(p, m.mnt) for p in files]
+        sizes = [os.path.getsize(p) for p in files]
+    finally:
+        m.close()
+    for ra in a.ra_kb:
+        row = {"null_gbs": [], "warm_gbs": [], "cold_gbs": []}
+        for _ in range(reps):
+            nm = NullMount(a.null_fuse, sizes, ra_kb=ra)
+            n, t = read_files(nm.paths)
+            nm.close()
+            row["null_gbs"].append(n / t / 1e9)
+            row["null_requests"] = nm.stats
+            warm(sources)
+            m = CkptfsMount(a.ckptfs, dcp, index, ra_kb=ra)
+            try:
+                n, t = read_files([os.path.join(m.mnt, r) for r in rels])
+                row["warm_stats"] = m.stats()
+            finally:
+                m.close()
+            row["warm_gbs"].append(n / t / 1e9)
+            m = CkptfsMount(a.ckptfs, dcp, index, ra_kb=ra)
+            try:
+                drop_caches()
+                n, t = read_files([os.path.join(m.mnt, r) for r in rels])
+                row["cold_stats"] = m.stats()
+            finally:
+                m.close()
+            row["cold_gbs"].append(n / t / 1e9)
+        out["readahead"][ra] = row
+        print(f"[ra {ra} KiB] null {med(row['null_gbs']):.2f}  ckptfs warm {med(row['warm_gbs']):.2f}  "
+              f"cold {med(row['cold_gbs']):.2f} GB/s", flush=True)
+    for name, fn in (("buffered 1 MiB", lambda: read_files(sources)),
+                     ("O_DIRECT 4 MiB x1", lambda: read_direct(sources, 4 << 20, 1)),
+                     ("O_DIRECT 4 MiB x8", lambda: read_direct(sources, 4 << 20, 8)),
+                     ("O_DIRECT 1 MiB x32", lambda: read_direct(sources, 1 << 20, 32))):
+        v = []
+        for _ in range(reps):
+            drop_caches()
+            n, t = fn()
+            v.append(n / t / 1e9)
+        out["source"][name] = v
+        print(f"[source cold] {name}: {med(v):.2f} GB/s", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ckptfs", default=os.path.join(ROOT, "build", "ckptfs"))
@@ -356,6 +456,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-ds", action="store_true")
     ap.add_argument("--skip-topo", action="store_true")
+    ap.add_argument("--experiments", action="store_true",
+                    help="also: readahead windows (--ra-kb) and O_DIRECT deep-queue source reads, merged case")
+    ap.add_argument("--ra-kb", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096, 16384])
     ap.add_argument("--out", default=os.path.join(HERE, "out", f"read-{socket.gethostname()}.json"))
     a = ap.parse_args()
     a.ckptfs, a.null_fuse = os.path.abspath(a.ckptfs), os.path.abspath(a.null_fuse)
@@ -401,6 +504,9 @@ def main():
             json.dump({"rules": [{"match": r"^(model\.)?layers\.\d+\.w$", "split": "dim", "dim": 1}]}, f)
         results["topo"] = measure_topo(a, dcp, dcp_index, rules, a.reps)
 
+    if a.experiments:
+        results["experiments"] = experiments(a, dcp, dcp_index, dcp_src, a.reps)
+
     med = statistics.median
     print()
     print(f"ckptfs read benchmark: {results['host']}, {results['cores']} cores, kernel {results['kernel']}, "
@@ -429,6 +535,13 @@ def main():
             r[k]["scale"] = ck / c1
             print(f"{k:7d} | {nk:9.2f} {nk / n1:6.2f} | {ck:11.2f} {ck / c1:6.2f} {tgt:6d} {ck / c1 / tgt:7.2f} "
                   f"{ck / nk:7.2f}")
+    if "experiments" in results:
+        e = results["experiments"]
+        print("diagnosis, merged case (GB/s): mount readahead window vs null / ckptfs warm / ckptfs cold")
+        for ra, row in e["readahead"].items():
+            print(f"  read_ahead_kb {ra:>6}: null {med(row['null_gbs']):.2f}  warm {med(row['warm_gbs']):.2f}  "
+                  f"cold {med(row['cold_gbs']):.2f}")
+        print("  sources cold: " + ", ".join(f"{k} {med(v):.2f}" for k, v in e["source"].items()))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
