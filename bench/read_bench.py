@@ -87,12 +87,39 @@ def read_file(path, buf):
         os.close(fd)
 
 
-def read_files(paths):
-    """Reads the files in order with one 1 MiB buffer; returns (bytes, seconds)."""
+def read_files(paths, cpu=None):
+    """Reads the files in order with one 1 MiB buffer; returns (bytes, seconds). `cpu`, a dict,
+    gets the reader thread's CPU seconds (user + system: the copy out of the mount's pages)."""
     buf = bytearray(CHUNK)
+    c = time.thread_time()
     t = time.perf_counter()
     n = sum(read_file(p, buf) for p in paths)
-    return n, time.perf_counter() - t
+    t = time.perf_counter() - t
+    if cpu is not None:
+        cpu["reader_s"] = time.thread_time() - c
+    return n, t
+
+
+def proc_cpu_s(pid):
+    """utime + stime of a process, all threads, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def mount_pid(mnt):
+    """The ckptfs daemon serving `mnt` (its command line names the mountpoint)."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"mount" in argv and mnt.encode() in argv:
+            return int(d)
+    return None
 
 
 def read_concurrent(streams):
@@ -270,13 +297,17 @@ def measure_case(a, name, src, index, select, sources, src_factor, reps):
           f"{src_bytes / 2**20:.0f} MiB source", flush=True)
 
     # (a) warm: ceiling and ckptfs, alternating.
-    ceil, warm_r, warm_stats = [], [], []
+    ceil, warm_r, warm_stats, null_cpu, ck_cpu = [], [], [], [], []
     null_ra = ck_ra = None
     for _ in range(reps):
         nm = NullMount(a.null_fuse, sizes)
         null_ra = nm.readahead_kb
-        n, t = read_files(nm.paths)
+        cpu = {}
+        d0 = proc_cpu_s(nm.proc.pid)
+        n, t = read_files(nm.paths, cpu)
+        cpu["daemon_s"] = proc_cpu_s(nm.proc.pid) - d0
         nm.close()
+        null_cpu.append(cpu)
         assert n == out_bytes, (n, out_bytes)
         ceil.append(n / t / 1e9)
         null_stats = nm.stats
@@ -284,7 +315,12 @@ def measure_case(a, name, src, index, select, sources, src_factor, reps):
         m = CkptfsMount(a.ckptfs, src, index)
         ck_ra = m.readahead_kb
         try:
-            n, t = read_files([os.path.join(m.mnt, r) for r in rels])
+            pid = mount_pid(m.mnt)
+            cpu = {}
+            d0 = proc_cpu_s(pid) if pid else 0.0
+            n, t = read_files([os.path.join(m.mnt, r) for r in rels], cpu)
+            cpu["daemon_s"] = proc_cpu_s(pid) - d0 if pid else float("nan")
+            ck_cpu.append(cpu)
             warm_stats.append(m.stats())
         finally:
             m.close()
@@ -311,6 +347,9 @@ def measure_case(a, name, src, index, select, sources, src_factor, reps):
         "ceiling_gbs": ceil, "warm_gbs": warm_r, "cat_cold_gbs": cat,
         "cold_out_gbs": [x[0] for x in cold_r], "cold_src_gbs": [x[1] for x in cold_r],
         "readahead_kb": {"null": null_ra, "ckptfs": ck_ra},
+        # CPU seconds per GiB of output, warm (medians): insensitive to other load on the machine
+        "cpu_s_per_gib": {who: {k: med([c[k] for c in v]) / (out_bytes / 2**30) for k in ("reader_s", "daemon_s")}
+                          for who, v in (("null", null_cpu), ("ckptfs", ck_cpu))},
         "null_requests": null_stats, "ckptfs_warm_stats": warm_stats[-1], "ckptfs_cold_stats": cold_stats[-1],
     }
     res["warm_ratio"] = med(warm_r) / med(ceil)
@@ -512,16 +551,20 @@ def main():
     print(f"ckptfs read benchmark: {results['host']}, {results['cores']} cores, kernel {results['kernel']}, "
           f"reader {results['reader']}, medians of {a.reps}")
     print(f"{'case':<10} {'MiB':>6} {'files':>5} | {'ceiling':>8} {'warm':>6} {'ratio':>6} {'/0.90':>6} | "
-          f"{'cat':>6} {'cold':>6} {'ratio':>6} {'/1.0':>6} | {'req KiB':>7}")
+          f"{'cat':>6} {'cold':>6} {'ratio':>6} {'/1.0':>6} | {'req KiB':>7} | {'CPU s/GiB null':>14} {'ckptfs':>11}")
     for c in results["cases"]:
         st = c["ckptfs_warm_stats"]
         req = st["bytes"] / max(1, st["reads"]) / 1024
+        cu = c["cpu_s_per_gib"]
         print(f"{c['case']:<10} {c['out_bytes'] / 2**20:6.0f} {c['files']:5d} | {med(c['ceiling_gbs']):8.2f} "
               f"{med(c['warm_gbs']):6.2f} {c['warm_ratio']:6.2f} {c['warm_ratio'] / WARM_TARGET:6.2f} | "
               f"{med(c['cat_cold_gbs']):6.2f} {med(c['cold_src_gbs']):6.2f} {c['cold_ratio']:6.2f} "
-              f"{c['cold_ratio'] / COLD_TARGET:6.2f} | {req:7.0f}")
+              f"{c['cold_ratio'] / COLD_TARGET:6.2f} | {req:7.0f} | "
+              f"{cu['null']['reader_s']:.2f}+{cu['null']['daemon_s']:.2f} {cu['ckptfs']['reader_s']:5.2f}+"
+              f"{cu['ckptfs']['daemon_s']:.2f}")
     print("  GB/s: ceiling/warm = output bytes of the mount; cat = source files cold; cold = source bytes needed "
-          "/ ckptfs time (ratio = cold/cat); req KiB = mean FUSE read request ckptfs served")
+          "/ ckptfs time (ratio = cold/cat); req KiB = mean FUSE read request ckptfs served;\n"
+          "  CPU s/GiB = reader thread + daemon process CPU seconds per GiB read, warm")
     if "topo" in results:
         r = results["topo"]["readers"]
         n1, c1 = med(r[1]["null_gbs"]), med(r[1]["ckptfs_gbs"])
