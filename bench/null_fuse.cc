@@ -27,6 +27,14 @@
 //
 //   ckptfs_null_fuse MOUNTPOINT [--threads N] [--file NAME:BYTES]...
 //                    [--files N --size BYTES] [--stats FILE] [--no-raise-readahead]
+//                    [--source PATH --mode pread|splice]
+//
+// --source serves the bytes of a real file instead (offsets wrap at its size),
+// to price what a copy costs on this kernel: `pread` reads them into a per-thread
+// buffer and replies with fuse_reply_buf (one copy more than the static buffer,
+// as ckptfs's direct path), `splice` replies with fuse_reply_data over an
+// fd-backed fuse_bufvec, which libfuse splices from the source's page cache
+// into /dev/fuse (SPLICE_WRITE is negotiated, as in ckptfs).
 //
 // Serves until unmounted (fusermount3 -u / umount) or signalled, in the
 // foreground. With --stats, writes a JSON summary of the read requests (count,
@@ -34,7 +42,9 @@
 #define FUSE_USE_VERSION 312
 #include <fuse3/fuse_lowlevel.h>
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <sys/sysmacros.h>
 
 #include <atomic>
@@ -58,6 +68,9 @@ struct NullFile {
 };
 
 std::vector<NullFile> g_files;
+int g_src_fd = -1;
+uint64_t g_src_size = 0;
+bool g_splice = false;
 // The bytes every read returns (a repeating pattern, never touched by a read).
 alignas(4096) char g_data[kMaxRequest];
 
@@ -174,7 +187,28 @@ void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_in
   unsigned b = 0;
   while (b < 31 && (size_t{1} << b) < size) ++b;
   g_hist[b].fetch_add(1, std::memory_order_relaxed);
-  fuse_reply_buf(req, g_data, n);
+  if (g_src_fd < 0) {
+    fuse_reply_buf(req, g_data, n);
+    return;
+  }
+  const uint64_t so = o % g_src_size;
+  n = static_cast<size_t>(std::min<uint64_t>(n, g_src_size - so));  // wraps in the next request
+  if (g_splice) {
+    fuse_bufvec bv = FUSE_BUFVEC_INIT(n);
+    bv.buf[0].flags = static_cast<fuse_buf_flags>(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
+    bv.buf[0].fd = g_src_fd;
+    bv.buf[0].pos = static_cast<off_t>(so);
+    fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
+    return;
+  }
+  thread_local std::vector<char> buf;
+  if (buf.size() < n) buf.resize(n);
+  ssize_t got = ::pread(g_src_fd, buf.data(), n, static_cast<off_t>(so));
+  if (got < 0) {
+    fuse_reply_err(req, errno);
+    return;
+  }
+  fuse_reply_buf(req, buf.data(), static_cast<size_t>(got));
 }
 
 void OnStatfs(fuse_req_t req, fuse_ino_t) {
@@ -262,6 +296,16 @@ int main(int argc, char** argv) {
       size = ParseBytes(v);
     } else if (a == "--stats" && (v = next())) {
       stats = v;
+    } else if (a == "--source" && (v = next())) {
+      g_src_fd = ::open(v, O_RDONLY | O_CLOEXEC);
+      struct stat st{};
+      if (g_src_fd < 0 || ::fstat(g_src_fd, &st) != 0 || st.st_size == 0) {
+        std::fprintf(stderr, "null_fuse: cannot open %s: %s\n", v, std::strerror(errno));
+        return 1;
+      }
+      g_src_size = static_cast<uint64_t>(st.st_size);
+    } else if (a == "--mode" && (v = next())) {
+      g_splice = std::string(v) == "splice";
     } else if (a == "--no-raise-readahead") {
       raise = false;
     } else if (a == "-d") {
