@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo|transforms] [args...]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo|transforms|read] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -14,3 +14,4 @@ if [[ "$which" == transforms || "$which" == all ]]; then
   mkdir -p bench/out
   build/ckptfs_transform_bench "bench/out/transforms-$(hostname).json"
 fi
+if [[ "$which" == read || "$which" == all ]]; then .venv/bin/python bench/read_bench.py "$@"; fi
