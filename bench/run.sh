@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo|transforms|read] [args...]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo|transforms|read|scale] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -15,3 +15,9 @@ if [[ "$which" == transforms || "$which" == all ]]; then
   build/ckptfs_transform_bench "bench/out/transforms-$(hostname).json"
 fi
 if [[ "$which" == read || "$which" == all ]]; then .venv/bin/python bench/read_bench.py "$@"; fi
+# Issue 18's proof: the scale inputs (index, mount, listing, reference checks),
+# then reads against the null-FUSE ceiling, in one run. Not part of `all`.
+if [[ "$which" == scale ]]; then
+  .venv/bin/python bench/scale_bench.py "$@"
+  .venv/bin/python bench/read_bench.py
+fi
