@@ -61,10 +61,15 @@ class FakeGpu final : public Transforms {
   int plans_ = 0;
 };
 
+int& LogCount() {
+  static int n = 0;
+  return n;
+}
+
 // The log lines written while `f` runs.
 template <typename F>
 std::string CaptureLog(const TempDir& t, F f) {
-  const std::string path = t.path() + "/log";
+  const std::string path = t.path() + "/log" + std::to_string(++LogCount());  // a new file each time: the log appends
   SetLogFile(path);
   f();
   SetLogFile("");

@@ -375,6 +375,48 @@ TEST(KernelEmulationTest, MeanOfReplicasEqualsTheCpu) {
   }
 }
 
+// NaNs in a mean come out as x86 (torch on the CPU) gives them, on the host
+// and the device alike: the first NaN operand quieted, inf - inf the default
+// NaN with its sign set; f16 keeps that sign, bf16 is always 0x7FC0.
+TEST(KernelEmulationTest, MeanNanRulesAreX86s) {
+  auto mean32 = [](std::vector<uint32_t> v) {
+    std::vector<char> src(v.size() * 4), dst(4);
+    for (size_t k = 0; k < v.size(); ++k) StoreLE<uint32_t>(src.data() + 4 * k, v[k]);
+    EXPECT_TRUE(CpuTransforms().Mean(src.data(), static_cast<uint32_t>(v.size()), 1, DType::kF32, dst.data()).ok());
+    return LoadLE<uint32_t>(dst.data());
+  };
+  EXPECT_EQ(mean32({0x7F800001u, 0x3F800000u}), 0x7FC00001u);  // a signalling NaN, quieted, payload kept
+  EXPECT_EQ(mean32({0x3F800000u, 0xFFC00123u}), 0xFFC00123u);
+  EXPECT_EQ(mean32({0x7FC00005u, 0xFFC00009u}), 0x7FC00005u);  // both NaN: the accumulator's
+  EXPECT_EQ(mean32({0x7F800000u, 0xFF800000u}), 0xFFC00000u);  // inf - inf
+  std::vector<char> h(2), out(2);
+  StoreLE<uint16_t>(h.data(), 0xFC01);  // a negative f16 NaN
+  ASSERT_TRUE(CpuTransforms().Mean(h.data(), 1, 1, DType::kF16, out.data()).ok());
+  EXPECT_EQ(LoadLE<uint16_t>(out.data()), 0xFE00);
+  StoreLE<uint16_t>(h.data(), 0xFF81);  // a negative bf16 NaN
+  ASSERT_TRUE(CpuTransforms().Mean(h.data(), 1, 1, DType::kBF16, out.data()).ok());
+  EXPECT_EQ(LoadLE<uint16_t>(out.data()), 0x7FC0);
+#if defined(__x86_64__)
+  // Where one operand at most is a NaN, AddF32 is this CPU's own addition.
+  std::mt19937_64 rng(17);
+  const uint32_t specials[] = {0x7F800000u, 0xFF800000u, 0x7F800001u, 0xFFC00000u, 0x00000001u, 0x80000000u, 0u};
+  for (int i = 0; i < 200000; ++i) {
+    uint32_t a = static_cast<uint32_t>(rng()), b = static_cast<uint32_t>(rng());
+    if (i % 3 == 0) a = specials[rng() % std::size(specials)];
+    if (i % 5 == 0) b = specials[rng() % std::size(specials)];
+    if (kernels::IsNanBits32(a) && kernels::IsNanBits32(b)) continue;
+    volatile float fa = kernels::BitsToFloat(a), fb = kernels::BitsToFloat(b);
+    const float sum = fa + fb;
+    ASSERT_EQ(kernels::AddF32(a, b), kernels::FloatToBits(sum)) << std::hex << a << " + " << b;
+    volatile double da = kernels::BitsToDouble(uint64_t{a} << 32 | b), db = kernels::BitsToDouble(uint64_t{b} << 32 | a);
+    const double dsum = da + db;
+    const uint64_t ba = uint64_t{a} << 32 | b, bb = uint64_t{b} << 32 | a;
+    if (kernels::IsNanBits64(ba) && kernels::IsNanBits64(bb)) continue;
+    ASSERT_EQ(kernels::AddF64(ba, bb), kernels::DoubleToBits(dsum)) << std::hex << ba << " + " << bb;
+  }
+#endif
+}
+
 // A mean that accumulates bf16 in float and rounds once (what a "faster"
 // kernel might do) differs from Python's per-step rounding and must be
 // caught; so must an index that is off by one.
