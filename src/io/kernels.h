@@ -123,13 +123,20 @@ struct DevOp {
 inline int ConvCode(DType s, DType d) {
   if (s == d) return 0;
   switch (s) {
-    case DType::kBF16: return 1;
-    case DType::kF16: return 2;
-    case DType::kF8E4M3FN: return 3;
-    case DType::kF8E5M2: return 4;
-    case DType::kF8E4M3FNUZ: return 5;
-    case DType::kF8E5M2FNUZ: return 6;
-    default: return -1;
+    case DType::kBF16:
+      return 1;
+    case DType::kF16:
+      return 2;
+    case DType::kF8E4M3FN:
+      return 3;
+    case DType::kF8E5M2:
+      return 4;
+    case DType::kF8E4M3FNUZ:
+      return 5;
+    case DType::kF8E5M2FNUZ:
+      return 6;
+    default:
+      return -1;
   }
 }
 
@@ -199,11 +206,20 @@ CKPTFS_HD inline void CopyElement(const unsigned char* s, unsigned char* d, uint
 #if defined(__CUDA_ARCH__)
   if (aligned) {
     switch (size) {
-      case 1: *d = *s; return;
-      case 2: *reinterpret_cast<uint16_t*>(d) = *reinterpret_cast<const uint16_t*>(s); return;
-      case 4: *reinterpret_cast<uint32_t*>(d) = *reinterpret_cast<const uint32_t*>(s); return;
-      case 8: *reinterpret_cast<uint64_t*>(d) = *reinterpret_cast<const uint64_t*>(s); return;
-      default: break;
+      case 1:
+        *d = *s;
+        return;
+      case 2:
+        *reinterpret_cast<uint16_t*>(d) = *reinterpret_cast<const uint16_t*>(s);
+        return;
+      case 4:
+        *reinterpret_cast<uint32_t*>(d) = *reinterpret_cast<const uint32_t*>(s);
+        return;
+      case 8:
+        *reinterpret_cast<uint64_t*>(d) = *reinterpret_cast<const uint64_t*>(s);
+        return;
+      default:
+        break;
     }
   }
 #else
@@ -262,8 +278,10 @@ CKPTFS_HD inline int FindOp(const DevOp* ops, int nops, uint64_t e) {
   int lo = 0, hi = nops - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (ops[mid].first <= e) lo = mid;
-    else hi = mid - 1;
+    if (ops[mid].first <= e)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -275,8 +293,10 @@ CKPTFS_HD inline void GatherElement(const unsigned char* src, unsigned char* dst
   const DevOp& op = ops[FindOp(ops, nops, e)];
   const uint64_t local = e - op.first;
   uint64_t so, dof;
-  if (op.small) Offsets<uint32_t>(op, static_cast<uint32_t>(local), &so, &dof);
-  else Offsets<uint64_t>(op, local, &so, &dof);
+  if (op.small)
+    Offsets<uint32_t>(op, static_cast<uint32_t>(local), &so, &dof);
+  else
+    Offsets<uint64_t>(op, local, &so, &dof);
   ConvertElement(op, src + op.src_off + so * op.ssize, dst + op.dst_off + dof * op.dsize, fp8);
 }
 
@@ -330,8 +350,8 @@ CKPTFS_HD inline uint64_t DivF64(uint64_t a, double n) {
 // bf16/f16: computed in float32, rounded after every op), NaNs as x86 gives
 // them (AddF32). The CPU backend and the CUDA kernel both call this, so their
 // bytes cannot differ. Unaligned-safe.
-CKPTFS_HD inline void MeanElement(const unsigned char* src, uint64_t copy_bytes, uint32_t copies, DType dt,
-                                  uint64_t i, unsigned char* dst) {
+CKPTFS_HD inline void MeanElement(const unsigned char* src, uint64_t copy_bytes, uint32_t copies, DType dt, uint64_t i,
+                                  unsigned char* dst) {
   switch (dt) {
     case DType::kF32: {
       uint32_t acc = AddF32(0u, LoadLE32(src + i * 4));
@@ -351,7 +371,8 @@ CKPTFS_HD inline void MeanElement(const unsigned char* src, uint64_t copy_bytes,
       auto widen = [&](uint16_t h) { return bf ? BFloat16BitsToFloatBits(h) : HalfBitsToFloatBits(h); };
       auto round = [&](uint32_t f) { return bf ? FloatBitsToBFloat16Bits(f) : FloatBitsToHalfBits(f); };
       uint16_t acc = round(AddF32(0u, widen(LoadLE16(src + i * 2))));
-      for (uint32_t k = 1; k < copies; ++k) acc = round(AddF32(widen(acc), widen(LoadLE16(src + k * copy_bytes + i * 2))));
+      for (uint32_t k = 1; k < copies; ++k)
+        acc = round(AddF32(widen(acc), widen(LoadLE16(src + k * copy_bytes + i * 2))));
       acc = round(DivF32(widen(acc), static_cast<float>(copies)));
       StoreLE16(acc, dst + i * 2);
       return;
@@ -370,8 +391,8 @@ inline Launch MeanLaunch(uint64_t numel) {
 
 // MeanKernel's thread: one output element at a time, grid-stride.
 CKPTFS_HD inline void MeanThread(uint32_t block, uint32_t block_dim, uint32_t thread, uint32_t grid_dim,
-                                 const unsigned char* __restrict__ src, uint64_t copy_bytes, uint32_t copies,
-                                 DType dt, uint64_t numel, unsigned char* __restrict__ dst) {
+                                 const unsigned char* __restrict__ src, uint64_t copy_bytes, uint32_t copies, DType dt,
+                                 uint64_t numel, unsigned char* __restrict__ dst) {
   for (uint64_t i = static_cast<uint64_t>(block) * block_dim + thread; i < numel;
        i += static_cast<uint64_t>(grid_dim) * block_dim) {
     MeanElement(src, copy_bytes, copies, dt, i, dst);
@@ -392,9 +413,7 @@ CKPTFS_HD inline uint32_t Crc32cTableEntry(uint32_t i) {
   return c;
 }
 
-inline Launch Crc32cLaunch(uint64_t nchunks) {
-  return {static_cast<uint32_t>((nchunks + 127) / 128), 128};
-}
+inline Launch Crc32cLaunch(uint64_t nchunks) { return {static_cast<uint32_t>((nchunks + 127) / 128), 128}; }
 
 // Phase 1 of Crc32cChunksKernel's thread: its share of the block's shared
 // table (the kernel then synchronizes the block).

@@ -538,11 +538,14 @@ Status CheckAgainstCpu(Transforms& gpu) {
     auto src = MixedBytes(copies * numel * esz, Mix(seed));
     for (uint64_t e = 0; e < copies * numel; e += 2) {  // every other element an ordinary value
       const float v = static_cast<float>(static_cast<int64_t>(Mix(seed) % 20001) - 10000) / 977.0f;
-      uint32_t fb;
-      std::memcpy(&fb, &v, 4);
-      if (dt == DType::kF32) StoreLE<uint32_t>(src.data() + e * 4, fb);
-      else if (dt == DType::kF64) StoreLE<uint64_t>(src.data() + e * 8, [&] { double d = v; uint64_t b; std::memcpy(&b, &d, 8); return b; }());
-      else StoreLE<uint16_t>(src.data() + e * 2, dt == DType::kBF16 ? FloatBitsToBFloat16Bits(fb) : FloatBitsToHalfBits(fb));
+      const uint32_t fb = kernels::FloatToBits(v);
+      if (dt == DType::kF32) {
+        StoreLE<uint32_t>(src.data() + e * 4, fb);
+      } else if (dt == DType::kF64) {
+        StoreLE<uint64_t>(src.data() + e * 8, kernels::DoubleToBits(v));
+      } else {
+        StoreLE<uint16_t>(src.data() + e * 2, dt == DType::kBF16 ? FloatBitsToBFloat16Bits(fb) : FloatBitsToHalfBits(fb));
+      }
     }
     std::vector<char> cpu(numel * esz, 0), got(numel * esz, 0);
     RETURN_IF_ERROR(CpuTransforms().Mean(src.data(), copies, numel, dt, cpu.data()));

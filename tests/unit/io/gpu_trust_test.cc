@@ -21,10 +21,10 @@ using ckptfs::testing::TempDir;
 
 enum class Fault {
   kNone,
-  kWiden,       // byte 1001 of every widen plan's output
-  kLargeCopy,   // a byte of copy plans of 1 MiB and more only (the check plans are smaller)
-  kMean,        // byte 7 of every mean
-  kCrc,         // the low byte of every non-empty range's CRC
+  kWiden,      // byte 1001 of every widen plan's output
+  kLargeCopy,  // a byte of copy plans of 1 MiB and more only (the check plans are smaller)
+  kMean,       // byte 7 of every mean
+  kCrc,        // the low byte of every non-empty range's CRC
 };
 
 class FakeGpu final : public Transforms {
@@ -97,7 +97,8 @@ TEST(GpuTrustTest, OneWrongWidenedByteDisablesTheGpuLoudly) {
     EXPECT_TRUE(p->gpu_disabled());
     const std::string why = p->disabled_reason();
     EXPECT_NE(why.find("fake-gpu output differs from the cpu's on a widen plan (bfloat16 -> float32"),
-              std::string::npos) << why;
+              std::string::npos)
+        << why;
     EXPECT_NE(why.find("first differing byte at offset 1001 "), std::string::npos) << why;
     EXPECT_NE(log.find(" error: gpu transforms DISABLED for this mount"), std::string::npos) << log;
     EXPECT_NE(log.find("widen plan"), std::string::npos) << log;
@@ -138,17 +139,21 @@ TEST(GpuTrustTest, CalibrationComparesEveryOutputItTimes) {
   EXPECT_TRUE(CheckAgainstCpu(large).ok());
   auto c = Calibrate(large);
   ASSERT_TRUE(c.ok());
-  EXPECT_NE(c->mismatch.find("copy plan (float32 -> float32, 2 ops, 67108864 bytes out): first differing byte at offset 67108861 "),
-            std::string::npos) << c->mismatch;
+  EXPECT_NE(c->mismatch.find(
+                "copy plan (float32 -> float32, 2 ops, 67108864 bytes out): first differing byte at offset 67108861 "),
+            std::string::npos)
+      << c->mismatch;
   for (uint64_t x : c->crossover) EXPECT_EQ(x, Calibration::kNever);
 
   const std::string cache = t.path() + "/gpu-calibration.json";
   auto p = TransformPolicy::MakeWith(GpuMode::kAuto, std::make_unique<FakeGpu>(Fault::kLargeCopy), cache);
-  const std::string log = CaptureLog(t, [&] { EXPECT_EQ(&p->For(TransformKind::kCopy, 64ull << 20), &CpuTransforms()); });
+  const std::string log =
+      CaptureLog(t, [&] { EXPECT_EQ(&p->For(TransformKind::kCopy, 64ull << 20), &CpuTransforms()); });
   EXPECT_TRUE(p->gpu_disabled());
   EXPECT_NE(log.find("gpu transforms DISABLED for this mount, every transform runs on the cpu: calibration: fake-gpu "
                      "output differs from the cpu's on a copy plan"),
-            std::string::npos) << log;
+            std::string::npos)
+      << log;
   EXPECT_FALSE(std::ifstream(cache).good());
 }
 
@@ -162,7 +167,8 @@ TEST(GpuTrustTest, ACachedCalibrationDoesNotSkipTheCheck) {
   EXPECT_EQ(&honest->For(TransformKind::kWiden, 1ull << 30), honest->gpu());  // the cache applies
   EXPECT_FALSE(honest->gpu_disabled());
   auto wrong = TransformPolicy::MakeWith(GpuMode::kAuto, std::make_unique<FakeGpu>(Fault::kWiden), cache);
-  const std::string log = CaptureLog(t, [&] { EXPECT_EQ(&wrong->For(TransformKind::kWiden, 1ull << 30), &CpuTransforms()); });
+  const std::string log =
+      CaptureLog(t, [&] { EXPECT_EQ(&wrong->For(TransformKind::kWiden, 1ull << 30), &CpuTransforms()); });
   EXPECT_TRUE(wrong->gpu_disabled());
   EXPECT_NE(log.find("first differing byte at offset 1001 "), std::string::npos) << log;
 }

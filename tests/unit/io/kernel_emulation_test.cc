@@ -139,10 +139,10 @@ std::vector<char> RandomBytes(uint64_t n, std::mt19937_64& rng) {
   return v;
 }
 
-constexpr DType kAllDtypes[] = {DType::kBool, DType::kU8, DType::kI8, DType::kI16, DType::kI32, DType::kI64,
-                                DType::kU16, DType::kU32, DType::kU64, DType::kF16, DType::kBF16, DType::kF32,
-                                DType::kF64, DType::kC64, DType::kC128, DType::kF8E4M3FN, DType::kF8E5M2,
-                                DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ};
+constexpr DType kAllDtypes[] = {DType::kBool,     DType::kU8,     DType::kI8,         DType::kI16,       DType::kI32,
+                                DType::kI64,      DType::kU16,    DType::kU32,        DType::kU64,       DType::kF16,
+                                DType::kBF16,     DType::kF32,    DType::kF64,        DType::kC64,       DType::kC128,
+                                DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ};
 
 // Every (source, output) pair the transforms support.
 std::vector<std::pair<DType, DType>> SupportedPairs() {
@@ -199,7 +199,7 @@ RandomPlan MakeRandomPlan(std::mt19937_64& rng, const std::vector<DType>& source
       if (mode == 3 && op.rank > 0) op.sstr[rng() % op.rank] = 0;
     }
     op.dst_off = dpos;
-    dpos += op.DstSpan(out) + rng() % 9;  // a gap: bytes no op writes
+    dpos += op.DstSpan(out) + rng() % 9;                      // a gap: bytes no op writes
     if (rng() % 4 == 0) dpos = (dpos + osz - 1) / osz * osz;  // sometimes aligned
     const uint64_t span = op.SrcSpan();
     if (span + 16 > src_len) src_len = span + 16 + rng() % 64;
@@ -222,8 +222,8 @@ TEST(KernelEmulationTest, RandomPlansOfEveryDtypePairEqualTheCpu) {
       RandomPlan p = MakeRandomPlan(rng, {sd}, out, 1 + static_cast<int>(rng() % 6));
       for (const GatherRun& run : {GatherRun{}, GatherRun{Launch{3, 32}, false}, GatherRun{Launch{1, 1}, true}}) {
         const auto diff = CompareGather(p.src, p.ops, out, p.dst_len, RealGatherBody, run);
-        ASSERT_FALSE(diff.has_value()) << DTypeName(sd) << "->" << DTypeName(out) << " iteration " << it << ": first differing byte "
-                           << *diff;
+        ASSERT_FALSE(diff.has_value()) << DTypeName(sd) << "->" << DTypeName(out) << " iteration " << it
+                                       << ": first differing byte " << *diff;
       }
       ++plans;
     }
@@ -239,7 +239,8 @@ TEST(KernelEmulationTest, RandomPlansOfEveryDtypePairEqualTheCpu) {
     const auto diff = CompareGather(p.src, p.ops, DType::kF32, p.dst_len, RealGatherBody);
     ASSERT_FALSE(diff.has_value()) << "mixed plan " << it << ": first differing byte " << *diff;
     const auto diff2 = CompareGather(p.src, p.ops, DType::kF32, p.dst_len, RealGatherBody, {Launch{2, 64}, true});
-    ASSERT_FALSE(diff2.has_value()) << "mixed plan " << it << " (small grid, 64-bit index): first differing byte " << *diff2;
+    ASSERT_FALSE(diff2.has_value()) << "mixed plan " << it << " (small grid, 64-bit index): first differing byte "
+                                    << *diff2;
     ++plans;
   }
   EXPECT_GT(plans, 400);
@@ -253,31 +254,35 @@ TEST(KernelEmulationTest, SyntheticMergePlansEqualTheCpu) {
     int64_t run, parts;
     uint64_t bytes;
   };
-  for (const P& c : {P{DType::kF32, 4096, 2, 1 << 20}, P{DType::kF32, 4, 8, (1 << 20) + 44}, P{DType::kBF16, 1 << 18, 1, 1 << 20},
-                     P{DType::kBF16, 7, 3, 300001}, P{DType::kF16, 33, 4, 100000}, P{DType::kF8E4M3FN, 5, 8, 77777},
-                     P{DType::kF8E5M2, 1, 2, 4099}}) {
+  for (const P& c : {P{DType::kF32, 4096, 2, 1 << 20}, P{DType::kF32, 4, 8, (1 << 20) + 44},
+                     P{DType::kBF16, 1 << 18, 1, 1 << 20}, P{DType::kBF16, 7, 3, 300001}, P{DType::kF16, 33, 4, 100000},
+                     P{DType::kF8E4M3FN, 5, 8, 77777}, P{DType::kF8E5M2, 1, 2, 4099}}) {
     SyntheticPlan s = MakeMergePlan(c.sd, c.run, c.parts, c.bytes);
     const auto diff = CompareGather(s.src, s.ops, DType::kF32, s.out_bytes, RealGatherBody);
-    ASSERT_FALSE(diff.has_value()) << DTypeName(c.sd) << " run " << c.run << " parts " << c.parts << ": first differing byte " << *diff;
+    ASSERT_FALSE(diff.has_value()) << DTypeName(c.sd) << " run " << c.run << " parts " << c.parts
+                                   << ": first differing byte " << *diff;
   }
 }
 
 // Every bf16 and f16 pattern and every byte of each fp8 format, widened at an
 // aligned and an unaligned output offset (typed vs byte stores on the device).
 TEST(KernelEmulationTest, EveryWideningBitPattern) {
-  for (DType sd : {DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ,
-                   DType::kF8E5M2FNUZ}) {
+  for (DType sd :
+       {DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ}) {
     const uint64_t n = DTypeSize(sd) == 2 ? 65536 : 256, ssz = DTypeSize(sd);
     for (uint64_t shift : {0, 1, 3}) {
       std::vector<char> src(n * ssz + shift);
       for (uint64_t i = 0; i < n; ++i) {
-        if (ssz == 2) StoreLE<uint16_t>(src.data() + shift + 2 * i, static_cast<uint16_t>(i));
-        else src[shift + i] = static_cast<char>(i);
+        if (ssz == 2)
+          StoreLE<uint16_t>(src.data() + shift + 2 * i, static_cast<uint16_t>(i));
+        else
+          src[shift + i] = static_cast<char>(i);
       }
       GatherOp op;
       op.sdtype = sd, op.rank = 1, op.len[0] = static_cast<int64_t>(n), op.sstr[0] = 1, op.dstr[0] = 1;
       op.src_off = shift, op.dst_off = shift;
-      const auto diff = CompareGather(src, std::span<const GatherOp>(&op, 1), DType::kF32, n * 4 + shift + 5, RealGatherBody);
+      const auto diff =
+          CompareGather(src, std::span<const GatherOp>(&op, 1), DType::kF32, n * 4 + shift + 5, RealGatherBody);
       ASSERT_FALSE(diff.has_value()) << DTypeName(sd) << " shift " << shift << ": first differing byte " << *diff;
     }
   }
@@ -331,7 +336,8 @@ std::optional<uint64_t> CompareMean(const std::vector<char>& src, uint32_t copie
   std::memcpy(dsrc.data(), src.data(), src.size());
   const Launch l = grid ? *grid : kernels::MeanLaunch(numel);
   for (uint32_t b = 0; b < l.blocks; ++b) {
-    for (uint32_t t = 0; t < l.threads; ++t) body(b, l.threads, t, l.blocks, dsrc.data(), numel * esz, copies, dt, numel, ddst.data());
+    for (uint32_t t = 0; t < l.threads; ++t)
+      body(b, l.threads, t, l.blocks, dsrc.data(), numel * esz, copies, dt, numel, ddst.data());
   }
   std::vector<char> got(reinterpret_cast<char*>(ddst.data()), reinterpret_cast<char*>(ddst.data()) + numel * esz);
   return FirstDifference(want, got);
@@ -351,9 +357,12 @@ std::vector<char> MeanSource(std::mt19937_64& rng, DType dt, uint32_t copies, ui
     }
     const double v = nd(rng);
     const uint32_t f = kernels::FloatToBits(static_cast<float>(v));
-    if (dt == DType::kF64) std::memcpy(p, &v, 8);
-    else if (dt == DType::kF32) std::memcpy(p, &f, 4);
-    else StoreLE<uint16_t>(p, dt == DType::kBF16 ? FloatBitsToBFloat16Bits(f) : FloatBitsToHalfBits(f));
+    if (dt == DType::kF64)
+      std::memcpy(p, &v, 8);
+    else if (dt == DType::kF32)
+      std::memcpy(p, &f, 4);
+    else
+      StoreLE<uint16_t>(p, dt == DType::kBF16 ? FloatBitsToBFloat16Bits(f) : FloatBitsToHalfBits(f));
   }
   return src;
 }
@@ -366,7 +375,8 @@ TEST(KernelEmulationTest, MeanOfReplicasEqualsTheCpu) {
         for (bool bits : {false, true}) {
           const auto src = MeanSource(rng, dt, copies, numel, bits);
           const auto diff = CompareMean(src, copies, numel, dt, RealMeanBody);
-          ASSERT_FALSE(diff.has_value()) << DTypeName(dt) << " x" << copies << " numel " << numel << ": first differing byte " << *diff;
+          ASSERT_FALSE(diff.has_value()) << DTypeName(dt) << " x" << copies << " numel " << numel
+                                         << ": first differing byte " << *diff;
           const auto diff2 = CompareMean(src, copies, numel, dt, RealMeanBody, Launch{2, 33});
           ASSERT_FALSE(diff2.has_value()) << DTypeName(dt) << " x" << copies << " numel " << numel << " (small grid)";
         }
@@ -408,7 +418,8 @@ TEST(KernelEmulationTest, MeanNanRulesAreX86s) {
     volatile float fa = kernels::BitsToFloat(a), fb = kernels::BitsToFloat(b);
     const float sum = fa + fb;
     ASSERT_EQ(kernels::AddF32(a, b), kernels::FloatToBits(sum)) << std::hex << a << " + " << b;
-    volatile double da = kernels::BitsToDouble(uint64_t{a} << 32 | b), db = kernels::BitsToDouble(uint64_t{b} << 32 | a);
+    volatile double da = kernels::BitsToDouble(uint64_t{a} << 32 | b),
+                    db = kernels::BitsToDouble(uint64_t{b} << 32 | a);
     const double dsum = da + db;
     const uint64_t ba = uint64_t{a} << 32 | b, bb = uint64_t{b} << 32 | a;
     if (kernels::IsNanBits64(ba) && kernels::IsNanBits64(bb)) continue;
@@ -487,8 +498,14 @@ TEST(KernelEmulationTest, Crc32cChunksEqualTheCpu) {
   std::mt19937_64 rng(303);
   // More than one device piece, so the fold across pieces runs too.
   const auto data = RandomBytes(kernels::kCrcPiece + 2 * kCrcChunk + 5, rng);
-  std::vector<ByteRange> ranges{{0, 0}, {1, 1}, {3, kCrcChunk - 1}, {5, kCrcChunk}, {7, kCrcChunk + 1},
-                                {0, 128 * kCrcChunk}, {11, 128 * kCrcChunk + 3}, {13, 300 * kCrcChunk + 77},
+  std::vector<ByteRange> ranges{{0, 0},
+                                {1, 1},
+                                {3, kCrcChunk - 1},
+                                {5, kCrcChunk},
+                                {7, kCrcChunk + 1},
+                                {0, 128 * kCrcChunk},
+                                {11, 128 * kCrcChunk + 3},
+                                {13, 300 * kCrcChunk + 77},
                                 {0, data.size()}};
   for (int i = 0; i < 12; ++i) {
     const uint64_t a = rng() % data.size(), n = rng() % std::min<uint64_t>(data.size() - a, 3 << 20);
