@@ -149,6 +149,10 @@ int main(int argc, char** argv) {
   out["gpu"] = gpu ? gpu->name() : "none: " + gpu_or.status().message();
   if (gpu) {
     auto cal = Calibrate(*gpu);
+    if (cal.ok() && !cal->mismatch.empty()) {
+      std::printf("GPU OUTPUT DIFFERS FROM THE CPU'S (auto would disable the GPU): %s\n", cal->mismatch.c_str());
+      out["mismatch"] = cal->mismatch;
+    }
     if (cal.ok()) {
       std::printf("calibration crossovers (output bytes from which auto uses the GPU):\n");
       for (int k = 0; k < kTransformKinds; ++k) {

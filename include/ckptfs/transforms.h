@@ -18,11 +18,17 @@
 // The policy (`--gpu=auto|on|off`) picks a backend per read: `auto` uses the
 // GPU only for plans at least as large as the crossover that a calibration
 // measured for the plan's kind (cached per device), `on` for every plan that
-// has transform work, `off` never.
+// has transform work, `off` never. The GPU is trusted only after it has
+// matched the CPU: before its first plan (`auto` and `on`) the policy runs
+// both backends on check plans of every kind and compares the bytes, and
+// calibration compares every output it times; on any difference the GPU is
+// disabled for the mount, with an error log line naming the plan's kind and
+// the first differing byte.
 #ifndef CKPTFS_TRANSFORMS_H_
 #define CKPTFS_TRANSFORMS_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -134,6 +140,10 @@ struct Calibration {
   std::string device;  // the device it was measured on
   std::array<uint64_t, kTransformKinds> crossover{kNever, kNever, kNever, kNever};
   std::array<double, kTransformKinds> cpu_gbps{}, gpu_gbps{};  // at the largest size measured
+  // Empty when every output the GPU produced equalled the CPU's bytes; else
+  // the first difference (kind, plan, byte offset, both bytes), every
+  // crossover is kNever and the GPU must not be used.
+  std::string mismatch;
 };
 // A synthetic plan for calibration and bench/transform_bench: `parts` shards
 // of `run` elements per row (dtype `sd`, pseudo-random bytes) merged along
@@ -148,8 +158,19 @@ struct SyntheticPlan {
 SyntheticPlan MakeMergePlan(DType sd, int64_t run, int64_t parts, uint64_t out_bytes);
 
 // Times `gpu` against the CPU backend on synthetic plans of each kind (1 to
-// 64 MiB) and returns the crossovers (a few hundred ms).
+// 64 MiB) and returns the crossovers (a few hundred ms). Every output `gpu`
+// produces is compared with the CPU's; the first difference stops the
+// calibration and is reported in `mismatch`.
 Result<Calibration> Calibrate(Transforms& gpu);
+
+// Runs `gpu` and the CPU backend on small check plans of every kind (each
+// supported conversion, odd sizes, unaligned offsets, tiny runs, holes in the
+// output, a mean of replicas of each dtype, CRC-32C of odd ranges) and
+// compares the outputs byte for byte. Ok when all are equal; else an error
+// naming the first difference: "<backend> output differs from the cpu's on a
+// <kind> plan (...): first differing byte at offset N (cpu 0x.., gpu 0x..)".
+// A few milliseconds, plus the device's start.
+Status CheckAgainstCpu(Transforms& gpu);
 
 // Chooses a backend per plan. `auto` calibrates on the first plan that could
 // use the GPU, or loads the result cached at `cache_path` for this device.
@@ -158,21 +179,33 @@ class TransformPolicy {
   // `on` without a usable device is an error naming the reason.
   static Result<std::unique_ptr<TransformPolicy>> Make(GpuMode mode, const std::string& cache_path,
                                                        const CudaOptions& cuda = {});
-  // The backend for a plan of `out_bytes` output bytes of kind `k`.
+  // The same with `gpu` as the GPU backend (tests: a fake one); kOff ignores it.
+  static std::unique_ptr<TransformPolicy> MakeWith(GpuMode mode, std::unique_ptr<Transforms> gpu,
+                                                   const std::string& cache_path);
+  // The backend for a plan of `out_bytes` output bytes of kind `k`. The first
+  // call that could pick the GPU checks it against the CPU (CheckAgainstCpu)
+  // and, under `auto`, calibrates; a GPU that differed is never picked.
   Transforms& For(TransformKind k, uint64_t out_bytes);
   GpuMode mode() const { return mode_; }
   std::string Describe() const;
   Transforms* gpu() const { return gpu_.get(); }
+  // True once the GPU's output differed from the CPU's: every plan runs on
+  // the CPU for the rest of the mount. `disabled_reason` says what differed.
+  bool gpu_disabled() const { return disabled_.load(std::memory_order_acquire); }
+  std::string disabled_reason() const { return gpu_disabled() ? disabled_reason_ : std::string(); }
 
  private:
   TransformPolicy() = default;
-  void EnsureCalibrated();
+  void EnsureChecked();
+  void Disable(const std::string& why);
 
   GpuMode mode_ = GpuMode::kOff;
   std::string cache_path_;
   std::unique_ptr<Transforms> gpu_;
-  std::once_flag calibrated_;
+  std::once_flag checked_;
   Calibration cal_;
+  std::string disabled_reason_;  // written once, before disabled_ is set
+  std::atomic<bool> disabled_{false};
 };
 
 }  // namespace ckptfs

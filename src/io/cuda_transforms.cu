@@ -6,7 +6,10 @@
 // arithmetic when the op has fewer than 2^32 elements) and converts one
 // element with the functions the CPU uses (common/float_bits.h, the fp8 tables
 // of convert.cc copied to constant memory). Consecutive threads take
-// consecutive elements, so contiguous runs load and store coalesced.
+// consecutive elements, so contiguous runs load and store coalesced. What a
+// thread does is written once, in io/kernels.h, as host-and-device functions
+// the kernels here only call: the unit tests run those same functions on the
+// CPU through an emulated launch grid against the CPU backend.
 //
 // Resources live in lanes (a stream, events, pinned staging and device
 // buffers per slot); a reader takes a lane for one read and gives it back. A
@@ -24,6 +27,7 @@
 #include <vector>
 
 #include "ckptfs/transforms.h"
+#include "io/kernels.h"
 #include "io/transform_internal.h"
 
 namespace ckptfs {
@@ -35,138 +39,36 @@ namespace {
     if (err_ != cudaSuccess) return Internal(std::string("cuda: ") + #call + ": " + cudaGetErrorString(err_)); \
   } while (0)
 
-constexpr int kFp8Kinds = 4;
+using kernels::DevOp;
+using kernels::kFp8Kinds;
+
 __constant__ float c_fp8[kFp8Kinds][256];
 
-// The op as the kernel sees it; offsets are relative to the chunk's device
-// buffers.
-struct DevOp {
-  uint64_t first = 0;  // flat element index of the op's first element in the chunk
-  uint64_t src_off = 0, dst_off = 0;
-  int64_t len[kMaxGatherDims], sstr[kMaxGatherDims], dstr[kMaxGatherDims];
-  uint32_t ssize = 0, dsize = 0;
-  int32_t conv = 0;  // 0 copy, 1 bf16, 2 f16, 3.. fp8 table index + 3
-  int32_t rank = 0;
-  int32_t aligned = 0;  // typed loads and stores are safe
-  int32_t small = 0;    // fewer than 2^32 elements: 32-bit index math
+// The fp8 tables in constant memory, as kernels::ConvertElement reads them.
+struct ConstantFp8 {
+  __device__ uint32_t operator()(int table, unsigned char b) const { return __float_as_uint(c_fp8[table][b]); }
 };
 
-int ConvCode(DType s, DType d) {
-  if (s == d) return 0;
-  switch (s) {
-    case DType::kBF16: return 1;
-    case DType::kF16: return 2;
-    case DType::kF8E4M3FN: return 3;
-    case DType::kF8E5M2: return 4;
-    case DType::kF8E4M3FNUZ: return 5;
-    case DType::kF8E5M2FNUZ: return 6;
-    default: return -1;
-  }
-}
-
-__device__ __forceinline__ void CopyElement(const unsigned char* s, unsigned char* d, uint32_t size, bool aligned) {
-  if (aligned) {
-    switch (size) {
-      case 1: *d = *s; return;
-      case 2: *reinterpret_cast<uint16_t*>(d) = *reinterpret_cast<const uint16_t*>(s); return;
-      case 4: *reinterpret_cast<uint32_t*>(d) = *reinterpret_cast<const uint32_t*>(s); return;
-      case 8: *reinterpret_cast<uint64_t*>(d) = *reinterpret_cast<const uint64_t*>(s); return;
-      default: break;
-    }
-  }
-  for (uint32_t i = 0; i < size; ++i) d[i] = s[i];
-}
-
-__device__ __forceinline__ void ConvertElement(const DevOp& op, const unsigned char* s, unsigned char* d) {
-  if (op.conv == 0) {
-    CopyElement(s, d, op.ssize, op.aligned != 0);
-    return;
-  }
-  uint32_t bits;
-  if (op.conv <= 2) {
-    const uint16_t h = op.aligned ? *reinterpret_cast<const uint16_t*>(s)  // little-endian host and device
-                                  : static_cast<uint16_t>(s[0] | (static_cast<uint16_t>(s[1]) << 8));
-    bits = op.conv == 1 ? BFloat16BitsToFloatBits(h) : HalfBitsToFloatBits(h);
-  } else {
-    bits = __float_as_uint(c_fp8[op.conv - 3][s[0]]);
-  }
-  if (op.aligned) {
-    *reinterpret_cast<uint32_t*>(d) = bits;
-  } else {
-    d[0] = bits & 0xFF, d[1] = (bits >> 8) & 0xFF, d[2] = (bits >> 16) & 0xFF, d[3] = bits >> 24;
-  }
-}
-
-template <typename I>
-__device__ __forceinline__ void Offsets(const DevOp& op, I local, uint64_t* so, uint64_t* dof) {
-  uint64_t s = 0, t = 0;
-  for (int d = op.rank - 1; d >= 0; --d) {
-    const I l = static_cast<I>(op.len[d]);
-    const I i = local % l;
-    local /= l;
-    s += static_cast<uint64_t>(i) * static_cast<uint64_t>(op.sstr[d]);
-    t += static_cast<uint64_t>(i) * static_cast<uint64_t>(op.dstr[d]);
-  }
-  *so = s;
-  *dof = t;
-}
-
+// The kernels are wrappers: the launch coordinates in, the shared body
+// (kernels.h, which the unit tests run on the CPU through an emulated grid)
+// does the rest.
 __global__ void GatherKernel(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
                              const DevOp* __restrict__ ops, int nops, uint64_t total) {
-  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  for (uint64_t e = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
-    int lo = 0, hi = nops - 1;  // last op with first <= e
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (ops[mid].first <= e) lo = mid;
-      else hi = mid - 1;
-    }
-    const DevOp& op = ops[lo];
-    const uint64_t local = e - op.first;
-    uint64_t so, dof;
-    if (op.small) Offsets<uint32_t>(op, static_cast<uint32_t>(local), &so, &dof);
-    else Offsets<uint64_t>(op, local, &so, &dof);
-    ConvertElement(op, src + op.src_off + so * op.ssize, dst + op.dst_off + dof * op.dsize);
-  }
+  kernels::GatherThread(blockIdx.x, blockDim.x, threadIdx.x, gridDim.x, src, dst, ops, nops, total, ConstantFp8{});
+}
+
+__global__ void MeanKernel(const unsigned char* __restrict__ src, uint64_t copy_bytes, uint32_t copies, DType dt,
+                           uint64_t numel, unsigned char* __restrict__ dst) {
+  kernels::MeanThread(blockIdx.x, blockDim.x, threadIdx.x, gridDim.x, src, copy_bytes, copies, dt, numel, dst);
 }
 
 // Standard CRC-32C of each `chunk`-byte piece (the last may be shorter).
-// Bit casts for MeanElement on the device.
-struct DevBits {
-  __device__ static float F32(uint32_t b) { return __uint_as_float(b); }
-  __device__ static double F64(uint64_t b) { return __longlong_as_double(static_cast<long long>(b)); }
-  __device__ static uint32_t Bits(float f) { return __float_as_uint(f); }
-  __device__ static uint64_t Bits64(double f) { return static_cast<uint64_t>(__double_as_longlong(f)); }
-  __device__ static void U32(uint32_t v, unsigned char* p) {
-    for (int k = 0; k < 4; ++k) p[k] = static_cast<unsigned char>(v >> (8 * k));
-  }
-};
-
-// One thread per output element, grid-stride.
-__global__ void MeanKernel(const unsigned char* __restrict__ src, uint64_t copy_bytes, uint32_t copies, DType dt,
-                           uint64_t numel, unsigned char* __restrict__ dst) {
-  for (uint64_t i = blockIdx.x * static_cast<uint64_t>(blockDim.x) + threadIdx.x; i < numel;
-       i += static_cast<uint64_t>(gridDim.x) * blockDim.x) {
-    MeanElement<DevBits, DevBits>(src, copy_bytes, copies, dt, i, dst);
-  }
-}
-
 __global__ void Crc32cChunksKernel(const unsigned char* __restrict__ data, uint64_t len, uint64_t chunk,
                                    uint32_t* __restrict__ out, uint64_t nchunks) {
   __shared__ uint32_t table[256];
-  for (uint32_t i = threadIdx.x; i < 256; i += blockDim.x) {
-    uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ kCrc32cPoly : c >> 1;
-    table[i] = c;
-  }
+  kernels::Crc32cFillTable(threadIdx.x, blockDim.x, table);
   __syncthreads();
-  const uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= nchunks) return;
-  const uint64_t b = i * chunk, n = min(chunk, len - b);
-  uint32_t c = ~0u;
-  const unsigned char* p = data + b;
-  for (uint64_t k = 0; k < n; ++k) c = (c >> 8) ^ table[(c ^ p[k]) & 0xFF];
-  out[i] = ~c;
+  kernels::Crc32cChunkThread(blockIdx.x, blockDim.x, threadIdx.x, table, data, len, chunk, out, nchunks);
 }
 
 struct Slot {
@@ -310,8 +212,7 @@ class CudaBackend final : public Transforms {
     CKPTFS_CUDA(cudaSetDevice(opts_.device));
     if (!constants_) {
       float tables[kFp8Kinds][256];
-      const DType kinds[kFp8Kinds] = {DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ};
-      for (int k = 0; k < kFp8Kinds; ++k) std::memcpy(tables[k], Fp8DecodeTable(kinds[k]), sizeof(tables[k]));
+      for (int k = 0; k < kFp8Kinds; ++k) std::memcpy(tables[k], Fp8DecodeTable(kernels::kFp8Dtypes[k]), sizeof(tables[k]));
       CKPTFS_CUDA(cudaMemcpyToSymbol(c_fp8, tables, sizeof(tables)));
       constants_ = true;
     }
@@ -394,33 +295,13 @@ Status CudaBackend::CudaPipeline::Submit(int slot, uint64_t src_len, std::span<c
   RETURN_IF_ERROR(ValidateOps(src_len, ops, out, dst_len));
   const PlanExtent ext = ExtentOf(ops, out);
   if (ext.elements == 0) return Status::Ok();
-  const uint64_t sbase = ext.src_lo & ~15ull, dbase = ext.dst_lo & ~15ull;
-  const uint64_t sbytes = ext.src_hi - sbase, dbytes = ext.dst_hi - dbase;
-  const uint64_t dsize = DTypeSize(out);
+  const kernels::ChunkLayout lay = kernels::LayoutChunk(ext);
+  const uint64_t sbase = lay.sbase, dbase = lay.dbase, sbytes = lay.sbytes, dbytes = lay.dbytes;
 
   // Ops, rebased and with their flat element prefix, into pinned memory (an
   // async H2D from pageable memory would serialize the stream).
-  std::vector<DevOp> dev;
-  dev.reserve(ops.size());
-  uint64_t first = 0;
-  for (const GatherOp& op : ops) {
-    const uint64_t n = op.Elements();
-    if (n == 0) continue;
-    DevOp d;
-    d.first = first;
-    d.src_off = op.src_off - sbase;
-    d.dst_off = op.dst_off - dbase;
-    for (int k = 0; k < kMaxGatherDims; ++k) d.len[k] = op.len[k], d.sstr[k] = op.sstr[k], d.dstr[k] = op.dstr[k];
-    d.ssize = static_cast<uint32_t>(DTypeSize(op.sdtype));
-    d.dsize = static_cast<uint32_t>(dsize);
-    d.conv = ConvCode(op.sdtype, out);
-    d.rank = op.rank;
-    auto pow2 = [](uint64_t v) { return v != 0 && (v & (v - 1)) == 0 && v <= 8; };
-    d.aligned = pow2(d.ssize) && pow2(d.dsize) && op.src_off % d.ssize == 0 && op.dst_off % d.dsize == 0;
-    d.small = n < (1ull << 32);
-    dev.push_back(d);
-    first += n;
-  }
+  const kernels::KernelOps kops = kernels::BuildKernelOps(ops, out, sbase, dbase);
+  const std::vector<DevOp>& dev = kops.ops;
   const uint64_t ops_bytes = dev.size() * sizeof(DevOp);
   RETURN_IF_ERROR(GrowPinned(reinterpret_cast<char**>(&s.pinned_ops), &s.ops_cap, ops_bytes));
   std::memcpy(s.pinned_ops, dev.data(), ops_bytes);
@@ -432,17 +313,16 @@ Status CudaBackend::CudaPipeline::Submit(int slot, uint64_t src_len, std::span<c
   // The device output starts at a 16-byte boundary (aligned typed stores);
   // only [dst_lo, dst_hi) goes back, so chunks in flight never touch each
   // other's bytes. Bytes inside that no op writes keep the caller's values.
-  const uint64_t head = ext.dst_lo - dbase, obytes = ext.dst_hi - ext.dst_lo;
-  if (ext.dst_bytes != obytes) {
+  const uint64_t head = lay.head, obytes = lay.obytes;
+  if (lay.prefill) {
     std::memcpy(s.pinned_out, dst + ext.dst_lo, obytes);
     CKPTFS_CUDA(cudaMemcpyAsync(s.ddst + head, s.pinned_out, obytes, cudaMemcpyHostToDevice, s.stream));
   }
   CKPTFS_CUDA(cudaMemcpyAsync(s.dsrc, s.pinned + sbase, sbytes, cudaMemcpyHostToDevice, s.stream));
   CKPTFS_CUDA(cudaMemcpyAsync(s.dops, s.pinned_ops, ops_bytes, cudaMemcpyHostToDevice, s.stream));
-  const int threads = 256;
-  const uint64_t want = (first + threads - 1) / threads;
-  const int blocks = static_cast<int>(std::min<uint64_t>(std::max<uint64_t>(want, 1), 65535ull * 8));
-  GatherKernel<<<blocks, threads, 0, s.stream>>>(s.dsrc, s.ddst, s.dops, static_cast<int>(dev.size()), first);
+  const kernels::Launch launch = kernels::GatherLaunch(kops.total);
+  GatherKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(s.dsrc, s.ddst, s.dops, static_cast<int>(dev.size()),
+                                                               kops.total);
   CKPTFS_CUDA(cudaGetLastError());
   CKPTFS_CUDA(cudaMemcpyAsync(s.pinned_out, s.ddst + head, obytes, cudaMemcpyDeviceToHost, s.stream));
   CKPTFS_CUDA(cudaEventRecord(s.done, s.stream));
@@ -462,7 +342,8 @@ Status CudaBackend::CudaPipeline::Wait(int slot) {
 }
 
 Status CudaBackend::Crc32c(const char* data, uint64_t len, std::span<const ByteRange> ranges, uint32_t* out) {
-  constexpr uint64_t kChunk = 16 << 10, kPiece = 64ull << 20;
+  using kernels::kCrcChunk;
+  using kernels::kCrcPiece;
   for (size_t i = 0; i < ranges.size(); ++i) {
     if (ranges[i].offset > len || ranges[i].length > len - ranges[i].offset) {
       return Internal("cannot hash range " + std::to_string(i) + ": outside the " + std::to_string(len) + "-byte buffer");
@@ -470,27 +351,24 @@ Status CudaBackend::Crc32c(const char* data, uint64_t len, std::span<const ByteR
   }
   ASSIGN_OR_RETURN(auto pipe, Begin());
   Slot& s = static_cast<CudaPipeline*>(pipe.get())->lane()->slots[0];
-  const uint32_t full = Crc32cShiftOp(kChunk);
+  const uint32_t full = Crc32cShiftOp(kCrcChunk);
   for (size_t i = 0; i < ranges.size(); ++i) {
     uint32_t crc = 0;  // CRC of the empty string
-    for (uint64_t off = 0; off < ranges[i].length; off += kPiece) {
-      const uint64_t n = std::min(kPiece, ranges[i].length - off), nchunks = (n + kChunk - 1) / kChunk;
+    for (uint64_t off = 0; off < ranges[i].length; off += kCrcPiece) {
+      const uint64_t n = std::min(kCrcPiece, ranges[i].length - off), nchunks = (n + kCrcChunk - 1) / kCrcChunk;
       RETURN_IF_ERROR(GrowPinned(&s.pinned, &s.pinned_cap, n));
       RETURN_IF_ERROR(GrowDevice(&s.dsrc, &s.dsrc_cap, n));
       RETURN_IF_ERROR(GrowDevice(&s.ddst, &s.ddst_cap, nchunks * 4));
       RETURN_IF_ERROR(GrowPinned(&s.pinned_out, &s.out_cap, nchunks * 4));
       std::memcpy(s.pinned, data + ranges[i].offset + off, n);
       CKPTFS_CUDA(cudaMemcpyAsync(s.dsrc, s.pinned, n, cudaMemcpyHostToDevice, s.stream));
-      Crc32cChunksKernel<<<static_cast<unsigned>((nchunks + 127) / 128), 128, 0, s.stream>>>(
-          s.dsrc, n, kChunk, reinterpret_cast<uint32_t*>(s.ddst), nchunks);
+      const kernels::Launch launch = kernels::Crc32cLaunch(nchunks);
+      Crc32cChunksKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(
+          s.dsrc, n, kCrcChunk, reinterpret_cast<uint32_t*>(s.ddst), nchunks);
       CKPTFS_CUDA(cudaGetLastError());
       CKPTFS_CUDA(cudaMemcpyAsync(s.pinned_out, s.ddst, nchunks * 4, cudaMemcpyDeviceToHost, s.stream));
       CKPTFS_CUDA(cudaStreamSynchronize(s.stream));
-      const auto* c = reinterpret_cast<const uint32_t*>(s.pinned_out);
-      for (uint64_t k = 0; k < nchunks; ++k) {
-        const uint64_t clen = std::min(kChunk, n - k * kChunk);
-        crc = clen == kChunk ? Crc32cMulModP(full, crc) ^ c[k] : Crc32cCombine(crc, c[k], clen);
-      }
+      crc = kernels::Crc32cFoldChunks(crc, reinterpret_cast<const uint32_t*>(s.pinned_out), n, full);
     }
     out[i] = crc;
   }
@@ -512,8 +390,8 @@ Status CudaBackend::Mean(const char* src, uint32_t copies, uint64_t numel, DType
     RETURN_IF_ERROR(GrowPinned(&s.pinned_out, &s.out_cap, outb));
     for (uint32_t k = 0; k < copies; ++k) std::memcpy(s.pinned + k * n * esz, src + k * copy_bytes + e0 * esz, n * esz);
     CKPTFS_CUDA(cudaMemcpyAsync(s.dsrc, s.pinned, in, cudaMemcpyHostToDevice, s.stream));
-    const unsigned blocks = static_cast<unsigned>(std::min<uint64_t>((n + 255) / 256, 65535));
-    MeanKernel<<<blocks, 256, 0, s.stream>>>(s.dsrc, n * esz, copies, dt, n, s.ddst);
+    const kernels::Launch launch = kernels::MeanLaunch(n);
+    MeanKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(s.dsrc, n * esz, copies, dt, n, s.ddst);
     CKPTFS_CUDA(cudaGetLastError());
     CKPTFS_CUDA(cudaMemcpyAsync(s.pinned_out, s.ddst, outb, cudaMemcpyDeviceToHost, s.stream));
     CKPTFS_CUDA(cudaStreamSynchronize(s.stream));

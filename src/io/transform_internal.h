@@ -26,66 +26,11 @@ struct PlanExtent {
 };
 PlanExtent ExtentOf(std::span<const GatherOp> ops, DType out);
 
-// Element i of the mean of `copies` arrays laid out `copy_bytes` apart in
-// `src`, as Python's sum(copies) / n computes it on torch tensors of dtype
-// `dt`: ((0 + c_0) + c_1) + ... then / n, each step rounded to `dt` (for
-// bf16/f16: computed in float32, rounded after every op). The CPU and CUDA
-// backends both call this, so their bytes cannot differ. Unaligned-safe.
-template <typename Load, typename Store>
-CKPTFS_HD inline void MeanElement(const unsigned char* src, uint64_t copy_bytes, uint32_t copies, DType dt,
-                                  uint64_t i, unsigned char* dst) {
-  auto load16 = [&](uint64_t k) {
-    const unsigned char* p = src + k * copy_bytes + i * 2;
-    return static_cast<uint16_t>(p[0] | (static_cast<uint16_t>(p[1]) << 8));
-  };
-  auto load32 = [&](uint64_t k) {
-    const unsigned char* p = src + k * copy_bytes + i * 4;
-    return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) | (static_cast<uint32_t>(p[2]) << 16) |
-           (static_cast<uint32_t>(p[3]) << 24);
-  };
-  switch (dt) {
-    case DType::kF32: {
-      float acc = 0.0f + Load::F32(load32(0));
-      for (uint32_t k = 1; k < copies; ++k) acc = acc + Load::F32(load32(k));
-      acc = acc / static_cast<float>(copies);
-      Store::U32(Load::Bits(acc), dst + i * 4);
-      return;
-    }
-    case DType::kF64: {
-      auto load64 = [&](uint64_t k) {
-        uint64_t v = 0;
-        const unsigned char* p = src + k * copy_bytes + i * 8;
-        for (int b = 7; b >= 0; --b) v = (v << 8) | p[b];
-        return v;
-      };
-      double acc = 0.0 + Load::F64(load64(0));
-      for (uint32_t k = 1; k < copies; ++k) acc = acc + Load::F64(load64(k));
-      acc = acc / static_cast<double>(copies);
-      const uint64_t bits = Load::Bits64(acc);
-      for (int b = 0; b < 8; ++b) dst[i * 8 + b] = static_cast<unsigned char>(bits >> (8 * b));
-      return;
-    }
-    case DType::kBF16:
-    case DType::kF16: {
-      const bool bf = dt == DType::kBF16;
-      auto widen = [&](uint16_t h) { return Load::F32(bf ? BFloat16BitsToFloatBits(h) : HalfBitsToFloatBits(h)); };
-      auto round = [&](float f) { return bf ? FloatBitsToBFloat16Bits(Load::Bits(f)) : FloatBitsToHalfBits(Load::Bits(f)); };
-      uint16_t acc = round(0.0f + widen(load16(0)));
-      for (uint32_t k = 1; k < copies; ++k) acc = round(widen(acc) + widen(load16(k)));
-      acc = round(widen(acc) / static_cast<float>(copies));
-      dst[i * 2] = static_cast<unsigned char>(acc & 0xFF);
-      dst[i * 2 + 1] = static_cast<unsigned char>(acc >> 8);
-      return;
-    }
-    default:
-      return;  // callers check MeanSupported first
-  }
-}
-// The dtypes MeanElement computes.
+// The dtypes kernels::MeanElement (io/kernels.h) computes.
 inline bool MeanSupported(DType dt) {
   return dt == DType::kF32 || dt == DType::kF64 || dt == DType::kBF16 || dt == DType::kF16;
 }
-// An error unless MeanElement computes `copies` (> 0) copies of `dt`.
+// An error unless kernels::MeanElement computes `copies` (> 0) copies of `dt`.
 Status CheckMean(uint32_t copies, DType dt);
 
 // CRC-32C, reflected polynomial 0x82F63B78.

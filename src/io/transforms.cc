@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/io.h"
+#include "io/kernels.h"
 #include "io/transform_internal.h"
 #include "common/json_text.h"
 
@@ -241,24 +242,6 @@ Status RunOpCpu(const char* src, const GatherOp& op, DType out, char* dst) {
   }
 }
 
-// Bit casts for MeanElement on the host.
-struct HostBits {
-  template <typename To, typename From>
-  static To Cast(From v) {
-    static_assert(sizeof(To) == sizeof(From));
-    To t;
-    std::memcpy(&t, &v, sizeof(t));
-    return t;
-  }
-  static float F32(uint32_t b) { return Cast<float>(b); }
-  static double F64(uint64_t b) { return Cast<double>(b); }
-  static uint32_t Bits(float f) { return Cast<uint32_t>(f); }
-  static uint64_t Bits64(double f) { return Cast<uint64_t>(f); }
-  static void U32(uint32_t v, unsigned char* p) {
-    for (int k = 0; k < 4; ++k) p[k] = static_cast<unsigned char>(v >> (8 * k));
-  }
-};
-
 class CpuBackend final : public Transforms {
  public:
   const char* name() const override { return "cpu"; }
@@ -275,7 +258,7 @@ class CpuBackend final : public Transforms {
     const uint64_t copy_bytes = numel * DTypeSize(dt);
     const auto* s = reinterpret_cast<const unsigned char*>(src);
     auto* d = reinterpret_cast<unsigned char*>(dst);
-    for (uint64_t i = 0; i < numel; ++i) MeanElement<HostBits, HostBits>(s, copy_bytes, copies, dt, i, d);
+    for (uint64_t i = 0; i < numel; ++i) kernels::MeanElement(s, copy_bytes, copies, dt, i, d);
     return Status::Ok();
   }
 
@@ -394,18 +377,79 @@ double TimeGather(Transforms& t, const SyntheticPlan& s, std::vector<char>& dst,
   return best;
 }
 
-double TimeCrc(Transforms& t, const SyntheticPlan& s, int reps) {
+double TimeCrc(Transforms& t, const SyntheticPlan& s, int reps, uint32_t* c) {
   double best = 1e30;
   ByteRange r{0, s.src.size()};
-  uint32_t c = 0;
   for (int i = 0; i < reps; ++i) {
     auto t0 = std::chrono::steady_clock::now();
-    Status st = t.Crc32c(s.src.data(), s.src.size(), std::span<const ByteRange>(&r, 1), &c);
+    Status st = t.Crc32c(s.src.data(), s.src.size(), std::span<const ByteRange>(&r, 1), c);
     auto t1 = std::chrono::steady_clock::now();
     if (!st.ok()) return 1e30;
     best = std::min(best, std::chrono::duration<double>(t1 - t0).count());
   }
   return best;
+}
+
+// --- Comparing the GPU's bytes with the CPU's.
+
+std::string HexByte(unsigned char c) {
+  char buf[8];
+  std::snprintf(buf, sizeof(buf), "0x%02x", c);
+  return buf;
+}
+
+// Ok when `n` bytes of `cpu` and `gpu` are equal; else the difference, for
+// the plan that `plan` describes.
+Status SameBytes(const Transforms& gpu, const std::string& plan, const char* cpu, const char* got, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) {
+    if (cpu[i] != got[i]) {
+      return Internal(std::string(gpu.name()) + " output differs from the cpu's on a " + plan +
+                      ": first differing byte at offset " + std::to_string(i) + " (cpu " +
+                      HexByte(static_cast<unsigned char>(cpu[i])) + ", gpu " +
+                      HexByte(static_cast<unsigned char>(got[i])) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+std::string DescribeGather(std::span<const GatherOp> ops, DType out, uint64_t out_bytes) {
+  std::string from;
+  for (const GatherOp& op : ops) {
+    const std::string n(DTypeName(op.sdtype));
+    if (from.find(n) == std::string::npos) from += (from.empty() ? "" : "+") + n;
+  }
+  return std::string(TransformKindName(ClassifyPlan(ops, out))) + " plan (" + from + " -> " +
+         std::string(DTypeName(out)) + ", " + std::to_string(ops.size()) + " ops, " + std::to_string(out_bytes) +
+         " bytes out)";
+}
+
+std::string DescribeCrc(uint64_t bytes) {
+  return std::string(TransformKindName(TransformKind::kCrc32c)) + " plan (" + std::to_string(bytes) + " bytes)";
+}
+
+// Both backends render `ops` into equal prior contents; their bytes compared.
+Status CompareGather(Transforms& gpu, const std::vector<char>& src, std::span<const GatherOp> ops, DType out,
+                     uint64_t dst_len) {
+  std::vector<char> cpu(dst_len), got(dst_len);
+  for (uint64_t i = 0; i < dst_len; ++i) cpu[i] = got[i] = static_cast<char>(i * 131 + 7);
+  RETURN_IF_ERROR(CpuTransforms().Gather(src.data(), src.size(), ops, out, cpu.data(), cpu.size()));
+  const std::string plan = DescribeGather(ops, out, dst_len);
+  Status s = gpu.Gather(src.data(), src.size(), ops, out, got.data(), got.size());
+  if (!s.ok()) return s.Annotate(std::string("cannot run ") + gpu.name() + " on a " + plan);
+  return SameBytes(gpu, plan, cpu.data(), got.data(), dst_len);
+}
+
+uint64_t Mix(uint64_t& x) {  // splitmix64: the check plans' bytes
+  uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+std::vector<char> MixedBytes(uint64_t n, uint64_t seed) {
+  std::vector<char> v(n);
+  for (auto& c : v) c = static_cast<char>(Mix(seed));
+  return v;
 }
 
 }  // namespace
@@ -422,13 +466,23 @@ Result<Calibration> Calibrate(Transforms& gpu) {
     for (int i = 3; i >= 0; --i) {
       SyntheticPlan s = CalibrationPlan(kind, sizes[i]);
       double tc, tg;
+      Status same;
       if (kind == TransformKind::kCrc32c) {
-        tc = TimeCrc(CpuTransforms(), s, 3);
-        tg = TimeCrc(gpu, s, 3);
+        uint32_t cc = 0, cg = ~0u;
+        tc = TimeCrc(CpuTransforms(), s, 3, &cc);
+        tg = TimeCrc(gpu, s, 3, &cg);
+        same = SameBytes(gpu, DescribeCrc(s.src.size()), reinterpret_cast<const char*>(&cc),
+                         reinterpret_cast<const char*>(&cg), sizeof(cc));
       } else {
-        std::vector<char> dst(s.out_bytes);
-        tc = TimeGather(CpuTransforms(), s, dst, 3);
-        tg = TimeGather(gpu, s, dst, 3);
+        std::vector<char> dc(s.out_bytes, 0), dg(s.out_bytes, 0);
+        tc = TimeGather(CpuTransforms(), s, dc, 3);
+        tg = TimeGather(gpu, s, dg, 3);
+        same = SameBytes(gpu, DescribeGather(s.ops, DType::kF32, s.out_bytes), dc.data(), dg.data(), s.out_bytes);
+      }
+      if (tg < 1e30 && !same.ok()) {  // (a GPU error is a slow GPU, not a wrong one)
+        c.mismatch = same.message();
+        c.crossover.fill(Calibration::kNever);
+        return c;
       }
       if (i == 3) {
         const double bytes = kind == TransformKind::kCrc32c ? static_cast<double>(s.src.size()) : static_cast<double>(s.out_bytes);
@@ -443,25 +497,119 @@ Result<Calibration> Calibrate(Transforms& gpu) {
   return c;
 }
 
+Status CheckAgainstCpu(Transforms& gpu) {
+  uint64_t seed = 0x636b707466730001ull;
+  // Each calibration kind's plan, small.
+  for (TransformKind k : {TransformKind::kCopy, TransformKind::kTinyRuns, TransformKind::kWiden}) {
+    SyntheticPlan s = CalibrationPlan(k, (256ull << 10) + 4 * 37);
+    RETURN_IF_ERROR(CompareGather(gpu, s.src, s.ops, DType::kF32, s.out_bytes));
+  }
+  // Every conversion the transforms support: a transposed 2-d box with odd
+  // sides, a rank-0 element and a 1-d run, at unaligned offsets with holes
+  // between them in the output.
+  const DType sources[] = {DType::kBool, DType::kU8, DType::kI8, DType::kI16, DType::kU16, DType::kI32, DType::kU32,
+                           DType::kI64, DType::kU64, DType::kF16, DType::kBF16, DType::kF32, DType::kF64, DType::kC64,
+                           DType::kC128, DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ};
+  for (DType sd : sources) {
+    for (DType out : {sd, DType::kF32}) {
+      if (out != sd && !CanConvert(sd, out)) continue;
+      const int64_t ss = static_cast<int64_t>(DTypeSize(sd)), os = static_cast<int64_t>(DTypeSize(out));
+      const int64_t rows = 37, cols = 13, run = 1001;
+      std::vector<GatherOp> ops(3);
+      ops[0].sdtype = sd, ops[0].rank = 2, ops[0].len[0] = rows, ops[0].len[1] = cols;
+      ops[0].sstr[0] = 1, ops[0].sstr[1] = rows, ops[0].dstr[0] = cols, ops[0].dstr[1] = 1;  // column-major source
+      ops[0].src_off = 3, ops[0].dst_off = 5;
+      ops[1].sdtype = sd, ops[1].rank = 0;
+      ops[1].src_off = static_cast<uint64_t>(3 + rows * cols * ss + 1);
+      ops[1].dst_off = static_cast<uint64_t>(5 + (rows * cols + 3) * os);
+      ops[2].sdtype = sd, ops[2].rank = 1, ops[2].len[0] = run, ops[2].sstr[0] = 1, ops[2].dstr[0] = 1;
+      ops[2].src_off = ops[1].src_off + static_cast<uint64_t>(ss) + 7;
+      ops[2].dst_off = ops[1].dst_off + static_cast<uint64_t>(os) + 1;
+      const auto src = MixedBytes(ops[2].src_off + static_cast<uint64_t>(run * ss) + 5, Mix(seed));
+      RETURN_IF_ERROR(CompareGather(gpu, src, ops, out, ops[2].dst_off + static_cast<uint64_t>(run * os) + 3));
+      if (out == sd && sd == DType::kF32) break;
+    }
+  }
+  // A mean of replicas of each dtype, of arbitrary bit patterns (NaNs,
+  // infinities, subnormals) and of ordinary values.
+  for (DType dt : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16}) {
+    const uint32_t copies = 3;
+    const uint64_t numel = 1001, esz = DTypeSize(dt);
+    auto src = MixedBytes(copies * numel * esz, Mix(seed));
+    for (uint64_t e = 0; e < copies * numel; e += 2) {  // every other element an ordinary value
+      const float v = static_cast<float>(static_cast<int64_t>(Mix(seed) % 20001) - 10000) / 977.0f;
+      const uint32_t fb = kernels::FloatToBits(v);
+      if (dt == DType::kF32) {
+        StoreLE<uint32_t>(src.data() + e * 4, fb);
+      } else if (dt == DType::kF64) {
+        StoreLE<uint64_t>(src.data() + e * 8, kernels::DoubleToBits(v));
+      } else {
+        StoreLE<uint16_t>(src.data() + e * 2, dt == DType::kBF16 ? FloatBitsToBFloat16Bits(fb) : FloatBitsToHalfBits(fb));
+      }
+    }
+    std::vector<char> cpu(numel * esz, 0), got(numel * esz, 0);
+    RETURN_IF_ERROR(CpuTransforms().Mean(src.data(), copies, numel, dt, cpu.data()));
+    const std::string plan = "mean plan (" + std::string(DTypeName(dt)) + ", " + std::to_string(copies) + " copies of " +
+                             std::to_string(numel) + ")";
+    Status s = gpu.Mean(src.data(), copies, numel, dt, got.data());
+    if (!s.ok()) return s.Annotate(std::string("cannot run ") + gpu.name() + " on a " + plan);
+    RETURN_IF_ERROR(SameBytes(gpu, plan, cpu.data(), got.data(), cpu.size()));
+  }
+  // CRC-32C of ranges around the device's 16 KiB chunks.
+  const auto data = MixedBytes((200ull << 10) + 11, Mix(seed));
+  const std::vector<ByteRange> ranges{{0, 0}, {1, 9}, {3, (16 << 10) - 1}, {5, 16 << 10}, {7, (16 << 10) + 1},
+                                      {0, data.size()}};
+  std::vector<uint32_t> cpu(ranges.size()), got(ranges.size(), 0);
+  RETURN_IF_ERROR(CpuTransforms().Crc32c(data.data(), data.size(), ranges, cpu.data()));
+  Status s = gpu.Crc32c(data.data(), data.size(), ranges, got.data());
+  if (!s.ok()) return s.Annotate(std::string("cannot run ") + gpu.name() + " on a " + DescribeCrc(data.size()));
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    RETURN_IF_ERROR(SameBytes(gpu, DescribeCrc(ranges[i].length), reinterpret_cast<const char*>(&cpu[i]),
+                              reinterpret_cast<const char*>(&got[i]), 4));
+  }
+  return Status::Ok();
+}
+
 // --- Policy.
 Result<std::unique_ptr<TransformPolicy>> TransformPolicy::Make(GpuMode mode, const std::string& cache_path,
                                                                const CudaOptions& cuda) {
-  std::unique_ptr<TransformPolicy> p(new TransformPolicy());
-  p->mode_ = mode;
-  p->cache_path_ = cache_path;
-  if (mode == GpuMode::kOff) return p;
+  if (mode == GpuMode::kOff) return MakeWith(mode, nullptr, cache_path);
   auto g = MakeCudaTransforms(cuda);
   if (!g.ok()) {
     if (mode == GpuMode::kOn) return g.status().Annotate("--gpu=on");
-    p->mode_ = GpuMode::kOff;  // auto without a device: the CPU (the mount log says "transforms cpu")
-    return p;
+    // auto without a device: the CPU (the mount log says "transforms cpu")
+    return MakeWith(GpuMode::kOff, nullptr, cache_path);
   }
-  p->gpu_ = std::move(*g);
+  return MakeWith(mode, std::move(*g), cache_path);
+}
+
+std::unique_ptr<TransformPolicy> TransformPolicy::MakeWith(GpuMode mode, std::unique_ptr<Transforms> gpu,
+                                                           const std::string& cache_path) {
+  std::unique_ptr<TransformPolicy> p(new TransformPolicy());
+  p->mode_ = gpu == nullptr ? GpuMode::kOff : mode;
+  p->cache_path_ = cache_path;
+  if (p->mode_ != GpuMode::kOff) p->gpu_ = std::move(gpu);
   return p;
 }
 
-void TransformPolicy::EnsureCalibrated() {
-  std::call_once(calibrated_, [this] {
+void TransformPolicy::Disable(const std::string& why) {
+  disabled_reason_ = why;
+  disabled_.store(true, std::memory_order_release);
+  LogError("gpu transforms DISABLED for this mount, every transform runs on the cpu: " + why);
+}
+
+// Once, before the GPU's first plan: its bytes against the CPU's on the check
+// plans, then (auto) the calibration, cached or measured, whose outputs are
+// compared too. A cached calibration never skips the check: the cache says
+// how fast this device was, not that this build's kernels are right on it.
+void TransformPolicy::EnsureChecked() {
+  std::call_once(checked_, [this] {
+    Status ok = CheckAgainstCpu(*gpu_);
+    if (!ok.ok()) {
+      Disable(ok.message());
+      return;
+    }
+    if (mode_ != GpuMode::kAuto) return;
     const std::string dev = gpu_->name();
     if (!cache_path_.empty()) {
       std::ifstream in(cache_path_);
@@ -478,6 +626,10 @@ void TransformPolicy::EnsureCalibrated() {
     if (!c.ok()) {
       LogWarn("gpu calibration failed, transforms stay on the CPU: " + c.status().message());
       return;  // every crossover stays kNever
+    }
+    if (!c->mismatch.empty()) {
+      Disable("calibration: " + c->mismatch);
+      return;  // nothing cached: the next mount checks again
     }
     cal_ = *c;
     for (int k = 0; k < kTransformKinds; ++k) {
@@ -504,14 +656,16 @@ void TransformPolicy::EnsureCalibrated() {
 
 Transforms& TransformPolicy::For(TransformKind k, uint64_t out_bytes) {
   if (mode_ == GpuMode::kOff || gpu_ == nullptr) return CpuTransforms();
+  // auto: below 1 MiB no calibration size applies: the CPU, without checking.
+  if (mode_ == GpuMode::kAuto && out_bytes < (1ull << 20)) return CpuTransforms();
+  EnsureChecked();
+  if (gpu_disabled()) return CpuTransforms();
   if (mode_ == GpuMode::kOn) return *gpu_;
-  // Below 1 MiB no calibration size applies: the CPU, without calibrating.
-  if (out_bytes < (1ull << 20)) return CpuTransforms();
-  EnsureCalibrated();
   return out_bytes >= cal_.crossover[static_cast<int>(k)] ? *gpu_ : CpuTransforms();
 }
 
 std::string TransformPolicy::Describe() const {
+  if (gpu_disabled()) return std::string("cpu (") + gpu_->name() + " disabled: its output differed from the cpu's)";
   switch (mode_) {
     case GpuMode::kOff: return "cpu";
     case GpuMode::kOn: return std::string("gpu (") + gpu_->name() + ")";

@@ -702,6 +702,16 @@ TEST_P(TransformsConformance, IdleBackendHoldsNoMemory) {
   EXPECT_EQ(again, dst);
 }
 
+// The check the policy runs before trusting a GPU (every supported
+// conversion, odd and unaligned plans, means of replicas of arbitrary bit
+// patterns, NaNs included, CRC-32C around the chunk size) passes: a real
+// device's bytes equal the CPU's, so a mount never disables a sound GPU.
+TEST_P(TransformsConformance, PassesThePolicysTrustCheck) {
+  GET_BACKEND(h);
+  Status s = CheckAgainstCpu(*h.t);
+  EXPECT_TRUE(s.ok()) << s.message();
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TransformsConformance, ::testing::Values(Backend::kCpu, Backend::kCuda),
                          [](const ::testing::TestParamInfo<Backend>& i) {
                            return std::string(i.param == Backend::kCpu ? "cpu" : "cuda");
