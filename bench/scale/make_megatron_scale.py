@@ -57,10 +57,12 @@ Measured 2026-11-25 on 2 shared cores (load 10-16 from other jobs), flat, 4 rank
   --tensors 100000  99,989 tensors (8,332 layers), 486 MB (.metadata 92 MB,
                     8 .distcp: 39-79 MB), 398 s (save 273 s on rank 0), peak RSS
                     2.3 GB per process
-  ckptfs (/work/main/build at b1e5c8e) on the 100k checkpoint: `index` 100 s
-  wall (90 s build, 250k fragments, unpickling .metadata alone 38 s and 4.9 GB),
-  peak RSS 5.5 GB, index 43 MB; `info` 4.5 s; `mount` with that index 277 s
-  (112 s CPU: the hf/ safetensors header is an nlohmann::ordered_json whose
+  ckptfs (/work/main/build/ckptfs: b1e5c8e plus uncommitted work on the
+  pickle VM, rebuilt at 10:55 and 11:00 while this ran) on the 100k checkpoint:
+  `index` 55-100 s wall (22-33 s user; 250k fragments; the 10:40 build traced
+  unpickling .metadata alone at 38 s and 4.9 GB), peak RSS 4.2-5.5 GB, index
+  43 MB; `info` 4.5 s; `mount` with that index 193-277 s (112 s CPU in both
+  builds: the hf/ safetensors header is an nlohmann::ordered_json whose
   contains()/operator[] search linearly, so building it is quadratic in the
   tensor count; 2,000 tensors mount in 0.24 s); `ls -lR` of the mount (700k
   lines) 112-175 s (2,000 tensors: 3.6 s); daemon VmHWM 750 MB; all 20
