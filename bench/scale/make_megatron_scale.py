@@ -53,7 +53,10 @@ Check a mount against the reference with bench/scale/check_ref.py MOUNT REF.npz.
 
 Measured 2026-11-25 on 2 shared cores (load 10-16 from other jobs), flat, 4 ranks:
   --tensors 2000    1,997 tensors, 9.7 MB, 137 s (mostly 4 x importing mcore;
-                    save 31 s on rank 0)
+                    save 31 s on rank 0); ckptfs index 1.9 s, mount 0.24 s,
+                    ls -lR 3.6 s
+  --tensors 20000   19,997 tensors, 97 MB, 146 s (save 68 s); ckptfs index 11 s
+                    (0.86 GB), mount 4.7 s, ls -lR 22 s; 20/20 equal
   --tensors 100000  99,989 tensors (8,332 layers), 486 MB (.metadata 92 MB,
                     8 .distcp: 39-79 MB), 398 s (save 273 s on rank 0), peak RSS
                     2.3 GB per process
@@ -64,8 +67,8 @@ Measured 2026-11-25 on 2 shared cores (load 10-16 from other jobs), flat, 4 rank
   43 MB; `info` 4.5 s; `mount` with that index 193-277 s (112 s CPU in both
   builds: the hf/ safetensors header is an nlohmann::ordered_json whose
   contains()/operator[] search linearly, so building it is quadratic in the
-  tensor count; 2,000 tensors mount in 0.24 s); `ls -lR` of the mount (700k
-  lines) 112-175 s (2,000 tensors: 3.6 s); daemon VmHWM 750 MB; all 20
+  tensor count); `ls -lR` of the mount (700k
+  lines) 112-175 s; daemon VmHWM 750 MB; all 20
   reference tensors equal.
 """
 import argparse
