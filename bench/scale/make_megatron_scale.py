@@ -67,9 +67,8 @@ Measured 2026-11-25 on 2 shared cores (load 10-16 from other jobs), flat, 4 rank
   43 MB; `info` 4.5 s; `mount` with that index 193-277 s (112 s CPU in both
   builds: the hf/ safetensors header is an nlohmann::ordered_json whose
   contains()/operator[] search linearly, so building it is quadratic in the
-  tensor count); `ls -lR` of the mount (700k
-  lines) 112-175 s; daemon VmHWM 750 MB; all 20
-  reference tensors equal.
+  tensor count); `ls -lR` of the mount (700k lines) 112-175 s; daemon VmHWM
+  750 MB; all 20 reference tensors equal.
 """
 import argparse
 import json
