@@ -25,7 +25,7 @@ What is real and what is re-partitioned
      multiple of nccl_start_alignment_factor (2) x DP, equal partitions (get_data_parallel_partitions
      on a multiple of DP), the `groups_padding` rule (a rank whose partition lies wholly in the
      padding has padding = its whole partition: at DP=768 with tiny groups the padding spans
-     many ranks, the condition that crashes ds_to_universal.py), `single_partition_of_fp32_groups`
+     several ranks, what README's `zero-geometry` check is about), `single_partition_of_fp32_groups`
      lean (padding stripped, as state_dict() does), base_optimizer_state.state[g] exp_avg /
      exp_avg_sq full partitions (elastic_checkpoint is off by default, so the engine pickles the
      torch optimizer's own state_dict, padding included, zero there as the engine's Adam leaves
@@ -55,13 +55,23 @@ Layouts
 
 --ref REF.npz: keys are paths under a ckptfs mount root (`params/<name>/fp32.npy`,
 `exp_avg.npy`, `exp_avg_sq.npy`, `param.npy`), values the exact arrays a correct reader serves,
-for --ref-count parameters (first and last of each group, ones cut by rank boundaries, ones in
-the padding-spanning tail; for bloom TP-merged by ds_to_universal's rules). They are computed
-from the template's full tensors and checked against the template engine's own
-safe_get_full_fp32_param / safe_get_full_optimizer_state reference files.
+for about --ref-count parameters (zero: first and last of each group -- the last one borders the
+padding --, ones a rank boundary cuts, then evenly spaced ones; bloom: the tied embedding, the
+final norm and one parameter of every TP merge rule from the first, middle and last layers).
+They are the template's full tensors (fp32 master and Adam states from the flat groups, the
+model copy from the module / layer files), merged over TP by ds_to_universal.py's rules and cut
+to universal_checkpoint_info's original_vocab_size, and the script checks them against the
+template engine's own safe_get_full_fp32_param / safe_get_full_optimizer_state references.
+
+Checked by hand (not in CI): `ckptfs index`, `info`, `verify` (clean) and a mount serving every
+REF array exactly, for zero stage 1 and 2 at DP=768 and for bloom; DeepSpeed's own
+ds_to_universal.py (strict) converts the bloom output and a `--dp 8` zero output, and its
+universal/zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt equal the REF arrays. Generation takes about
+2-3 min on 2 busy cores (mostly the template run), 75 MiB (zero, DP=768) / 5 MiB (bloom).
 
 Versions: written against DeepSpeed 0.19.8 / torch 2.15 (CPU); the template must come from the
-same deepspeed that is imported here (the script checks ds_version).
+same deepspeed that is imported here (the script checks ds_version). make_deepspeed_pipe.py got
+`--ffn` for this (its default MLP width 6 does not divide by TP=4).
 """
 import argparse
 import collections
