@@ -226,7 +226,7 @@ def write_zero_ranks(tag_dir, mp_rank, groups, values, tpl_sd, ds_config, dp):
                     for k, v in bos_tpl["state"][g].items():
                         if k in ("exp_avg", "exp_avg_sq"):
                             s = grp.partition_size
-                            st[k] = flats[g][k][r * s:(r + 1) * s].clone()
+                            st[k] = flats[g][k][r * s:(r + 1) * s].clone().requires_grad_(v.requires_grad)
                         else:
                             st[k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
                     state[g] = st
@@ -235,7 +235,9 @@ def write_zero_ranks(tag_dir, mp_rank, groups, values, tpl_sd, ds_config, dp):
                 val = []
                 for g, grp in enumerate(groups):
                     s = grp.partition_size
-                    val.append(flats[g]["fp32"][r * s:r * s + s - paddings[g]].clone())
+                    # the engine's partitions are the optimizer's params: requires_grad as saved
+                    rg = osd_tpl["single_partition_of_fp32_groups"][g].requires_grad
+                    val.append(flats[g]["fp32"][r * s:r * s + s - paddings[g]].clone().requires_grad_(rg))
             elif key == "group_paddings":
                 val = paddings
             elif key == "param_alignment_paddings":
@@ -281,7 +283,7 @@ def npz_key(name, state):
 def make_zero(a, tpl):
     tpl_dp = 2
     run_template([sys.executable, os.path.join(FIXTURES, "make_deepspeed.py"), tpl, "--stage", str(a.stage), "--dp",
-                  str(tpl_dp), "--model", "gpt", "--hidden", str(a.hidden), "--ffn", str(a.ffn), "--layers",
+                  str(tpl_dp), "--model", a.model, "--hidden", str(a.hidden), "--ffn", str(a.ffn), "--layers",
                   str(a.layers), "--steps", "2"], tpl)
     tag = open(os.path.join(tpl, "latest")).read().strip()
     src = os.path.join(tpl, tag)
@@ -529,6 +531,8 @@ def main():
     ap.add_argument("--layers", type=int, default=70)
     ap.add_argument("--hidden", type=int, default=80, help="zero: hidden size of the template model")
     ap.add_argument("--ffn", type=int, help="ffn size of the template model (zero: 160, bloom: 8)")
+    ap.add_argument("--model", choices=["gpt", "padspan"], default="gpt",
+                    help="zero: template model (padspan: make_deepspeed.py's 2-parameter model, for checks)")
     ap.add_argument("--template", help="directory of the real small save (reused when present)")
     ap.add_argument("--ref", help="write the reference sample npz here")
     ap.add_argument("--ref-count", type=int, default=20)
