@@ -63,11 +63,22 @@ model copy from the module / layer files), merged over TP by ds_to_universal.py'
 to universal_checkpoint_info's original_vocab_size, and the script checks them against the
 template engine's own safe_get_full_fp32_param / safe_get_full_optimizer_state references.
 
-Checked by hand (not in CI): `ckptfs index`, `info`, `verify` (clean) and a mount serving every
-REF array exactly, for zero stage 1 and 2 at DP=768 and for bloom; DeepSpeed's own
-ds_to_universal.py (strict) converts the bloom output and a `--dp 8` zero output, and its
-universal/zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt equal the REF arrays. Generation takes about
-2-3 min on 2 busy cores (mostly the template run), 75 MiB (zero, DP=768) / 5 MiB (bloom).
+Checked by hand (not in CI):
+  - against real saves at a small target degree: the files generated for `--dp 4 --stage 1
+    --layers 3 --hidden 8 --ffn 6`, `--dp 4 --model padspan` (padding over two ranks) and
+    `--layout bloom --pp 2 --tp 2 --dp 2 --layers 4 --ffn 6` have the same names, pickled
+    structure, non-tensor values (paddings, param_slice_mappings, partition counts, param_shapes,
+    args, ...) and tensor dtypes/shapes/requires_grad as the engine's own save at that degree
+    (make_deepspeed.py --dp 4 / make_deepspeed_pipe.py --pp 2 --tp 2 --dp 2); only values differ,
+    as the data each DP rank trains on differs;
+  - DeepSpeed's own ds_to_universal.py (strict) converts the zero output at DP=768 and the bloom
+    output; its universal/zero/<name>/{fp32,exp_avg,exp_avg_sq}.pt equal the REF arrays, and at
+    DP=768 every file of a ckptfs mount's universal/ is torch.load-equal to its output;
+  - `ckptfs index`, `info`, `verify` (clean) and a mount serving every REF array exactly, for zero
+    stage 1 and 2 at DP=768 (also 1536, 3072) and for bloom.
+Generation takes 1-3 min on 2 busy cores (the template run is most of it; the rank files' cost is
+DP x parameters: 35 s at DP=768 x 843 params, 2 min at 768 x 3363), 75 MiB (zero, DP=768) and
+5 MiB (bloom).
 
 Versions: written against DeepSpeed 0.19.8 / torch 2.15 (CPU); the template must come from the
 same deepspeed that is imported here (the script checks ds_version). make_deepspeed_pipe.py got
