@@ -12,14 +12,18 @@ each measured in one run against the targets:
 
 Inputs are generated once into --out (default bench/out/scale) and reused:
 
-  dcp       bench/scale/make_dcp_scale.py (torch's SavePlan / FileSystemWriter)
-  deepspeed bench/scale/make_deepspeed_scale.py (ZeRO-2 at DP=768), when present
-  megatron  bench/scale/make_megatron_scale.py (torch_dist, ShardedTensors), when present
+  dcp       bench/scale/make_dcp_scale.py: 96 ranks x 16384 tensors, 1.57M chunks
+            (torch's SavePlan / FileSystemWriter)
+  deepspeed bench/scale/make_deepspeed_scale.py: ZeRO-2 at DP=768, re-partitioned
+            from a real engine save with DeepSpeed's own geometry
+  bloom     the same, BLOOM-176B's PipelineEngine layout PP=12 x TP=4 x DP=8
+  megatron  bench/scale/make_megatron_scale.py: torch_dist with 100k ShardedTensors
+            (megatron-core's dist_checkpointing.save, 4 gloo ranks)
 
 Read throughput against the null-FUSE ceiling is bench/read_bench.py
 (`bash bench/run.sh scale` runs both).
 
-    python bench/scale_bench.py [--inputs dcp,deepspeed,megatron] [--dcp-ranks 96 --dcp-tensors 16384]
+    python bench/scale_bench.py [--inputs dcp,deepspeed,bloom,megatron] [--dcp-ranks 96 --dcp-tensors 16384]
 """
 import argparse
 import json
@@ -78,17 +82,24 @@ def daemon_pid(mnt):
     return None
 
 
+def inputs(a):
+    """name -> (generator script, its arguments)."""
+    return {
+        "dcp": ("make_dcp_scale.py", ["--ranks", str(a.dcp_ranks), "--tensors", str(a.dcp_tensors)]),
+        "deepspeed": ("make_deepspeed_scale.py", ["--layout", "zero", "--dp", "768", "--stage", "2"]),
+        "bloom": ("make_deepspeed_scale.py", ["--layout", "bloom", "--pp", "12", "--tp", "4", "--dp", "8"]),
+        "megatron": ("make_megatron_scale.py", ["--tensors", str(a.megatron_tensors)]),
+    }
+
+
 def generate(name, a, out):
-    """Makes input `name` under out/ unless it is there; returns (ckpt dir, ref npz) or None."""
+    """Makes input `name` under out/ unless it is there; returns (ckpt dir, ref npz)."""
     ckpt, ref = os.path.join(out, name), os.path.join(out, name + ".ref.npz")
     if os.path.exists(ref):
         return ckpt, ref
-    script = os.path.join(HERE, "scale", f"make_{name}_scale.py")
-    if not os.path.exists(script):
-        print(f"{name}: no generator ({script}), skipped")
-        return None
+    script, args = inputs(a)[name]
+    script = os.path.join(HERE, "scale", script)
     shutil.rmtree(ckpt, ignore_errors=True)
-    args = {"dcp": ["--ranks", str(a.dcp_ranks), "--tensors", str(a.dcp_tensors)]}.get(name, [])
     print(f"{name}: generating (once) ...", flush=True)
     t0 = time.time()
     subprocess.run([sys.executable, script, ckpt, "--ref", ref] + args, check=True)
@@ -150,16 +161,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "ckptfs"))
     ap.add_argument("--out", default=os.path.join(HERE, "out", "scale"))
-    ap.add_argument("--inputs", default="dcp,deepspeed,megatron")
+    ap.add_argument("--inputs", default="dcp,deepspeed,bloom,megatron")
     ap.add_argument("--dcp-ranks", type=int, default=96)
     ap.add_argument("--dcp-tensors", type=int, default=16384)
+    ap.add_argument("--megatron-tensors", type=int, default=100000)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     results = []
     for name in a.inputs.split(","):
-        made = generate(name, a, a.out)
-        if made:
-            results.append(bench_one(name, *made, a))
+        if name not in inputs(a):
+            sys.exit(f"unknown input {name} (known: {', '.join(inputs(a))})")
+        results.append(bench_one(name, *generate(name, a, a.out), a))
     print(f"\nscale benchmark, {os.uname().nodename}, {os.cpu_count()} cores")
     for r in results:
         print(f"\n[{r['input']}] {r['fragments']} fragments"

@@ -182,7 +182,7 @@ class TensorReader {
   std::vector<std::vector<uint32_t>> ranges_by_file_;  // checksum indices, by offset (ranges never overlap)
   std::mutex range_mu_;
   std::vector<uint8_t> range_state_;  // 0 unchecked, 1 good, 2 failed; under range_mu_
-  std::vector<std::string> range_error_;  // why, when failed; under range_mu_
+  std::unordered_map<uint32_t, std::string> range_error_;  // why, for the failed ones; under range_mu_
 };
 
 }  // namespace ckptfs

@@ -75,7 +75,6 @@ Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, Eng
   r->path_checked_ns_ = std::make_unique<std::atomic<int64_t>[]>(index.files().size());
   for (size_t i = 0; i < index.files().size(); ++i) r->path_checked_ns_[i] = INT64_MIN / 2;
   r->range_state_.assign(sums.size(), 0);
-  r->range_error_.assign(sums.size(), "");
   return r;
 }
 

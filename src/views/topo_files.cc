@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <map>
 #include <set>
+#include <unordered_set>
 
 #include "formats/megatron/megatron_common.h"
 #include "formats/pickle_writer.h"
@@ -309,13 +310,20 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
   header["__metadata__"] = meta;
   std::vector<Segment> body;
   uint64_t off = 0;
+  // ordered_json finds keys by a linear scan: with 100k tensors in one file,
+  // duplicates are found through a hash set and entries appended directly.
+  std::unordered_set<std::string_view> names;
+  auto& entries = static_cast<std::vector<std::pair<const std::string, json>>&>(header.get_ref<json::object_t&>());
+  entries.reserve(tensors.size() + 1);
   for (const RankTensor& rt : tensors) {
     const TensorRecord& t = index.tensors()[rt.id.v];
     const std::string_view dt = SafetensorsDType(t.dtype);
     if (dt.empty()) return Unsupported("'" + t.key + "' is " + std::string(DTypeName(t.dtype)) + ", which safetensors has no dtype for");
-    if (header.contains(rt.name)) return Invalid("two tensors are both named '" + rt.name + "'");
+    if (rt.name == "__metadata__" || !names.insert(rt.name).second) {
+      return Invalid("two tensors are both named '" + rt.name + "'");
+    }
     const uint64_t n = static_cast<uint64_t>(NumelOf(rt.shape)) * DTypeSize(t.dtype);
-    header[rt.name] = {{"dtype", std::string(dt)}, {"shape", IntsJson(rt.shape)}, {"data_offsets", {off, off + n}}};
+    entries.emplace_back(rt.name, json{{"dtype", std::string(dt)}, {"shape", IntsJson(rt.shape)}, {"data_offsets", {off, off + n}}});
     off += n;
     for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, t.dtype));
     if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(t.dtype), '\0')));
