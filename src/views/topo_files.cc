@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <map>
 #include <set>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "formats/megatron/megatron_common.h"
 #include "formats/pickle_writer.h"
@@ -302,6 +302,35 @@ Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, co
   return l;
 }
 
+// An ordered_json object filled in O(1) per key: nlohmann's ordered_map
+// finds keys by a linear scan, quadratic over the 100k names of a big model.
+class OrderedObject {
+ public:
+  explicit OrderedObject(json& obj)
+      : entries_(static_cast<std::vector<std::pair<const std::string, json>>&>(obj.get_ref<json::object_t&>())) {
+    for (size_t i = 0; i < entries_.size(); ++i) pos_.emplace(entries_[i].first, i);
+  }
+  // Adds k; false (and nothing changed) when it is there already.
+  bool Insert(const std::string& k, json v) {
+    if (!pos_.emplace(k, entries_.size()).second) return false;
+    entries_.emplace_back(k, std::move(v));
+    return true;
+  }
+  // Adds k, or replaces its value.
+  void Set(const std::string& k, json v) {
+    auto [it, added] = pos_.emplace(k, entries_.size());
+    if (added) {
+      entries_.emplace_back(k, std::move(v));
+    } else {
+      entries_[it->second].second = std::move(v);
+    }
+  }
+
+ private:
+  std::vector<std::pair<const std::string, json>>& entries_;
+  std::unordered_map<std::string, size_t> pos_;
+};
+
 Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>& tensors,
                                const std::vector<std::pair<std::string, std::string>>& metadata) {
   json header = json::object();
@@ -310,20 +339,15 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
   header["__metadata__"] = meta;
   std::vector<Segment> body;
   uint64_t off = 0;
-  // ordered_json finds keys by a linear scan: with 100k tensors in one file,
-  // duplicates are found through a hash set and entries appended directly.
-  std::unordered_set<std::string_view> names;
-  auto& entries = static_cast<std::vector<std::pair<const std::string, json>>&>(header.get_ref<json::object_t&>());
-  entries.reserve(tensors.size() + 1);
+  OrderedObject entries(header);
   for (const RankTensor& rt : tensors) {
     const TensorRecord& t = index.tensors()[rt.id.v];
     const std::string_view dt = SafetensorsDType(t.dtype);
     if (dt.empty()) return Unsupported("'" + t.key + "' is " + std::string(DTypeName(t.dtype)) + ", which safetensors has no dtype for");
-    if (rt.name == "__metadata__" || !names.insert(rt.name).second) {
+    const uint64_t n = static_cast<uint64_t>(NumelOf(rt.shape)) * DTypeSize(t.dtype);
+    if (!entries.Insert(rt.name, {{"dtype", std::string(dt)}, {"shape", IntsJson(rt.shape)}, {"data_offsets", {off, off + n}}})) {
       return Invalid("two tensors are both named '" + rt.name + "'");
     }
-    const uint64_t n = static_cast<uint64_t>(NumelOf(rt.shape)) * DTypeSize(t.dtype);
-    entries.emplace_back(rt.name, json{{"dtype", std::string(dt)}, {"shape", IntsJson(rt.shape)}, {"data_offsets", {off, off + n}}});
     off += n;
     for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, t.dtype));
     if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(t.dtype), '\0')));
@@ -444,12 +468,13 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_byte
   }
   std::vector<NamedLayout> out;
   json weight_map = json::object();
+  OrderedObject weights(weight_map);
   const size_t n = shards.size();
   for (size_t k = 0; k < n; ++k) {
     char name[64];
     std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k + 1, n);
     ASSIGN_OR_RETURN(FileLayout l, Safetensors(index, shards[k], {{"format", "pt"}}));
-    for (const RankTensor& rt : shards[k]) weight_map[rt.name] = name;
+    for (const RankTensor& rt : shards[k]) weights.Set(rt.name, name);
     out.emplace_back(name, std::move(l));
   }
   json ij;
