@@ -140,7 +140,8 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 void OnReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
   Guard(req, "readdir", [&] {
     const auto& entries = *reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
-    std::vector<char> buf(size);
+    thread_local std::vector<char> buf;  // not zeroed per call: the kernel may ask for 1 MiB
+    if (buf.size() < size) buf.resize(size);
     size_t used = 0;
     for (size_t i = static_cast<size_t>(off); i < entries.size(); ++i) {
       struct stat st{};
@@ -163,7 +164,8 @@ void OnReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_inf
 void OnReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
   Guard(req, "readdirplus", [&] {
     const auto& entries = *reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
-    std::vector<char> buf(size);
+    thread_local std::vector<char> buf;  // not zeroed per call: the kernel may ask for 1 MiB
+    if (buf.size() < size) buf.resize(size);
     size_t used = 0;
     for (size_t i = static_cast<size_t>(off); i < entries.size(); ++i) {
       const DirEntry& d = entries[i];
