@@ -30,7 +30,11 @@ namespace {
 namespace fs = std::filesystem;
 
 const PickleOptions& DsPickleOptions() {
-  static const PickleOptions o{{"deepspeed"}};
+  static const PickleOptions o = [] {
+    PickleOptions p;
+    p.extra_modules = {"deepspeed"};
+    return p;
+  }();
   return o;
 }
 

@@ -186,7 +186,8 @@ megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, C
   Files files;
   files.dir = dir;
   files.ck = &ck;
-  files.pickle = PickleOptions{{"megatron"}};
+  files.pickle = PickleOptions{};
+  files.pickle.extra_modules = {"megatron"};
   auto src = files.Open(rel);
   if (!src->error.empty()) ck.info.problems.push_back(src->error);
   if (const PyValue* root = src->root(); root != nullptr && root->kind == PyKind::kDict) {

@@ -28,7 +28,11 @@ constexpr uint64_t kMaxCompareBytes = 256ull << 20;  // replicas larger than thi
 constexpr int64_t kParamAlign = 64;                   // DDP buffer: each parameter starts at a multiple
 
 const PickleOptions& MegatronPickleOptions() {
-  static const PickleOptions o{{"megatron", "transformer_engine"}};
+  static const PickleOptions o = [] {
+    PickleOptions p;
+    p.extra_modules = {"megatron", "transformer_engine"};
+    return p;
+  }();
   return o;
 }
 
