@@ -75,6 +75,19 @@ def test_stats_after_du_find_ls_read_no_checkpoint_data(src, mounter):
         assert again["report_made"] is False
 
 
+def test_ls_lR_of_a_fresh_mount_needs_no_lookup_per_name(src, mounter):
+    """Listings are READDIRPLUS answered from the tree: `ls -lR` gets every
+    name with its attributes, so the kernel never looks a listed name up."""
+    with mounter(src) as m:
+        r = run(["ls", "-lR", str(m.path)], timeout=60)
+        assert r.returncode == 0, r.stderr
+        files = [ln for ln in r.stdout.splitlines() if ln.startswith("-")]
+        assert len(files) >= 10, r.stdout
+        s = read_stats(m.path)  # its own LOOKUP of "stats" (never listed)
+        assert s["lookups"] <= 2, (s["lookups"], len(files))
+        assert s["source_bytes_read"] == 0, s
+
+
 def run_on_pty(args, env, timeout=TTY_TIMEOUT):
     """Runs `args` with stderr on a pseudo-terminal (stdout to a file);
     returns (exit code, what reached the terminal, stdout)."""
