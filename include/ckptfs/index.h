@@ -9,6 +9,8 @@
 //   'g' u32 u32 -> Fragment (tensor id, ordinal): a tensor's fragments are one
 //                  prefix scan.
 //   'x' u32     -> ExportFile (synthesized files: universal/ archives)
+//   'c' u32 u64 -> ChecksumRange (file id, offset): read on demand, never
+//                  loaded whole (a DCP checkpoint of 1.5M chunks records 8M)
 // A build writes to "<dir>.tmp.<pid>" and renames it into place, so a reader
 // never sees a half-written index. Open() refuses an index whose schema
 // version differs or whose source fingerprint (path, size, mtime, inode of
@@ -19,6 +21,7 @@
 
 #include <sys/stat.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,7 +36,8 @@ class Index {
   // Bump whenever a reader's output changes, too (v6: TP split rules; v7:
   // mean-of-replicas tensors, DeepSpeed pipeline checkpoints; v9: Megatron
   // distributed-optimizer states and MoE experts, the master-mismatch check).
-  static constexpr uint32_t kSchemaVersion = 9;
+  // v10: checksum ranges keyed by (file, offset).
+  static constexpr uint32_t kSchemaVersion = 10;
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);
@@ -50,8 +54,13 @@ class Index {
   const std::vector<SourceFile>& files() const { return files_; }
   const std::vector<TensorRecord>& tensors() const { return tensors_; }
   const std::vector<ExportFile>& exports() const { return exports_; }
-  // Every CRC-32-carrying range of the sources, in index order.
-  const std::vector<ChecksumRange>& checksums() const { return checksums_; }
+  // The CRC-32-carrying ranges of the sources (ZIP entries; they never
+  // overlap within a file), read from the index when asked.
+  // Those of `file` that overlap [lo, hi), by offset.
+  Result<std::vector<ChecksumRange>> ChecksumsIn(FileId file, uint64_t lo, uint64_t hi) const;
+  // Every one, in (file, offset) order, handed to `fn` in batches of at most
+  // `batch` (memory stays bounded whatever their number).
+  Status ScanChecksums(size_t batch, const std::function<Status(std::vector<ChecksumRange>&)>& fn) const;
   uint64_t num_fragments() const { return num_fragments_; }
   // All fragments of one tensor, in ordinal order: one prefix scan.
   Result<std::vector<Fragment>> Fragments(TensorId id) const;
@@ -65,7 +74,6 @@ class Index {
   std::vector<SourceFile> files_;
   std::vector<TensorRecord> tensors_;
   std::vector<ExportFile> exports_;
-  std::vector<ChecksumRange> checksums_;
   uint64_t num_fragments_ = 0;
 };
 

@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -90,14 +91,14 @@ class TensorReader {
   // The tensor's source files still match the index (stat by path: catches
   // replaced files too). Called on open.
   Status CheckFresh(TensorId id);
-  // Source CRC-32s (Index::checksums()). CheckChecksum(i) reads range i whole
-  // and records the verdict; from then on, and for every range checked with
+  // Source CRC-32s (Index::ChecksumsIn / ScanChecksums). CheckChecksum(c)
+  // reads range c whole and records the verdict; from then on, and for every range checked with
   // --verify-on-read (set_verify_on_read: each range is checked before the
   // first byte over it is served), a read of a tensor over a failed range is
   // an error naming the file, the entry and both CRCs.
-  Status CheckChecksum(uint32_t i);
-  // Range i was read and its CRC-32 did not match (not: it could not be read).
-  bool ChecksumFailed(uint32_t i);
+  Status CheckChecksum(const ChecksumRange& c);
+  // Range c was read and its CRC-32 did not match (not: it could not be read).
+  bool ChecksumFailed(const ChecksumRange& c);
   void set_verify_on_read(bool on) { verify_on_read_ = on; }
   // Compressed items whose decompressed size may pass this are streamed, never
   // held whole (default 64 MiB; tests lower it).
@@ -178,11 +179,15 @@ class TensorReader {
   // is taken out while in use, so no lock is held while decompressing.
   std::mutex cursor_mu_;
   std::vector<std::pair<std::string, std::unique_ptr<formats::ZstdCursor>>> cursors_;
+  // Checked source ranges by (file, offset); unchecked ones are in neither.
   std::atomic<bool> any_bad_range_{false};
-  std::vector<std::vector<uint32_t>> ranges_by_file_;  // checksum indices, by offset (ranges never overlap)
   std::mutex range_mu_;
-  std::vector<uint8_t> range_state_;  // 0 unchecked, 1 good, 2 failed; under range_mu_
-  std::unordered_map<uint32_t, std::string> range_error_;  // why, for the failed ones; under range_mu_
+  std::set<std::pair<uint32_t, uint64_t>> good_ranges_;  // under range_mu_
+  struct FailedRange {
+    uint64_t length = 0;
+    std::string why;
+  };
+  std::map<std::pair<uint32_t, uint64_t>, FailedRange> failed_ranges_;  // under range_mu_
 };
 
 }  // namespace ckptfs

@@ -143,8 +143,18 @@ class Vm {
     }
   }
   PyRef MakeInt(int64_t i) {
+    // Streaming: ints are shared and pinned (no opcode changes a value once
+    // made), so the millions of chunk offsets a DCP .metadata memoizes for
+    // its storage_data cost a pointer each, not a node.
+    if (streaming_) {
+      if (auto it = ints_.find(i); it != ints_.end()) return it->second;
+    }
     PyRef v = Make(PyKind::kInt);
     v->i = i;
+    if (streaming_ && ints_.size() < kMaxSharedInts) {
+      v->pinned = true;
+      ints_.emplace(i, v);
+    }
     return v;
   }
   PyRef MakeStr(PyKind k, std::string s) {
@@ -284,7 +294,7 @@ class Vm {
     // bounds the memo; a fixed cap broke DCP .metadata of ~100k tensors.
     if (memo_.size() > std::max<size_t>(kMaxStack, d_.size())) return Err("memo too large");
     if (streaming_) {
-      if (!memo_read_.contains(idx)) return Status::Ok();  // never read back: not kept
+      if (!memo_reads_.contains(idx)) return Status::Ok();  // never read back: not kept
       Pin(v);
     }
     memo_[idx] = v;
@@ -299,8 +309,53 @@ class Vm {
   Result<PyRef> MemoGet(uint64_t idx) {
     auto it = memo_.find(idx);
     if (it == memo_.end()) return Err("memo key " + std::to_string(idx) + " missing");
-    return it->second;
+    PyRef v = it->second;
+    if (streaming_) {
+      // After its last read the memo lets go of it (Collect may take it back).
+      if (auto r = memo_reads_.find(idx); r != memo_reads_.end() && --r->second == 0) {
+        memo_reads_.erase(r);
+        memo_.erase(it);
+      }
+    }
+    return v;
   }
+  // Streaming: every node the stack, the memo and the shared ints no longer
+  // reach goes back to the free list (values a REDUCE or NEWOBJ consumed, the
+  // memo's values after their last read). Run between opcodes only, when the
+  // live nodes have doubled since the last time: linear in all.
+  void Collect() {
+    std::vector<PyRef> todo;
+    auto mark = [&](PyRef n) {
+      if (n != nullptr && !n->marked) {
+        n->marked = true;
+        todo.push_back(n);
+      }
+    };
+    for (PyRef r : stack_) mark(r);
+    for (const auto& [k, v] : memo_) mark(v);
+    for (const auto& [k, v] : ints_) mark(v);
+    while (!todo.empty()) {
+      PyRef n = todo.back();
+      todo.pop_back();
+      ForEachChild(*n, mark);
+    }
+    free_.clear();
+    size_t live = 0;
+    for (PyValue& n : *arena_) {
+      if (n.marked) {
+        n.marked = false;
+        ++live;
+        continue;
+      }
+      if (n.kind != kFreed) {
+        n = PyValue{};
+        n.kind = kFreed;
+      }
+      free_.push_back(&n);
+    }
+    next_collect_ = std::max(2 * live, kMinCollect);
+  }
+  static constexpr size_t kMinCollect = size_t{1} << 16;
 
   std::string_view d_;
   const std::string& what_;
@@ -312,9 +367,12 @@ class Vm {
   std::unordered_map<uint64_t, PyRef> memo_;
   std::shared_ptr<Arena> arena_;
   bool streaming_ = false;
-  std::unordered_set<uint64_t> memo_read_;  // streaming: indices some GET reads
+  std::unordered_map<uint64_t, uint64_t> memo_reads_;  // streaming: GETs still to come, by memo index
+  size_t next_collect_ = kMinCollect;                 // streaming: live nodes that trigger Collect
   uint64_t memoized_ = 0;                   // MEMOIZE ops so far (the next index)
   std::vector<PyRef> free_;                 // streaming: freed nodes to reuse
+  static constexpr size_t kMaxSharedInts = size_t{1} << 20;
+  std::unordered_map<int64_t, PyRef> ints_;  // streaming: one pinned node per int value
   std::vector<std::string> placeholders_;  // unknown globals kept inert, in first-seen order
 };
 
@@ -541,15 +599,15 @@ void Vm::ScanMemoReads() {
         break;
       case 'h':
         if (!le(1, &n)) return;
-        memo_read_.insert(n);
+        ++memo_reads_[n];
         break;
       case 'j':
         if (!le(4, &n)) return;
-        memo_read_.insert(n);
+        ++memo_reads_[n];
         break;
       case 'g':
         if (!line(&text)) return;
-        memo_read_.insert(std::strtoull(std::string(text).c_str(), nullptr, 10));
+        ++memo_reads_[std::strtoull(std::string(text).c_str(), nullptr, 10)];
         break;
       default:
         break;  // no argument (or unknown: the VM refuses it)
@@ -564,6 +622,7 @@ Result<PyRef> Vm::Run() {
   }
   while (true) {
     op_pos_ = p_;
+    if (streaming_ && arena_->size() - free_.size() >= next_collect_) Collect();
     if (!Need(1)) return Err("truncated: no STOP opcode");
     unsigned char op = static_cast<unsigned char>(d_[p_++]);
     switch (op) {

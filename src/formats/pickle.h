@@ -40,7 +40,12 @@
 // everything it holds or will hold (and so is a DUP'd value). Any other value
 // is reachable from one place only (the stack, or one live parent): an entry
 // popped by SETITEM(S) and taken by the consumer is then unreachable, and its
-// unpinned nodes go back to the arena's free list.
+// unpinned nodes go back to the arena's free list. The first pass also counts
+// each entry's reads: after its last one the memo lets go of it, and a
+// mark-and-sweep from the stack and the memo (run whenever the live nodes
+// have doubled) returns what nothing reaches any more, pinned or not (the
+// arguments a REDUCE consumed, chunk offsets read back by storage_data). Ints
+// are one shared, pinned node per value.
 #ifndef CKPTFS_FORMATS_PICKLE_H_
 #define CKPTFS_FORMATS_PICKLE_H_
 
@@ -102,6 +107,7 @@ struct PyValue {
   TensorRef tensor;
   uint32_t depth = 0;  // nesting depth, bounded so that recursive consumers cannot overflow the stack
   bool pinned = false;  // streaming: reachable from the memo or the stack twice, never freed
+  bool marked = false;  // streaming: reached in the current Collect (the VM's, always false after)
 
   // Convenience accessors (nullptr / empty when absent or of another kind).
   const PyValue* Get(std::string_view key) const;  // dict lookup by str key

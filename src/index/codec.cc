@@ -259,6 +259,12 @@ std::string KeyU32U32(char tag, uint32_t a, uint32_t b) {
   return k;
 }
 
+std::string KeyU32U64(char tag, uint32_t a, uint64_t b) {
+  std::string k = KeyU32(tag, a);
+  for (int s = 56; s >= 0; s -= 8) k.push_back(static_cast<char>((b >> s) & 0xFF));
+  return k;
+}
+
 std::string EncodeChecksum(const ChecksumRange& c) {
   Writer w;
   w.Num(c.file.v);

@@ -26,9 +26,10 @@ Result<Fragment> DecodeFragment(std::string_view s);
 Result<CheckpointInfo> DecodeInfo(std::string_view s);
 Result<ExportFile> DecodeExport(std::string_view s);
 
-// Big-endian u32, so RocksDB's bytewise order equals numeric order.
+// Big-endian numbers, so RocksDB's bytewise order equals numeric order.
 std::string KeyU32(char tag, uint32_t a);
 std::string KeyU32U32(char tag, uint32_t a, uint32_t b);
+std::string KeyU32U64(char tag, uint32_t a, uint64_t b);
 
 }  // namespace ckptfs::index
 

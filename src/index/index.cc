@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -114,8 +115,17 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
     auto put = [&](const std::string& k, const std::string& v) {
       if (st.ok()) st = FromRocks(writer.Put(k, v), "write", sst);
     };
-    for (size_t i = 0; i < ck.checksums.size(); ++i) {
-      put(KeyU32('c', static_cast<uint32_t>(i)), index::EncodeChecksum(ck.checksums[i]));
+    {
+      // Keyed by (file, offset): sorted here, the first of any repeat kept.
+      std::vector<uint32_t> order(ck.checksums.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
+      auto at = [&](uint32_t i) { return std::make_pair(ck.checksums[i].file.v, ck.checksums[i].offset); };
+      std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return at(a) < at(b); });
+      for (size_t j = 0; j < order.size(); ++j) {
+        if (j > 0 && at(order[j]) == at(order[j - 1])) continue;
+        const ChecksumRange& c = ck.checksums[order[j]];
+        put(index::KeyU32U64('c', c.file.v, c.offset), index::EncodeChecksum(c));
+      }
     }
     for (size_t i = 0; i < ck.files.size(); ++i) put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
     for (size_t i = 0; i < ck.tensors.size(); ++i) {
@@ -196,11 +206,6 @@ Result<std::unique_ptr<Index>> Index::Open(const std::string& dir, const std::st
     }
     ix->exports_.push_back(std::move(x));
   }
-  for (it->Seek("c"); it->Valid() && it->key().starts_with("c"); it->Next()) {
-    ASSIGN_OR_RETURN(ChecksumRange c, index::DecodeChecksum(std::string_view(it->value().data(), it->value().size())));
-    if (c.file.v >= ix->files_.size()) return Invalid("cannot read index " + dir + ": a checksum names an unknown file");
-    ix->checksums_.push_back(std::move(c));
-  }
   RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir));
   RETURN_IF_ERROR(CheckFingerprint(src_dir, ix->files_));
   return ix;
@@ -223,6 +228,53 @@ Result<std::vector<Fragment>> Index::Fragments(TensorId id) const {
                    std::to_string(out.size()) + " fragments, expected " + std::to_string(tensors_[id.v].num_fragments));
   }
   return out;
+}
+
+namespace {
+
+// A checksum record, checked against its key and the file table.
+Result<ChecksumRange> ChecksumAt(const rocksdb::Iterator& it, size_t num_files, const std::string& dir) {
+  auto c = index::DecodeChecksum(std::string_view(it.value().data(), it.value().size()));
+  if (!c.ok()) return c.status().Annotate("cannot read index " + dir);
+  if (c->file.v >= num_files || index::KeyU32U64('c', c->file.v, c->offset) != it.key().ToStringView()) {
+    return Invalid("cannot read index " + dir + ": a checksum record names an unknown file or another key");
+  }
+  return c;
+}
+
+}  // namespace
+
+Result<std::vector<ChecksumRange>> Index::ChecksumsIn(FileId file, uint64_t lo, uint64_t hi) const {
+  std::vector<ChecksumRange> out;
+  if (hi <= lo) return out;
+  const std::string prefix = KeyU32('c', file.v);
+  std::unique_ptr<rocksdb::Iterator> it(db_->db->NewIterator(rocksdb::ReadOptions()));
+  // The last range starting at or before lo may reach into [lo, hi).
+  it->SeekForPrev(index::KeyU32U64('c', file.v, lo));
+  if (!it->Valid() || !it->key().starts_with(prefix)) it->Seek(prefix);
+  for (; it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    ASSIGN_OR_RETURN(ChecksumRange c, ChecksumAt(*it, files_.size(), dir_));
+    if (c.offset >= hi) break;
+    if (c.offset + c.length > lo) out.push_back(std::move(c));
+  }
+  RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir_));
+  return out;
+}
+
+Status Index::ScanChecksums(size_t batch, const std::function<Status(std::vector<ChecksumRange>&)>& fn) const {
+  std::vector<ChecksumRange> v;
+  std::unique_ptr<rocksdb::Iterator> it(db_->db->NewIterator(rocksdb::ReadOptions()));
+  for (it->Seek("c"); it->Valid() && it->key().starts_with("c"); it->Next()) {
+    ASSIGN_OR_RETURN(ChecksumRange c, ChecksumAt(*it, files_.size(), dir_));
+    v.push_back(std::move(c));
+    if (v.size() >= std::max<size_t>(batch, 1)) {
+      RETURN_IF_ERROR(fn(v));
+      v.clear();
+    }
+  }
+  RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir_));
+  if (!v.empty()) RETURN_IF_ERROR(fn(v));
+  return Status::Ok();
 }
 
 std::string UserCacheDir() {

@@ -66,15 +66,8 @@ Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, Eng
   if (kind == EngineKind::kUring && MakeUringEngine(4) == nullptr) {
     return Unsupported("io_uring is not available on this system (use --engine=pread)");
   }
-  const auto& sums = index.checksums();
-  r->ranges_by_file_.resize(index.files().size());
-  for (uint32_t i = 0; i < sums.size(); ++i) r->ranges_by_file_[sums[i].file.v].push_back(i);
-  for (auto& v : r->ranges_by_file_) {
-    std::sort(v.begin(), v.end(), [&](uint32_t a, uint32_t b) { return sums[a].offset < sums[b].offset; });
-  }
   r->path_checked_ns_ = std::make_unique<std::atomic<int64_t>[]>(index.files().size());
   for (size_t i = 0; i < index.files().size(); ++i) r->path_checked_ns_[i] = INT64_MIN / 2;
-  r->range_state_.assign(sums.size(), 0);
   return r;
 }
 
@@ -135,13 +128,14 @@ Status TensorReader::CheckFd(FileId file) const {
   return s.ok() ? s : Stale(s.message() + "; remount to rebuild the index");
 }
 
-Status TensorReader::CheckChecksum(uint32_t i) {
-  const ChecksumRange& c = index_.checksums().at(i);
+Status TensorReader::CheckChecksum(const ChecksumRange& c) {
+  const std::pair<uint32_t, uint64_t> key(c.file.v, c.offset);
   {
     std::lock_guard<std::mutex> lock(range_mu_);
-    if (range_state_[i] == 1) return Status::Ok();
-    if (range_state_[i] == 2) return Invalid(range_error_[i]);
+    if (good_ranges_.count(key)) return Status::Ok();
+    if (auto it = failed_ranges_.find(key); it != failed_ranges_.end()) return Invalid(it->second.why);
   }
+  if (c.file.v >= index_.files().size()) return Internal("checksum range names an unknown file");
   RETURN_IF_ERROR(CheckFd(c.file));
   const std::string& rel = index_.files()[c.file.v].rel_path;
   constexpr uint64_t kPiece = 4 << 20;
@@ -155,41 +149,42 @@ Status TensorReader::CheckChecksum(uint32_t i) {
   }
   std::lock_guard<std::mutex> lock(range_mu_);
   if (static_cast<uint32_t>(crc) == c.crc32) {
-    range_state_[i] = 1;
+    good_ranges_.insert(key);
     return Status::Ok();
   }
   char why[160];
   std::snprintf(why, sizeof why, ": ZIP entry '%.60s' (bytes %llu..%llu) fails its CRC-32 (recorded %08x, computed %08x)",
                 c.name.c_str(), static_cast<unsigned long long>(c.offset),
                 static_cast<unsigned long long>(c.offset + c.length), c.crc32, static_cast<uint32_t>(crc));
-  range_error_[i] = "cannot read " + rel + why;
-  range_state_[i] = 2;
+  FailedRange& f = failed_ranges_[key];
+  f.length = c.length;
+  f.why = "cannot read " + rel + why;
   any_bad_range_ = true;
-  return Invalid(range_error_[i]);
+  return Invalid(f.why);
 }
 
-bool TensorReader::ChecksumFailed(uint32_t i) {
+bool TensorReader::ChecksumFailed(const ChecksumRange& c) {
   std::lock_guard<std::mutex> lock(range_mu_);
-  return i < range_state_.size() && range_state_[i] == 2;
+  return failed_ranges_.count({c.file.v, c.offset}) > 0;
 }
 
 Status TensorReader::CheckRanges(const std::vector<Fragment>& frags) {
-  const auto& sums = index_.checksums();
   for (const Fragment& f : frags) {
-    if (f.compression != Compression::kNone || f.file.v >= ranges_by_file_.size()) continue;
-    const auto& v = ranges_by_file_[f.file.v];
+    if (f.compression != Compression::kNone) continue;
     const uint64_t lo = f.data_offset, hi = f.data_offset + f.data_length;
-    // First range that ends after lo (ends increase with offsets).
-    auto it = std::partition_point(v.begin(), v.end(), [&](uint32_t i) { return sums[i].offset + sums[i].length <= lo; });
-    for (; it != v.end() && sums[*it].offset < hi; ++it) {
-      uint8_t state;
-      {
-        std::lock_guard<std::mutex> lock(range_mu_);
-        state = range_state_[*it];
-        if (state == 2) return Invalid(range_error_[*it]);
-      }
-      if (state == 0 && verify_on_read_) RETURN_IF_ERROR(CheckChecksum(*it));
+    if (verify_on_read_) {
+      ASSIGN_OR_RETURN(std::vector<ChecksumRange> sums, index_.ChecksumsIn(f.file, lo, hi));
+      for (const ChecksumRange& c : sums) RETURN_IF_ERROR(CheckChecksum(c));
+      continue;
     }
+    // Only the ranges found bad so far (by verify or an earlier check) matter.
+    std::lock_guard<std::mutex> lock(range_mu_);
+    auto it = failed_ranges_.lower_bound({f.file.v, lo});
+    if (it != failed_ranges_.begin()) {
+      auto prev = std::prev(it);
+      if (prev->first.first == f.file.v && prev->first.second + prev->second.length > lo) return Invalid(prev->second.why);
+    }
+    if (it != failed_ranges_.end() && it->first.first == f.file.v && it->first.second < hi) return Invalid(it->second.why);
   }
   return Status::Ok();
 }

@@ -122,12 +122,11 @@ bool SplitByKnownFqn(const std::string& rest, const std::set<std::string>& fqns,
 }
 
 // Assigns role / fqn / state. Documented in README "How keys map to params/".
-void Classify(std::vector<TensorRecord>& tensors, const PyValue* planner) {
-  std::vector<std::vector<std::string>> paths;
+// `paths`: each tensor's state-dict path (PathOf), parallel to `tensors`.
+void Classify(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths) {
   bool has_model_root = false;
-  for (const auto& t : tensors) {
-    paths.push_back(PathOf(planner, t.key));
-    if (paths.back().size() > 1 && paths.back()[0] == "model") has_model_root = true;
+  for (const auto& p : paths) {
+    if (p.size() > 1 && p[0] == "model") has_model_root = true;
   }
   std::set<std::string> fqns;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -489,6 +488,12 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
                         (root.Attr("storage_meta") ? " (torch 2.x)"
                          : has_planner             ? " (torch 2.0-2.2)"
                                                    : " (torch 1.13 _shard.checkpoint layout)");
+  std::vector<std::vector<std::string>> paths;
+  paths.reserve(ck.tensors.size());
+  for (const auto& t : ck.tensors) paths.push_back(PathOf(planner, t.key));
+  // Nothing below reads the unpickled tree: its arena goes before the chunks
+  // are resolved, so the two never add up.
+  root_or = PyHandle();
 
   // Each chunk's storage item.
   size_t kept = 0;
@@ -555,7 +560,16 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   for (unsigned i = 1; i < n_threads; ++i) threads.emplace_back(worker);
   worker();
   for (auto& th : threads) th.join();
-  for (auto& s : sums) ck.checksums.insert(ck.checksums.end(), s.begin(), s.end());
+  {
+    size_t n = 0;
+    for (const auto& s : sums) n += s.size();
+    ck.checksums.reserve(ck.checksums.size() + n);
+    for (auto& s : sums) {
+      ck.checksums.insert(ck.checksums.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
+      std::vector<ChecksumRange>().swap(s);
+    }
+    std::vector<std::vector<ChecksumRange>>().swap(sums);
+  }
 
   // A rank file that is missing: one finding per file, listing the holes it
   // leaves (its chunks) with their coordinates.
@@ -592,6 +606,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     if (t.encoding == Encoding::kBytes) t.byte_size = f.data_length;
     ck.fragments[work[i].tensor].push_back(std::move(f));
   }
+  std::vector<Result<Fragment>>().swap(results);
+  std::vector<Work>().swap(work);
   for (size_t i = 0; i < ck.tensors.size(); ++i) {
     TensorRecord& t = ck.tensors[i];
     if (t.error.empty() && t.encoding == Encoding::kTensor) {
@@ -606,7 +622,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     t.num_fragments = static_cast<uint32_t>(ck.fragments[i].size());
   }
 
-  Classify(ck.tensors, planner);
+  Classify(ck.tensors, paths);
+  paths.clear();
 
   static const RE2 kRankRe(R"(__([0-9]+)_[0-9]+(?:\.distcp)?)");
   for (const auto& f : ck.files) {

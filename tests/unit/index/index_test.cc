@@ -82,6 +82,50 @@ TEST(IndexTest, BuildOpenAndPrefixScan) {
   EXPECT_FALSE(fs::exists(t.path() + "/ix.tmp." + std::to_string(::getpid())));
 }
 
+TEST(IndexTest, ChecksumRangesAreLookedUpByFileAndOffset) {
+  TempDir t;
+  Checkpoint ck = Tiny(t.path());
+  ck.files.push_back(SourceFile{"b.bin", 0, 0, 0});
+  ckptfs::testing::WriteFile(t.path() + "/b.bin", std::string(1 << 12, 'z'));
+  ckptfs::testing::FillStat(t.path(), &ck.files[1]);
+  // Out of order, across files, one repeated (a reader may list a range twice).
+  for (uint64_t off : {40u, 0u, 10u, 100u, 10u}) ck.checksums.push_back(ChecksumRange{FileId{0}, off, 10, 0xC0 + static_cast<uint32_t>(off), "e" + std::to_string(off)});
+  for (uint64_t off : {2048u, 0u}) ck.checksums.push_back(ChecksumRange{FileId{1}, off, 1024, 7, "b"});
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_TRUE(ix.ok()) << ix.status().message();
+  auto offsets = [&](FileId f, uint64_t lo, uint64_t hi) {
+    auto v = (*ix)->ChecksumsIn(f, lo, hi);
+    EXPECT_TRUE(v.ok()) << v.status().message();
+    std::vector<uint64_t> out;
+    for (const auto& c : *v) out.push_back(c.offset);
+    return out;
+  };
+  EXPECT_EQ(offsets(FileId{0}, 0, 200), (std::vector<uint64_t>{0, 10, 40, 100}));
+  EXPECT_EQ(offsets(FileId{0}, 15, 41), (std::vector<uint64_t>{10, 40}));  // starts inside [10, 20)
+  EXPECT_EQ(offsets(FileId{0}, 20, 40), (std::vector<uint64_t>{}));        // the gap between two
+  EXPECT_EQ(offsets(FileId{0}, 109, 110), (std::vector<uint64_t>{100}));
+  EXPECT_EQ(offsets(FileId{0}, 110, 1000), (std::vector<uint64_t>{}));
+  EXPECT_EQ(offsets(FileId{1}, 0, 1), (std::vector<uint64_t>{0}));         // not file 0's last
+  EXPECT_EQ(offsets(FileId{1}, 1500, 4096), (std::vector<uint64_t>{2048}));
+  EXPECT_EQ(offsets(FileId{2}, 0, 1u << 20), (std::vector<uint64_t>{}));
+  auto one = (*ix)->ChecksumsIn(FileId{0}, 10, 11);
+  ASSERT_TRUE(one.ok());
+  ASSERT_EQ(one->size(), 1u);
+  EXPECT_EQ((*one)[0].crc32, 0xC0u + 10);
+  EXPECT_EQ((*one)[0].name, "e10");  // the first of the repeat
+  std::vector<std::pair<uint32_t, uint64_t>> all;
+  size_t batches = 0;
+  ASSERT_TRUE((*ix)->ScanChecksums(4, [&](std::vector<ChecksumRange>& v) {
+    ++batches;
+    EXPECT_LE(v.size(), 4u);
+    for (const auto& c : v) all.emplace_back(c.file.v, c.offset);
+    return Status::Ok();
+  }).ok());
+  EXPECT_EQ(batches, 2u);
+  EXPECT_EQ(all, (std::vector<std::pair<uint32_t, uint64_t>>{{0, 0}, {0, 10}, {0, 40}, {0, 100}, {1, 0}, {1, 2048}}));
+}
+
 TEST(IndexTest, StaleSourceIsRefusedAndRebuilt) {
   TempDir t;
   Checkpoint ck = Tiny(t.path());
