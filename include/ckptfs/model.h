@@ -145,6 +145,9 @@ struct TensorRecord {
   // `dtype` (DeepSpeed's parameter_to_average_patterns, e.g. BLOOM's
   // TP-drifted layer norms, as ds_to_universal.py merges them).
   uint32_t replicas = 1;
+  // Length of AppendFragmentsJson's text for this tensor's fragments, set by
+  // Index::Build: info.json answers its size without reading the fragments.
+  uint64_t fragments_json_bytes = 0;
 
   uint64_t Numel() const {
     uint64_t n = 1;
@@ -244,6 +247,13 @@ struct ChecksumRange {
 // dimension, at most 2^60 bytes (overflow-checked), every box inside the
 // shape; else why not. ReadCheckpoint applies it to every reader's records.
 std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragment>& frags);
+
+// The JSON objects that info.json lists for `frags` (comma-separated, no
+// brackets: {"file":...,"offsets":[..],"lengths":[..],"strides":[..],
+// "byte_offset":N[,"zstd_item":[off,len]][,"copy":r]}), appended to `out`;
+// "copy" when the tensor is a mean of `replicas` > 1 copies.
+void AppendFragmentsJson(std::string& out, const std::vector<Fragment>& frags, const std::vector<SourceFile>& files,
+                         uint32_t replicas);
 
 // What a family reader produces from metadata alone.
 struct Checkpoint {

@@ -85,6 +85,8 @@ struct Node {
   FileLayout layout;
   bool lazy = false;
   bool made = false;
+  // Lazy files: the size the layout will have, once asked (View::Size).
+  uint64_t lazy_size = UINT64_MAX;
   TensorId tensor;  // the tensor behind a file, for error reports
   // .ckptfs/report.json: its bytes come from `ckptfs verify`, which the
   // filesystem core runs on first use (the layout stays empty).
@@ -118,6 +120,10 @@ class View {
   Result<uint64_t> Resolve(std::string_view path) const;
   // The layout of a file, making it on first use.
   Result<const FileLayout*> Layout(uint64_t ino) const;
+  // A file's size: a lazy file's is computed from the index records alone
+  // (an info.json's fragment lists are not read), so `ls -l` does no
+  // per-file I/O.
+  Result<uint64_t> Size(uint64_t ino) const;
   // Path of a node, for log lines.
   std::string PathOf(uint64_t ino) const;
   size_t num_nodes() const { return nodes_.size(); }
@@ -130,7 +136,9 @@ class View {
   Status AddHf(uint64_t root);
   const Node* GetLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor, bool lazy);
-  Status MakeInfoJson(Node& n) const;
+  // info.json of a parameter directory. With `unrendered`, the fragment
+  // lists are left out and their recorded lengths summed there instead.
+  Status InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) const;
   Status AddExport(uint64_t root, const ExportFile& x);
 
   const Index& index_;

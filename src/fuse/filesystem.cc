@@ -120,12 +120,12 @@ Result<Attr> Filesystem::AttrOfIno(uint64_t ino) const {
     return AttrOf(*n, report_size_.load(std::memory_order_acquire));
   }
   if (n->topo_errors) return AttrOf(*n, view_->TopoErrors().size());
-  auto layout = view_->Layout(ino);
-  if (!layout.ok()) {
-    LogError(view_->PathOf(ino) + ": " + layout.status().message());
-    return layout.status();
+  auto size = view_->Size(ino);  // an info.json's size without reading its fragments
+  if (!size.ok()) {
+    LogError(view_->PathOf(ino) + ": " + size.status().message());
+    return size.status();
   }
-  return AttrOf(*n, (*layout)->size);
+  return AttrOf(*n, *size);
 }
 
 Result<Attr> Filesystem::Lookup(uint64_t parent, std::string_view name) const {

@@ -107,6 +107,7 @@ std::string EncodeTensor(const TensorRecord& t) {
   w.Num(t.split.groups);
   w.Num<uint8_t>(t.split.pad_rows ? 1 : 0);
   w.Num(t.replicas);
+  w.Num(t.fragments_json_bytes);
   return w.Take();
 }
 
@@ -124,7 +125,10 @@ Result<TensorRecord> DecodeTensor(std::string_view s) {
     return Corrupt("tensor");
   }
   uint8_t pad = 0;
-  if (!r.Num(&pad) || pad > 1 || !r.Num(&t.replicas) || t.replicas == 0 || !r.Done()) return Corrupt("tensor");
+  if (!r.Num(&pad) || pad > 1 || !r.Num(&t.replicas) || t.replicas == 0 || !r.Num(&t.fragments_json_bytes) ||
+      !r.Done()) {
+    return Corrupt("tensor");
+  }
   t.split.pad_rows = pad == 1;
   t.alias = alias == 1;
   return t;

@@ -135,7 +135,14 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
     }
     put(kInfoKey, index::EncodeInfo(ck.info));
     put(kSchemaKey, SchemaValue());
-    for (size_t i = 0; i < ck.tensors.size(); ++i) put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(ck.tensors[i]));
+    std::string frag_json;
+    for (size_t i = 0; i < ck.tensors.size(); ++i) {
+      TensorRecord t = ck.tensors[i];
+      frag_json.clear();
+      AppendFragmentsJson(frag_json, ck.fragments[i], ck.files, t.replicas);
+      t.fragments_json_bytes = frag_json.size();
+      put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(t));
+    }
     for (size_t i = 0; i < ck.exports.size(); ++i) put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
     if (st.ok()) st = FromRocks(writer.Finish(), "finish", sst);
     if (!st.ok()) return fail(st);

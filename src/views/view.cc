@@ -9,15 +9,6 @@
 namespace ckptfs {
 namespace {
 
-void AppendInts(std::string& out, const std::vector<int64_t>& v) {
-  out += '[';
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i > 0) out += ',';
-    out += std::to_string(v[i]);
-  }
-  out += ']';
-}
-
 using json = nlohmann::ordered_json;
 
 Segment TensorSeg(TensorId id, const TensorRecord& t, DType out) {
@@ -408,7 +399,7 @@ std::string View::PathOf(uint64_t ino) const {
   return out.empty() ? "/" : out;
 }
 
-Status View::MakeInfoJson(Node& n) const {
+Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) const {
   const Node* dir = Get(n.parent);
   json j;
   j["fqn"] = index_.tensors()[n.tensor.v].fqn;
@@ -440,23 +431,16 @@ Status View::MakeInfoJson(Node& n) const {
     std::string body = JsonText(e);
     body.pop_back();
     body += ",\"fragments\":[";
-    if (t.error.empty()) {
+    if (t.error.empty() && unrendered != nullptr) {
+      *unrendered += t.fragments_json_bytes;
+    } else if (t.error.empty()) {
       ASSIGN_OR_RETURN(std::vector<Fragment> fs, index_.Fragments(id));
-      for (size_t k = 0; k < fs.size(); ++k) {
-        const Fragment& f = fs[k];
-        if (k > 0) body += ',';
-        body += "{\"file\":" + JsonEscape(index_.files()[f.file.v].rel_path) + ",\"offsets\":";
-        AppendInts(body, f.offsets);
-        body += ",\"lengths\":";
-        AppendInts(body, f.lengths);
-        body += ",\"strides\":";
-        AppendInts(body, f.strides);
-        body += ",\"byte_offset\":" + std::to_string(f.data_offset);
-        if (f.compression == Compression::kZstd) {
-          body += ",\"zstd_item\":[" + std::to_string(f.item_offset) + "," + std::to_string(f.item_length) + "]";
-        }
-        if (t.replicas > 1) body += ",\"copy\":" + std::to_string(f.replica);
-        body += '}';
+      const size_t before = body.size();
+      AppendFragmentsJson(body, fs, index_.files(), t.replicas);
+      if (body.size() - before != t.fragments_json_bytes) {
+        return Invalid("index " + index_.dir() + " is inconsistent: the fragments of '" + t.key + "' render to " +
+                       std::to_string(body.size() - before) + " bytes, its record says " +
+                       std::to_string(t.fragments_json_bytes) + " (rebuild it with ckptfs index --force)");
       }
     }
     body += "]}";
@@ -479,7 +463,7 @@ Status View::MakeInfoJson(Node& n) const {
   }
   text += "\n  }\n}\n";
   l.Add(LiteralSegment(text));
-  n.layout = std::move(l);
+  *out = std::move(l);
   return Status::Ok();
 }
 
@@ -490,10 +474,26 @@ Result<const FileLayout*> View::Layout(uint64_t ino) const {
   std::lock_guard<std::mutex> lock(lazy_mu_);
   Node* m = nodes_[ino - 1].get();
   if (!m->made) {
-    RETURN_IF_ERROR(MakeInfoJson(*m));
+    RETURN_IF_ERROR(InfoJson(*m, &m->layout, nullptr));
     m->made = true;
   }
   return &m->layout;
+}
+
+Result<uint64_t> View::Size(uint64_t ino) const {
+  const Node* n = Get(ino);
+  if (n == nullptr || n->is_dir) return NotFound("no such file");
+  if (!n->lazy) return n->layout.size;
+  std::lock_guard<std::mutex> lock(lazy_mu_);
+  Node* m = nodes_[ino - 1].get();
+  if (m->made) return m->layout.size;
+  if (m->lazy_size == UINT64_MAX) {
+    FileLayout l;
+    uint64_t unrendered = 0;
+    RETURN_IF_ERROR(InfoJson(*m, &l, &unrendered));
+    m->lazy_size = l.size + unrendered;
+  }
+  return m->lazy_size;
 }
 
 }  // namespace ckptfs

@@ -88,6 +88,26 @@ def test_ls_lR_of_a_fresh_mount_needs_no_lookup_per_name(src, mounter):
         assert s["source_bytes_read"] == 0, s
 
 
+def test_info_json_sizes_listed_before_any_read_are_their_bytes(src, mounter):
+    """`ls -l` sizes info.json from the index records (its fragment lists are
+    not read): what a later read returns has exactly that many bytes."""
+    with mounter(src) as m:
+        r = run(["ls", "-lR", "--time-style=+", str(m.path / "params")], timeout=60)
+        assert r.returncode == 0, r.stderr
+        listed, cur = {}, None
+        for ln in r.stdout.splitlines():
+            if ln.endswith(":") and not ln.startswith("-"):
+                cur = ln[:-1]
+            elif ln.startswith("-") and ln.endswith(" info.json"):
+                listed[os.path.join(cur, "info.json")] = int(ln.split()[4])
+        assert len(listed) >= 3, r.stdout
+        for path, size in listed.items():
+            data = open(path, "rb").read()
+            assert len(data) == size, path
+            info = json.loads(data)
+            assert all(t.get("error") or t["fragments"] for t in info["tensors"].values()), path
+
+
 def run_on_pty(args, env, timeout=TTY_TIMEOUT):
     """Runs `args` with stderr on a pseudo-terminal (stdout to a file);
     returns (exit code, what reached the terminal, stdout)."""

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include "../test_util.h"
 
 namespace ckptfs {
@@ -68,6 +70,77 @@ TEST(ViewTest, LayoutsAndCollisions) {
   auto cj = (*v)->Layout(*(*v)->Resolve("checkpoint.json"));
   EXPECT_NE((*cj)->segments[0].literal.find("two entries map to"), std::string::npos);
   EXPECT_EQ((*v)->PathOf(*npy), "/params/w/param.npy");
+}
+
+TEST(ViewTest, InfoJsonSizeComesFromTheRecordsAndMatchesItsBytes) {
+  TempDir t;
+  Checkpoint ck;
+  ck.info.family = "synthetic";
+  ck.files.push_back(SourceFile{"rank \"0\".bin", 0, 0, 0});  // a name JSON must escape
+  ckptfs::testing::WriteFile(t.path() + "/rank \"0\".bin", std::string(4096, 'a'));
+  ckptfs::testing::FillStat(t.path(), &ck.files[0]);
+  auto add = [&](const std::string& state, uint32_t replicas, bool zstd, const std::string& error) {
+    TensorRecord r;
+    r.key = "k." + state;
+    r.role = state == "param" ? Role::kParam : Role::kOptimState;
+    r.fqn = "w";
+    r.state = state;
+    r.dtype = DType::kF32;
+    r.shape = {4, 8};
+    r.byte_size = 128;
+    r.replicas = replicas;
+    r.error = error;
+    std::vector<Fragment> frags;
+    for (uint32_t c = 0; c < replicas && error.empty(); ++c) {
+      for (int64_t row = 0; row < 4; row += 2) {
+        Fragment f;
+        f.offsets = {row, 0};
+        f.lengths = {2, 8};
+        f.strides = {8, 1};
+        f.dtype = DType::kF32;
+        f.data_offset = static_cast<uint64_t>(row) * 32 + c * 1000;
+        f.data_length = 64;
+        f.replica = c;
+        if (zstd) {
+          f.compression = Compression::kZstd;
+          f.item_offset = 77;
+          f.item_length = 123456789;
+        }
+        frags.push_back(f);
+      }
+    }
+    r.num_fragments = static_cast<uint32_t>(frags.size());
+    ck.tensors.push_back(r);
+    ck.fragments.push_back(frags);
+  };
+  add("param", 1, false, "");
+  add("exp_avg", 3, false, "");
+  add("exp_avg_sq", 1, true, "");
+  add("step", 1, false, "cannot index 'k.step': broken");
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_TRUE(ix.ok());
+  for (const TensorRecord& r : (*ix)->tensors()) EXPECT_EQ(r.fragments_json_bytes == 0, !r.error.empty()) << r.key;
+  auto v = View::Build(**ix);
+  ASSERT_TRUE(v.ok());
+  auto ino = (*v)->Resolve("params/w/info.json");
+  ASSERT_TRUE(ino.ok());
+  auto size = (*v)->Size(*ino);  // before the layout exists: no fragment read
+  ASSERT_TRUE(size.ok()) << size.status().message();
+  EXPECT_FALSE((*v)->Get(*ino)->made);
+  auto l = (*v)->Layout(*ino);
+  ASSERT_TRUE(l.ok()) << l.status().message();
+  EXPECT_EQ((*l)->size, *size);
+  EXPECT_EQ(*(*v)->Size(*ino), *size);
+  std::string text;
+  for (const Segment& seg : (*l)->segments) text += seg.kind == SegmentKind::kLiteral ? seg.literal : std::string(seg.size, '0');
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << text;
+  EXPECT_EQ(j["tensors"]["exp_avg"]["fragments"].size(), 6u);
+  EXPECT_EQ(j["tensors"]["exp_avg"]["fragments"][5]["copy"], 2);
+  EXPECT_EQ(j["tensors"]["exp_avg_sq"]["fragments"][0]["zstd_item"][1], 123456789);
+  EXPECT_EQ(j["tensors"]["param"]["fragments"][0]["file"], "rank \"0\".bin");
+  EXPECT_TRUE(j["tensors"]["step"]["fragments"].empty());
 }
 
 }  // namespace
