@@ -96,7 +96,9 @@ class TensorReader {
   // --verify-on-read (set_verify_on_read: each range is checked before the
   // first byte over it is served), a read of a tensor over a failed range is
   // an error naming the file, the entry and both CRCs.
-  Status CheckChecksum(const ChecksumRange& c);
+  // `remember_good`: a pass that checks each range once (verify) keeps only
+  // the failures, so its memory does not grow with the millions of ranges.
+  Status CheckChecksum(const ChecksumRange& c, bool remember_good = true);
   // Range c was read and its CRC-32 did not match (not: it could not be read).
   bool ChecksumFailed(const ChecksumRange& c);
   void set_verify_on_read(bool on) { verify_on_read_ = on; }

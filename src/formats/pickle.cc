@@ -242,7 +242,7 @@ class Vm {
   Status SetItems(const PyRef& target, std::vector<PyRef>& kv) {
     if (kv.size() % 2 != 0) return Err("odd number of items for SETITEMS");
     if (target->kind != PyKind::kDict && target->kind != PyKind::kObject) return Err("SETITEM on a non-dict");
-    if (streaming_ && target->kind == PyKind::kDict) {
+    if (streaming_ && target->kind == PyKind::kDict && opts_.consume) {
       // Every entry is offered before any is freed: a value DUP'd within the
       // batch is pinned, so nothing the consumer reads is freed under it.
       std::vector<bool> taken(kv.size() / 2, false);
@@ -271,6 +271,22 @@ class Vm {
   Status Append(const PyRef& target, std::vector<PyRef>& items) {
     if (target->kind != PyKind::kList && target->kind != PyKind::kObject && target->kind != PyKind::kSet) {
       return Err("APPEND on a non-list");
+    }
+    if (streaming_ && target->kind == PyKind::kList && opts_.consume_item) {
+      // As SetItems: every item is offered before any is freed.
+      std::vector<bool> taken(items.size(), false);
+      for (size_t i = 0; i < items.size(); ++i) {
+        ASSIGN_OR_RETURN(taken[i], opts_.consume_item(*target, *items[i]));
+      }
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (taken[i]) continue;
+        RETURN_IF_ERROR(Adopt(target, items[i]));
+        target->items.push_back(items[i]);
+      }
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (taken[i]) Free(items[i]);
+      }
+      return Status::Ok();
     }
     for (auto& it : items) {
       RETURN_IF_ERROR(Adopt(target, it));
@@ -616,7 +632,7 @@ void Vm::ScanMemoReads() {
 }
 
 Result<PyRef> Vm::Run() {
-  if (opts_.consume) {
+  if (opts_.consume || opts_.consume_item) {
     streaming_ = true;
     ScanMemoReads();
   }

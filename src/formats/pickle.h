@@ -130,6 +130,8 @@ struct PickleOptions {
   // and its values are freed after the call (copy what you need). An error
   // stops the unpickling and is returned as is.
   std::function<Result<bool>(const PyValue& dict, const PyValue& key, const PyValue& value)> consume;
+  // Streaming, the same for each item appended to a list (APPEND(S)).
+  std::function<Result<bool>(const PyValue& list, const PyValue& item)> consume_item;
 };
 
 // Unpickles `data`; `what` names the source in errors ("x.distcp @ 431 data.pkl").

@@ -128,7 +128,7 @@ Status TensorReader::CheckFd(FileId file) const {
   return s.ok() ? s : Stale(s.message() + "; remount to rebuild the index");
 }
 
-Status TensorReader::CheckChecksum(const ChecksumRange& c) {
+Status TensorReader::CheckChecksum(const ChecksumRange& c, bool remember_good) {
   const std::pair<uint32_t, uint64_t> key(c.file.v, c.offset);
   {
     std::lock_guard<std::mutex> lock(range_mu_);
@@ -149,7 +149,7 @@ Status TensorReader::CheckChecksum(const ChecksumRange& c) {
   }
   std::lock_guard<std::mutex> lock(range_mu_);
   if (static_cast<uint32_t>(crc) == c.crc32) {
-    good_ranges_.insert(key);
+    if (remember_good) good_ranges_.insert(key);
     return Status::Ok();
   }
   char why[160];

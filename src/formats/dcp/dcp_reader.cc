@@ -452,6 +452,12 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     *seen = &dict;
     return true;
   };
+  // torch >= 2.6 may pickle every rank's SavePlan too (Metadata.all_local_plans,
+  // which megatron-core's cached plans fill): a WriteItem per chunk and rank
+  // that ckptfs never reads, dropped as it is appended.
+  opts.consume_item = [](const PyValue&, const PyValue& item) -> Result<bool> {
+    return item.ClassName() == "WriteItem";
+  };
   auto root_or = Unpickle(*bytes, ".metadata", opts);
   if (!root_or.ok()) return root_or.status().message().rfind("cannot parse ", 0) == 0 ? root_or.status() : fail(root_or.status());
   bytes->clear();

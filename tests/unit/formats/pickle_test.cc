@@ -308,6 +308,32 @@ TEST(PickleTest, StreamingCollectsWhatNothingReachesAndKeepsWhatTheTreeHolds) {
   }
 }
 
+TEST(PickleTest, StreamingTakesListItems) {
+  // Protocol 4: [[1], [2], [3], 'x'] built by APPENDS; the consumer takes the
+  // lists holding an odd int. The second list is memoized and read back
+  // into the dict after it: taking it must not free it.
+  std::string p = B({0x80, 0x04, '}', 0x8c, 1, 'l', ']', '(', ']', 'K', 1, 'a', ']', 0x94, 'K', 2, 'a', ']', 'K', 3, 'a',
+                     0x8c, 1, 'x', 'e', 's', 0x8c, 1, 'r', 'h', 0, 's', '.'});
+  std::vector<int64_t> taken;
+  PickleOptions o;
+  o.consume_item = [&](const PyValue&, const PyValue& v) -> Result<bool> {
+    if (v.kind != PyKind::kList || v.items.size() != 1 || v.items[0]->i == 2) return false;
+    taken.push_back(v.items[0]->i);
+    return true;
+  };
+  auto r = Unpickle(p, "t", o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  EXPECT_EQ(taken, (std::vector<int64_t>{1, 3}));
+  const PyValue* l = (*r)->Get("l");
+  ASSERT_NE(l, nullptr);
+  ASSERT_EQ(l->items.size(), 2u);
+  EXPECT_EQ(l->items[0]->items[0]->i, 2);
+  EXPECT_EQ(l->items[1]->s, "x");
+  const PyValue* again = (*r)->Get("r");
+  ASSERT_NE(again, nullptr);
+  EXPECT_EQ(again, l->items[0]);
+}
+
 TEST(PickleTest, StreamingConsumerErrorStopsTheUnpickling) {
   PickleOptions o;
   o.consume = [](const PyValue&, const PyValue&, const PyValue&) -> Result<bool> {
