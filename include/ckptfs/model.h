@@ -17,10 +17,12 @@
 #include <time.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "ckptfs/common.h"
 #include "ckptfs/geometry.h"
 
 namespace ckptfs {
@@ -243,6 +245,47 @@ struct ChecksumRange {
   std::string name;  // the ZIP entry name, for messages
 };
 
+// The checksum ranges of a checkpoint, in bounded memory whatever their number
+// (a DCP checkpoint of 1.5M chunks records 11M: 7 ZIP entries per item).
+// Added in any order; past `memory_budget` bytes the ones in memory are sorted
+// and written as a run to an unlinked temporary file in $TMPDIR (else /tmp);
+// ForEach merges the runs. A failed spill keeps the ranges in memory and the
+// error is returned by ForEach (the index build then fails naming it).
+class ChecksumSet {
+ public:
+  // Default budget 32 MiB (about 800k ranges of DCP's entry names in memory).
+  explicit ChecksumSet(size_t memory_budget = size_t{32} << 20);
+  ~ChecksumSet();
+  ChecksumSet(ChecksumSet&& o) noexcept;
+  ChecksumSet& operator=(ChecksumSet&& o) noexcept;
+  ChecksumSet(const ChecksumSet&) = delete;
+  ChecksumSet& operator=(const ChecksumSet&) = delete;
+
+  void Add(const ChecksumRange& r);
+  // Ranges added, repeats included.
+  uint64_t size() const { return added_; }
+  // Runs written to the temporary file so far.
+  size_t spilled_runs() const { return runs_.size(); }
+  // Every range in (file, offset) order; of ranges with the same (file,
+  // offset) only the first added. Stops at the first error `fn` returns.
+  Status ForEach(const std::function<Status(const ChecksumRange&)>& fn) const;
+
+ private:
+  struct Rec {  // 32 bytes; the name lives in names_
+    uint64_t offset, length;
+    uint32_t file, crc32, name_at, name_len;
+  };
+  void Spill();
+  size_t budget_;
+  std::vector<Rec> recs_;
+  std::string names_;
+  uint64_t added_ = 0;
+  int fd_ = -1;
+  std::vector<std::pair<uint64_t, uint64_t>> runs_;  // [offset, bytes) in fd_
+  uint64_t file_end_ = 0;
+  std::string spill_error_;
+};
+
 // Empty when `t`'s shape and the fragment boxes are servable: no negative
 // dimension, at most 2^60 bytes (overflow-checked), every box inside the
 // shape; else why not. ReadCheckpoint applies it to every reader's records.
@@ -262,7 +305,7 @@ struct Checkpoint {
   std::vector<TensorRecord> tensors;
   std::vector<std::vector<Fragment>> fragments;  // parallel to tensors
   std::vector<ExportFile> exports;
-  std::vector<ChecksumRange> checksums;
+  ChecksumSet checksums;
 
   // Appends a record with its fragments and returns its index. A record in
   // error keeps no fragments; num_fragments and a kTensor's byte_size are

@@ -29,7 +29,9 @@ std::unique_ptr<Source> Files::Open(const std::string& rel, bool parse) {
     s->error = "cannot parse " + rel + ": " + a.status().message();
   } else {
     s->archive = std::move(a).value();
-    AppendZipChecksums(*s->reader, s->archive, s->file, 0, &ck->checksums);
+    std::vector<ChecksumRange> sums;
+    AppendZipChecksums(*s->reader, s->archive, s->file, 0, &sums);
+    for (const ChecksumRange& c : sums) ck->checksums.Add(c);
     for (const std::string& g : s->archive.placeholders) {
       Seen& seen = placeholders_[g];
       if (seen.files++ == 0) seen.first = rel;

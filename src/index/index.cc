@@ -99,9 +99,6 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
       }
     }
   }
-  for (const ChecksumRange& c : ck.checksums) {
-    if (c.file.v >= ck.files.size()) return Invalid("cannot build index: a checksum names an unknown file");
-  }
   const std::string sst = tmp + ".sst";
   auto fail = [&](Status s) {
     fs::remove_all(tmp, ec);
@@ -115,18 +112,14 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
     auto put = [&](const std::string& k, const std::string& v) {
       if (st.ok()) st = FromRocks(writer.Put(k, v), "write", sst);
     };
-    {
-      // Keyed by (file, offset): sorted here, the first of any repeat kept.
-      std::vector<uint32_t> order(ck.checksums.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
-      auto at = [&](uint32_t i) { return std::make_pair(ck.checksums[i].file.v, ck.checksums[i].offset); };
-      std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return at(a) < at(b); });
-      for (size_t j = 0; j < order.size(); ++j) {
-        if (j > 0 && at(order[j]) == at(order[j - 1])) continue;
-        const ChecksumRange& c = ck.checksums[order[j]];
-        put(index::KeyU32U64('c', c.file.v, c.offset), index::EncodeChecksum(c));
-      }
-    }
+    // Keyed by (file, offset): ChecksumSet hands them over sorted, the first
+    // of any repeat only.
+    Status sums = ck.checksums.ForEach([&](const ChecksumRange& c) {
+      if (c.file.v >= ck.files.size()) return Invalid("cannot build index: a checksum names an unknown file");
+      put(index::KeyU32U64('c', c.file.v, c.offset), index::EncodeChecksum(c));
+      return st;
+    });
+    if (!sums.ok()) return fail(sums);
     for (size_t i = 0; i < ck.files.size(); ++i) put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
     for (size_t i = 0; i < ck.tensors.size(); ++i) {
       for (size_t j = 0; j < ck.fragments[i].size(); ++j) {

@@ -32,9 +32,9 @@ constexpr uint64_t kTorchSaveSlack = uint64_t{1} << 20;
 
 struct ItemLoc {
   uint32_t file = 0;
+  bool zstd = false;
   uint64_t offset = 0;
   uint64_t length = 0;
-  bool zstd = false;
 };
 
 std::string ChunkKey(const std::string& fqn, const std::vector<int64_t>& offsets) {
@@ -45,12 +45,11 @@ std::string ChunkKey(const std::string& fqn, const std::vector<int64_t>& offsets
 }
 
 // One tensor chunk or bytes item to resolve against its data file.
-struct Work {
-  size_t tensor = 0;
-  size_t ordinal = 0;
+struct Work {  // one per chunk: kept small (a checkpoint may have millions)
+  uint32_t tensor = 0;
+  bool bytes = false;
   std::vector<int64_t> offsets, sizes;
   ItemLoc loc;
-  bool bytes = false;
 };
 
 struct OpenFiles {
@@ -213,13 +212,14 @@ Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name
 
 // Resolves one chunk: parses its torch.save item, checks it against the
 // metadata and returns the fragment (or a per-tensor error).
-Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, const std::string& file_name,
+// The chunk's box moves from `w` into the fragment.
+Result<Fragment> ResolveChunk(Work& w, const TensorRecord& t, int fd, const std::string& file_name,
                               std::vector<ChecksumRange>* sums) {
   const std::string name = file_name + " @ " + std::to_string(w.loc.offset);
   Fragment f;
   f.file = FileId{w.loc.file};
-  f.offsets = w.offsets;
-  f.lengths = w.sizes;
+  f.offsets = std::move(w.offsets);
+  f.lengths = std::move(w.sizes);
   if (w.bytes) {
     f.data_offset = w.loc.offset;
     f.data_length = w.loc.length;
@@ -239,7 +239,7 @@ Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, cons
   if (w.loc.zstd) {
     ASSIGN_OR_RETURN(std::string raw, ReadItem(fd, w.loc, name));
     uint64_t bound = DTypeSize(t.dtype);
-    for (int64_t d : w.sizes) {
+    for (int64_t d : f.lengths) {
       if (d < 0 || MulOverflow(bound, static_cast<uint64_t>(d), &bound)) return Invalid("cannot read " + name + ": bad chunk size");
     }
     bound = std::min(bound + kTorchSaveSlack, GetReadLimits().max_item_bytes);
@@ -251,7 +251,7 @@ Result<Fragment> ResolveChunk(const Work& w, const TensorRecord& t, int fd, cons
   ASSIGN_OR_RETURN(TorchSaveArchive a, ReadTorchSave(*reader));
   if (a.root->kind != PyKind::kTensor) return Invalid("cannot read " + name + ": item is not a tensor");
   const TensorRef& ref = a.root->tensor;
-  if (ref.shape != w.sizes) return Invalid("cannot read " + name + ": item's shape differs from the chunk in .metadata");
+  if (ref.shape != f.lengths) return Invalid("cannot read " + name + ": item's shape differs from the chunk in .metadata");
   if (ref.dtype != t.dtype) {
     return Invalid("cannot read " + name + ": item dtype " + std::string(DTypeName(ref.dtype)) +
                    " differs from .metadata's " + std::string(DTypeName(t.dtype)));
@@ -382,7 +382,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       t.encoding = Encoding::kBytes;
       t.dtype = DType::kU8;
       Work w;
-      w.tensor = ti;
+      w.tensor = static_cast<uint32_t>(ti);
       w.bytes = true;
       work.push_back(w);
     } else if (cls == "TensorStorageMetadata") {
@@ -407,14 +407,12 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       }
       const PyValue* chunks = md.Attr("chunks");
       if (chunks == nullptr || !chunks->IsSeq()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has no chunks");
-      size_t ordinal = 0;
       for (const auto& c : chunks->items) {
         auto offs = AsIntVector(c->Attr("offsets"), "chunk offsets");
         auto sizes = AsIntVector(c->Attr("sizes"), "chunk sizes");
         if (!offs.ok() || !sizes.ok()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': bad chunk");
         Work w;
-        w.tensor = ti;
-        w.ordinal = ordinal++;
+        w.tensor = static_cast<uint32_t>(ti);
         w.offsets = *std::move(offs);
         w.sizes = *std::move(sizes);
         work.push_back(std::move(w));
@@ -535,50 +533,9 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   }
   ck.fragments.assign(ck.tensors.size(), {});
 
-  // Resolve every item, in parallel over the work list (index build is
-  // dominated by small preads of ZIP directories on a parallel filesystem).
-  std::vector<Result<Fragment>> results(work.size(), Result<Fragment>(Status()));
-  std::vector<std::vector<ChecksumRange>> sums(work.size());
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    for (size_t i = next++; i < work.size(); i = next++) {
-      const Work& w = work[i];
-      const std::string& rel = ck.files[w.loc.file].rel_path;
-      int fd = files.fds[w.loc.file];
-      if (fd < 0) {
-        results[i] = Status(Code::kNotFound, files.errors[w.loc.file]);
-        continue;
-      }
-      uint64_t end;
-      if (AddOverflow(w.loc.offset, w.loc.length, &end) || end > ck.files[w.loc.file].size) {
-        results[i] = Invalid("cannot read " + rel + ": item of '" + ck.tensors[w.tensor].key + "' at offset " +
-                             std::to_string(w.loc.offset) + " (" + std::to_string(w.loc.length) +
-                             " bytes) passes the end of the file (" + std::to_string(ck.files[w.loc.file].size) +
-                             " bytes; truncated?)");
-        continue;
-      }
-      results[i] = ResolveChunk(w, ck.tensors[w.tensor], fd, rel, &sums[i]);
-    }
-  };
-  unsigned n_threads = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
-  if (work.size() < 64) n_threads = 1;
-  std::vector<std::thread> threads;
-  for (unsigned i = 1; i < n_threads; ++i) threads.emplace_back(worker);
-  worker();
-  for (auto& th : threads) th.join();
-  {
-    size_t n = 0;
-    for (const auto& s : sums) n += s.size();
-    ck.checksums.reserve(ck.checksums.size() + n);
-    for (auto& s : sums) {
-      ck.checksums.insert(ck.checksums.end(), std::make_move_iterator(s.begin()), std::make_move_iterator(s.end()));
-      std::vector<ChecksumRange>().swap(s);
-    }
-    std::vector<std::vector<ChecksumRange>>().swap(sums);
-  }
-
   // A rank file that is missing: one finding per file, listing the holes it
-  // leaves (its chunks) with their coordinates.
+  // leaves (its chunks) with their coordinates (before the boxes move into
+  // fragments).
   std::map<uint32_t, std::vector<std::pair<std::string, std::string>>> missing;
   for (const Work& w : work) {
     if (files.fds[w.loc.file] >= 0 || ck.files[w.loc.file].mtime_ns != -1) continue;
@@ -602,16 +559,59 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
                  JsonText(d));
   }
 
-  for (size_t i = 0; i < work.size(); ++i) {
-    TensorRecord& t = ck.tensors[work[i].tensor];
-    if (!results[i].ok()) {
-      if (t.error.empty()) t.error = results[i].status().message();
-      continue;
+  // Resolve every item, in parallel over the work list (index build is
+  // dominated by small preads of ZIP directories on a parallel filesystem), in
+  // batches: a batch's fragments and checksum ranges are handed on before the
+  // next starts, so the results in memory never grow with the checkpoint.
+  constexpr size_t kBatch = 16384;
+  std::vector<Result<Fragment>> results;
+  std::vector<std::vector<ChecksumRange>> sums;
+  unsigned n_threads = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+  if (work.size() < 64) n_threads = 1;
+  for (size_t begin = 0; begin < work.size(); begin += kBatch) {
+    const size_t end = std::min(work.size(), begin + kBatch);
+    results.assign(end - begin, Result<Fragment>(Status()));
+    sums.assign(end - begin, {});
+    std::atomic<size_t> next{begin};
+    auto worker = [&] {
+      for (size_t i = next++; i < end; i = next++) {
+        Work& w = work[i];
+        Result<Fragment>& result = results[i - begin];
+        const std::string& rel = ck.files[w.loc.file].rel_path;
+        int fd = files.fds[w.loc.file];
+        if (fd < 0) {
+          result = Status(Code::kNotFound, files.errors[w.loc.file]);
+          continue;
+        }
+        uint64_t item_end;
+        if (AddOverflow(w.loc.offset, w.loc.length, &item_end) || item_end > ck.files[w.loc.file].size) {
+          result = Invalid("cannot read " + rel + ": item of '" + ck.tensors[w.tensor].key + "' at offset " +
+                           std::to_string(w.loc.offset) + " (" + std::to_string(w.loc.length) +
+                           " bytes) passes the end of the file (" + std::to_string(ck.files[w.loc.file].size) +
+                           " bytes; truncated?)");
+          continue;
+        }
+        result = ResolveChunk(w, ck.tensors[w.tensor], fd, rel, &sums[i - begin]);
+      }
+    };
+    std::vector<std::thread> threads;
+    for (unsigned i = 1; i < n_threads; ++i) threads.emplace_back(worker);
+    worker();
+    for (auto& th : threads) th.join();
+    for (size_t i = begin; i < end; ++i) {
+      for (const ChecksumRange& c : sums[i - begin]) ck.checksums.Add(c);
+      TensorRecord& t = ck.tensors[work[i].tensor];
+      Result<Fragment>& result = results[i - begin];
+      if (!result.ok()) {
+        if (t.error.empty()) t.error = result.status().message();
+        continue;
+      }
+      Fragment f = std::move(result).value();
+      if (t.encoding == Encoding::kBytes) t.byte_size = f.data_length;
+      ck.fragments[work[i].tensor].push_back(std::move(f));
     }
-    Fragment f = std::move(results[i]).value();
-    if (t.encoding == Encoding::kBytes) t.byte_size = f.data_length;
-    ck.fragments[work[i].tensor].push_back(std::move(f));
   }
+  std::vector<std::vector<ChecksumRange>>().swap(sums);
   std::vector<Result<Fragment>>().swap(results);
   std::vector<Work>().swap(work);
   for (size_t i = 0; i < ck.tensors.size(); ++i) {

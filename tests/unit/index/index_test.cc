@@ -89,8 +89,8 @@ TEST(IndexTest, ChecksumRangesAreLookedUpByFileAndOffset) {
   ckptfs::testing::WriteFile(t.path() + "/b.bin", std::string(1 << 12, 'z'));
   ckptfs::testing::FillStat(t.path(), &ck.files[1]);
   // Out of order, across files, one repeated (a reader may list a range twice).
-  for (uint64_t off : {40u, 0u, 10u, 100u, 10u}) ck.checksums.push_back(ChecksumRange{FileId{0}, off, 10, 0xC0 + static_cast<uint32_t>(off), "e" + std::to_string(off)});
-  for (uint64_t off : {2048u, 0u}) ck.checksums.push_back(ChecksumRange{FileId{1}, off, 1024, 7, "b"});
+  for (uint64_t off : {40u, 0u, 10u, 100u, 10u}) ck.checksums.Add(ChecksumRange{FileId{0}, off, 10, 0xC0 + static_cast<uint32_t>(off), "e" + std::to_string(off)});
+  for (uint64_t off : {2048u, 0u}) ck.checksums.Add(ChecksumRange{FileId{1}, off, 1024, 7, "b"});
   ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
   auto ix = Index::Open(t.path() + "/ix", t.path());
   ASSERT_TRUE(ix.ok()) << ix.status().message();
