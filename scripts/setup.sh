@@ -25,7 +25,7 @@ PY=.venv/bin/python
 # pip requirement:import name (test-only producers and clients after numpy). Versions come from
 # scripts/constraints.txt; a package installed at another version is reinstalled at the pin.
 want=(numpy:numpy)
-[[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout
+[[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout pytest-xdist:xdist
                                      deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors)
 need=()
 for w in "${want[@]}"; do

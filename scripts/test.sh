@@ -48,7 +48,9 @@ fi
 
 stage "integration tests (real FUSE mounts, real torch checkpoints)"
 # Fixtures are written once into build/fixtures (shared by the test modules that
-# use the same checkpoints; a fresh clone starts empty).
+# use the same checkpoints; a fresh clone starts empty). One pytest-xdist worker
+# per core, a module per worker at a time (tests/integration/conftest.py): the
+# producers that write the fixtures are mostly single-threaded Python.
 CKPTFS_FIXTURE_CACHE=${CKPTFS_FIXTURE_CACHE:-$PWD/build/fixtures} CKPTFS_BIN=$PWD/build/ckptfs \
-  .venv/bin/python -m pytest tests/integration -q -p no:cacheprovider --timeout=900
+  .venv/bin/python -m pytest tests/integration -q -p no:cacheprovider --timeout=900 -n "$JOBS" --dist loadgroup
 stage "all tests passed"

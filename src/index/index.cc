@@ -5,10 +5,13 @@
 #include <rocksdb/sst_file_writer.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -178,7 +181,12 @@ Result<std::unique_ptr<Index>> Index::Open(const std::string& dir, const std::st
   struct stat st{};
   if (::stat(dir.c_str(), &st) != 0) return NotFound("no index at " + dir);
   rocksdb::DB* raw = nullptr;
-  RETURN_IF_ERROR(FromRocks(rocksdb::DB::OpenForReadOnly(DbOptions(), dir, &raw), "open", dir));
+  // Every table file is opened now (max_open_files -1) and kept open: a
+  // rebuild that swaps the directory later (`ckptfs index --force` beside a
+  // mount) removes names, not the files this index reads.
+  rocksdb::Options o = DbOptions();
+  o.max_open_files = -1;
+  RETURN_IF_ERROR(FromRocks(rocksdb::DB::OpenForReadOnly(o, dir, &raw), "open", dir));
   ix->db_->db.reset(raw);
   rocksdb::DB* db = raw;
   std::string v;
@@ -296,10 +304,57 @@ std::string DefaultIndexDir(const std::string& src_dir) {
   return UserCacheDir() + "/" + Hex64(std::hash<std::string>{}(canon.empty() ? src_dir : canon));
 }
 
+namespace {
+
+// Builds of one index are serialized by an flock(2) on "<dir>.lock" beside it,
+// and opens hold it shared: every rank of a node mounting the same checkpoint
+// (or a `ckptfs info` beside a mount) builds it once, the others wait and open
+// what it built, and no open ever reads a directory that a rebuild is swapping
+// (RocksDB reads MANIFEST, then the table files, by path). Where the lock file
+// cannot be created (a read-only location) no lock is taken: nothing can build
+// there either.
+class IndexLock {
+ public:
+  IndexLock(const std::string& dir, bool exclusive) {
+    std::error_code ec;
+    fs::create_directories(fs::path(dir).parent_path(), ec);
+    fd_ = ::open((dir + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) fd_ = ::open((dir + ".lock").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) return;
+    while (::flock(fd_, exclusive ? LOCK_EX : LOCK_SH) != 0) {
+      if (errno != EINTR) {  // e.g. a file system without flock: go on unlocked
+        ::close(fd_);
+        fd_ = -1;
+        return;
+      }
+    }
+  }
+  ~IndexLock() {
+    if (fd_ >= 0) ::close(fd_);  // releases the lock
+  }
+  IndexLock(const IndexLock&) = delete;
+  IndexLock& operator=(const IndexLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace
+
 Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild) {
   OpenResult r;
   std::string dir = index_dir.empty() ? DefaultIndexDir(src_dir) : index_dir;
   if (!force_rebuild) {
+    IndexLock shared(dir, false);
+    auto opened = Index::Open(dir, src_dir);
+    if (opened.ok()) {
+      r.index = std::move(opened).value();
+      return r;
+    }
+  }
+  IndexLock exclusive(dir, true);
+  if (!force_rebuild) {
+    // Another process may have built it while this one waited for the lock.
     auto opened = Index::Open(dir, src_dir);
     if (opened.ok()) {
       r.index = std::move(opened).value();

@@ -2,6 +2,7 @@
 and a `mount` helper that mounts in a private directory with a timeout and
 always unmounts. Tests skip (by feature) when /dev/fuse is unusable."""
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -32,13 +33,40 @@ def fuse_usable():
     return os.path.exists("/dev/fuse") and shutil.which("fusermount3") is not None
 
 
+# scripts/test.sh runs this suite on every core with pytest-xdist
+# (`-n auto --dist loadgroup`): each module is one group, so it runs on one
+# worker and its module fixtures are made once; the modules that put files in
+# /usr/sbin (a mount(8) helper, the installed package) share a group.
+SHARED_GROUP = {"test_deploy_mount.py": "system-paths", "test_package.py": "system-paths"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SHARED_GROUP.get(item.path.name, item.path.name)))
+
+
+@contextlib.contextmanager
+def fixture_lock(path):
+    """Held while the cached fixture at `path` is checked and written: two
+    workers wanting the same one take turns, the second finds it made."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def dcp_fixtures(tmp_path_factory):
     """All DCP scenarios of make_dcp.py, written once per session by torch
     (or reused from $CKPTFS_FIXTURE_CACHE, a directory kept between runs)."""
     out = os.environ.get("CKPTFS_FIXTURE_CACHE") or str(tmp_path_factory.mktemp("dcp"))
-    subprocess.run([sys.executable, str(FIXTURES / "make_dcp.py"), out], check=True, timeout=900,
-                   stdout=subprocess.DEVNULL)
+    with fixture_lock(Path(out) / "make_dcp"):
+        subprocess.run([sys.executable, str(FIXTURES / "make_dcp.py"), out], check=True, timeout=900,
+                       stdout=subprocess.DEVNULL)
     return Path(out)
 
 

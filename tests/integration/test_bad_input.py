@@ -349,6 +349,24 @@ def test_flipped_tensor_byte_fails_its_crc(ck, mounter, tmp_path):
         assert errno_of(m.path / "params/out.weight/param.raw") == 0
 
 
+def test_chunk_of_the_wrong_rank_is_refused_per_tensor(ck, mounter, tmp_path):
+    """A chunk whose offsets have fewer dimensions than its tensor (rewritten
+    with torch's own classes): that tensor is refused naming both counts, the
+    rest is served."""
+    subprocess.run([sys.executable, "-c", "import pickle, sys, torch\n"
+                    "p = sys.argv[1] + '/.metadata'\n"
+                    "md = pickle.load(open(p, 'rb'))\n"
+                    "md.state_dict_metadata['model.proj.weight'].chunks[0].offsets = torch.Size([0])\n"
+                    "pickle.dump(md, open(p, 'wb'))\n", str(ck)], check=True, timeout=120, capture_output=True)
+    ix = tmp_path / "ix"
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(ix)], timeout=120)
+    assert r.returncode == 1 and "model.proj.weight" in r.stderr, r.stderr
+    assert "a chunk has 1 offsets and 2 sizes for a tensor of 2 dimensions" in r.stderr, r.stderr
+    with mounter(ck, index=ix) as m:
+        assert errno_of(m.path / "params/proj.weight/param.raw") == errno.EIO
+        np.load(m.path / "params/out.weight/param.npy")
+
+
 def test_overflowing_shape_is_eio_not_an_empty_file(ck, mounter, tmp_path):
     """A .metadata whose tensor size overflows 64 bits once multiplied out
     (rewritten with torch's own classes and pickle): that tensor is refused

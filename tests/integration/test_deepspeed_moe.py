@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, run, run_producer
+from conftest import FIXTURES, fixture_lock, run, run_producer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
@@ -44,8 +44,9 @@ def moe_root(tmp_path_factory):
 @pytest.fixture(scope="session", params=sorted(SCENARIOS))
 def scenario(request, moe_root):
     ck = moe_root / request.param
-    if not (ck / "reference_rank0.pt").exists():
-        run_producer([sys.executable, str(PRODUCER), str(ck)] + SCENARIOS[request.param], ck, ENV)
+    with fixture_lock(ck):
+        if not (ck / "reference_rank0.pt").exists():
+            run_producer([sys.executable, str(PRODUCER), str(ck)] + SCENARIOS[request.param], ck, ENV)
     return request.param, ck
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, run, run_producer
+from conftest import FIXTURES, fixture_lock, run, run_producer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
@@ -51,6 +51,11 @@ def ds_to_universal():
 
 
 def produce(out, name):
+    with fixture_lock(out / name):
+        return _produce(out, name)
+
+
+def _produce(out, name):
     ck = out / name
     if not (ck / "reference_tp0.pt").exists():  # written last by the producer
         run_producer([sys.executable, str(PRODUCER), str(ck)] + SCENARIOS[name], ck, ENV, timeout=600)

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ROOT, run, run_producer
+from conftest import FIXTURES, ROOT, fixture_lock, run, run_producer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
@@ -58,6 +58,11 @@ def pipe_root(tmp_path_factory):
 
 
 def produce(root, name):
+    with fixture_lock(root / name):
+        return _produce(root, name)
+
+
+def _produce(root, name):
     ck = root / name
     if not list(ck.glob("reference_pp*_tp*.pt")):  # written last by the producer
         run_producer([sys.executable, str(PRODUCER), str(ck)] + SCENARIOS[name], ck, ENV)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ckptfs_bin, run
+from conftest import FIXTURES, ckptfs_bin, fixture_lock, run
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -70,11 +70,12 @@ def megatron_fixtures(tmp_path_factory):
     root = Path(cache) / "megatron" if cache else tmp_path_factory.mktemp("megatron")
     for name, args in SCENARIOS.items():
         out = root / name
-        if (out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists():
-            continue
-        shutil.rmtree(out, ignore_errors=True)
-        subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
-                       check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with fixture_lock(out):
+            if (out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists():
+                continue
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
+                           check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return root
 
 

@@ -37,18 +37,30 @@ struct ItemLoc {
   uint64_t length = 0;
 };
 
-std::string ChunkKey(const std::string& fqn, const std::vector<int64_t>& offsets) {
-  std::string k = fqn;
-  k.push_back('\0');
-  for (int64_t o : offsets) k += std::to_string(o) + ",";
+// A chunk's storage key: the tensor's interned id and its offsets, as
+// varints (zigzag): self-delimiting, and short enough for the string's inline
+// buffer in the common case (millions of chunks, one key each).
+std::string ChunkKey(uint32_t fqn_id, const int64_t* offsets, size_t n) {
+  std::string k;
+  auto put = [&](uint64_t v) {
+    while (v >= 0x80) {
+      k.push_back(static_cast<char>((v & 0x7F) | 0x80));
+      v >>= 7;
+    }
+    k.push_back(static_cast<char>(v));
+  };
+  put(fqn_id);
+  for (size_t i = 0; i < n; ++i) put((static_cast<uint64_t>(offsets[i]) << 1) ^ static_cast<uint64_t>(offsets[i] >> 63));
   return k;
 }
 
 // One tensor chunk or bytes item to resolve against its data file.
 struct Work {  // one per chunk: kept small (a checkpoint may have millions)
   uint32_t tensor = 0;
+  uint32_t ndim = 0;
   bool bytes = false;
-  std::vector<int64_t> offsets, sizes;
+  // The chunk's offsets then sizes: `ndim` each, from here in the box pool.
+  uint64_t box = 0;
   ItemLoc loc;
 };
 
@@ -212,14 +224,14 @@ Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name
 
 // Resolves one chunk: parses its torch.save item, checks it against the
 // metadata and returns the fragment (or a per-tensor error).
-// The chunk's box moves from `w` into the fragment.
-Result<Fragment> ResolveChunk(Work& w, const TensorRecord& t, int fd, const std::string& file_name,
-                              std::vector<ChecksumRange>* sums) {
+// `box`: the chunk's offsets then sizes (w.ndim each).
+Result<Fragment> ResolveChunk(const Work& w, const int64_t* box, const TensorRecord& t, int fd,
+                              const std::string& file_name, std::vector<ChecksumRange>* sums) {
   const std::string name = file_name + " @ " + std::to_string(w.loc.offset);
   Fragment f;
   f.file = FileId{w.loc.file};
-  f.offsets = std::move(w.offsets);
-  f.lengths = std::move(w.sizes);
+  f.offsets.assign(box, box + w.ndim);
+  f.lengths.assign(box + w.ndim, box + 2 * w.ndim);
   if (w.bytes) {
     f.data_offset = w.loc.offset;
     f.data_length = w.loc.length;
@@ -331,6 +343,10 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
 
   // storage_data: MetadataIndex(fqn, offset) -> _StorageInfo(file, offset, length).
   std::unordered_map<std::string, ItemLoc> items;
+  std::unordered_map<std::string, uint32_t> fqn_ids;  // tensor name -> id in the keys
+  auto fqn_id = [&](const std::string& fqn) {
+    return fqn_ids.emplace(fqn, static_cast<uint32_t>(fqn_ids.size())).first->second;
+  };
   auto add_storage = [&](const PyValue& k, const PyValue& v) -> Status {
     if (k.ClassName() != "MetadataIndex" || v.ClassName() != "_StorageInfo") {
       return Invalid("cannot parse " + meta_path + ": storage_data entry is not MetadataIndex -> _StorageInfo");
@@ -365,13 +381,14 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
         }
       }
     }
-    items[ChunkKey(fqn->s, offsets)] = loc;
+    items[ChunkKey(fqn_id(fqn->s), offsets.data(), offsets.size())] = loc;
     return Status::Ok();
   };
 
   // state_dict_metadata: a tensor (its chunks become work items, located in
   // storage_data once both are read) or a bytes entry.
   std::vector<Work> work;
+  std::vector<int64_t> boxes;  // Work::box
   auto add_sdm = [&](const PyValue& k, const PyValue& md) -> Status {
     if (!k.IsStr()) return Invalid("cannot parse " + meta_path + ": non-string key in state_dict_metadata");
     TensorRecord t;
@@ -411,11 +428,22 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
         auto offs = AsIntVector(c->Attr("offsets"), "chunk offsets");
         auto sizes = AsIntVector(c->Attr("sizes"), "chunk sizes");
         if (!offs.ok() || !sizes.ok()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': bad chunk");
+        if (offs->size() != t.shape.size() || sizes->size() != t.shape.size()) {
+          if (t.error.empty()) {
+            t.error = "cannot index '" + t.key + "' (" + meta_path + "): a chunk has " + std::to_string(offs->size()) +
+                      " offsets and " + std::to_string(sizes->size()) + " sizes for a tensor of " +
+                      std::to_string(t.shape.size()) + " dimensions";
+            ck.info.Flag(Check::kCoverage, Severity::kError, t.key, ".metadata", t.error);
+          }
+          continue;
+        }
         Work w;
         w.tensor = static_cast<uint32_t>(ti);
-        w.offsets = *std::move(offs);
-        w.sizes = *std::move(sizes);
-        work.push_back(std::move(w));
+        w.ndim = static_cast<uint32_t>(t.shape.size());
+        w.box = boxes.size();
+        boxes.insert(boxes.end(), offs->begin(), offs->end());
+        boxes.insert(boxes.end(), sizes->begin(), sizes->end());
+        work.push_back(w);
       }
       t.byte_size = t.Numel() * DTypeSize(t.dtype);
     } else {
@@ -504,7 +532,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   for (size_t i = 0; i < work.size(); ++i) {
     Work& w = work[i];
     TensorRecord& t = ck.tensors[w.tensor];
-    auto it = items.find(ChunkKey(t.key, w.bytes ? std::vector<int64_t>{} : w.offsets));
+    auto id = fqn_ids.find(t.key);
+    auto it = id == fqn_ids.end() ? items.end() : items.find(ChunkKey(id->second, boxes.data() + w.box, w.ndim));
     if (it == items.end()) {
       if (t.error.empty()) {
         t.error = w.bytes ? "cannot find the storage item of bytes entry '" + t.key + "' in .metadata"
@@ -517,7 +546,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     ++kept;
   }
   work.resize(kept);
-  items.clear();
+  decltype(items)().swap(items);
+  decltype(fqn_ids)().swap(fqn_ids);
 
   // Stat and open every file; a missing one is a per-tensor error, not fatal.
   OpenFiles files;
@@ -540,7 +570,10 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   for (const Work& w : work) {
     if (files.fds[w.loc.file] >= 0 || ck.files[w.loc.file].mtime_ns != -1) continue;
     missing[w.loc.file].emplace_back(ck.tensors[w.tensor].key,
-                                     w.bytes ? "whole entry" : BoxString(Box{w.offsets, w.sizes}));
+                                     w.bytes ? "whole entry"
+                                             : BoxString(Box{{boxes.begin() + w.box, boxes.begin() + w.box + w.ndim},
+                                                             {boxes.begin() + w.box + w.ndim,
+                                                              boxes.begin() + w.box + 2 * w.ndim}}));
   }
   for (const auto& [file, holes] : missing) {
     const std::string& rel = ck.files[file].rel_path;
@@ -575,7 +608,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     std::atomic<size_t> next{begin};
     auto worker = [&] {
       for (size_t i = next++; i < end; i = next++) {
-        Work& w = work[i];
+        const Work& w = work[i];
         Result<Fragment>& result = results[i - begin];
         const std::string& rel = ck.files[w.loc.file].rel_path;
         int fd = files.fds[w.loc.file];
@@ -591,7 +624,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
                            " bytes; truncated?)");
           continue;
         }
-        result = ResolveChunk(w, ck.tensors[w.tensor], fd, rel, &sums[i - begin]);
+        result = ResolveChunk(w, boxes.data() + w.box, ck.tensors[w.tensor], fd, rel, &sums[i - begin]);
       }
     };
     std::vector<std::thread> threads;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "../test_util.h"
@@ -175,6 +176,32 @@ TEST(IndexTest, OpenOrBuildOnRealDcpAndDefaultLocation) {
   ASSERT_TRUE(third.ok());
   EXPECT_TRUE(third->built);
   EXPECT_NE(third->why_rebuilt.find(".metadata"), std::string::npos);
+}
+
+TEST(IndexTest, ConcurrentOpenOrBuildBuildsOnceAndEveryOneOpensIt) {
+  // Several ranks of a node mount one checkpoint at once: one builds, the
+  // others wait and open what it built (before the lock, two builds swapped the
+  // directory under each other's open: "Mismatch in unique ID on table file").
+  TempDir t;
+  std::string src = t.path() + "/ck";
+  fs::copy(std::string(CKPTFS_TEST_DATA) + "/dcp_single", src, fs::copy_options::recursive);
+  constexpr int kOpeners = 6;
+  std::vector<std::optional<Result<OpenResult>>> got(kOpeners);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kOpeners; ++i) threads.emplace_back([&, i] { got[i].emplace(OpenOrBuild(src, "")); });
+  for (auto& th : threads) th.join();
+  int built = 0;
+  for (auto& r : got) {
+    ASSERT_TRUE(r->ok()) << r->status().message();
+    built += (*r)->built ? 1 : 0;
+    ASSERT_TRUE((*r)->index->Fragments(TensorId{0}).ok());
+  }
+  EXPECT_EQ(built, 1);
+  // A forced rebuild swaps the directory; an index opened before keeps reading.
+  auto forced = OpenOrBuild(src, "", true);
+  ASSERT_TRUE(forced.ok()) << forced.status().message();
+  EXPECT_TRUE(forced->built);
+  for (auto& r : got) EXPECT_TRUE((*r)->index->Fragments(TensorId{0}).ok());
 }
 
 }  // namespace
