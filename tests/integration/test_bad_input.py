@@ -349,37 +349,39 @@ def test_flipped_tensor_byte_fails_its_crc(ck, mounter, tmp_path):
         assert errno_of(m.path / "params/out.weight/param.raw") == 0
 
 
-def test_chunk_of_the_wrong_rank_is_refused_per_tensor(ck, mounter, tmp_path):
-    """A chunk whose offsets have fewer dimensions than its tensor (rewritten
-    with torch's own classes): that tensor is refused naming both counts, the
-    rest is served."""
+def edit_metadata(ck, statement):
+    """Rewrites ck/.metadata with torch's own classes and pickle: `statement`
+    runs on the unpickled Metadata `md`."""
     subprocess.run([sys.executable, "-c", "import pickle, sys, torch\n"
                     "p = sys.argv[1] + '/.metadata'\n"
                     "md = pickle.load(open(p, 'rb'))\n"
-                    "md.state_dict_metadata['model.proj.weight'].chunks[0].offsets = torch.Size([0])\n"
+                    f"{statement}\n"
                     "pickle.dump(md, open(p, 'wb'))\n", str(ck)], check=True, timeout=120, capture_output=True)
-    ix = tmp_path / "ix"
+
+
+def info_refuses_proj_weight(ck, ix, why):
     r = run([ckptfs_bin(), "info", str(ck), "--index", str(ix)], timeout=120)
-    assert r.returncode == 1 and "model.proj.weight" in r.stderr, r.stderr
-    assert "a chunk has 1 offsets and 2 sizes for a tensor of 2 dimensions" in r.stderr, r.stderr
+    assert r.returncode == 1 and why in r.stderr and "model.proj.weight" in r.stderr, r.stderr
+
+
+def test_chunk_with_the_wrong_number_of_dimensions_is_refused_per_tensor(ck, mounter, tmp_path):
+    """A chunk whose offsets have fewer dimensions than its tensor: that tensor
+    is refused naming both counts, the rest is served."""
+    edit_metadata(ck, "md.state_dict_metadata['model.proj.weight'].chunks[0].offsets = torch.Size([0])")
+    ix = tmp_path / "ix"
+    info_refuses_proj_weight(ck, ix, "a chunk has 1 offsets and 2 sizes for a tensor of 2 dimensions")
     with mounter(ck, index=ix) as m:
         assert errno_of(m.path / "params/proj.weight/param.raw") == errno.EIO
         np.load(m.path / "params/out.weight/param.npy")
 
 
 def test_overflowing_shape_is_eio_not_an_empty_file(ck, mounter, tmp_path):
-    """A .metadata whose tensor size overflows 64 bits once multiplied out
-    (rewritten with torch's own classes and pickle): that tensor is refused
-    with the shape named; its .raw/.npy are EIO at open (they were 0-byte and
-    header-only files); everything else is served."""
-    subprocess.run([sys.executable, "-c", "import pickle, sys, torch\n"
-                    "p = sys.argv[1] + '/.metadata'\n"
-                    "md = pickle.load(open(p, 'rb'))\n"
-                    "md.state_dict_metadata['model.proj.weight'].size = torch.Size([1 << 62, 1 << 10])\n"
-                    "pickle.dump(md, open(p, 'wb'))\n", str(ck)], check=True, timeout=120, capture_output=True)
+    """A .metadata whose tensor size overflows 64 bits once multiplied out:
+    that tensor is refused with the shape named; its .raw/.npy are EIO at open
+    (they were 0-byte and header-only files); everything else is served."""
+    edit_metadata(ck, "md.state_dict_metadata['model.proj.weight'].size = torch.Size([1 << 62, 1 << 10])")
     ix = tmp_path / "ix"
-    r = run([ckptfs_bin(), "info", str(ck), "--index", str(ix)], timeout=120)
-    assert r.returncode == 1 and "is more than 2^60 bytes" in r.stderr and "model.proj.weight" in r.stderr, r.stderr
+    info_refuses_proj_weight(ck, ix, "is more than 2^60 bytes")
     with mounter(ck, index=ix) as m:
         for f in ("param.raw", "param.npy"):
             assert errno_of(m.path / "params/proj.weight" / f) == errno.EIO

@@ -564,8 +564,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   ck.fragments.assign(ck.tensors.size(), {});
 
   // A rank file that is missing: one finding per file, listing the holes it
-  // leaves (its chunks) with their coordinates (before the boxes move into
-  // fragments).
+  // leaves (its chunks) with their coordinates.
   std::map<uint32_t, std::vector<std::pair<std::string, std::string>>> missing;
   for (const Work& w : work) {
     if (files.fds[w.loc.file] >= 0 || ck.files[w.loc.file].mtime_ns != -1) continue;
@@ -647,6 +646,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   std::vector<std::vector<ChecksumRange>>().swap(sums);
   std::vector<Result<Fragment>>().swap(results);
   std::vector<Work>().swap(work);
+  std::vector<int64_t>().swap(boxes);
   for (size_t i = 0; i < ck.tensors.size(); ++i) {
     TensorRecord& t = ck.tensors[i];
     if (t.error.empty() && t.encoding == Encoding::kTensor) {

@@ -1,5 +1,4 @@
 #include <gtest/gtest.h>
-#include <sys/resource.h>
 
 #include <cstdlib>
 #include <random>
@@ -83,34 +82,34 @@ TEST(ChecksumSetTest, SpilledRunsMergeToTheSameOrderAsInMemory) {
   ExpectSame(Drain(moved), Expected(added));
 }
 
-TEST(ChecksumSetTest, MemoryStaysWithinTheBudgetWhateverTheCount) {
-  // 2M ranges (~110 MB if held as ChecksumRange) through a 1 MiB budget:
-  // the growth of the peak resident set stays far below what holding them costs.
-  struct rusage before{};
-  ::getrusage(RUSAGE_SELF, &before);
-  ChecksumSet s(size_t{1} << 20);
-  for (uint64_t i = 0; i < 2000000; ++i) {
+TEST(ChecksumSetTest, ManyRangesGoThroughASmallBudgetInRuns) {
+  // 500k ranges (~20 MB as records) through a 256 KiB budget: dozens of runs
+  // on disk, merged back in order with every name. (The peak RSS this bounds
+  // is measured by bench/scale_bench.py, not here: sanitizer allocators keep
+  // freed memory.)
+  constexpr uint64_t kRanges = 500000;
+  ChecksumSet s(size_t{256} << 10);
+  for (uint64_t i = 0; i < kRanges; ++i) {
+    // Interleaved over 7 files, so each run holds pieces of every file.
     s.Add(ChecksumRange{FileId{static_cast<uint32_t>(i % 7)}, i * 4096, 4096, static_cast<uint32_t>(i),
                         "d" + std::to_string(i)});
   }
+  EXPECT_GE(s.spilled_runs(), kRanges * 32 / (size_t{256} << 10));
   uint64_t n = 0;
   uint32_t last_file = 0;
   uint64_t last_offset = 0;
   Status st = s.ForEach([&](const ChecksumRange& r) {
     if (n > 0 && std::tie(r.file.v, r.offset) <= std::tie(last_file, last_offset)) return Invalid("out of order");
-    if (r.name != "d" + std::to_string(r.offset / 4096)) return Invalid("name of another range");
+    if (r.file.v != (r.offset / 4096) % 7 || r.crc32 != r.offset / 4096 || r.name != "d" + std::to_string(r.offset / 4096)) {
+      return Invalid("fields of another range at offset " + std::to_string(r.offset));
+    }
     last_file = r.file.v;
     last_offset = r.offset;
     ++n;
     return Status::Ok();
   });
   ASSERT_TRUE(st.ok()) << st.message();
-  EXPECT_EQ(n, 2000000u);
-  struct rusage after{};
-  ::getrusage(RUSAGE_SELF, &after);
-  // ru_maxrss is in KiB; the process's earlier peak may already cover this, so
-  // this bounds the growth only.
-  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 32 * 1024) << "peak RSS grew by " << (after.ru_maxrss - before.ru_maxrss) << " KiB";
+  EXPECT_EQ(n, kRanges);
 }
 
 TEST(ChecksumSetTest, AnErrorFromTheCallerStopsTheMerge) {
