@@ -125,6 +125,18 @@ class FileCursor : public Cursor {
   Status status_;
 };
 
+// Indices of `recs` in (file, offset) order, stable: of a repeat, the first
+// added comes first.
+template <typename Recs>
+std::vector<uint32_t> SortedOrder(const Recs& recs) {
+  std::vector<uint32_t> order(recs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+    return std::tie(recs[a].file, recs[a].offset) < std::tie(recs[b].file, recs[b].offset);
+  });
+  return order;
+}
+
 }  // namespace
 
 ChecksumSet::ChecksumSet(size_t memory_budget) : budget_(std::max<size_t>(memory_budget, 1)) {}
@@ -181,11 +193,7 @@ void ChecksumSet::Spill() {
       return;
     }
   }
-  std::vector<uint32_t> order(recs_.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<uint32_t>(i);
-  std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    return std::tie(recs_[a].file, recs_[a].offset) < std::tie(recs_[b].file, recs_[b].offset);
-  });
+  const std::vector<uint32_t> order = SortedOrder(recs_);
   const uint64_t begin = file_end_;
   std::string out;
   out.reserve(kReadBuffer + kRecBytes + 4096);
@@ -233,13 +241,7 @@ Status ChecksumSet::ForEach(const std::function<Status(const ChecksumRange&)>& f
   // The ranges still in memory: the last (latest) run.
   class MemoryCursor : public Cursor {
    public:
-    explicit MemoryCursor(const ChecksumSet& s) : s_(s), order_(s.recs_.size()) {
-      for (size_t i = 0; i < order_.size(); ++i) order_[i] = static_cast<uint32_t>(i);
-      std::stable_sort(order_.begin(), order_.end(), [&](uint32_t a, uint32_t b) {
-        return std::tie(s_.recs_[a].file, s_.recs_[a].offset) < std::tie(s_.recs_[b].file, s_.recs_[b].offset);
-      });
-      Load();
-    }
+    explicit MemoryCursor(const ChecksumSet& s) : s_(s), order_(SortedOrder(s.recs_)) { Load(); }
     bool Valid() const override { return at_ < order_.size(); }
     const ChecksumRange& Get() const override { return cur_; }
     const Status& status() const override { return ok_; }
