@@ -183,12 +183,96 @@ std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragmen
   return "";
 }
 
+namespace {
+
+void PutVarint(std::string& out, uint64_t v) {
+  while (v >= 0x80) {
+    out.push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out.push_back(static_cast<char>(v));
+}
+uint64_t GetVarint(std::string_view s, size_t* pos) {
+  uint64_t v = 0;
+  for (int shift = 0; *pos < s.size() && shift < 64; shift += 7) {
+    const auto b = static_cast<unsigned char>(s[(*pos)++]);
+    v |= static_cast<uint64_t>(b & 0x7F) << shift;
+    if (b < 0x80) break;
+  }
+  return v;
+}
+void PutInts(std::string& out, const std::vector<int64_t>& v) {
+  PutVarint(out, v.size());
+  for (int64_t x : v) PutVarint(out, (static_cast<uint64_t>(x) << 1) ^ static_cast<uint64_t>(x >> 63));  // zigzag
+}
+void GetInts(std::string_view s, size_t* pos, std::vector<int64_t>* v) {
+  v->resize(GetVarint(s, pos));
+  for (int64_t& x : *v) {
+    const uint64_t z = GetVarint(s, pos);
+    x = static_cast<int64_t>(z >> 1) ^ -static_cast<int64_t>(z & 1);
+  }
+}
+
+// The packed list: count, then per fragment every field as a varint. Only
+// this file writes it, so Get trusts it.
+std::string Pack(const std::vector<Fragment>& frags) {
+  std::string out;
+  if (frags.empty()) return out;
+  PutVarint(out, frags.size());
+  for (const Fragment& f : frags) {
+    PutVarint(out, f.file.v);
+    PutInts(out, f.offsets);
+    PutInts(out, f.lengths);
+    PutInts(out, f.strides);
+    PutVarint(out, static_cast<uint64_t>(f.dtype));
+    PutVarint(out, f.data_offset);
+    PutVarint(out, f.data_length);
+    PutVarint(out, static_cast<uint64_t>(f.compression));
+    PutVarint(out, f.item_offset);
+    PutVarint(out, f.item_length);
+    PutVarint(out, f.replica);
+  }
+  out.shrink_to_fit();
+  return out;
+}
+
+}  // namespace
+
+void FragmentTable::Append(const std::vector<Fragment>& frags) { packed_.push_back(Pack(frags)); }
+
+void FragmentTable::Set(size_t tensor, const std::vector<Fragment>& frags) { packed_[tensor] = Pack(frags); }
+
+size_t FragmentTable::Count(size_t tensor) const {
+  size_t pos = 0;
+  return static_cast<size_t>(GetVarint(packed_[tensor], &pos));
+}
+
+std::vector<Fragment> FragmentTable::Get(size_t tensor) const {
+  const std::string& s = packed_[tensor];
+  size_t pos = 0;
+  std::vector<Fragment> out(static_cast<size_t>(GetVarint(s, &pos)));
+  for (Fragment& f : out) {
+    f.file.v = static_cast<uint32_t>(GetVarint(s, &pos));
+    GetInts(s, &pos, &f.offsets);
+    GetInts(s, &pos, &f.lengths);
+    GetInts(s, &pos, &f.strides);
+    f.dtype = static_cast<DType>(GetVarint(s, &pos));
+    f.data_offset = GetVarint(s, &pos);
+    f.data_length = GetVarint(s, &pos);
+    f.compression = static_cast<Compression>(GetVarint(s, &pos));
+    f.item_offset = GetVarint(s, &pos);
+    f.item_length = GetVarint(s, &pos);
+    f.replica = static_cast<uint32_t>(GetVarint(s, &pos));
+  }
+  return out;
+}
+
 uint32_t Checkpoint::AddTensor(TensorRecord t, std::vector<Fragment> frags) {
   if (!t.error.empty()) frags.clear();
   t.num_fragments = static_cast<uint32_t>(frags.size());
   if (t.encoding == Encoding::kTensor) t.byte_size = t.Numel() * DTypeSize(t.dtype);
   tensors.push_back(std::move(t));
-  fragments.push_back(std::move(frags));
+  fragments.Append(frags);
   return static_cast<uint32_t>(tensors.size() - 1);
 }
 

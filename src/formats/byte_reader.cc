@@ -27,22 +27,27 @@ Result<std::string> MemoryReader::ReadAt(uint64_t offset, uint64_t len) const {
   return std::string(data_.substr(offset, len));
 }
 
-Result<std::string> FileSliceReader::Pread(uint64_t offset, uint64_t len) const {
-  std::string out(len, '\0');
+Status PreadExact(int fd, uint64_t offset, char* dst, uint64_t len, const std::string& name) {
   uint64_t done = 0;
   while (done < len) {
-    ssize_t n = ::pread(fd_, out.data() + done, len - done, static_cast<off_t>(base_ + offset + done));
+    ssize_t n = ::pread(fd, dst + done, len - done, static_cast<off_t>(offset + done));
     if (n < 0) {
       if (errno == EINTR) continue;
-      return ErrnoStatus("read", name_, errno);
+      return ErrnoStatus("read", name, errno);
     }
     if (n == 0) {
-      return Invalid("cannot read " + name_ + ": file is truncated (wanted " + std::to_string(len) +
-                     " bytes at offset " + std::to_string(base_ + offset) + ")");
+      return Invalid("cannot read " + name + ": file is truncated (wanted " + std::to_string(len) +
+                     " bytes at offset " + std::to_string(offset) + ")");
     }
     done += static_cast<uint64_t>(n);
-    ReportProgress(static_cast<uint64_t>(n));  // the index build's progress (ProgressScope)
   }
+  return Status::Ok();
+}
+
+Result<std::string> FileSliceReader::Pread(uint64_t offset, uint64_t len) const {
+  std::string out(len, '\0');
+  RETURN_IF_ERROR(PreadExact(fd_, base_ + offset, out.data(), len, name_));
+  ReportProgress(len);  // the index build's progress (ProgressScope)
   return out;
 }
 
@@ -67,7 +72,7 @@ Result<std::string> FileSliceReader::ReadAt(uint64_t offset, uint64_t len) const
   return Pread(offset, len);
 }
 
-Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
+Result<int> OpenBoundedFile(const std::string& path, uint64_t max_bytes, uint64_t* size) {
   ASSIGN_OR_RETURN(int fd, OpenRegularFile(path));
   struct stat st{};
   if (::fstat(fd, &st) != 0) {
@@ -75,12 +80,18 @@ Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
     ::close(fd);
     return ErrnoStatus("stat", path, e);
   }
-  uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size > max_bytes) {
+  *size = static_cast<uint64_t>(st.st_size);
+  if (*size > max_bytes) {
     ::close(fd);
-    return Invalid("cannot read " + path + ": " + std::to_string(size) + " bytes is more than the " +
+    return Invalid("cannot read " + path + ": " + std::to_string(*size) + " bytes is more than the " +
                    std::to_string(max_bytes) + " allowed");
   }
+  return fd;
+}
+
+Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
+  uint64_t size = 0;
+  ASSIGN_OR_RETURN(int fd, OpenBoundedFile(path, max_bytes, &size));
   FileSliceReader r(fd, 0, size, path);
   auto res = size == 0 ? Result<std::string>(std::string()) : r.ReadAt(0, size);
   ::close(fd);

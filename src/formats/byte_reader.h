@@ -58,6 +58,14 @@ class FileSliceReader final : public ByteReader {
   mutable bool head_loaded_ = false, tail_loaded_ = false;
 };
 
+// Reads exactly [offset, offset + len) of `fd` into `dst`; a short file is an
+// error naming `name`.
+Status PreadExact(int fd, uint64_t offset, char* dst, uint64_t len, const std::string& name);
+
+// Opens a regular file read-only and sets `size`, refusing files larger than
+// max_bytes. The caller closes the descriptor.
+Result<int> OpenBoundedFile(const std::string& path, uint64_t max_bytes, uint64_t* size);
+
 // Reads a whole regular file, refusing files larger than max_bytes.
 Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes);
 

@@ -26,10 +26,10 @@ Checkpoint Sanitized(Checkpoint ck) {
   for (size_t i = 0; i < ck.tensors.size(); ++i) {
     TensorRecord& t = ck.tensors[i];
     if (t.encoding != Encoding::kTensor) continue;
-    if (std::string why; t.error.empty() && !(why = CheckTensorGeometry(t, ck.fragments[i])).empty()) {
+    if (std::string why; t.error.empty() && !(why = CheckTensorGeometry(t, ck.fragments.Get(i))).empty()) {
       t.error = "cannot index '" + t.key + "': " + why;
       ck.info.problems.push_back(t.error);
-      ck.fragments[i].clear();
+      ck.fragments.Clear(i);
       t.num_fragments = 0;
     }
     if (DTypeSize(t.dtype) != 0 && !CheckTensorGeometry(t, {}).empty()) {

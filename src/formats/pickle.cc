@@ -61,6 +61,121 @@ bool DecidesTensorBytes(const std::string& name) {
   return StartsWith(name, "_rebuild") || (name.size() >= 7 && name.compare(name.size() - 7, 7, "Storage") == 0);
 }
 
+void AppendUtf8(uint32_t cp, std::string* out) {
+  if (cp < 0x80) {
+    out->push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  } else {
+    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
+    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+  }
+}
+
+// Protocol 0's UNICODE argument (raw-unicode-escape: \uXXXX and \UXXXXXXXX
+// escapes, every other byte a Latin-1 code point) as UTF-8. pickle.py writes
+// a backslash or newline of the string as \u005c / \u000a.
+Result<std::string> DecodeRawUnicodeEscape(std::string_view in) {
+  std::string out;
+  out.reserve(in.size());
+  for (size_t i = 0; i < in.size();) {
+    const unsigned char c = static_cast<unsigned char>(in[i]);
+    const size_t digits = c == '\\' && i + 1 < in.size() ? (in[i + 1] == 'u' ? 4 : in[i + 1] == 'U' ? 8 : 0) : 0;
+    if (digits == 0) {
+      AppendUtf8(c, &out);
+      ++i;
+      continue;
+    }
+    if (in.size() - i - 2 < digits) return Invalid("truncated \\u escape in a UNICODE argument");
+    uint32_t cp = 0;
+    for (size_t k = 0; k < digits; ++k) {
+      const char h = in[i + 2 + k];
+      const int v = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+      if (v < 0) return Invalid("bad \\u escape in a UNICODE argument");
+      cp = cp << 4 | static_cast<uint32_t>(v);
+    }
+    if (cp > 0x10FFFF) return Invalid("\\U escape past U+10FFFF in a UNICODE argument");
+    AppendUtf8(cp, &out);
+    i += 2 + digits;
+  }
+  return out;
+}
+
+// The pickle bytes the VM reads: the whole input in memory, or a file read in
+// windows (a DCP .metadata of hundreds of MiB is never held whole). A view
+// returned by Take or Line stays valid until the next call.
+class Cursor {
+ public:
+  explicit Cursor(std::string_view whole) : d_(whole), size_(whole.size()) {}
+  Cursor(uint64_t size, const PickleRead* read, uint64_t window)
+      : size_(size), read_(read), window_size_(std::max<uint64_t>(window, 1)) {}
+
+  uint64_t pos() const { return p_; }
+  uint64_t size() const { return size_; }
+  uint64_t left() const { return size_ - p_; }
+  Result<std::string_view> Take(uint64_t n) {
+    RETURN_IF_ERROR(Ensure(n));
+    std::string_view s = d_.substr(p_ - base_, n);
+    p_ += n;
+    return s;
+  }
+  Status Skip(uint64_t n) {
+    if (n > left()) return Truncated(n);
+    p_ += n;
+    return Status::Ok();
+  }
+  Result<uint64_t> Le(size_t n) {
+    ASSIGN_OR_RETURN(std::string_view b, Take(n));
+    uint64_t v = 0;
+    for (size_t i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(b[i])) << (8 * i);
+    return v;
+  }
+  // The bytes up to the next newline (not included); the newline is consumed.
+  Result<std::string_view> Line() {
+    for (uint64_t want = window_size_;; want *= 2) {
+      std::string_view here = d_.substr(std::min<uint64_t>(p_ - base_, d_.size()));
+      size_t e = here.find('\n');
+      if (e != std::string_view::npos) {
+        p_ += e + 1;
+        return here.substr(0, e);
+      }
+      if (read_ == nullptr || base_ + d_.size() >= size_) return Invalid("truncated text argument");
+      RETURN_IF_ERROR(Fill(std::min(want, left())));
+    }
+  }
+
+ private:
+  Status Truncated(uint64_t n) const { return Invalid("truncated: wanted " + std::to_string(n) + " more bytes"); }
+  Status Ensure(uint64_t n) {
+    if (p_ - base_ <= d_.size() && n <= d_.size() - (p_ - base_)) return Status::Ok();  // Skip may pass the window
+    if (n > left()) return Truncated(n);
+    return Fill(std::min(left(), std::max(n, window_size_)));
+  }
+  // Reads [p_, p_ + n) into the window.
+  Status Fill(uint64_t n) {
+    window_.resize(n);
+    RETURN_IF_ERROR((*read_)(p_, window_.data(), n));
+    d_ = window_;
+    base_ = p_;
+    return Status::Ok();
+  }
+
+  std::string_view d_;  // bytes [base_, base_ + d_.size()) of the input
+  uint64_t base_ = 0;
+  uint64_t p_ = 0;
+  uint64_t size_;
+  const PickleRead* read_ = nullptr;
+  uint64_t window_size_ = 0;
+  std::string window_;
+};
+
 // Enum classes whose members the readers need as numbers, with each member's
 // value: `getattr(Cls, 'name')` (CPython 3.11.0-3.11.4, bpo-44342 until
 // gh-105332) and `Cls(value)` (every other release) read the same.
@@ -87,8 +202,8 @@ const KnownEnum* FindEnum(const PyValue& cls) {
 
 class Vm {
  public:
-  Vm(std::string_view data, const std::string& what, const PickleOptions& opts)
-      : d_(data), what_(what), opts_(opts), arena_(std::make_shared<Arena>()) {}
+  Vm(Cursor in, const Cursor& rescan, const std::string& what, const PickleOptions& opts)
+      : in_(std::move(in)), rescan_(rescan), what_(what), opts_(opts), arena_(std::make_shared<Arena>()) {}
 
   Result<PyRef> Run();
   const std::shared_ptr<Arena>& arena() const { return arena_; }
@@ -165,20 +280,14 @@ class Vm {
   Status Err(const std::string& why) const {
     return Invalid("cannot unpickle " + what_ + ": " + why + " (at byte " + std::to_string(op_pos_) + ")");
   }
-  bool Need(size_t n) const { return d_.size() - p_ >= n; }
-  Result<std::string_view> Take(uint64_t n) {
-    if (n > d_.size() - p_) return Err("truncated: wanted " + std::to_string(n) + " more bytes");
-    std::string_view s = d_.substr(p_, n);
-    p_ += n;
-    return s;
+  // Input errors carry the opcode's position.
+  template <typename T>
+  Result<T> At(Result<T> r) const {
+    if (!r.ok()) return Err(r.status().message());
+    return r;
   }
-  Result<std::string_view> Line() {
-    size_t e = d_.find('\n', p_);
-    if (e == std::string_view::npos) return Err("truncated text argument");
-    std::string_view s = d_.substr(p_, e - p_);
-    p_ = e + 1;
-    return s;
-  }
+  Result<std::string_view> Take(uint64_t n) { return At(in_.Take(n)); }
+  Result<std::string_view> Line() { return At(in_.Line()); }
   template <typename T>
   Result<T> Num() {
     ASSIGN_OR_RETURN(std::string_view s, Take(sizeof(T)));
@@ -308,7 +417,7 @@ class Vm {
   Status Memoize(uint64_t idx, const PyRef& v) {
     // Every memo entry costs at least one opcode byte (MEMOIZE), so the input
     // bounds the memo; a fixed cap broke DCP .metadata of ~100k tensors.
-    if (memo_.size() > std::max<size_t>(kMaxStack, d_.size())) return Err("memo too large");
+    if (memo_.size() > std::max<uint64_t>(kMaxStack, in_.size())) return Err("memo too large");
     if (streaming_) {
       if (!memo_reads_.contains(idx)) return Status::Ok();  // never read back: not kept
       Pin(v);
@@ -373,11 +482,11 @@ class Vm {
   }
   static constexpr size_t kMinCollect = size_t{1} << 16;
 
-  std::string_view d_;
+  Cursor in_;
+  Cursor rescan_;  // the same input from its start, for ScanMemoReads
   const std::string& what_;
   const PickleOptions& opts_;
-  size_t p_ = 0;
-  size_t op_pos_ = 0;
+  uint64_t op_pos_ = 0;
   std::vector<PyRef> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, PyRef> memo_;
@@ -554,80 +663,66 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
 }
 
 void Vm::ScanMemoReads() {
-  size_t p = 0;
-  auto skip = [&](uint64_t n) {
-    if (n > d_.size() - p) return false;
-    p += n;
-    return true;
+  Cursor c = std::move(rescan_);  // its window goes with the scan
+  auto skip_sized = [&](size_t len_bytes) { 
+    auto n = c.Le(len_bytes);
+    return n.ok() && c.Skip(*n).ok();
   };
-  auto le = [&](size_t n, uint64_t* out) {
-    if (n > d_.size() - p) return false;
-    uint64_t v = 0;
-    for (size_t i = 0; i < n; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(d_[p + i])) << (8 * i);
-    p += n;
-    *out = v;
-    return true;
-  };
-  auto line = [&](std::string_view* out) {
-    size_t e = d_.find('\n', p);
-    if (e == std::string_view::npos) return false;
-    if (out != nullptr) *out = d_.substr(p, e - p);
-    p = e + 1;
+  auto count = [&](Result<uint64_t> idx) {
+    if (!idx.ok()) return false;
+    ++memo_reads_[*idx];
     return true;
   };
   // A malformed stream stops the scan; the VM reports the error where it is.
-  while (p < d_.size()) {
-    unsigned char op = static_cast<unsigned char>(d_[p++]);
-    uint64_t n = 0;
-    std::string_view text;
-    switch (op) {
+  while (c.left() > 0) {
+    auto opr = c.Le(1);
+    if (!opr.ok()) return;
+    bool ok = true;
+    switch (static_cast<unsigned char>(*opr)) {
       case '.':
         return;
       case 0x80: case 'K': case 'q':
-        if (!skip(1)) return;
+        ok = c.Skip(1).ok();
         break;
       case 'M':
-        if (!skip(2)) return;
+        ok = c.Skip(2).ok();
         break;
       case 'J': case 'r':
-        if (!skip(4)) return;
+        ok = c.Skip(4).ok();
         break;
       case 0x95: case 'G':
-        if (!skip(8)) return;
+        ok = c.Skip(8).ok();
         break;
       case 0x8a: case 0x8c: case 'C': case 'U':
-        if (!le(1, &n) || !skip(n)) return;
+        ok = skip_sized(1);
         break;
       case 0x8b: case 'X': case 'B': case 'T':
-        if (!le(4, &n) || !skip(n)) return;
+        ok = skip_sized(4);
         break;
       case 0x8d: case 0x8e: case 0x96:
-        if (!le(8, &n) || !skip(n)) return;
+        ok = skip_sized(8);
         break;
-      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P':
-        if (!line(nullptr)) return;
+      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'p':
+        ok = c.Line().ok();
         break;
       case 'c': case 'i':
-        if (!line(nullptr) || !line(nullptr)) return;
-        break;
-      case 'p':
-        if (!line(nullptr)) return;
+        ok = c.Line().ok() && c.Line().ok();
         break;
       case 'h':
-        if (!le(1, &n)) return;
-        ++memo_reads_[n];
+        ok = count(c.Le(1));
         break;
       case 'j':
-        if (!le(4, &n)) return;
-        ++memo_reads_[n];
+        ok = count(c.Le(4));
         break;
-      case 'g':
-        if (!line(&text)) return;
-        ++memo_reads_[std::strtoull(std::string(text).c_str(), nullptr, 10)];
+      case 'g': {
+        auto text = c.Line();
+        ok = text.ok() && count(std::strtoull(std::string(*text).c_str(), nullptr, 10));
         break;
+      }
       default:
         break;  // no argument (or unknown: the VM refuses it)
     }
+    if (!ok) return;
   }
 }
 
@@ -637,10 +732,11 @@ Result<PyRef> Vm::Run() {
     ScanMemoReads();
   }
   while (true) {
-    op_pos_ = p_;
+    op_pos_ = in_.pos();
     if (streaming_ && arena_->size() - free_.size() >= next_collect_) Collect();
-    if (!Need(1)) return Err("truncated: no STOP opcode");
-    unsigned char op = static_cast<unsigned char>(d_[p_++]);
+    if (in_.left() == 0) return Err("truncated: no STOP opcode");
+    ASSIGN_OR_RETURN(std::string_view opb, Take(1));
+    unsigned char op = static_cast<unsigned char>(opb[0]);
     switch (op) {
       case 0x80: {  // PROTO
         ASSIGN_OR_RETURN(uint8_t proto, Num<uint8_t>());
@@ -789,9 +885,10 @@ Result<PyRef> Vm::Run() {
         RETURN_IF_ERROR(Push(MakeStr(PyKind::kStr, std::string(line.substr(1, line.size() - 2)))));
         break;
       }
-      case 'V': {  // UNICODE (raw-unicode-escape); \u escapes are kept verbatim
+      case 'V': {  // UNICODE (raw-unicode-escape)
         ASSIGN_OR_RETURN(std::string_view line, Line());
-        RETURN_IF_ERROR(Push(MakeStr(PyKind::kStr, std::string(line))));
+        ASSIGN_OR_RETURN(std::string text, At(DecodeRawUnicodeEscape(line)));
+        RETURN_IF_ERROR(Push(MakeStr(PyKind::kStr, std::move(text))));
         break;
       }
       case ')':
@@ -872,9 +969,10 @@ Result<PyRef> Vm::Run() {
       }
       case 'c':
       case 'i': {  // GLOBAL / INST
-        ASSIGN_OR_RETURN(std::string_view mod, Line());
+        ASSIGN_OR_RETURN(std::string_view mod_line, Line());
+        std::string mod(mod_line);  // the next Line may move the window
         ASSIGN_OR_RETURN(std::string_view name, Line());
-        ASSIGN_OR_RETURN(PyRef g, Global(std::string(mod), std::string(name)));
+        ASSIGN_OR_RETURN(PyRef g, Global(std::move(mod), std::string(name)));
         if (op == 'c') {
           RETURN_IF_ERROR(Push(g));
         } else {
@@ -1083,10 +1181,18 @@ Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what
 
 Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts,
                           std::vector<std::string>* placeholders) {
-  Vm vm(data, what, opts);
+  Vm vm(Cursor{data}, Cursor{data}, what, opts);
   ASSIGN_OR_RETURN(PyRef root, vm.Run());
   if (placeholders != nullptr) *placeholders = vm.placeholders();
   return PyHandle(vm.arena(), root);  // aliasing: the handle owns the arena
+}
+
+Result<PyHandle> Unpickle(uint64_t size, const PickleRead& read, const std::string& what, const PickleOptions& opts,
+                          std::vector<std::string>* placeholders) {
+  Vm vm(Cursor{size, &read, opts.read_window}, Cursor{size, &read, opts.read_window}, what, opts);
+  ASSIGN_OR_RETURN(PyRef root, vm.Run());
+  if (placeholders != nullptr) *placeholders = vm.placeholders();
+  return PyHandle(vm.arena(), root);
 }
 
 }  // namespace ckptfs::formats

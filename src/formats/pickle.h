@@ -132,6 +132,9 @@ struct PickleOptions {
   std::function<Result<bool>(const PyValue& dict, const PyValue& key, const PyValue& value)> consume;
   // Streaming, the same for each item appended to a list (APPEND(S)).
   std::function<Result<bool>(const PyValue& list, const PyValue& item)> consume_item;
+  // The file form of Unpickle: bytes read per window (at least what one
+  // opcode needs). Tests make it tiny so that every argument crosses one.
+  uint64_t read_window = uint64_t{1} << 20;
 };
 
 // Unpickles `data`; `what` names the source in errors ("x.distcp @ 431 data.pkl").
@@ -139,6 +142,14 @@ struct PickleOptions {
 // placeholders ("module.name", first-seen order).
 Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts = {},
                           std::vector<std::string>* placeholders = nullptr);
+
+// Reads exactly [offset, offset + len) of a pickle's bytes (a short read is an
+// error naming the file).
+using PickleRead = std::function<Status(uint64_t offset, char* dst, size_t len)>;
+// The same for `size` bytes read through `read` in windows (read_window), so
+// a pickle of hundreds of MiB is never held whole (streaming reads it twice).
+Result<PyHandle> Unpickle(uint64_t size, const PickleRead& read, const std::string& what,
+                          const PickleOptions& opts = {}, std::vector<std::string>* placeholders = nullptr);
 
 // Canonical module name used for matching (see the header note).
 std::string CanonicalModule(std::string_view module);

@@ -124,19 +124,22 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
     });
     if (!sums.ok()) return fail(sums);
     for (size_t i = 0; i < ck.files.size(); ++i) put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
+    std::vector<uint64_t> json_bytes(ck.tensors.size());  // info.json's "fragments" (keys 't' follow 'g')
+    std::string frag_json;
     for (size_t i = 0; i < ck.tensors.size(); ++i) {
-      for (size_t j = 0; j < ck.fragments[i].size(); ++j) {
-        put(KeyU32U32('g', static_cast<uint32_t>(i), static_cast<uint32_t>(j)), index::EncodeFragment(ck.fragments[i][j]));
+      const std::vector<Fragment> frags = ck.fragments.Get(i);
+      for (size_t j = 0; j < frags.size(); ++j) {
+        put(KeyU32U32('g', static_cast<uint32_t>(i), static_cast<uint32_t>(j)), index::EncodeFragment(frags[j]));
       }
+      frag_json.clear();
+      AppendFragmentsJson(frag_json, frags, ck.files, ck.tensors[i].replicas);
+      json_bytes[i] = frag_json.size();
     }
     put(kInfoKey, index::EncodeInfo(ck.info));
     put(kSchemaKey, SchemaValue());
-    std::string frag_json;
     for (size_t i = 0; i < ck.tensors.size(); ++i) {
       TensorRecord t = ck.tensors[i];
-      frag_json.clear();
-      AppendFragmentsJson(frag_json, ck.fragments[i], ck.files, t.replicas);
-      t.fragments_json_bytes = frag_json.size();
+      t.fragments_json_bytes = json_bytes[i];
       put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(t));
     }
     for (size_t i = 0; i < ck.exports.size(); ++i) put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));

@@ -21,6 +21,7 @@
 #include "ckptfs/formats.h"
 #include "formats/zstd.h"
 #include "common/json_text.h"
+#include "ckptfs/progress.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -289,8 +290,8 @@ int64_t FindStep(const std::string& dir, const Checkpoint& ck, const OpenFiles& 
   for (const char* key : {"train_state.step", "step", "iteration", "global_step", "train_state.iteration"}) {
     for (size_t i = 0; i < ck.tensors.size(); ++i) {
       const TensorRecord& t = ck.tensors[i];
-      if (t.key != key || !t.error.empty() || ck.fragments[i].size() != 1) continue;
-      const Fragment& f = ck.fragments[i][0];
+      if (t.key != key || !t.error.empty() || ck.fragments.Count(i) != 1) continue;
+      const Fragment f = ck.fragments.Get(i)[0];
       int fd = files.fds[f.file.v];
       if (fd < 0) continue;
       if (t.encoding == Encoding::kBytes && f.compression == Compression::kNone) {
@@ -327,9 +328,25 @@ bool LooksLikeDcp(const std::string& dir) {
 Result<Checkpoint> ReadDcp(const std::string& dir) {
   const std::string meta_path = dir + "/.metadata";
   auto fail = [&](const Status& s) { return s.Annotate("cannot parse " + meta_path); };
-  auto bytes = ReadWholeFile(meta_path, GetReadLimits().max_metadata_bytes);
-  if (!bytes.ok()) return bytes.status();
-  if (bytes->empty()) return Invalid("cannot parse " + meta_path + ": empty file");
+  // The .metadata is read in windows by the pickle VM (it may be hundreds of
+  // MiB), never held whole.
+  uint64_t meta_size = 0;
+  auto meta_fd = OpenBoundedFile(meta_path, GetReadLimits().max_metadata_bytes, &meta_size);
+  if (!meta_fd.ok()) return meta_fd.status();
+  struct CloseFd {
+    int fd;
+    ~CloseFd() { ::close(fd); }
+  } meta_closer{*meta_fd};
+  if (meta_size == 0) return Invalid("cannot parse " + meta_path + ": empty file");
+  uint64_t meta_reported = 0;  // progress counts each byte once (the VM reads it twice)
+  const PickleRead read_meta = [&](uint64_t offset, char* dst, size_t len) -> Status {
+    RETURN_IF_ERROR(PreadExact(*meta_fd, offset, dst, len, meta_path));
+    if (offset + len > meta_reported) {
+      ReportProgress(offset + len - std::max(offset, meta_reported));
+      meta_reported = offset + len;
+    }
+    return Status::Ok();
+  };
 
   Checkpoint ck;
   // Source files: .metadata first, then every data file in storage_data order.
@@ -484,10 +501,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   opts.consume_item = [](const PyValue&, const PyValue& item) -> Result<bool> {
     return item.ClassName() == "WriteItem";
   };
-  auto root_or = Unpickle(*bytes, ".metadata", opts);
+  auto root_or = Unpickle(meta_size, read_meta, ".metadata", opts);
   if (!root_or.ok()) return root_or.status().message().rfind("cannot parse ", 0) == 0 ? root_or.status() : fail(root_or.status());
-  bytes->clear();
-  bytes->shrink_to_fit();
   const PyValue& root = **root_or;
   // megatron-core 0.12-0.15 pickled its own subclass of Metadata (MCoreMetadata,
   // with an `mcore_data` attribute beside torch's fields); today's mcore keeps a
@@ -561,7 +576,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       files.errors[i] = fd.status().message();
     }
   }
-  ck.fragments.assign(ck.tensors.size(), {});
+  ck.fragments.Resize(ck.tensors.size());
 
   // A rank file that is missing: one finding per file, listing the holes it
   // leaves (its chunks) with their coordinates.
@@ -598,6 +613,14 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   constexpr size_t kBatch = 16384;
   std::vector<Result<Fragment>> results;
   std::vector<std::vector<ChecksumRange>> sums;
+  // The work list is in tensor order: a tensor's fragments are gathered here
+  // and packed into ck.fragments once its last chunk is resolved.
+  std::vector<Fragment> gathered;
+  size_t gathering = 0;
+  auto pack_gathered = [&] {
+    if (!gathered.empty()) ck.fragments.Set(gathering, gathered);
+    gathered.clear();
+  };
   unsigned n_threads = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
   if (work.size() < 64) n_threads = 1;
   for (size_t begin = 0; begin < work.size(); begin += kBatch) {
@@ -632,6 +655,10 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     for (auto& th : threads) th.join();
     for (size_t i = begin; i < end; ++i) {
       for (const ChecksumRange& c : sums[i - begin]) ck.checksums.Add(c);
+      if (work[i].tensor != gathering) {
+        pack_gathered();
+        gathering = work[i].tensor;
+      }
       TensorRecord& t = ck.tensors[work[i].tensor];
       Result<Fragment>& result = results[i - begin];
       if (!result.ok()) {
@@ -640,9 +667,10 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       }
       Fragment f = std::move(result).value();
       if (t.encoding == Encoding::kBytes) t.byte_size = f.data_length;
-      ck.fragments[work[i].tensor].push_back(std::move(f));
+      gathered.push_back(std::move(f));
     }
   }
+  pack_gathered();
   std::vector<std::vector<ChecksumRange>>().swap(sums);
   std::vector<Result<Fragment>>().swap(results);
   std::vector<Work>().swap(work);
@@ -651,14 +679,14 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     TensorRecord& t = ck.tensors[i];
     if (t.error.empty() && t.encoding == Encoding::kTensor) {
       std::string detail;
-      Status s = CheckTiling(t, ck.fragments[i], ck.files, &detail);
+      Status s = CheckTiling(t, ck.fragments.Get(i), ck.files, &detail);
       if (!s.ok()) {
         t.error = s.Annotate("tensor '" + t.key + "' in " + meta_path).message();
         ck.info.Flag(Check::kCoverage, Severity::kError, t.key, ".metadata", t.error, detail);
       }
     }
-    if (!t.error.empty()) ck.fragments[i].clear();
-    t.num_fragments = static_cast<uint32_t>(ck.fragments[i].size());
+    if (!t.error.empty()) ck.fragments.Clear(i);
+    t.num_fragments = static_cast<uint32_t>(ck.fragments.Count(i));
   }
 
   Classify(ck.tensors, paths);

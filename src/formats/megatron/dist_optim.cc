@@ -167,7 +167,7 @@ Result<std::vector<int64_t>> LocalShape(const TensorRecord& t, const std::option
 std::string WithObject(const std::string& dir, const Checkpoint& ck, uint32_t rec,
                        const std::function<std::string(const ByteReader&, const TorchSaveArchive&, const Fragment&)>& use) {
   const TensorRecord& t = ck.tensors[rec];
-  const auto& frags = ck.fragments[rec];
+  const std::vector<Fragment> frags = ck.fragments.Get(rec);
   if (!t.error.empty()) return t.error;
   if (frags.size() != 1 || frags[0].compression != Compression::kNone) return "'" + t.key + "' is not an uncompressed object";
   const Fragment& f = frags[0];
@@ -355,7 +355,7 @@ bool Mapper::Collect() {
       src.present = true;
       src.error = t.error;
       src.dtype = t.dtype;
-      for (const Fragment& f : ck_.fragments[i]) {
+      for (const Fragment& f : ck_.fragments.Get(i)) {
         if (f.offsets.size() == 1) src.frags.push_back(f);
       }
       if (t.shape.size() == 1) bk.numel = t.shape[0];
@@ -543,7 +543,7 @@ void Mapper::MapBuffer(int64_t mp, int t, int p, int v, const Buffer& buf, const
       d["bucket_tensors"] = have;
       why = "per_bucket_numel_unpadded " + (listed ? d["per_bucket_numel_unpadded"].dump() : std::string("(no entry)")) +
             " contradicts the bucket tensors " + d["bucket_tensors"].dump();
-      ck_.info.Flag(Check::kGeometry, Severity::kError, "", ck_.files[ck_.fragments[unpadded_rec_[{chain_, mp}]][0].file.v].rel_path,
+      ck_.info.Flag(Check::kGeometry, Severity::kError, "", ck_.files[ck_.fragments.Get(unpadded_rec_[{chain_, mp}])[0].file.v].rel_path,
                     where + ": " + why, JsonText(d));
     }
   }

@@ -49,13 +49,14 @@ bool SplitLeading(Checkpoint& ck, size_t k, const char* what, FqnOf fqn_of) {
                                " (more than " + std::to_string(kMaxStacked) + "): kept whole, not split");
     return false;
   }
+  const std::vector<Fragment> whole_frags = ck.fragments.Get(k);
   for (int64_t i = 0; i < whole.shape[0]; ++i) {
     TensorRecord one = whole;
     one.key = whole.key + "[" + std::to_string(i) + "]";
     one.fqn = fqn_of(i);
     one.shape.erase(one.shape.begin());
     one.alias = false;
-    std::vector<Fragment> frags = SliceLayer(ck.fragments[k], i);
+    std::vector<Fragment> frags = SliceLayer(whole_frags, i);
     ck.AddTensor(std::move(one), std::move(frags));
   }
   TensorRecord& w = ck.tensors[k];
@@ -154,7 +155,9 @@ void Classify(Checkpoint& ck) {
     auto it = param_shapes.find(t.fqn);
     if (it == param_shapes.end() || it->second == t.shape) continue;
     const std::vector<int64_t> before = t.shape;
-    const std::string why = Unflatten(t, ck.fragments[i], it->second);
+    std::vector<Fragment> frags = ck.fragments.Get(i);
+    const std::string why = Unflatten(t, frags, it->second);
+    ck.fragments.Set(i, frags);
     if (!why.empty()) {
       ck.info.problems.push_back("'" + t.key + "' has shape " + ShapeStr(before) + ", its parameter " +
                                  ShapeStr(it->second) + " (read as an N-D flattened DistOpt state: " + why +
@@ -287,7 +290,7 @@ void InferFacts(const Checkpoint& ck, megatron::ModelFacts& facts) {
         continue;
       }
       std::set<int64_t> starts;
-      for (const Fragment& f : ck.fragments[i]) {
+      for (const Fragment& f : ck.fragments.Get(i)) {
         if (f.offsets.size() == 2) starts.insert(f.offsets[dim]);
       }
       return static_cast<int64_t>(starts.size());

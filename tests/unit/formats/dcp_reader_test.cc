@@ -53,8 +53,9 @@ TEST(DcpReaderTest, ReadsTorch2Metadata) {
   const TensorRecord* tr = Find(*ck, "extra.transposed");
   ASSERT_NE(tr, nullptr);
   size_t ti = static_cast<size_t>(tr - ck->tensors.data());
-  ASSERT_EQ(ck->fragments[ti].size(), 1u);
-  EXPECT_EQ(ck->fragments[ti][0].strides, (std::vector<int64_t>{1, 8}));
+  const std::vector<Fragment> tf = ck->fragments.Get(ti);
+  ASSERT_EQ(tf.size(), 1u);
+  EXPECT_EQ(tf[0].strides, (std::vector<int64_t>{1, 8}));
   const TensorRecord* lr = Find(*ck, "lr_scheduler.last_epoch");
   ASSERT_NE(lr, nullptr);
   EXPECT_EQ(lr->encoding, Encoding::kBytes);

@@ -259,18 +259,20 @@ TEST(ZarrReaderTest, ChunksBecomeFragmentsAndAMissingChunkIsAHole) {
   size_t w = find("w");
   ASSERT_NE(w, SIZE_MAX);
   EXPECT_EQ(ck.tensors[w].dtype, DType::kBF16);
-  ASSERT_EQ(ck.fragments[w].size(), 2u);
-  EXPECT_EQ(ck.fragments[w][1].offsets, (std::vector<int64_t>{2, 0}));
-  EXPECT_EQ(ck.fragments[w][1].lengths, (std::vector<int64_t>{1, 4}));
-  EXPECT_EQ(ck.fragments[w][1].strides, (std::vector<int64_t>{4, 1}));
-  EXPECT_EQ(ck.files[ck.fragments[w][1].file.v].rel_path, "it/w/1.0");
+  const std::vector<Fragment> wf = ck.fragments.Get(w);
+  ASSERT_EQ(wf.size(), 2u);
+  EXPECT_EQ(wf[1].offsets, (std::vector<int64_t>{2, 0}));
+  EXPECT_EQ(wf[1].lengths, (std::vector<int64_t>{1, 4}));
+  EXPECT_EQ(wf[1].strides, (std::vector<int64_t>{4, 1}));
+  EXPECT_EQ(ck.files[wf[1].file.v].rel_path, "it/w/1.0");
   size_t v = find("v");
-  ASSERT_EQ(ck.fragments[v].size(), 2u);  // the hole points at the missing file: reads of it fail naming it
-  EXPECT_EQ(ck.files[ck.fragments[v][1].file.v].mtime_ns, -1);
+  const std::vector<Fragment> vf = ck.fragments.Get(v);
+  ASSERT_EQ(vf.size(), 2u);  // the hole points at the missing file: reads of it fail naming it
+  EXPECT_EQ(ck.files[vf[1].file.v].mtime_ns, -1);
   EXPECT_TRUE(ck.tensors[v].error.empty());
   EXPECT_NE(ck.tensors[find("z")].error.find("compressed"), std::string::npos);
   EXPECT_NE(ck.tensors[find("u")].error.find("void"), std::string::npos);
-  EXPECT_TRUE(ck.fragments[find("s")].empty());
+  EXPECT_TRUE(ck.fragments.Empty(find("s")));
   // Holes are coverage findings naming the chunk file and its region.
   std::string found;
   for (const auto& f : ck.info.findings) {

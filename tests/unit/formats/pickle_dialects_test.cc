@@ -85,6 +85,17 @@ TEST(PickleDialectsTest, EveryInterpreterAndProtocolReadsTheSameState) {
       auto got = Mirror(r->get(), expected["enums"]);
       ASSERT_TRUE(got.ok()) << what << ": " << got.status().message();
       EXPECT_EQ(*got, expected["state"]) << what;
+      // The same file read in 3-byte windows (how a DCP .metadata is read).
+      const PickleRead read = [&](uint64_t off, char* dst, size_t len) {
+        data.copy(dst, len, off);
+        return Status::Ok();
+      };
+      ds.read_window = 3;
+      auto windowed = Unpickle(data.size(), read, what, ds);
+      ASSERT_TRUE(windowed.ok()) << windowed.status().message();
+      auto again = Mirror(windowed->get(), expected["enums"]);
+      ASSERT_TRUE(again.ok()) << what << ": " << again.status().message();
+      EXPECT_EQ(*again, expected["state"]) << what << " in windows";
       const bool getattr_form = data.find("getattr") != std::string::npos;
       EXPECT_EQ(getattr_form, expected["contains_getattr"][std::to_string(proto)].get<bool>()) << what;
       by_name += getattr_form;

@@ -18,6 +18,30 @@ std::string B(std::initializer_list<int> v) {
   return s;
 }
 
+// `data` as a file the VM reads in windows of `window` bytes; records every read.
+struct WindowedFile {
+  WindowedFile(std::string d, uint64_t w) : data(std::move(d)), window(w) {}
+  std::string data;
+  uint64_t window;
+  uint64_t fail_at = UINT64_MAX;  // reads that reach past this fail (a file that shrank)
+  uint64_t bytes_read = 0, largest_read = 0, reads = 0;
+  Result<PyHandle> Unpickle(PickleOptions o = {}) {
+    o.read_window = window;
+    read_ = [this](uint64_t off, char* dst, size_t len) -> Status {
+      if (off + len > fail_at) return Invalid("cannot read f: file is truncated");
+      data.copy(dst, len, off);
+      bytes_read += len;
+      largest_read = std::max<uint64_t>(largest_read, len);
+      ++reads;
+      return Status::Ok();
+    };
+    return formats::Unpickle(data.size(), read_, "f", o);
+  }
+
+ private:
+  PickleRead read_;
+};
+
 TEST(PickleTest, Protocol2IntAndStop) {
   auto r = Unpickle(B({0x80, 0x02, 'K', 0x2A, '.'}), "t");
   ASSERT_TRUE(r.ok()) << r.status().message();
@@ -249,7 +273,8 @@ TEST(PickleTest, StreamingKeepsADuplicatedValue) {
   EXPECT_EQ(key->items[0]->i, 7);
 }
 
-TEST(PickleTest, StreamingCollectsWhatNothingReachesAndKeepsWhatTheTreeHolds) {
+// Checks the streamed 'k'/'g'/'h' pickle below, read by `unpickle`.
+void CheckCollects(const std::function<Result<PyHandle>(const std::string&, const PickleOptions&)>& unpickle) {
   // Protocol 4, as CPython writes a large dict, in SETITEMS batches of 1000:
   // {'k<i>': [i, i+1]} for 80,000 entries, every list memoized and read back
   // later, by a kept entry 'g<i>' (the list stays in the tree) or by a taken
@@ -283,7 +308,7 @@ TEST(PickleTest, StreamingCollectsWhatNothingReachesAndKeepsWhatTheTreeHolds) {
   batch(kH, [&](int i) { p += str("h" + std::to_string(i)) + str("v" + std::to_string(i)); });
   p += ".";
   Taker t;
-  auto r = Unpickle(p, "t", t.Options());
+  auto r = unpickle(p, t.Options());
   ASSERT_TRUE(r.ok()) << r.status().message();
   const auto& d = (*r)->dict;  // in insertion order: the g entries, then the h
   size_t kept = 0;
@@ -306,6 +331,69 @@ TEST(PickleTest, StreamingCollectsWhatNothingReachesAndKeepsWhatTheTreeHolds) {
     if (i % 997 == 0) continue;
     ASSERT_EQ(t.taken[j++], "kz" + std::to_string(i) + "=" + std::to_string(i) + "," + std::to_string(i + 1) + ",");
   }
+}
+
+TEST(PickleTest, StreamingCollectsWhatNothingReachesAndKeepsWhatTheTreeHolds) {
+  CheckCollects([](const std::string& p, const PickleOptions& o) { return Unpickle(p, "t", o); });
+}
+
+TEST(PickleTest, AFileReadInWindowsStreamsTheSameAndIsNeverHeldWhole) {
+  // The same 4 MiB pickle as a file read in 4 KiB windows: the same entries
+  // are taken and kept; each pass reads a byte at most once, in window-sized reads.
+  uint64_t size = 0, read = 0, largest = 0;
+  CheckCollects([&](const std::string& p, const PickleOptions& o) {
+    WindowedFile f{p, 4096};
+    auto r = f.Unpickle(o);
+    size = p.size();
+    read = f.bytes_read;
+    largest = f.largest_read;
+    return r;
+  });
+  EXPECT_GT(size, 4u << 20);
+  EXPECT_GT(read, size);       // the memo scan (which skips what it need not see),
+  EXPECT_LE(read, 2 * size);  // then the VM
+  EXPECT_EQ(largest, 4096u);
+}
+
+TEST(PickleTest, ArgumentsAndLinesAcrossWindowsReadTheSame) {
+  // Protocol 0 text lines (GLOBAL's two lines, INT, UNICODE), a 10 kB string
+  // and a memo read back, at every window size from 1 byte.
+  const std::string big(10000, 'z');
+  std::string p = "(ccollections\nOrderedDict\np0\n(tRp1\nI12345\nVh\\u00e9llo\np2\n";
+  p += "S'" + big + "'\np3\ng2\ntp4\n.";
+  auto whole = Unpickle(p, "t");
+  ASSERT_TRUE(whole.ok()) << whole.status().message();
+  ASSERT_EQ((*whole)->items.size(), 5u);
+  for (uint64_t w : {1, 2, 3, 7, 64, 4096, 1 << 20}) {
+    WindowedFile f{p, w};
+    auto r = f.Unpickle();
+    ASSERT_TRUE(r.ok()) << w << ": " << r.status().message();
+    ASSERT_EQ((*r)->items.size(), 5u) << w;
+    EXPECT_EQ((*r)->items[0]->kind, PyKind::kDict) << w;
+    EXPECT_EQ((*r)->items[1]->i, 12345) << w;
+    EXPECT_EQ((*r)->items[2]->s, "h\xc3\xa9llo") << w;
+    EXPECT_EQ((*r)->items[3]->s, big) << w;
+    EXPECT_EQ((*r)->items[4]->s, (*r)->items[2]->s) << w;
+  }
+}
+
+TEST(PickleTest, AFileThatIsShortOrShrinksIsAnErrorNamingIt) {
+  const std::string p = B({0x80, 0x02, 'X', 20, 0, 0, 0}) + std::string(20, 'a') + ".";
+  WindowedFile shrank{p, 4};
+  shrank.fail_at = 12;
+  auto r = shrank.Unpickle();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("cannot unpickle f: cannot read f: file is truncated (at byte 2)"),
+            std::string::npos)
+      << r.status().message();
+  WindowedFile cut{p.substr(0, 10), 4};
+  r = cut.Unpickle();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("truncated: wanted 20 more bytes"), std::string::npos) << r.status().message();
+  WindowedFile no_newline{"I123", 2};
+  r = no_newline.Unpickle();
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("truncated text argument"), std::string::npos) << r.status().message();
 }
 
 TEST(PickleTest, StreamingTakesListItems) {

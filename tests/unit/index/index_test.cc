@@ -41,7 +41,7 @@ Checkpoint Tiny(const std::string& dir) {
       fr[j].data_offset = static_cast<uint64_t>(8 * j + 16 * i);
       fr[j].data_length = 8;
     }
-    ck.fragments.push_back(fr);
+    ck.fragments.Append(fr);
   }
   return ck;
 }

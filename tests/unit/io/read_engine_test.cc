@@ -175,7 +175,7 @@ Synthetic MakeSynthetic(const std::string& dir, uint32_t seed, int n_tensors) {
     }
     t.num_fragments = static_cast<uint32_t>(frags.size());
     s.ck.tensors.push_back(t);
-    s.ck.fragments.push_back(frags);
+    s.ck.fragments.Append(frags);
     s.full.push_back(full);
   }
   ckptfs::testing::WriteFile(dir + "/data.bin", data);
@@ -226,13 +226,15 @@ TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
   Synthetic s = MakeSynthetic(t.path(), 5, 20);
   size_t victim = SIZE_MAX;
   for (size_t i = 0; i < s.ck.tensors.size(); ++i) {
-    if (s.ck.fragments[i].size() >= 2 && s.ck.tensors[i].Numel() > 0) {
+    std::vector<Fragment> frags = s.ck.fragments.Get(i);
+    if (frags.size() >= 2 && s.ck.tensors[i].Numel() > 0) {
       // drop a non-empty fragment
-      for (size_t j = 0; j < s.ck.fragments[i].size(); ++j) {
+      for (size_t j = 0; j < frags.size(); ++j) {
         uint64_t vol = 1;
-        for (auto l : s.ck.fragments[i][j].lengths) vol *= static_cast<uint64_t>(l);
+        for (auto l : frags[j].lengths) vol *= static_cast<uint64_t>(l);
         if (vol > 0) {
-          s.ck.fragments[i].erase(s.ck.fragments[i].begin() + static_cast<ptrdiff_t>(j));
+          frags.erase(frags.begin() + static_cast<ptrdiff_t>(j));
+          s.ck.fragments.Set(i, frags);
           s.ck.tensors[i].num_fragments--;
           victim = i;
           break;

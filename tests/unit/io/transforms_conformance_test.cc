@@ -642,7 +642,7 @@ TEST_P(TransformsConformance, ReadEngineThroughTheBackendAcrossChunks) {
     fr.push_back(f);
   }
   ck.tensors.push_back(rec);
-  ck.fragments.push_back(fr);
+  ck.fragments.Append(fr);
   {
     const std::string path = t.path() + "/data.bin";
     int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);

@@ -44,7 +44,7 @@ TEST(ViewTest, LayoutsAndCollisions) {
     for (size_t d = shape.size(); d-- > 1;) f.strides[d - 1] = f.strides[d] * shape[d];
     f.dtype = dt;
     f.data_length = r.byte_size;
-    ck.fragments.push_back({f});
+    ck.fragments.Append({f});
   };
   add("model.w", Role::kParam, "w", "param", DType::kBF16, {3, 2});
   add("opt.w.exp_avg", Role::kOptimState, "w", "exp_avg", DType::kF32, {3, 2});
@@ -111,7 +111,7 @@ TEST(ViewTest, InfoJsonSizeComesFromTheRecordsAndMatchesItsBytes) {
     }
     r.num_fragments = static_cast<uint32_t>(frags.size());
     ck.tensors.push_back(r);
-    ck.fragments.push_back(frags);
+    ck.fragments.Append(frags);
   };
   add("param", 1, false, "");
   add("exp_avg", 3, false, "");
