@@ -257,6 +257,16 @@ class Vm {
       free_.push_back(n);
     }
   }
+  // Streaming: an argument tuple popped for REDUCE / NEWOBJ / INST that nothing
+  // else holds (unpinned: not memoized for a later read, not DUP'd) goes back
+  // to the free list at once; its items live on in what was made from them.
+  // Without this, one such tuple per DCP chunk waits for the next Collect.
+  void Release(PyRef args) {
+    if (!streaming_ || args->pinned || args->kind == kFreed) return;
+    *args = PyValue{};
+    args->kind = kFreed;
+    free_.push_back(args);
+  }
   PyRef MakeInt(int64_t i) {
     // Streaming: ints are shared and pinned (no opcode changes a value once
     // made), so the millions of chunk offsets a DCP .metadata memoizes for
@@ -478,7 +488,7 @@ class Vm {
       }
       free_.push_back(&n);
     }
-    next_collect_ = std::max(2 * live, kMinCollect);
+    next_collect_ = live + std::max(live / 2, kMinCollect);  // garbage stays under half the live nodes
   }
   static constexpr size_t kMinCollect = size_t{1} << 16;
 
@@ -979,6 +989,7 @@ Result<PyRef> Vm::Run() {
           ASSIGN_OR_RETURN(auto args, PopMark());
           ASSIGN_OR_RETURN(PyRef t, Seq(PyKind::kTuple, std::move(args)));
           ASSIGN_OR_RETURN(PyRef o, Call(g, t));
+          Release(t);
           RETURN_IF_ERROR(Push(o));
         }
         break;
@@ -1004,6 +1015,7 @@ Result<PyRef> Vm::Run() {
         ASSIGN_OR_RETURN(PyRef args, Pop());
         ASSIGN_OR_RETURN(PyRef fn, Pop());
         ASSIGN_OR_RETURN(PyRef o, Call(fn, args));
+        Release(args);
         RETURN_IF_ERROR(Push(o));
         break;
       }
@@ -1023,6 +1035,7 @@ Result<PyRef> Vm::Run() {
           for (const auto& x : args->items) RETURN_IF_ERROR(Adopt(o, x));
           o->args = args->items;
         }
+        Release(args);
         RETURN_IF_ERROR(Push(o));
         break;
       }

@@ -422,6 +422,35 @@ TEST(PickleTest, StreamingTakesListItems) {
   EXPECT_EQ(again, l->items[0]);
 }
 
+TEST(PickleTest, StreamingReleasesOnlyArgumentTuplesNothingElseHolds) {
+  // Protocol 4: [Namespace(*t), 'x', 'y', Namespace(*t), t, Namespace(*(3,)), 'z']
+  // with t = (1, 2) memoized and read back twice: t must survive both NEWOBJs
+  // (the strings after each reuse what was released), while (3,) is released.
+  std::string p = B({0x80, 0x04, ']', '(', 'c'}) + "argparse\nNamespace\n" +
+                  B({0x94, 'K', 1, 'K', 2, 0x86, 0x94, 0x81, 0x8c, 1, 'x', 0x8c, 1, 'y', 'h', 0, 'h', 1, 0x81, 'h', 1,
+                     'h', 0, 'K', 3, 0x85, 0x81, 0x8c, 1, 'z', 'e', '.'});
+  PickleOptions o;
+  o.consume_item = [](const PyValue&, const PyValue&) -> Result<bool> { return false; };
+  auto r = Unpickle(p, "t", o);
+  ASSERT_TRUE(r.ok()) << r.status().message();
+  const auto& l = (*r)->items;
+  ASSERT_EQ(l.size(), 7u);
+  for (size_t k : {0, 3}) {
+    ASSERT_EQ(l[k]->ClassName(), "Namespace") << k;
+    ASSERT_EQ(l[k]->args.size(), 2u) << k;
+    EXPECT_EQ(l[k]->args[0]->i, 1);
+    EXPECT_EQ(l[k]->args[1]->i, 2);
+  }
+  EXPECT_EQ(l[1]->s, "x");
+  EXPECT_EQ(l[2]->s, "y");
+  ASSERT_EQ(l[4]->kind, PyKind::kTuple);
+  ASSERT_EQ(l[4]->items.size(), 2u);
+  EXPECT_EQ(l[4]->items[1]->i, 2);
+  ASSERT_EQ(l[5]->args.size(), 1u);
+  EXPECT_EQ(l[5]->args[0]->i, 3);
+  EXPECT_EQ(l[6]->s, "z");
+}
+
 TEST(PickleTest, StreamingConsumerErrorStopsTheUnpickling) {
   PickleOptions o;
   o.consume = [](const PyValue&, const PyValue&, const PyValue&) -> Result<bool> {
