@@ -524,11 +524,11 @@ Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
       return Err("storage class " + cls.s + "." + cls.name + " is not torch's");
     }
     if (cls.name == "UntypedStorage") {
-      v->untyped = true;
-      v->storage_dtype = DType::kU8;
+      v->Parts().untyped = true;
+      v->Parts().storage_dtype = DType::kU8;
     } else {
-      v->storage_dtype = DTypeFromTorchName(cls.name);
-      if (v->storage_dtype == DType::kInvalid) return Err("unknown storage class torch." + cls.name);
+      v->Parts().storage_dtype = DTypeFromTorchName(cls.name);
+      if (v->Parts().storage_dtype == DType::kInvalid) return Err("unknown storage class torch." + cls.name);
     }
   } else if (cls.kind == PyKind::kObject) {
     return Err("quantized or custom storage types are not supported");
@@ -545,7 +545,7 @@ Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
   }
   ASSIGN_OR_RETURN(int64_t numel, AsInt(pid->items[4], "storage numel"));
   if (numel < 0) return Err("negative storage size");
-  v->storage_numel = static_cast<uint64_t>(numel);
+  v->Parts().storage_numel = static_cast<uint64_t>(numel);
   return v;
 }
 
@@ -557,14 +557,14 @@ Result<PyRef> Vm::RebuildTensor(const std::string& fn, const std::vector<PyRef>&
   if (a.size() < need) return Err(fn + " with " + std::to_string(a.size()) + " arguments");
   if (a[0]->kind != PyKind::kStorage) return Err(fn + ": first argument is not a storage");
   auto v = Make(PyKind::kTensor);
-  TensorRef& t = v->tensor;
+  TensorRef& t = v->Parts().tensor;
   t.storage_key = a[0]->s;
-  t.dtype = a[0]->storage_dtype;
+  t.dtype = a[0]->Parts().storage_dtype;
   if (fn == "_rebuild_tensor_v3") {
     if (a[6]->kind != PyKind::kGlobal || a[6]->s != "torch") return Err("_rebuild_tensor_v3: dtype is not a torch dtype");
     t.dtype = DTypeFromTorchName(a[6]->name);
     if (t.dtype == DType::kInvalid) return Err("unsupported dtype torch." + a[6]->name);
-  } else if (a[0]->untyped) {
+  } else if (a[0]->Parts().untyped) {
     return Err(fn + " on an UntypedStorage without a dtype");
   }
   ASSIGN_OR_RETURN(int64_t off, AsInt(a[1], "storage_offset"));
@@ -637,6 +637,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
     }
     if (m == "torch" && n == "Size") {
       if (a.size() != 1 || !a[0]->IsSeq()) return Err("torch.Size argument is not a sequence");
+      if (a[0]->kind == PyKind::kTuple) return a[0];  // immutable: the Size is its tuple (no copy per chunk)
       return Seq(PyKind::kTuple, a[0]->items);
     }
     if (m == "_codecs" && n == "encode") {
@@ -1131,6 +1132,16 @@ const PyValue* PyValue::Get(std::string_view key) const {
     if (k && k->kind == PyKind::kStr && k->s == key) return v;
   }
   return nullptr;
+}
+
+const TensorRef& PyValue::tensor() const {
+  static const TensorRef kNone;
+  return parts ? parts->tensor : kNone;
+}
+
+PyValue::TensorParts& PyValue::Parts() {
+  if (!parts) parts = std::make_unique<TensorParts>();
+  return *parts;
 }
 
 std::string PyValue::ClassName() const {

@@ -100,14 +100,23 @@ struct PyValue {
   PyRef state;         // object: BUILD state
   bool newobj = false; // object: made by NEWOBJ (cls.__new__) rather than REDUCE
   bool placeholder = false;  // global: not on the allow list, kept inert (see the header note)
-  // storage
-  DType storage_dtype = DType::kInvalid;
-  bool untyped = false;  // UntypedStorage: numel counts bytes
-  uint64_t storage_numel = 0;
-  TensorRef tensor;
+  // What only a storage or a tensor carries, out of line: a DCP .metadata
+  // makes millions of values and none of these.
+  struct TensorParts {
+    DType storage_dtype = DType::kInvalid;  // storage
+    bool untyped = false;                   // storage: UntypedStorage (numel counts bytes)
+    uint64_t storage_numel = 0;             // storage
+    TensorRef tensor;                       // tensor
+  };
+  std::unique_ptr<TensorParts> parts;
   uint32_t depth = 0;  // nesting depth, bounded so that recursive consumers cannot overflow the stack
   bool pinned = false;  // streaming: reachable from the memo or the stack twice, never freed
   bool marked = false;  // streaming: reached in the current Collect (the VM's, always false after)
+
+  // A tensor's view of its storage (empty for any other kind).
+  const TensorRef& tensor() const;
+  // The storage / tensor fields, made on first use.
+  TensorParts& Parts();
 
   // Convenience accessors (nullptr / empty when absent or of another kind).
   const PyValue* Get(std::string_view key) const;  // dict lookup by str key

@@ -57,11 +57,11 @@ std::string Files::PlaceholderNote() const {
 
 Result<Loc> Resolve(const Source& s, const PyValue* v, const std::string& what) {
   if (v == nullptr || v->kind != PyKind::kTensor) return Invalid(s.rel + ": " + what + " is not a tensor");
-  ASSIGN_OR_RETURN(ResolvedTensor rt, ResolveTensor(*s.reader, s.archive, v->tensor));
+  ASSIGN_OR_RETURN(ResolvedTensor rt, ResolveTensor(*s.reader, s.archive, v->tensor()));
   Loc l;
-  l.dtype = v->tensor.dtype;
-  l.shape = v->tensor.shape;
-  l.strides = v->tensor.strides;
+  l.dtype = v->tensor().dtype;
+  l.shape = v->tensor().shape;
+  l.strides = v->tensor().strides;
   l.data_offset = rt.data_offset;
   l.data_length = rt.data_length;
   return l;

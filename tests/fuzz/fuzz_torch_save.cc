@@ -10,9 +10,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto a = ReadTorchSave(r);
   if (!a.ok()) return 0;
   const PyValue& root = *a->root;
-  if (root.kind == PyKind::kTensor) (void)ResolveTensor(r, *a, root.tensor).ok();
+  if (root.kind == PyKind::kTensor) (void)ResolveTensor(r, *a, root.tensor()).ok();
   for (const auto& [k, v] : root.dict) {
-    if (v && v->kind == PyKind::kTensor) (void)ResolveTensor(r, *a, v->tensor).ok();
+    if (v && v->kind == PyKind::kTensor) (void)ResolveTensor(r, *a, v->tensor()).ok();
   }
   return 0;
 }

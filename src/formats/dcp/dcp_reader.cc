@@ -263,7 +263,7 @@ Result<Fragment> ResolveChunk(const Work& w, const int64_t* box, const TensorRec
   }
   ASSIGN_OR_RETURN(TorchSaveArchive a, ReadTorchSave(*reader));
   if (a.root->kind != PyKind::kTensor) return Invalid("cannot read " + name + ": item is not a tensor");
-  const TensorRef& ref = a.root->tensor;
+  const TensorRef& ref = a.root->tensor();
   if (ref.shape != f.lengths) return Invalid("cannot read " + name + ": item's shape differs from the chunk in .metadata");
   if (ref.dtype != t.dtype) {
     return Invalid("cannot read " + name + ": item dtype " + std::string(DTypeName(ref.dtype)) +

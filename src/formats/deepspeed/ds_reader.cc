@@ -1508,7 +1508,7 @@ Status Reader::ExportOptimizerState() {
   Status tensor_status;
   auto tensor_fn = [&](PickleWriter& pw, const PyValue& v) -> Status {
     // The whole source storage becomes one record of the new archive.
-    const TensorRef& ref = v.tensor;
+    const TensorRef& ref = v.tensor();
     auto [it, inserted] = storage_slot.emplace(ref.storage_key, storages.size());
     const ZipEntry* e = o.src->archive.zip.Find(o.src->archive.prefix + "/data/" + ref.storage_key);
     if (e == nullptr) return Invalid(o.src->rel + ": no record for storage " + ref.storage_key);

@@ -256,20 +256,20 @@ std::string ReadParamState(const std::string& dir, const Checkpoint& ck, uint32_
           StateSrc& src = bk.st[s];
           src.present = t != nullptr;
           if (t == nullptr) continue;
-          if (t->kind != PyKind::kTensor || t->tensor.shape.size() != 1 || t->tensor.shape[0] < bk.numel ||
-              (t->tensor.shape[0] > 1 && t->tensor.strides[0] != 1)) {
+          if (t->kind != PyKind::kTensor || t->tensor().shape.size() != 1 || t->tensor().shape[0] < bk.numel ||
+              (t->tensor().shape[0] > 1 && t->tensor().strides[0] != 1)) {
             src.error = "'" + key + "': " + kStates[s] + " of buffer " + std::to_string(k->i) + " is not a flat tensor of " +
                         std::to_string(bk.numel) + " elements";
             continue;
           }
-          auto at = ResolveTensor(r, a, t->tensor);
+          auto at = ResolveTensor(r, a, t->tensor());
           if (!at.ok()) {
             src.error = at.status().message();
             continue;
           }
           Fragment f;
           f.file = where.file;
-          f.dtype = t->tensor.dtype;
+          f.dtype = t->tensor().dtype;
           f.offsets = {0};
           f.lengths = {bk.numel};
           f.strides = {1};

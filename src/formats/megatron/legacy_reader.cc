@@ -283,7 +283,7 @@ void Reader::MapOptimizer(RankFile& r) {
   };
   std::vector<Cand> cands;
   for (size_t c = 0; c < r.chunks.size(); ++c) {
-    for (const Entry& e : r.chunks[c]) cands.push_back(Cand{static_cast<int>(c), &e, e.v->tensor.shape});
+    for (const Entry& e : r.chunks[c]) cands.push_back(Cand{static_cast<int>(c), &e, e.v->tensor().shape});
   }
   // Megatron's _get_param_groups: one group per (weight decay, lr scale,
   // expert) key; the members of a group are the model's parameters with that
@@ -392,7 +392,7 @@ void Reader::MapOptimizer(RankFile& r) {
         } else {
           take(fp32->items[i], "fp32", os.fp32);
         }
-      } else if (fp32_groups == nullptr && c.e->v->tensor.dtype == DType::kF32) {
+      } else if (fp32_groups == nullptr && c.e->v->tensor().dtype == DType::kF32) {
         take(c.e->v, "fp32", os.fp32);  // FP32Optimizer: the fp32 parameters are the master weights
       }
       if (!bad.ok()) {
@@ -458,7 +458,7 @@ void Reader::MapDistOptBuffers(RankFile& r, const PyValue* root, bool experts) {
     for (size_t i = members.size(); i-- > 0;) {
       pos = (pos + kParamAlign - 1) / kParamAlign * kParamAlign;
       start[i] = pos;
-      pos += NumelOf(members[i]->v->tensor.shape);
+      pos += NumelOf(members[i]->v->tensor().shape);
     }
     if (!numel.ok() || *numel != pos) {
       r.opt_unavailable = r.distopt->rel + ": " + which + std::to_string(c) + " holds " +
@@ -478,7 +478,7 @@ void Reader::MapDistOptBuffers(RankFile& r, const PyValue* root, bool experts) {
       flat[s] = *l;
     }
     for (size_t i = 0; i < members.size(); ++i) {
-      const auto& shape = members[i]->v->tensor.shape;
+      const auto& shape = members[i]->v->tensor().shape;
       auto at = [&](const Loc& f) {
         Loc l;
         l.dtype = f.dtype;

@@ -39,10 +39,10 @@ TEST_F(TorchSaveTest, TensorsViewsStridesAndBf16) {
   const PyValue* view = a->root->Get("view");
   ASSERT_NE(view, nullptr);
   ASSERT_EQ(view->kind, PyKind::kTensor);
-  EXPECT_EQ(view->tensor.storage_offset, 5u);
-  EXPECT_EQ(view->tensor.shape, (std::vector<int64_t>{2, 3}));
-  EXPECT_EQ(view->tensor.strides, (std::vector<int64_t>{3, 1}));
-  auto rv = ResolveTensor(r, *a, view->tensor);
+  EXPECT_EQ(view->tensor().storage_offset, 5u);
+  EXPECT_EQ(view->tensor().shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(view->tensor().strides, (std::vector<int64_t>{3, 1}));
+  auto rv = ResolveTensor(r, *a, view->tensor());
   ASSERT_TRUE(rv.ok()) << rv.status().message();
   float first;
   std::memcpy(&first, data_.data() + rv->data_offset, 4);
@@ -50,12 +50,12 @@ TEST_F(TorchSaveTest, TensorsViewsStridesAndBf16) {
 
   const PyValue* t = a->root->Get("t");
   ASSERT_NE(t, nullptr);
-  EXPECT_EQ(t->tensor.strides, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(t->tensor().strides, (std::vector<int64_t>{1, 3}));
 
   const PyValue* bf = a->root->Get("bf");
   ASSERT_NE(bf, nullptr);
-  EXPECT_EQ(bf->tensor.dtype, DType::kBF16);
-  auto rb = ResolveTensor(r, *a, bf->tensor);
+  EXPECT_EQ(bf->tensor().dtype, DType::kBF16);
+  auto rb = ResolveTensor(r, *a, bf->tensor());
   ASSERT_TRUE(rb.ok());
   EXPECT_EQ(data_.substr(rb->data_offset, 4), std::string("\x80\x3f\x20\xc0", 4));  // 1.0, -2.5
 
@@ -71,7 +71,7 @@ TEST_F(TorchSaveTest, EveryTruncationIsAnErrorNeverACrash) {
     auto a = ReadTorchSave(r);
     if (a.ok()) {  // only possible if the directory survived: then tensors must check out or fail cleanly
       const PyValue* w = a->root->Get("w");
-      if (w != nullptr && w->kind == PyKind::kTensor) (void)ResolveTensor(r, *a, w->tensor).ok();
+      if (w != nullptr && w->kind == PyKind::kTensor) (void)ResolveTensor(r, *a, w->tensor()).ok();
     }
   }
   SUCCEED();
@@ -86,7 +86,7 @@ TEST_F(TorchSaveTest, CorruptBytesNeverCrash) {
     auto a = ReadTorchSave(r);
     if (a.ok() && a->root->kind == PyKind::kDict) {
       for (const auto& [k, v] : a->root->dict) {
-        if (v->kind == PyKind::kTensor) (void)ResolveTensor(r, *a, v->tensor).ok();
+        if (v->kind == PyKind::kTensor) (void)ResolveTensor(r, *a, v->tensor()).ok();
       }
     }
   }

@@ -125,8 +125,8 @@ TEST(TorchSaveWriterTest, ArchiveReadsBackWithAlignedRecordAndCrc) {
   const PyValue* t = a->root->Get("param");
   ASSERT_NE(t, nullptr);
   ASSERT_EQ(t->kind, PyKind::kTensor);
-  EXPECT_EQ(t->tensor.shape, (std::vector<int64_t>{2, 3}));
-  auto rt = ResolveTensor(r, *a, t->tensor);
+  EXPECT_EQ(t->tensor().shape, (std::vector<int64_t>{2, 3}));
+  auto rt = ResolveTensor(r, *a, t->tensor());
   ASSERT_TRUE(rt.ok()) << rt.status().message();
   EXPECT_EQ(rt->data_offset % 64, 0u);
   EXPECT_EQ(file.substr(rt->data_offset, 24), content);
@@ -161,7 +161,7 @@ TEST(TorchSaveWriterTest, Zip64WhenARecordPassesFourGiB) {
   const ZipEntry* e = a->zip.Find("big/data/0");
   ASSERT_NE(e, nullptr);
   EXPECT_EQ(e->size, n);
-  auto rt = ResolveTensor(r, *a, a->root->tensor);
+  auto rt = ResolveTensor(r, *a, a->root->tensor());
   ASSERT_TRUE(rt.ok()) << rt.status().message();
   EXPECT_EQ(rt->data_length, n);
   ::close(fd);

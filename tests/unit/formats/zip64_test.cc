@@ -128,7 +128,7 @@ TEST(Zip64Test, ItemBeyondFourGiBInASparseFile) {
   auto a = ReadTorchSave(r);
   ASSERT_TRUE(a.ok()) << a.status().message();
   const PyValue* v = a->root->Get("view");
-  auto rt = ResolveTensor(r, *a, v->tensor);
+  auto rt = ResolveTensor(r, *a, v->tensor());
   ASSERT_TRUE(rt.ok());
   float f;
   ASSERT_EQ(::pread(fd, &f, 4, static_cast<off_t>(base + rt->data_offset)), 4);
