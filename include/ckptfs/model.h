@@ -298,7 +298,6 @@ std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragmen
 void AppendFragmentsJson(std::string& out, const std::vector<Fragment>& frags, const std::vector<SourceFile>& files,
                          uint32_t replicas);
 
-// What a family reader produces from metadata alone.
 // Every tensor's fragments from the reader until the index is written, each
 // tensor's list packed as varints (about 20 bytes per 1-D fragment instead of
 // ~220 in three vectors): a DCP checkpoint of 1.5M chunks holds all of them.
@@ -318,6 +317,7 @@ class FragmentTable {
   std::vector<std::string> packed_;  // empty: no fragments
 };
 
+// What a family reader produces from metadata alone.
 struct Checkpoint {
   CheckpointInfo info;
   std::vector<SourceFile> files;
