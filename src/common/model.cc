@@ -5,6 +5,7 @@
 
 #include "ckptfs/common.h"
 #include "common/float_bits.h"
+#include "common/varint.h"
 
 namespace ckptfs {
 namespace {
@@ -185,32 +186,13 @@ std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragmen
 
 namespace {
 
-void PutVarint(std::string& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>(v | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
-}
-uint64_t GetVarint(std::string_view s, size_t* pos) {
-  uint64_t v = 0;
-  for (int shift = 0; *pos < s.size() && shift < 64; shift += 7) {
-    const auto b = static_cast<unsigned char>(s[(*pos)++]);
-    v |= static_cast<uint64_t>(b & 0x7F) << shift;
-    if (b < 0x80) break;
-  }
-  return v;
-}
 void PutInts(std::string& out, const std::vector<int64_t>& v) {
   PutVarint(out, v.size());
-  for (int64_t x : v) PutVarint(out, (static_cast<uint64_t>(x) << 1) ^ static_cast<uint64_t>(x >> 63));  // zigzag
+  for (int64_t x : v) PutVarint(out, ZigZag(x));
 }
 void GetInts(std::string_view s, size_t* pos, std::vector<int64_t>* v) {
   v->resize(GetVarint(s, pos));
-  for (int64_t& x : *v) {
-    const uint64_t z = GetVarint(s, pos);
-    x = static_cast<int64_t>(z >> 1) ^ -static_cast<int64_t>(z & 1);
-  }
+  for (int64_t& x : *v) x = UnZigZag(GetVarint(s, pos));
 }
 
 // The packed list: count, then per fragment every field as a varint. Only

@@ -202,8 +202,9 @@ const KnownEnum* FindEnum(const PyValue& cls) {
 
 class Vm {
  public:
-  Vm(Cursor in, const Cursor& rescan, const std::string& what, const PickleOptions& opts)
-      : in_(std::move(in)), rescan_(rescan), what_(what), opts_(opts), arena_(std::make_shared<Arena>()) {}
+  // `in` is unread: ScanMemoReads reads a copy of it from the start.
+  Vm(const Cursor& in, const std::string& what, const PickleOptions& opts)
+      : in_(in), rescan_(in), what_(what), opts_(opts), arena_(std::make_shared<Arena>()) {}
 
   Result<PyRef> Run();
   const std::shared_ptr<Arena>& arena() const { return arena_; }
@@ -1205,7 +1206,7 @@ Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what
 
 Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const PickleOptions& opts,
                           std::vector<std::string>* placeholders) {
-  Vm vm(Cursor{data}, Cursor{data}, what, opts);
+  Vm vm(Cursor{data}, what, opts);
   ASSIGN_OR_RETURN(PyRef root, vm.Run());
   if (placeholders != nullptr) *placeholders = vm.placeholders();
   return PyHandle(vm.arena(), root);  // aliasing: the handle owns the arena
@@ -1213,7 +1214,7 @@ Result<PyHandle> Unpickle(std::string_view data, const std::string& what, const 
 
 Result<PyHandle> Unpickle(uint64_t size, const PickleRead& read, const std::string& what, const PickleOptions& opts,
                           std::vector<std::string>* placeholders) {
-  Vm vm(Cursor{size, &read, opts.read_window}, Cursor{size, &read, opts.read_window}, what, opts);
+  Vm vm(Cursor{size, &read, opts.read_window}, what, opts);
   ASSIGN_OR_RETURN(PyRef root, vm.Run());
   if (placeholders != nullptr) *placeholders = vm.placeholders();
   return PyHandle(vm.arena(), root);

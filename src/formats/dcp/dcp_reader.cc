@@ -21,6 +21,7 @@
 #include "ckptfs/formats.h"
 #include "formats/zstd.h"
 #include "common/json_text.h"
+#include "common/varint.h"
 #include "ckptfs/progress.h"
 
 namespace ckptfs::formats {
@@ -43,15 +44,8 @@ struct ItemLoc {
 // buffer in the common case (millions of chunks, one key each).
 std::string ChunkKey(uint32_t fqn_id, const int64_t* offsets, size_t n) {
   std::string k;
-  auto put = [&](uint64_t v) {
-    while (v >= 0x80) {
-      k.push_back(static_cast<char>((v & 0x7F) | 0x80));
-      v >>= 7;
-    }
-    k.push_back(static_cast<char>(v));
-  };
-  put(fqn_id);
-  for (size_t i = 0; i < n; ++i) put((static_cast<uint64_t>(offsets[i]) << 1) ^ static_cast<uint64_t>(offsets[i] >> 63));
+  PutVarint(k, fqn_id);
+  for (size_t i = 0; i < n; ++i) PutVarint(k, ZigZag(offsets[i]));
   return k;
 }
 
