@@ -58,6 +58,9 @@ struct TopoOptions {
   std::vector<RuleEntry> rules;
   std::vector<int64_t> pp_layers;  // layers per stage (--pp-layers); empty: even split
   uint64_t hf_shard_bytes = 5'000'000'000;
+  // hf/ (views/hf_export.h): --hf-arch NAME, --hf-config FILE (a config.json
+  // used as the target), --hf-dtype model|source|fp32|bf16|fp16|master.
+  std::string hf_arch, hf_config, hf_dtype;
 };
 // The --rules file (JSON):
 //   {"rules": [{"match": "<regex>", "split": "replicate"|"dim"|"sub2",
@@ -76,6 +79,7 @@ struct RankTensor {
   std::vector<Box> pieces;           // global boxes, concatenated along dim 0 in order
   uint64_t zero_tail = 0;            // then this many zero elements (vocabulary padding rows)
   std::string rule;                  // "dim 0 (megatron)", "replicated (no rule)", ...
+  DType out = DType::kInvalid;       // rendered as (kInvalid: the source dtype)
 };
 struct RankPlan {
   int tp = 0, pp = 0, ep = 0;

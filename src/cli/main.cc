@@ -27,6 +27,7 @@
 #include "ckptfs/progress.h"
 #include "ckptfs/verify.h"
 #include "common/json_text.h"
+#include "views/hf_export.h"
 
 namespace ckptfs {
 namespace {
@@ -53,7 +54,8 @@ the command that cleans it; --nonempty mounts over it anyway.
 
 -o OPT[,OPT..] takes the options of mount(8) / fstab (also through mount.ckptfs and
 `mount -t fuse.ckptfs SRC MNT -o ...`): allow_other, uid=N, gid=N, index=DIR, log=FILE,
-engine=, gpu=, threads=N, rules=FILE, pp_layers=, hf_shard_size=, verify_on_read,
+engine=, gpu=, threads=N, rules=FILE, pp_layers=, hf_shard_size=, hf_arch=, hf_config=,
+hf_dtype=, verify_on_read,
 nonempty, strict, debug; ro, defaults, noauto, auto, nofail, _netdev, users, noatime,
 nosuid, nodev, noexec, x-* and comment= are accepted and have nothing to do here;
 rw is refused. The mount shows SRC as its source (findmnt, df) with type fuse.ckptfs.
@@ -61,6 +63,12 @@ rw is refused. The mount shows SRC as its source (findmnt, df) with type fuse.ck
 topo/tp<T>-pp<P>[-dp<D>][-ep<E>]/ is made on first lookup; --rules FILE overrides TP
 split rules and stages (JSON, see README), --pp-layers sets layers per stage,
 --hf-shard-size the hf/ shard size (default 5000000000; K/M/G ok).
+hf/ is a transformers model directory (config.json, safetensors with Hugging Face names)
+when the architecture is known: Megatron Llama/Mistral/Qwen2/Qwen3/Mixtral from its args,
+or a config.json beside the checkpoint. --hf-arch NAME (llama, mistral, qwen2, qwen3,
+mixtral) picks one the args allow; --hf-config FILE supplies config.json; --hf-dtype
+model (default), source, fp32 (widened), bf16/fp16 (when stored so), master (the fp32
+master weights). hf/ERRORS says what is left out or missing, and why.
 --gpu: where merges, padding strips and widening casts run (same bytes either way).
 auto (default): on a CUDA GPU for plans a calibration measured faster there, else
 the CPU; on: every plan with such work on the GPU (an error without one); off: the CPU.
@@ -144,6 +152,13 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
     auto n = ParseBytes(a.Get("--hf-shard-size"));
     if (!n) return Invalid("--hf-shard-size '" + a.Get("--hf-shard-size") + "': expected bytes, e.g. 5G");
     o.topo.hf_shard_bytes = *n;
+  }
+  o.topo.hf_arch = a.Get("--hf-arch", "");
+  o.topo.hf_dtype = a.Get("--hf-dtype", "");
+  if (a.Has("--hf-config")) {
+    o.topo.hf_config = std::filesystem::absolute(a.Get("--hf-config"), ec).string();
+    ASSIGN_OR_RETURN(int fd, OpenRegularFile(o.topo.hf_config));  // a missing file is a command-line error now
+    ::close(fd);
   }
   return o;
 }
@@ -572,6 +587,8 @@ Result<std::vector<std::string>> MountOptionFlags(const std::string& opts) {
       {"log", "--log"},         {"engine", "--engine"},   {"gpu", "--gpu"},
       {"threads", "--threads"}, {"rules", "--rules"},     {"pp_layers", "--pp-layers"},
       {"pp-layers", "--pp-layers"}, {"hf_shard_size", "--hf-shard-size"}, {"hf-shard-size", "--hf-shard-size"},
+      {"hf_arch", "--hf-arch"}, {"hf-arch", "--hf-arch"}, {"hf_config", "--hf-config"}, {"hf-config", "--hf-config"},
+      {"hf_dtype", "--hf-dtype"}, {"hf-dtype", "--hf-dtype"},
       {"max_metadata_bytes", "--max-metadata-bytes"}, {"max_item_bytes", "--max-item-bytes"}};
   static const std::map<std::string, std::string> kFlags = {
       {"allow_other", "--allow-other"}, {"verify_on_read", "--verify-on-read"}, {"nonempty", "--nonempty"},
@@ -704,6 +721,14 @@ int Main(std::vector<std::string> raw) {
     c->add_option("--hf-shard-size", str["--hf-shard-size"], "hf/ shard size (default 5000000000)")
         ->check(bytes_check)
         ->option_text("BYTES");
+    c->add_option("--hf-arch", str["--hf-arch"], "hf/ target architecture when the checkpoint records too little")
+        ->check(CLI::IsMember(hf::ArchNames()))
+        ->option_text("NAME");
+    c->add_option("--hf-config", str["--hf-config"], "hf/ config.json to use (its model_type picks the mapping)")
+        ->option_text("FILE");
+    c->add_option("--hf-dtype", str["--hf-dtype"], "hf/ dtype (default model: the parameters' dtype)")
+        ->check(CLI::IsMember({"model", "source", "fp32", "bf16", "fp16", "master"}))
+        ->option_text("DTYPE");
   };
   auto add_read = [&](CLI::App* c) {
     c->add_option("--engine", str["--engine"], "read engine (default auto)")

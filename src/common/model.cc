@@ -49,6 +49,11 @@ const DTypeInfo* Find(DType d) {
 
 }  // namespace
 
+bool WidensToF32(DType d) {
+  return d == DType::kBF16 || d == DType::kF16 || d == DType::kF8E4M3FN || d == DType::kF8E5M2 ||
+         d == DType::kF8E4M3FNUZ || d == DType::kF8E5M2FNUZ;
+}
+
 size_t DTypeSize(DType d) {
   const DTypeInfo* i = Find(d);
   return i ? i->size : 0;

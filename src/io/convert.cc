@@ -80,8 +80,7 @@ const float* Fp8DecodeTable(DType d) {
 
 bool CanConvert(DType from, DType to) {
   if (from == to) return DTypeSize(from) > 0;
-  if (to != DType::kF32) return false;
-  return from == DType::kBF16 || from == DType::kF16 || Fp8DecodeTable(from) != nullptr;
+  return to == DType::kF32 && WidensToF32(from);
 }
 
 Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd, uint64_t n) {

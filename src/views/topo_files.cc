@@ -12,6 +12,7 @@
 #include "formats/megatron/megatron_common.h"
 #include "formats/pickle_writer.h"
 #include "formats/torch_save_writer.h"
+#include "views/hf_export.h"
 #include "common/json_text.h"
 
 namespace ckptfs::topo_files {
@@ -105,9 +106,8 @@ Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, j
     if (mixed) {
       bool widen = true;
       for (const RankTensor* rt : s.ts) {
-        const DType d = index.tensors()[rt->id.v].dtype;  // the read engine's widening conversions (io.h)
-        widen &= d == DType::kF32 || d == DType::kBF16 || d == DType::kF16 || d == DType::kF8E4M3FN ||
-                 d == DType::kF8E5M2 || d == DType::kF8E4M3FNUZ || d == DType::kF8E5M2FNUZ;
+        const DType d = index.tensors()[rt->id.v].dtype;
+        widen &= d == DType::kF32 || WidensToF32(d);
       }
       if (!widen) {
         return Invalid("topo/" + plan.topo.Name() + ": state '" + st + "' mixes dtypes that do not widen to float32");
@@ -342,15 +342,16 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
   OrderedObject entries(header);
   for (const RankTensor& rt : tensors) {
     const TensorRecord& t = index.tensors()[rt.id.v];
-    const std::string_view dt = SafetensorsDType(t.dtype);
-    if (dt.empty()) return Unsupported("'" + t.key + "' is " + std::string(DTypeName(t.dtype)) + ", which safetensors has no dtype for");
-    const uint64_t n = static_cast<uint64_t>(NumelOf(rt.shape)) * DTypeSize(t.dtype);
+    const DType out = rt.out != DType::kInvalid ? rt.out : t.dtype;
+    const std::string_view dt = SafetensorsDType(out);
+    if (dt.empty()) return Unsupported("'" + t.key + "' is " + std::string(DTypeName(out)) + ", which safetensors has no dtype for");
+    const uint64_t n = static_cast<uint64_t>(NumelOf(rt.shape)) * DTypeSize(out);
     if (!entries.Insert(rt.name, {{"dtype", std::string(dt)}, {"shape", IntsJson(rt.shape)}, {"data_offsets", {off, off + n}}})) {
       return Invalid("two tensors are both named '" + rt.name + "'");
     }
     off += n;
-    for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, t.dtype));
-    if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(t.dtype), '\0')));
+    for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, out));
+    if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(out), '\0')));
   }
   return SafetensorsFile(header, std::move(body));
 }
@@ -438,33 +439,25 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
   return out;
 }
 
-Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_bytes) {
+Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& opts) {
+  ASSIGN_OR_RETURN(hf::HfPlan plan, hf::PlanHf(index, opts));
   std::vector<std::vector<RankTensor>> shards;
-  std::vector<std::string> skipped;
-  std::string errors;  // hf/ERRORS: one line per parameter left out, and why
   uint64_t cur = 0, total = 0;
-  const auto& tensors = index.tensors();
-  for (uint32_t i = 0; i < tensors.size(); ++i) {
-    const TensorRecord& t = tensors[i];
-    if (t.role != Role::kParam || t.state != "param" || t.encoding != Encoding::kTensor) continue;
-    if (!t.error.empty() || SafetensorsDType(t.dtype).empty()) {
-      skipped.push_back(t.fqn);
-      errors += "hf/: '" + t.fqn + "' is not included: " +
-                (!t.error.empty() ? t.error : "safetensors has no dtype " + std::string(DTypeName(t.dtype))) + "\n";
-      continue;
-    }
-    if (shards.empty() || (cur > 0 && cur + t.byte_size > shard_bytes)) {
+  for (hf::HfTensor& h : plan.tensors) {
+    const uint64_t bytes = static_cast<uint64_t>(NumelOf(h.shape)) * DTypeSize(h.out);
+    if (shards.empty() || (cur > 0 && cur + bytes > opts.hf_shard_bytes)) {
       shards.emplace_back();
       cur = 0;
     }
     RankTensor rt;
-    rt.id = TensorId{i};
-    rt.name = t.fqn;
-    rt.shape = t.shape;
-    rt.pieces.push_back(Box{std::vector<int64_t>(t.shape.size(), 0), t.shape});
+    rt.id = h.id;
+    rt.name = std::move(h.name);
+    rt.shape = std::move(h.shape);
+    rt.pieces = std::move(h.pieces);
+    rt.out = h.out;
     shards.back().push_back(std::move(rt));
-    cur += t.byte_size;
-    total += t.byte_size;
+    cur += bytes;
+    total += bytes;
   }
   std::vector<NamedLayout> out;
   json weight_map = json::object();
@@ -479,11 +472,18 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_byte
   }
   json ij;
   ij["metadata"] = {{"total_size", total}};
-  if (!skipped.empty()) ij["metadata"]["ckptfs_not_included"] = skipped;
+  if (!plan.not_included.empty()) ij["metadata"]["ckptfs_not_included"] = plan.not_included;
   ij["weight_map"] = weight_map;
   FileLayout l;
   l.Add(LiteralSegment(JsonText(ij, 2) + "\n"));
   out.emplace_back("model.safetensors.index.json", std::move(l));
+  if (!plan.config_json.empty()) {
+    FileLayout cl;
+    cl.Add(LiteralSegment(plan.config_json));
+    out.emplace_back("config.json", std::move(cl));
+  }
+  std::string errors;
+  for (const std::string& e : plan.errors) errors += e + "\n";
   FileLayout el;
   if (!errors.empty()) el.Add(LiteralSegment(errors));
   out.emplace_back("ERRORS", std::move(el));

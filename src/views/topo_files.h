@@ -27,9 +27,10 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
 // tp<t>-pp<p>-dp<d>.safetensors, and Megatron-native files for Megatron sources.
 Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& plan);
 
-// hf/: model-0000k-of-0000n.safetensors (model weights, full shapes, shards of
-// at most `shard_bytes` unless one tensor is larger) + model.safetensors.index.json.
-Result<std::vector<NamedLayout>> HfFiles(const Index& index, uint64_t shard_bytes);
+// hf/: model-0000k-of-0000n.safetensors (shards of at most hf_shard_bytes
+// unless one tensor is larger), model.safetensors.index.json, config.json when
+// an architecture is known (hf_export.h), and ERRORS.
+Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& opts);
 
 // Segments of a synthesized file's parts (ExportFile, torch.save archives).
 Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, const std::vector<ExportPart>& parts);

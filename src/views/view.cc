@@ -238,7 +238,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
 }
 
 Status View::AddHf(uint64_t root) {
-  ASSIGN_OR_RETURN(auto files, topo_files::HfFiles(index_, topo_.hf_shard_bytes));
+  ASSIGN_OR_RETURN(auto files, topo_files::HfFiles(index_, topo_));
   uint64_t dir = AddDir(root, "hf");
   for (auto& [name, layout] : files) AddFile(dir, name, std::move(layout), TensorId{}, false);
   return Status::Ok();

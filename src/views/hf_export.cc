@@ -1,0 +1,735 @@
+#include "views/hf_export.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "common/json_text.h"
+#include "formats/byte_reader.h"
+
+namespace ckptfs::hf {
+namespace {
+
+using json = nlohmann::ordered_json;
+
+// ---------------------------------------------------------------------------
+// Target architectures (--hf-arch) and what each has.
+
+struct Arch {
+  const char* name;        // --hf-arch
+  const char* model_type;  // config.json "model_type"
+  const char* cls;         // config.json "architectures"
+  bool moe;                // Mixtral-style sparse MLP (block_sparse_moe)
+};
+constexpr Arch kArchs[] = {
+    {"llama", "llama", "LlamaForCausalLM", false},
+    {"mistral", "mistral", "MistralForCausalLM", false},
+    {"qwen2", "qwen2", "Qwen2ForCausalLM", false},
+    {"qwen3", "qwen3", "Qwen3ForCausalLM", false},
+    {"mixtral", "mixtral", "MixtralForCausalLM", true},
+};
+
+const Arch* ArchByName(const std::string& name) {
+  for (const Arch& a : kArchs) {
+    if (name == a.name || name == a.model_type || name == a.cls) return &a;
+  }
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// Name mapping: Megatron (mcore names) -> Hugging Face. {L} is a layer
+// number, {E} an expert number. A rule applies when its condition holds for
+// the target config; a rule's dst names a tensor the target must have
+// (several rules may produce the same dst from alternative source names:
+// local-spec norms vs Transformer Engine's fused layer_norm_weight).
+
+enum class Op : uint8_t {
+  kCopy,   // the whole tensor
+  kVocab,  // rows [0, vocab_size): the padded vocabulary cut
+  kQ,      // fused QKV, per query group [q (qpg*hd) | k (hd) | v (hd)] rows
+  kK,
+  kV,
+  kGate,  // SwiGLU fc1 [gate; up]: rows [0, n/2)
+  kUp,    //                        rows [n/2, n)
+};
+enum class When : uint8_t { kAlways, kUntied, kQkvBias, kOBias, kMlpBias, kQkNorm };
+
+struct MapRule {
+  const char* src;
+  const char* dst;
+  Op op;
+  When when;
+};
+
+constexpr MapRule kMegatronCommon[] = {
+    {"embedding.word_embeddings.weight", "model.embed_tokens.weight", Op::kVocab, When::kAlways},
+    {"decoder.final_layernorm.weight", "model.norm.weight", Op::kCopy, When::kAlways},
+    {"output_layer.weight", "lm_head.weight", Op::kVocab, When::kUntied},
+    {"decoder.layers.{L}.input_layernorm.weight", "model.layers.{L}.input_layernorm.weight", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.layer_norm_weight", "model.layers.{L}.input_layernorm.weight",
+     Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.weight", "model.layers.{L}.self_attn.q_proj.weight", Op::kQ,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.weight", "model.layers.{L}.self_attn.k_proj.weight", Op::kK,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.weight", "model.layers.{L}.self_attn.v_proj.weight", Op::kV,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.bias", "model.layers.{L}.self_attn.q_proj.bias", Op::kQ,
+     When::kQkvBias},
+    {"decoder.layers.{L}.self_attention.linear_qkv.bias", "model.layers.{L}.self_attn.k_proj.bias", Op::kK,
+     When::kQkvBias},
+    {"decoder.layers.{L}.self_attention.linear_qkv.bias", "model.layers.{L}.self_attn.v_proj.bias", Op::kV,
+     When::kQkvBias},
+    {"decoder.layers.{L}.self_attention.linear_proj.weight", "model.layers.{L}.self_attn.o_proj.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_proj.bias", "model.layers.{L}.self_attn.o_proj.bias", Op::kCopy,
+     When::kOBias},
+    {"decoder.layers.{L}.self_attention.q_layernorm.weight", "model.layers.{L}.self_attn.q_norm.weight", Op::kCopy,
+     When::kQkNorm},
+    {"decoder.layers.{L}.self_attention.k_layernorm.weight", "model.layers.{L}.self_attn.k_norm.weight", Op::kCopy,
+     When::kQkNorm},
+    {"decoder.layers.{L}.pre_mlp_layernorm.weight", "model.layers.{L}.post_attention_layernorm.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.layer_norm_weight", "model.layers.{L}.post_attention_layernorm.weight",
+     Op::kCopy, When::kAlways},
+};
+
+constexpr MapRule kMegatronDenseMlp[] = {
+    {"decoder.layers.{L}.mlp.linear_fc1.weight", "model.layers.{L}.mlp.gate_proj.weight", Op::kGate, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.weight", "model.layers.{L}.mlp.up_proj.weight", Op::kUp, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.bias", "model.layers.{L}.mlp.gate_proj.bias", Op::kGate, When::kMlpBias},
+    {"decoder.layers.{L}.mlp.linear_fc1.bias", "model.layers.{L}.mlp.up_proj.bias", Op::kUp, When::kMlpBias},
+    {"decoder.layers.{L}.mlp.linear_fc2.weight", "model.layers.{L}.mlp.down_proj.weight", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc2.bias", "model.layers.{L}.mlp.down_proj.bias", Op::kCopy, When::kMlpBias},
+};
+
+// Mixtral as its Hub checkpoints name it (every transformers release loads
+// these names; 5.x fuses the experts on load).
+constexpr MapRule kMegatronMixtralMlp[] = {
+    {"decoder.layers.{L}.mlp.router.weight", "model.layers.{L}.block_sparse_moe.gate.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
+     "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight", Op::kGate, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
+     "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight", Op::kUp, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc2.weight",
+     "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight", Op::kCopy, When::kAlways},
+    // Transformer Engine's grouped GEMM (TEGroupedMLP): weight<E>.
+    {"decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}", "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight",
+     Op::kGate, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}", "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
+     Op::kUp, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}", "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",
+     Op::kCopy, When::kAlways},
+};
+
+// Legacy Megatron GPTModel names (megatron/legacy/model) -> mcore names.
+constexpr std::pair<const char*, const char*> kLegacyNames[] = {
+    {"language_model.embedding.", "embedding."},
+    {"language_model.encoder.final_layernorm.", "decoder.final_layernorm."},
+    {"language_model.encoder.final_norm.", "decoder.final_layernorm."},
+    {"language_model.encoder.layers.", "decoder.layers."},
+    {"language_model.output_layer.", "output_layer."},
+    {".self_attention.query_key_value.", ".self_attention.linear_qkv."},
+    {".self_attention.dense.", ".self_attention.linear_proj."},
+    {".post_attention_layernorm.", ".pre_mlp_layernorm."},
+    {".post_attention_norm.", ".pre_mlp_layernorm."},
+    {".input_norm.", ".input_layernorm."},
+    {".mlp.dense_h_to_4h.", ".mlp.linear_fc1."},
+    {".mlp.dense_4h_to_h.", ".mlp.linear_fc2."},
+};
+
+std::string McoreName(std::string name) {
+  // NeMo 2 / Lightning wrap the model: "module." (possibly repeated).
+  while (name.rfind("module.", 0) == 0) name.erase(0, 7);
+  if (name.rfind("language_model.", 0) != 0) return name;
+  for (const auto& [from, to] : kLegacyNames) {
+    const size_t p = name.find(from);
+    if (p != std::string::npos) name.replace(p, std::char_traits<char>::length(from), to);
+  }
+  return name;
+}
+
+// Matches `name` against a template with {L} / {E} (decimal numbers).
+bool MatchTemplate(std::string_view tmpl, std::string_view name, int64_t& layer, int64_t& expert) {
+  size_t i = 0, j = 0;
+  while (i < tmpl.size()) {
+    if (tmpl[i] == '{' && i + 2 < tmpl.size() && tmpl[i + 2] == '}') {
+      const size_t start = j;
+      int64_t v = 0;
+      while (j < name.size() && name[j] >= '0' && name[j] <= '9' && j - start < 9) v = v * 10 + (name[j++] - '0');
+      if (j == start || (j - start > 1 && name[start] == '0')) return false;
+      (tmpl[i + 1] == 'L' ? layer : expert) = v;
+      i += 3;
+      continue;
+    }
+    if (j >= name.size() || tmpl[i] != name[j]) return false;
+    ++i;
+    ++j;
+  }
+  return j == name.size();
+}
+
+std::string Expand(std::string_view tmpl, int64_t layer, int64_t expert) {
+  std::string out;
+  for (size_t i = 0; i < tmpl.size(); ++i) {
+    if (tmpl[i] == '{' && i + 2 < tmpl.size() && tmpl[i + 2] == '}') {
+      out += std::to_string(tmpl[i + 1] == 'L' ? layer : expert);
+      i += 2;
+    } else {
+      out.push_back(tmpl[i]);
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Reading a run's facts.
+
+template <typename T>
+T Get(const json& j, const char* key, T def) {
+  auto it = j.find(key);
+  if (it == j.end() || it->is_null()) return def;
+  if constexpr (std::is_same_v<T, bool>) {
+    return it->is_boolean() ? it->template get<bool>() : def;
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    return it->is_string() ? it->template get<std::string>() : def;
+  } else {
+    return it->is_number() ? it->template get<T>() : def;
+  }
+}
+
+const char* ConfigDtype(DType d) {
+  switch (d) {
+    case DType::kBF16: return "bfloat16";
+    case DType::kF16: return "float16";
+    case DType::kF32: return "float32";
+    default: return nullptr;
+  }
+}
+
+// The model facts the mapping needs, read from the target config.json.
+struct Shape {
+  int64_t layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, experts = 0;
+  bool tied = false, qkv_bias = false, o_bias = false, mlp_bias = false, qk_norm = false;
+};
+
+Shape ShapeOf(const json& c, const Arch& a) {
+  Shape s;
+  s.layers = Get<int64_t>(c, "num_hidden_layers", 0);
+  s.heads = Get<int64_t>(c, "num_attention_heads", 0);
+  s.kv_heads = Get<int64_t>(c, "num_key_value_heads", s.heads);
+  const int64_t hidden = Get<int64_t>(c, "hidden_size", 0);
+  s.head_dim = Get<int64_t>(c, "head_dim", s.heads > 0 ? hidden / s.heads : 0);
+  s.vocab = Get<int64_t>(c, "vocab_size", 0);
+  s.experts = a.moe ? Get<int64_t>(c, "num_local_experts", 0) : 0;
+  s.tied = Get<bool>(c, "tie_word_embeddings", false);
+  const std::string mt = a.model_type;
+  if (mt == "llama") {
+    s.qkv_bias = s.o_bias = Get<bool>(c, "attention_bias", false);
+    s.mlp_bias = Get<bool>(c, "mlp_bias", false);
+  } else if (mt == "qwen2") {
+    s.qkv_bias = true;
+  } else if (mt == "qwen3") {
+    s.qkv_bias = s.o_bias = Get<bool>(c, "attention_bias", false);
+    s.qk_norm = true;
+  }
+  return s;
+}
+
+bool Holds(When w, const Shape& s) {
+  switch (w) {
+    case When::kAlways: return true;
+    case When::kUntied: return !s.tied;
+    case When::kQkvBias: return s.qkv_bias;
+    case When::kOBias: return s.o_bias;
+    case When::kMlpBias: return s.mlp_bias;
+    case When::kQkNorm: return s.qk_norm;
+  }
+  return false;
+}
+
+// Which architecture a Megatron run is, from its args (argparse defaults of
+// megatron/training/arguments.py where a field is absent). `forced`: the
+// --hf-arch choice. Returns null and fills `why` when none fits.
+const Arch* RecogniseMegatron(const json& args, const Arch* forced, std::vector<std::string>& why) {
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) why.push_back(what);
+  };
+  const std::string pos = Get<std::string>(args, "position_embedding_type", "learned_absolute");
+  need(pos == "rope", "position_embedding_type is '" + pos + "' (the Llama family uses 'rope')");
+  const std::string norm = Get<std::string>(args, "normalization", "LayerNorm");
+  need(norm == "RMSNorm", "normalization is '" + norm + "' (the Llama family uses 'RMSNorm')");
+  need(Get<bool>(args, "swiglu", false), "the MLP is not SwiGLU (args.swiglu is false)");
+  need(Get<double>(args, "rotary_percent", 1.0) == 1.0, "rotary_percent is not 1.0 (partial RoPE)");
+  need(!Get<bool>(args, "rotary_interleaved", false), "rotary_interleaved is set (Hugging Face rotates halves)");
+  need(!Get<bool>(args, "apply_layernorm_1p", false), "apply_layernorm_1p is set (zero-centered norm weights)");
+  need(!Get<bool>(args, "multi_latent_attention", false), "multi-latent attention has no mapping here");
+  need(!Get<bool>(args, "add_position_embedding", false) || pos == "rope", "learned position embeddings");
+  const bool qkv_bias = Get<bool>(args, "add_qkv_bias", false);
+  const bool linear_bias = Get<bool>(args, "add_bias_linear", true);
+  const bool qk_norm = Get<bool>(args, "qk_layernorm", false);
+  const int64_t experts = Get<int64_t>(args, "num_experts", 0);
+  if (experts > 0) {
+    need(Get<int64_t>(args, "moe_shared_expert_intermediate_size", 0) == 0, "MoE shared experts (no Mixtral equivalent)");
+    need(!Get<bool>(args, "moe_router_pre_softmax", false), "moe_router_pre_softmax is set (Mixtral renormalizes the top-k)");
+    const std::string score = Get<std::string>(args, "moe_router_score_function", "softmax");
+    need(score == "softmax", "moe_router_score_function is '" + score + "' (Mixtral uses softmax)");
+    need(Get<double>(args, "moe_router_topk_scaling_factor", 1.0) == 1.0, "moe_router_topk_scaling_factor is set");
+    need(!linear_bias && !qkv_bias, "an MoE model with linear biases (Mixtral has none)");
+    need(!qk_norm, "an MoE model with QK layer norms");
+    const auto lf = args.find("moe_layer_freq");
+    need(lf == args.end() || lf->is_null() || (lf->is_number() && lf->get<double>() == 1.0), "moe_layer_freq: not every layer is MoE");
+  }
+  const Arch* a = ArchByName("llama");
+  if (experts > 0) {
+    a = ArchByName("mixtral");
+  } else if (qk_norm) {
+    need(!qkv_bias, "both QKV biases and QK layer norms");
+    a = ArchByName("qwen3");
+  } else if (qkv_bias && !linear_bias) {
+    a = ArchByName("qwen2");
+  }
+  if (forced != nullptr && forced != a) {
+    const std::string f = forced->name;
+    const bool compatible = (f == "mistral" && std::string(a->name) == "llama" && !linear_bias) ||
+                            (f == "llama" && std::string(a->name) == "mistral");
+    if (!compatible) {
+      why.push_back("--hf-arch " + f + " does not fit: the run's args describe a " + a->name + " model");
+    }
+    a = forced;
+  }
+  if (Get<bool>(args, "use_rope_scaling", false) && std::string(a->model_type) != "llama") {
+    why.push_back("use_rope_scaling (Llama 3.1 RoPE scaling) on a " + std::string(a->name) + " model");
+  }
+  return why.empty() ? a : nullptr;
+}
+
+// config.json for `a` from a Megatron run's args and its embedding.
+json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
+  const std::string mt = a.model_type;
+  const int64_t hidden = Get<int64_t>(args, "hidden_size", 0);
+  const int64_t heads = Get<int64_t>(args, "num_attention_heads", 0);
+  const int64_t groups =
+      Get<bool>(args, "group_query_attention", false) ? Get<int64_t>(args, "num_query_groups", heads) : heads;
+  const int64_t head_dim = Get<int64_t>(args, "kv_channels", heads > 0 ? hidden / heads : 0);
+  const int64_t ffn = Get<int64_t>(args, "ffn_hidden_size", 4 * hidden);
+  // The tokenizer's vocabulary; Megatron pads the embedding past it
+  // (make_vocab_size_divisible_by x TP), and those rows are left out.
+  int64_t vocab = Get<int64_t>(args, "vocab_size", 0);
+  if (vocab <= 0 || vocab > embedding_rows) vocab = embedding_rows;
+  const int64_t max_pos = Get<int64_t>(args, "max_position_embeddings", Get<int64_t>(args, "seq_length", 4096));
+  const double theta = Get<double>(args, "rotary_base", 10000.0);
+  json c;
+  c["architectures"] = json::array({a.cls});
+  c["model_type"] = a.model_type;
+  c["hidden_size"] = hidden;
+  c["intermediate_size"] = a.moe ? Get<int64_t>(args, "moe_ffn_hidden_size", ffn) : ffn;
+  c["num_hidden_layers"] = Get<int64_t>(args, "num_layers", 0);
+  c["num_attention_heads"] = heads;
+  c["num_key_value_heads"] = groups;
+  c["head_dim"] = head_dim;
+  c["hidden_act"] = "silu";
+  c["max_position_embeddings"] = max_pos;
+  c["rms_norm_eps"] = Get<double>(args, "norm_epsilon", 1e-5);
+  c["initializer_range"] = Get<double>(args, "init_method_std", 0.02);
+  c["vocab_size"] = vocab;
+  c["tie_word_embeddings"] = !Get<bool>(args, "untie_embeddings_and_output_weights", false);
+  json rope = {{"rope_type", "default"}, {"rope_theta", theta}};
+  if (Get<bool>(args, "use_rope_scaling", false)) {  // mcore's apply_rope_scaling: Llama 3.1's constants
+    rope = {{"rope_type", "llama3"},
+            {"rope_theta", theta},
+            {"factor", Get<double>(args, "rope_scaling_factor", 8.0)},
+            {"low_freq_factor", 1.0},
+            {"high_freq_factor", 4.0},
+            {"original_max_position_embeddings", 8192}};
+    c["rope_scaling"] = rope;
+  }
+  c["rope_theta"] = theta;          // transformers 4.x
+  c["rope_parameters"] = rope;      // transformers 5.x
+  c["attention_dropout"] = 0.0;
+  c["use_cache"] = true;
+  if (mt == "llama") {
+    const bool bias = Get<bool>(args, "add_bias_linear", true);
+    c["attention_bias"] = bias;
+    c["mlp_bias"] = bias;
+  } else if (mt == "qwen3") {
+    c["attention_bias"] = false;
+  }
+  if (mt == "mistral" || mt == "mixtral" || mt == "qwen2" || mt == "qwen3") {
+    const auto ws = args.find("window_size");
+    json window = nullptr;
+    if (ws != args.end() && ws->is_array() && !ws->empty() && (*ws)[0].is_number() && (*ws)[0].get<int64_t>() >= 0) {
+      window = (*ws)[0].get<int64_t>() + 1;  // mcore's (left, right) window counts the token itself apart
+    }
+    c["sliding_window"] = window;
+    if (mt != "mistral" && mt != "mixtral") c["use_sliding_window"] = !window.is_null();
+  }
+  if (a.moe) {
+    c["num_local_experts"] = Get<int64_t>(args, "num_experts", 0);
+    c["num_experts_per_tok"] = Get<int64_t>(args, "moe_router_topk", 2);
+    c["router_aux_loss_coef"] = Get<double>(args, "moe_aux_loss_coeff", 0.0);
+    c["output_router_logits"] = false;
+  }
+  c["ckptfs_source"] = "megatron";
+  return c;
+}
+
+Result<std::string> ReadSmallFile(int fd, const std::string& path) {
+  struct stat st{};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return ErrnoStatus("stat", path, errno);
+  }
+  constexpr uint64_t kMax = 16u << 20;
+  if (static_cast<uint64_t>(st.st_size) > kMax) {
+    ::close(fd);
+    return Invalid("cannot read " + path + ": " + std::to_string(st.st_size) + " bytes, more than a config file's " +
+                   std::to_string(kMax) + "-byte bound");
+  }
+  std::string s(static_cast<size_t>(st.st_size), '\0');
+  Status r = formats::PreadExact(fd, 0, s.data(), s.size(), path);
+  ::close(fd);
+  if (!r.ok()) return r;
+  return s;
+}
+
+Result<json> ParseConfig(const std::string& text, const std::string& path) {
+  json c = json::parse(text, nullptr, false);
+  if (c.is_discarded() || !c.is_object()) return Invalid("cannot parse " + path + ": not a JSON object");
+  return c;
+}
+
+// The output dtype of a tensor stored as `src` under --hf-dtype.
+enum class DtypeChoice { kModel, kSource, kF32, kBF16, kF16, kMaster };
+
+Result<DtypeChoice> ParseDtype(const std::string& s) {
+  if (s.empty() || s == "model") return DtypeChoice::kModel;
+  if (s == "source") return DtypeChoice::kSource;
+  if (s == "fp32" || s == "float32") return DtypeChoice::kF32;
+  if (s == "bf16" || s == "bfloat16") return DtypeChoice::kBF16;
+  if (s == "fp16" || s == "float16") return DtypeChoice::kF16;
+  if (s == "master" || s == "fp32-master") return DtypeChoice::kMaster;
+  return Invalid("--hf-dtype '" + s + "': expected model, source, fp32, bf16, fp16 or master");
+}
+
+// The parameter records, by FQN (the "param" state), and by FQN the fp32
+// master ("fp32" state) when there is one.
+struct Sources {
+  std::map<std::string, uint32_t> param, master;
+};
+
+Sources CollectSources(const Index& index) {
+  Sources s;
+  const auto& ts = index.tensors();
+  for (uint32_t i = 0; i < ts.size(); ++i) {
+    const TensorRecord& t = ts[i];
+    if (t.encoding != Encoding::kTensor) continue;
+    if (t.role == Role::kParam && t.state == "param") s.param.emplace(t.fqn, i);
+    if (t.role == Role::kOptimState && t.state == "fp32") s.master.emplace(t.fqn, i);
+  }
+  return s;
+}
+
+// The boxes of op `op` over a source tensor of `shape`; an error names what
+// does not fit.
+Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const Shape& s, std::vector<int64_t>& out) {
+  auto whole_rows = [&](int64_t a, int64_t b) {
+    Box x{std::vector<int64_t>(shape.size(), 0), shape};
+    x.offsets[0] = a;
+    x.lengths[0] = b - a;
+    return x;
+  };
+  out = shape;
+  if (op == Op::kCopy) return std::vector<Box>{Box{std::vector<int64_t>(shape.size(), 0), shape}};
+  if (shape.empty()) return Invalid("a 0-d tensor cannot be split");
+  const int64_t rows = shape[0];
+  switch (op) {
+    case Op::kVocab: {
+      if (s.vocab <= 0 || s.vocab > rows) {
+        return Invalid("vocab_size " + std::to_string(s.vocab) + " does not fit " + std::to_string(rows) + " rows");
+      }
+      out[0] = s.vocab;
+      return std::vector<Box>{whole_rows(0, s.vocab)};
+    }
+    case Op::kGate:
+    case Op::kUp: {
+      if (rows % 2 != 0) return Invalid(std::to_string(rows) + " rows do not split into SwiGLU's gate and up halves");
+      out[0] = rows / 2;
+      return std::vector<Box>{op == Op::kGate ? whole_rows(0, rows / 2) : whole_rows(rows / 2, rows)};
+    }
+    case Op::kQ:
+    case Op::kK:
+    case Op::kV: {
+      if (s.kv_heads <= 0 || s.heads <= 0 || s.head_dim <= 0 || s.heads % s.kv_heads != 0) {
+        return Invalid("the config's heads (" + std::to_string(s.heads) + ") and key-value heads (" +
+                       std::to_string(s.kv_heads) + ") do not describe grouped attention");
+      }
+      const int64_t qpg = s.heads / s.kv_heads, group = (qpg + 2) * s.head_dim;
+      if (rows != s.kv_heads * group) {
+        return Invalid(std::to_string(rows) + " rows are not " + std::to_string(s.kv_heads) + " query groups of (" +
+                       std::to_string(qpg) + " + 2) x " + std::to_string(s.head_dim));
+      }
+      const int64_t first = op == Op::kQ ? 0 : op == Op::kK ? qpg * s.head_dim : (qpg + 1) * s.head_dim;
+      const int64_t len = op == Op::kQ ? qpg * s.head_dim : s.head_dim;
+      std::vector<Box> boxes;
+      for (int64_t g = 0; g < s.kv_heads; ++g) boxes.push_back(whole_rows(g * group + first, g * group + first + len));
+      out[0] = s.kv_heads * len;
+      return boxes;
+    }
+    case Op::kCopy: break;
+  }
+  return Invalid("unknown op");
+}
+
+}  // namespace
+
+std::vector<std::string> ArchNames() {
+  std::vector<std::string> v;
+  for (const Arch& a : kArchs) v.push_back(a.name);
+  return v;
+}
+
+Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
+  HfPlan plan;
+  ASSIGN_OR_RETURN(DtypeChoice choice, ParseDtype(opts.hf_dtype));
+  const Arch* forced = nullptr;
+  if (!opts.hf_arch.empty()) {
+    forced = ArchByName(opts.hf_arch);
+    if (forced == nullptr) {
+      std::string names;
+      for (const Arch& a : kArchs) names += std::string(names.empty() ? "" : ", ") + a.name;
+      return Invalid("--hf-arch '" + opts.hf_arch + "': expected one of " + names);
+    }
+  }
+  const Sources src = CollectSources(index);
+  const bool megatron = index.info().family.rfind("megatron", 0) == 0;
+
+  // The target config: --hf-config, else what the checkpoint records.
+  json config;
+  const Arch* arch = nullptr;
+  std::vector<std::string> why;
+  if (!opts.hf_config.empty()) {
+    ASSIGN_OR_RETURN(int fd, OpenRegularFile(opts.hf_config));
+    ASSIGN_OR_RETURN(std::string text, ReadSmallFile(fd, opts.hf_config));
+    ASSIGN_OR_RETURN(config, ParseConfig(text, opts.hf_config));
+    const std::string mt = Get<std::string>(config, "model_type", "");
+    arch = forced != nullptr ? forced : ArchByName(mt);
+    if (arch == nullptr) why.push_back(opts.hf_config + ": model_type '" + mt + "' is not one ckptfs maps");
+  } else if (megatron) {
+    const json* args = nullptr;
+    json parsed;
+    for (const ExportFile& x : index.exports()) {
+      if (x.path == "args.json" && x.parts.size() == 1 && x.parts[0].kind == PartKind::kLiteral) {
+        parsed = json::parse(x.parts[0].literal, nullptr, false);
+        if (parsed.is_object()) args = &parsed;
+      }
+    }
+    if (args == nullptr) {
+      why.push_back("the checkpoint records no Megatron args; pass --hf-config FILE (a config.json)");
+    } else {
+      arch = RecogniseMegatron(*args, forced, why);
+    }
+    if (arch != nullptr) {
+      int64_t rows = 0;
+      for (const char* e : {"embedding.word_embeddings.weight", "language_model.embedding.word_embeddings.weight",
+                            "module.embedding.word_embeddings.weight"}) {
+        auto it = src.param.find(e);
+        if (it != src.param.end() && !index.tensors()[it->second].shape.empty()) {
+          rows = index.tensors()[it->second].shape[0];
+        }
+      }
+      config = MegatronConfig(*args, *arch, rows);
+    }
+  } else {
+    auto fd = OpenSourceFile(index.src_dir(), "config.json");
+    if (fd.ok()) {
+      const std::string path = index.src_dir() + "/config.json";
+      auto text = ReadSmallFile(*fd, path);
+      auto c = text.ok() ? ParseConfig(*text, path) : Result<json>(text.status());
+      if (!c.ok()) {
+        why.push_back(c.status().message());
+      } else {
+        config = std::move(*c);
+        const std::string mt = Get<std::string>(config, "model_type", "");
+        arch = forced != nullptr ? forced : ArchByName(mt);
+        if (arch == nullptr && config.contains("architectures")) {
+          // An architecture ckptfs has no table for, already under its
+          // Hugging Face names: served as they are, with its config.
+          const json& names = config["architectures"];
+          plan.architecture = names.is_array() && !names.empty() && names[0].is_string() ? names[0].get<std::string>()
+                                                                                         : "?";
+        }
+      }
+    } else {
+      why.push_back("the checkpoint records no model architecture (no Megatron args, no config.json beside it); "
+                    "pass --hf-config FILE (a config.json) and, if needed, --hf-arch NAME");
+    }
+  }
+
+  // The tensors: mapped (Megatron names) or as named (Hugging Face names).
+  const bool mapped = arch != nullptr && megatron;
+  if (arch == nullptr && plan.architecture.empty()) {
+    for (const std::string& w : why) plan.errors.push_back("hf/: not a transformers model directory: " + w);
+    plan.errors.push_back("hf/: the parameters are served under their source names, without config.json");
+  }
+  Shape shape;
+  if (arch != nullptr) shape = ShapeOf(config, *arch);
+
+  // Output dtype per source tensor, and the model dtype for config.json.
+  std::map<DType, uint64_t> dtype_bytes;
+  for (const auto& [fqn, id] : src.param) dtype_bytes[index.tensors()[id].dtype] += index.tensors()[id].byte_size;
+  DType model = DType::kInvalid;
+  uint64_t best = 0;
+  for (const auto& [d, n] : dtype_bytes) {
+    if (n > best) best = n, model = d;
+  }
+  auto out_dtype = [&](DType d) -> DType {
+    switch (choice) {
+      case DtypeChoice::kModel: return model;
+      case DtypeChoice::kSource: return d;
+      case DtypeChoice::kF32:
+      case DtypeChoice::kMaster: return DType::kF32;
+      case DtypeChoice::kBF16: return DType::kBF16;
+      case DtypeChoice::kF16: return DType::kF16;
+    }
+    return d;
+  };
+
+  std::set<std::string> produced;
+  auto add = [&](const std::string& hf_name, const std::string& fqn, uint32_t id, Op op) {
+    uint32_t read = id;
+    if (choice == DtypeChoice::kMaster) {
+      auto m = src.master.find(fqn);
+      if (m == src.master.end()) {
+        plan.errors.push_back("hf/: '" + hf_name + "' is not included: --hf-dtype master, and '" + fqn +
+                              "' has no fp32 master copy in the checkpoint");
+        plan.not_included.push_back(fqn);
+        return;
+      }
+      read = m->second;
+    }
+    const TensorRecord& t = index.tensors()[read];
+    if (!t.error.empty()) {
+      plan.errors.push_back("hf/: '" + hf_name + "' is not included: " + t.error);
+      plan.not_included.push_back(fqn);
+      return;
+    }
+    HfTensor h;
+    h.name = hf_name;
+    h.id = TensorId{read};
+    h.out = out_dtype(t.dtype);
+    if (h.out != t.dtype && !(h.out == DType::kF32 && WidensToF32(t.dtype))) {
+      plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn + "' is " +
+                            std::string(DTypeName(t.dtype)) + ", and ckptfs converts only to a wider type, not to " +
+                            std::string(DTypeName(h.out)) + " (use --hf-dtype source or fp32)");
+      plan.not_included.push_back(fqn);
+      return;
+    }
+    if (SafetensorsDType(h.out).empty()) {
+      plan.errors.push_back("hf/: '" + hf_name + "' is not included: safetensors has no dtype " +
+                            std::string(DTypeName(h.out)));
+      plan.not_included.push_back(fqn);
+      return;
+    }
+    auto boxes = OpBoxes(op, t.shape, shape, h.shape);
+    if (!boxes.ok()) {
+      plan.errors.push_back("hf/: '" + hf_name + "' is not included: cannot split '" + fqn + "': " +
+                            boxes.status().message());
+      plan.not_included.push_back(fqn);
+      return;
+    }
+    h.pieces = std::move(*boxes);
+    if (!produced.insert(hf_name).second) {
+      plan.errors.push_back("hf/: '" + hf_name + "' would come from two source tensors; the second, '" + fqn +
+                            "', is left out");
+      plan.not_included.push_back(fqn);
+      return;
+    }
+    plan.tensors.push_back(std::move(h));
+  };
+
+  std::vector<const MapRule*> rules;
+  if (arch != nullptr) {
+    for (const MapRule& r : kMegatronCommon) rules.push_back(&r);
+    if (arch->moe) {
+      for (const MapRule& r : kMegatronMixtralMlp) rules.push_back(&r);
+    } else {
+      for (const MapRule& r : kMegatronDenseMlp) rules.push_back(&r);
+    }
+  }
+  for (const auto& [fqn, id] : src.param) {
+    if (!mapped) {
+      add(fqn, fqn, id, Op::kCopy);
+      continue;
+    }
+    const std::string name = McoreName(fqn);
+    bool any = false, skipped = false;
+    for (const MapRule* r : rules) {
+      int64_t layer = -1, expert = -1;
+      if (!MatchTemplate(r->src, name, layer, expert)) continue;
+      if (!Holds(r->when, shape)) {
+        skipped = true;
+        continue;
+      }
+      any = true;
+      add(Expand(r->dst, layer, expert), fqn, id, r->op);
+    }
+    if (!any) {
+      plan.not_included.push_back(fqn);
+      plan.errors.push_back("hf/: '" + fqn + "' is not included: " +
+                            (skipped ? std::string("the config has no such tensor (") + arch->cls + ", tied or no bias)"
+                                     : std::string("no ") + arch->cls + " tensor is mapped from it"));
+    }
+  }
+
+  // Every tensor the target architecture has must be there: a pipeline stage
+  // that was not saved shows here, not as a model with random layers.
+  if (arch != nullptr) {
+    std::set<std::string> expected;
+    for (const MapRule* r : rules) {
+      if (!Holds(r->when, shape)) continue;
+      const std::string_view src_tmpl = r->src;
+      const bool per_layer = src_tmpl.find("{L}") != std::string_view::npos;
+      const bool per_expert = src_tmpl.find("{E}") != std::string_view::npos;
+      for (int64_t l = 0; l < (per_layer ? shape.layers : 1); ++l) {
+        for (int64_t e = 0; e < (per_expert ? shape.experts : 1); ++e) expected.insert(Expand(r->dst, l, e));
+      }
+    }
+    for (const std::string& e : expected) {
+      if (!produced.count(e)) {
+        plan.errors.push_back("hf/: '" + e + "' is missing: no source tensor provides it, so transformers would "
+                              "initialise it at random");
+      }
+    }
+    if (mapped) plan.architecture = arch->cls;
+  }
+  if (arch != nullptr || !plan.architecture.empty()) {
+    if (plan.architecture.empty()) plan.architecture = arch->cls;
+    // The dtype the files hold: what transformers loads them as by default.
+    std::map<DType, uint64_t> served;
+    for (const HfTensor& h : plan.tensors) {
+      served[h.out] += static_cast<uint64_t>(NumelOf(h.shape));
+    }
+    DType top = DType::kInvalid;
+    uint64_t most = 0;
+    for (const auto& [d, n] : served) {
+      if (n > most) most = n, top = d;
+    }
+    if (const char* d = ConfigDtype(top)) {
+      config["torch_dtype"] = d;  // transformers 4.x
+      config["dtype"] = d;        // transformers 5.x
+    }
+    plan.config_json = JsonText(config, 2) + "\n";
+  }
+  return plan;
+}
+
+}  // namespace ckptfs::hf

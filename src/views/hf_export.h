@@ -1,0 +1,53 @@
+// hf/ as a Hugging Face model directory (internal to the views layer): which
+// architecture the checkpoint is, its config.json, and every Hugging Face
+// tensor as a list of boxes of one source tensor (a fused QKV split per
+// query group into q/k/v, SwiGLU's fc1 into gate/up, the padded vocabulary
+// rows cut). Nothing is copied: the planned boxes are read through the
+// engine like any other view file.
+//
+// The name mapping is data (kConventions in hf_export.cc): one table per
+// source convention (Megatron mcore names; legacy GPTModel names are first
+// rewritten to mcore's) and target architecture. Documented in the README's
+// "hf/ for transformers" section.
+#ifndef CKPTFS_VIEWS_HF_EXPORT_H_
+#define CKPTFS_VIEWS_HF_EXPORT_H_
+
+#include <string>
+#include <vector>
+
+#include "ckptfs/index.h"
+#include "ckptfs/topo.h"
+
+namespace ckptfs::hf {
+
+// A Hugging Face tensor: `pieces` of source tensor `id`, concatenated along
+// dim 0, rendered as `out`.
+struct HfTensor {
+  std::string name;
+  TensorId id;
+  std::vector<int64_t> shape;
+  std::vector<Box> pieces;
+  DType out = DType::kInvalid;
+};
+
+struct HfPlan {
+  // The Hugging Face class ("LlamaForCausalLM"); empty when no architecture
+  // was recognised: hf/ then holds the parameters under their source names.
+  std::string architecture;
+  std::string config_json;  // config.json's text ("" without an architecture)
+  std::vector<HfTensor> tensors;
+  std::vector<std::string> not_included;  // source parameters left out
+  std::vector<std::string> errors;        // hf/ERRORS lines (each "hf/: ...")
+};
+
+// The plan for `index` under `opts` (--hf-arch, --hf-config, --hf-dtype).
+// An error only for a bad option (an unknown --hf-arch or --hf-dtype, an
+// unreadable --hf-config); what the checkpoint lacks goes to `errors`.
+Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts);
+
+// Architecture names --hf-arch takes ("llama", "mistral", ...).
+std::vector<std::string> ArchNames();
+
+}  // namespace ckptfs::hf
+
+#endif  // CKPTFS_VIEWS_HF_EXPORT_H_
