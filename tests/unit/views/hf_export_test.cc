@@ -1,0 +1,271 @@
+#include "views/hf_export.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <map>
+
+#include "../test_util.h"
+
+namespace ckptfs::hf {
+namespace {
+
+using ckptfs::testing::TempDir;
+
+// A synthetic Megatron (mcore names) Llama: hidden 8, 4 heads in 2 query
+// groups of head_dim 2, ffn 6, vocabulary 10 padded to 12, one layer.
+class HfExportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    args_ = {{"num_layers", 1},          {"hidden_size", 8},        {"num_attention_heads", 4},
+             {"num_query_groups", 2},    {"group_query_attention", true}, {"kv_channels", 2},
+             {"ffn_hidden_size", 6},     {"swiglu", true},          {"vocab_size", 10},
+             {"padded_vocab_size", 12},  {"add_bias_linear", false}, {"normalization", "RMSNorm"},
+             {"position_embedding_type", "rope"}, {"rotary_base", 500000}, {"norm_epsilon", 1e-6},
+             {"untie_embeddings_and_output_weights", true}, {"bf16", true}};
+    params_ = {{"embedding.word_embeddings.weight", {12, 8}},
+               {"decoder.layers.0.input_layernorm.weight", {8}},
+               {"decoder.layers.0.self_attention.linear_qkv.weight", {16, 8}},
+               {"decoder.layers.0.self_attention.linear_proj.weight", {8, 8}},
+               {"decoder.layers.0.pre_mlp_layernorm.weight", {8}},
+               {"decoder.layers.0.mlp.linear_fc1.weight", {12, 8}},
+               {"decoder.layers.0.mlp.linear_fc2.weight", {8, 6}},
+               {"decoder.final_layernorm.weight", {8}},
+               {"output_layer.weight", {12, 8}}};
+  }
+  Result<HfPlan> Plan(const TopoOptions& opts = {}, DType dtype = DType::kBF16) {
+    Checkpoint ck;
+    uint64_t off = 0;
+    for (const auto& [fqn, shape] : params_) {
+      TensorRecord r;
+      r.key = fqn;
+      r.role = Role::kParam;
+      r.fqn = fqn;
+      r.state = "param";
+      r.dtype = dtype;
+      r.shape = shape;
+      Fragment f;
+      f.offsets.assign(shape.size(), 0);
+      f.lengths = shape;
+      f.strides = ContiguousStrides(shape);
+      f.dtype = dtype;
+      f.data_offset = off;
+      f.data_length = static_cast<uint64_t>(NumelOf(shape)) * DTypeSize(dtype);
+      off += f.data_length;
+      ck.AddTensor(r, {f});
+    }
+    ckptfs::testing::WriteFile(dir_.path() + "/d", std::string(off, '\0'));
+    ck.files.push_back(SourceFile{"d", 0, 0, 0});
+    ckptfs::testing::FillStat(dir_.path(), &ck.files[0]);
+    ck.info.family = family_;
+    if (!args_.is_null()) {
+      ExportPart p;
+      p.literal = args_.dump();
+      p.size = p.literal.size();
+      ck.exports.push_back(ExportFile{"args.json", {p}});
+    }
+    const std::string ix = dir_.path() + "/ix" + std::to_string(builds_++);
+    if (Status st = Index::Build(ck, ix); !st.ok()) return st;
+    ASSIGN_OR_RETURN(index_, Index::Open(ix, dir_.path()));
+    return PlanHf(*index_, opts);
+  }
+  static const HfTensor* Find(const HfPlan& p, const std::string& name) {
+    for (const HfTensor& t : p.tensors) {
+      if (t.name == name) return &t;
+    }
+    return nullptr;
+  }
+  static std::vector<std::pair<int64_t, int64_t>> Rows(const HfTensor& t) {
+    std::vector<std::pair<int64_t, int64_t>> v;
+    for (const Box& b : t.pieces) v.emplace_back(b.offsets[0], b.offsets[0] + b.lengths[0]);
+    return v;
+  }
+  static std::string Errors(const HfPlan& p) {
+    std::string s;
+    for (const std::string& e : p.errors) s += e + "\n";
+    return s;
+  }
+
+  TempDir dir_;
+  nlohmann::json args_;
+  std::string family_ = "megatron-legacy";
+  std::map<std::string, std::vector<int64_t>> params_;
+  std::unique_ptr<Index> index_;
+  int builds_ = 0;
+};
+
+TEST_F(HfExportTest, MegatronLlamaSplitsQkvPerGroupAndFc1IntoGateAndUp) {
+  auto p = Plan();
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  EXPECT_EQ(p->architecture, "LlamaForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+  ASSERT_EQ(p->tensors.size(), 12u);  // q, k, v and gate, up from two sources
+  // Each query group is [q (2 heads x 2) | k (2) | v (2)] = 8 rows.
+  const HfTensor* q = Find(*p, "model.layers.0.self_attn.q_proj.weight");
+  const HfTensor* k = Find(*p, "model.layers.0.self_attn.k_proj.weight");
+  const HfTensor* v = Find(*p, "model.layers.0.self_attn.v_proj.weight");
+  ASSERT_TRUE(q && k && v);
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(Rows(*q), (R{{0, 4}, {8, 12}}));
+  EXPECT_EQ(Rows(*k), (R{{4, 6}, {12, 14}}));
+  EXPECT_EQ(Rows(*v), (R{{6, 8}, {14, 16}}));
+  EXPECT_EQ(q->shape, (std::vector<int64_t>{8, 8}));
+  EXPECT_EQ(k->shape, (std::vector<int64_t>{4, 8}));
+  EXPECT_EQ(q->pieces[0].lengths, (std::vector<int64_t>{4, 8}));  // whole rows
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.mlp.gate_proj.weight")), (R{{0, 6}}));
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.mlp.up_proj.weight")), (R{{6, 12}}));
+  // The padded vocabulary rows are cut from both ends of the model.
+  EXPECT_EQ(Find(*p, "model.embed_tokens.weight")->shape, (std::vector<int64_t>{10, 8}));
+  EXPECT_EQ(Find(*p, "lm_head.weight")->shape, (std::vector<int64_t>{10, 8}));
+  EXPECT_EQ(Find(*p, "model.layers.0.post_attention_layernorm.weight")->id.v, 4u);  // pre_mlp_layernorm
+  for (const HfTensor& t : p->tensors) EXPECT_EQ(t.out, DType::kBF16) << t.name;
+
+  auto c = nlohmann::json::parse(p->config_json);
+  EXPECT_EQ(c["architectures"], nlohmann::json::array({"LlamaForCausalLM"}));
+  EXPECT_EQ(c["num_key_value_heads"], 2);
+  EXPECT_EQ(c["head_dim"], 2);
+  EXPECT_EQ(c["intermediate_size"], 6);
+  EXPECT_EQ(c["vocab_size"], 10);
+  EXPECT_EQ(c["rms_norm_eps"], 1e-6);
+  EXPECT_EQ(c["rope_parameters"]["rope_theta"], 500000.0);
+  EXPECT_EQ(c["tie_word_embeddings"], false);
+  EXPECT_EQ(c["torch_dtype"], "bfloat16");
+}
+
+TEST_F(HfExportTest, LegacyNamesMapLikeMcoreNames) {
+  params_ = {{"language_model.embedding.word_embeddings.weight", {12, 8}},
+             {"language_model.encoder.layers.0.input_layernorm.weight", {8}},
+             {"language_model.encoder.layers.0.self_attention.query_key_value.weight", {16, 8}},
+             {"language_model.encoder.layers.0.self_attention.dense.weight", {8, 8}},
+             {"language_model.encoder.layers.0.post_attention_layernorm.weight", {8}},
+             {"language_model.encoder.layers.0.mlp.dense_h_to_4h.weight", {12, 8}},
+             {"language_model.encoder.layers.0.mlp.dense_4h_to_h.weight", {8, 6}},
+             {"language_model.encoder.final_layernorm.weight", {8}},
+             {"language_model.output_layer.weight", {12, 8}}};
+  auto p = Plan();
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  EXPECT_EQ(Errors(*p), "");
+  EXPECT_EQ(p->tensors.size(), 12u);
+  EXPECT_TRUE(Find(*p, "model.layers.0.self_attn.o_proj.weight"));
+  EXPECT_TRUE(Find(*p, "model.layers.0.post_attention_layernorm.weight"));
+}
+
+TEST_F(HfExportTest, ArchitectureFromArgs) {
+  args_["add_qkv_bias"] = true;
+  params_["decoder.layers.0.self_attention.linear_qkv.bias"] = {16};
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "Qwen2ForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+  ASSERT_TRUE(Find(*p, "model.layers.0.self_attn.k_proj.bias"));
+  EXPECT_EQ(Find(*p, "model.layers.0.self_attn.k_proj.bias")->shape, (std::vector<int64_t>{4}));
+
+  // A Qwen2 run has a QKV bias the Llama tables would leave out: --hf-arch
+  // llama is refused with the reason.
+  TopoOptions o;
+  o.hf_arch = "llama";
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "");
+  EXPECT_EQ(p->config_json, "");
+  EXPECT_NE(Errors(*p).find("--hf-arch llama does not fit: the run's args describe a qwen2 model"), std::string::npos)
+      << Errors(*p);
+
+  args_["add_qkv_bias"] = false;
+  params_.erase("decoder.layers.0.self_attention.linear_qkv.bias");
+  o.hf_arch = "mistral";
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "MistralForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+
+  o.hf_arch = "gpt-j";
+  EXPECT_FALSE(Plan(o).ok());
+}
+
+TEST_F(HfExportTest, UnrecognisedRunsKeepSourceNamesAndSayWhy) {
+  args_["normalization"] = "LayerNorm";
+  args_.erase("position_embedding_type");  // Megatron's default: learned_absolute
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "");
+  EXPECT_EQ(p->config_json, "");
+  EXPECT_EQ(p->tensors.size(), params_.size());
+  EXPECT_TRUE(Find(*p, "decoder.layers.0.self_attention.linear_qkv.weight"));
+  const std::string e = Errors(*p);
+  EXPECT_NE(e.find("position_embedding_type is 'learned_absolute'"), std::string::npos) << e;
+  EXPECT_NE(e.find("normalization is 'LayerNorm'"), std::string::npos) << e;
+
+  args_ = nullptr;  // no args at all: --hf-config is the way
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("pass --hf-config FILE"), std::string::npos) << Errors(*p);
+}
+
+TEST_F(HfExportTest, AMissingLayerTensorIsNamedNotRandomlyInitialised) {
+  params_.erase("decoder.layers.0.self_attention.linear_proj.weight");
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("'model.layers.0.self_attn.o_proj.weight' is missing"), std::string::npos) << Errors(*p);
+  // A QKV that is not whole query groups cannot be split.
+  SetUp();
+  params_["decoder.layers.0.self_attention.linear_qkv.weight"] = {14, 8};
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("14 rows are not 2 query groups of (2 + 2) x 2"), std::string::npos) << Errors(*p);
+  EXPECT_FALSE(Find(*p, "model.layers.0.self_attn.q_proj.weight"));
+}
+
+TEST_F(HfExportTest, DtypeChoices) {
+  TopoOptions o;
+  o.hf_dtype = "fp32";  // bf16 widened
+  auto p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  for (const HfTensor& t : p->tensors) EXPECT_EQ(t.out, DType::kF32);
+  EXPECT_EQ(nlohmann::json::parse(p->config_json)["torch_dtype"], "float32");
+  // Narrowing is not something the read engine does: each tensor says so.
+  o.hf_dtype = "bf16";
+  p = Plan(o, DType::kF32);
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(p->tensors.empty());
+  EXPECT_NE(Errors(*p).find("converts only to a wider type"), std::string::npos) << Errors(*p);
+  // master: the fp32 copies, which this checkpoint lacks.
+  o.hf_dtype = "master";
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("has no fp32 master copy"), std::string::npos) << Errors(*p);
+  o.hf_dtype = "int4";
+  EXPECT_FALSE(Plan(o).ok());
+}
+
+TEST_F(HfExportTest, ConfigFileDecidesForOtherFamilies) {
+  // A config.json beside a non-Megatron checkpoint whose parameters already
+  // have Hugging Face names: served with its config, names unchanged.
+  family_ = "deepspeed";
+  args_ = nullptr;
+  params_ = {{"model.embed_tokens.weight", {10, 8}}, {"model.norm.weight", {8}}};
+  ckptfs::testing::WriteFile(dir_.path() + "/config.json",
+                             R"({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]})");
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "GPTNeoXForCausalLM");
+  EXPECT_TRUE(Find(*p, "model.norm.weight"));
+  EXPECT_EQ(nlohmann::json::parse(p->config_json)["torch_dtype"], "bfloat16");
+  // A known model_type is checked against its tables: every layer tensor of
+  // the Llama layout is missing here.
+  ckptfs::testing::WriteFile(dir_.path() + "/config.json",
+                             R"({"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 4,
+                                 "hidden_size": 8, "vocab_size": 10})");
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "LlamaForCausalLM");
+  EXPECT_NE(Errors(*p).find("'model.layers.0.self_attn.q_proj.weight' is missing"), std::string::npos);
+  EXPECT_NE(Errors(*p).find("'lm_head.weight' is missing"), std::string::npos);
+  ckptfs::testing::WriteFile(dir_.path() + "/config.json", "{not json");
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("cannot parse " + dir_.path() + "/config.json"), std::string::npos) << Errors(*p);
+}
+
+}  // namespace
+}  // namespace ckptfs::hf
