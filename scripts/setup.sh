@@ -26,7 +26,7 @@ PY=.venv/bin/python
 # scripts/constraints.txt; a package installed at another version is reinstalled at the pin.
 want=(numpy:numpy)
 [[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout pytest-xdist:xdist
-                                     deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors)
+                                     deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors transformers:transformers)
 need=()
 for w in "${want[@]}"; do
   req=${w%%:*}

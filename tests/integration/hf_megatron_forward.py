@@ -1,8 +1,9 @@
 """transformers loads a mount's hf/ and agrees with megatron-core's own forward.
 
 One gloo process: a megatron-core GPTModel at TP=1, PP=1 with the run's config
-(MNT/args.json: the fixture's Llama-family args) is loaded strictly from
-MNT/params/<fqn>/param.raw, and `AutoModelForCausalLM.from_pretrained(MNT/hf)`
+(MNT/args.json: the fixture's Llama-family args) is loaded from
+MNT/params/<fqn>/param.raw (every parameter; torch_dist's norm names are
+Transformer Engine's), and `AutoModelForCausalLM.from_pretrained(MNT/hf)`
 loads the Hugging Face view. Both run in float32 on the same tokens; the
 script fails unless transformers reports no missing, unexpected or mismatched
 keys and the logits over the real vocabulary agree. OUT gets both logits.
@@ -48,8 +49,13 @@ def mcore_logits(mnt, args, tokens):
     for k, v in model.state_dict().items():
         if not torch.is_tensor(v) or k.endswith("_extra_state"):
             continue
-        info = json.load(open(os.path.join(mnt, "params", k, "info.json")))["tensors"]["param"]
-        raw = open(os.path.join(mnt, "params", k, "param.raw"), "rb").read()
+        d = os.path.join(mnt, "params", k)
+        if not os.path.isdir(d):  # torch_dist: the local spec's sharded_state_dict_keys_map (TE's names)
+            for a, b in [("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                         ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")]:
+                d = d.replace(a, b)
+        info = json.load(open(os.path.join(d, "info.json")))["tensors"]["param"]
+        raw = open(os.path.join(d, "param.raw"), "rb").read()
         t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, info["dtype"])).reshape(info["shape"])
         sd[k] = t.float()
     missing, unexpected = model.load_state_dict(sd, strict=False)

@@ -1,0 +1,200 @@
+"""hf/ as a transformers model directory, from Megatron runs of the Llama
+family written by the real megatron-core (tests/fixtures/make_megatron.py
+--arch): `AutoModelForCausalLM.from_pretrained(MNT/hf)` loads with no missing,
+unexpected or mismatched keys, and its logits equal those of megatron-core's
+own GPTModel loaded from params/ (hf_megatron_forward.py). The tensors are
+also checked one by one against params/, split here with torch by
+megatron-core's QKV layout (attention.py get_query_key_value_tensors: per
+query group [q heads | k | v]) and SwiGLU's [gate; up]."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from conftest import FIXTURES, fixture_lock, run  # noqa: E402
+from test_topo_mount import full_tensor, spawn  # noqa: E402
+
+pytestmark = pytest.mark.xdist_group("hf")
+
+# name -> make_megatron.py arguments.
+HF_SCENARIOS = {
+    "llama_legacy_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--bf16", "--arch", "llama"],
+    "llama_dist_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--arch", "llama"],
+    "qwen2_legacy_tp2": ["legacy", "--tp", "2", "--bf16", "--arch", "qwen2"],
+    "qwen3_dist_tp2": ["dist", "--tp", "2", "--bf16", "--arch", "qwen3"],
+    "mixtral_legacy_tp2_pp2_ep2": ["legacy", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--bf16",
+                                   "--arch", "mixtral"],
+    "gpt_legacy_tp1": ["legacy", "--tp", "1", "--pp", "1"],
+}
+
+
+@pytest.fixture(scope="session")
+def hf_fixtures(tmp_path_factory):
+    cache = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    root = Path(cache) / "megatron_hf" if cache else tmp_path_factory.mktemp("megatron_hf")
+    for name, args in HF_SCENARIOS.items():
+        out = root / name
+        with fixture_lock(out):
+            if (out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists():
+                continue
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
+                           check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return root
+
+
+def hf_tensors(hf):
+    idx = json.loads((hf / "model.safetensors.index.json").read_text())
+    out = {}
+    for f in sorted(set(idx["weight_map"].values())):
+        part = load_file(str(hf / f))
+        assert all(idx["weight_map"][k] == f for k in part)
+        out.update(part)
+    assert idx["metadata"]["total_size"] == sum(v.numel() * v.element_size() for v in out.values())
+    return out
+
+
+@pytest.mark.parametrize("scenario", [s for s in HF_SCENARIOS if not s.startswith("gpt")])
+def test_transformers_loads_hf_like_megatron_core(hf_fixtures, mounter, tmp_path, scenario):
+    with mounter(hf_fixtures / scenario) as m:
+        assert (m.path / "hf" / "ERRORS").read_text() == ""
+        spawn("hf_megatron_forward.py", 1, m.path, tmp_path / "logits.pt")
+    got = torch.load(tmp_path / "logits.pt")
+    assert got["hf"].shape[-1] == 50  # the real vocabulary: Megatron's padding rows are cut
+
+
+def split_qkv(w, heads, groups, head_dim):
+    g = w.reshape(groups, (heads // groups + 2) * head_dim, *w.shape[1:])
+    q, k, v = g.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+    return [x.reshape(-1, *w.shape[1:]) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("scenario", ["llama_legacy_tp2_pp2", "qwen2_legacy_tp2", "mixtral_legacy_tp2_pp2_ep2"])
+def test_every_hf_tensor_is_its_megatron_slice(hf_fixtures, mounter, scenario):
+    with mounter(hf_fixtures / scenario) as m:
+        args = json.loads((m.path / "args.json").read_text())
+        cfg = json.loads((m.path / "hf" / "config.json").read_text())
+        got = hf_tensors(m.path / "hf")
+        heads, groups, hd = args["num_attention_heads"], args["num_query_groups"], args["kv_channels"]
+        assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (heads, groups, hd)
+        assert cfg["vocab_size"] == args["vocab_size"] and cfg["intermediate_size"] == args["ffn_hidden_size"]
+        assert cfg["torch_dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is False
+        want = {}
+        for fqn in sorted(p.name for p in (m.path / "params").iterdir()):
+            w = full_tensor(m.path, fqn, "param")
+            name = fqn.replace("decoder.layers.", "model.layers.")
+            if fqn == "embedding.word_embeddings.weight":
+                want["model.embed_tokens.weight"] = w[:args["vocab_size"]]
+            elif fqn == "output_layer.weight":
+                want["lm_head.weight"] = w[:args["vocab_size"]]
+            elif fqn == "decoder.final_layernorm.weight":
+                want["model.norm.weight"] = w
+            elif ".linear_qkv." in fqn:
+                for proj, x in zip("qkv", split_qkv(w, heads, groups, hd)):
+                    want[name.replace("self_attention.linear_qkv", f"self_attn.{proj}_proj")] = x
+            elif ".linear_proj." in fqn:
+                want[name.replace("self_attention.linear_proj", "self_attn.o_proj")] = w
+            elif fqn.endswith("input_layernorm.weight"):
+                want[name] = w
+            elif fqn.endswith("pre_mlp_layernorm.weight"):
+                want[name.replace("pre_mlp_layernorm", "post_attention_layernorm")] = w
+            elif ".mlp.router." in fqn:
+                want[name.replace("mlp.router", "block_sparse_moe.gate")] = w
+            elif ".local_experts." in fqn:
+                e = name.replace("mlp.experts.local_experts", "block_sparse_moe.experts")
+                if ".linear_fc1." in fqn:
+                    gate, up = w.chunk(2, 0)
+                    want[e.replace("linear_fc1", "w1")], want[e.replace("linear_fc1", "w3")] = gate, up
+                else:
+                    want[e.replace("linear_fc2", "w2")] = w
+            elif ".linear_fc1." in fqn:
+                gate, up = w.chunk(2, 0)
+                want[name.replace("mlp.linear_fc1", "mlp.gate_proj")] = gate
+                want[name.replace("mlp.linear_fc1", "mlp.up_proj")] = up
+            elif ".linear_fc2." in fqn:
+                want[name.replace("mlp.linear_fc2", "mlp.down_proj")] = w
+            else:
+                raise AssertionError(f"unexpected parameter {fqn}")
+        assert sorted(got) == sorted(want)
+        for k, w in want.items():
+            assert got[k].dtype == w.dtype and torch.equal(got[k], w.contiguous()), k
+
+
+def test_hf_options(hf_fixtures, mounter, bin_path, tmp_path):
+    src = hf_fixtures / "llama_legacy_tp2_pp2"
+    with mounter(src, name="base") as m:
+        base = hf_tensors(m.path / "hf")
+        base_cfg = json.loads((m.path / "hf" / "config.json").read_text())
+    # --hf-dtype fp32: every tensor widened, the config says so.
+    with mounter(src, name="fp32", extra=["--hf-dtype", "fp32"]) as m:
+        wide = hf_tensors(m.path / "hf")
+        assert json.loads((m.path / "hf" / "config.json").read_text())["torch_dtype"] == "float32"
+        assert sorted(wide) == sorted(base)
+        for k in base:
+            assert wide[k].dtype == torch.float32 and torch.equal(wide[k], base[k].float()), k
+    # --hf-dtype master: the fp32 master weights of the optimizer (Adam stepped
+    # them; the bf16 parameters are their rounding).
+    with mounter(src, name="master", extra=["-o", "hf_dtype=master"]) as m:
+        master = hf_tensors(m.path / "hf")
+        assert (m.path / "hf" / "ERRORS").read_text() == ""
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert master[q].dtype == torch.float32 and torch.equal(master[q].bfloat16(), base[q])
+        assert not torch.equal(master[q], base[q].float())
+    # --hf-arch mistral: the same tensors under MistralForCausalLM, and
+    # transformers computes the same logits.
+    from transformers import AutoModelForCausalLM
+    tokens = torch.arange(32).reshape(2, 16) % 50
+    logits = {}
+    for arch in ["llama", "mistral"]:
+        with mounter(src, name=arch, extra=["--hf-arch", arch]) as m:
+            cfg = json.loads((m.path / "hf" / "config.json").read_text())
+            assert cfg["model_type"] == arch
+            model = AutoModelForCausalLM.from_pretrained(str(m.path / "hf"), dtype=torch.float32)
+            with torch.no_grad():
+                logits[arch] = model(tokens).logits
+    assert torch.equal(logits["llama"], logits["mistral"])
+    # --hf-arch that the args contradict: no config.json, the reason in ERRORS.
+    with mounter(src, name="qwen2", extra=["--hf-arch", "qwen2"]) as m:
+        assert not (m.path / "hf" / "config.json").exists()
+        errors = (m.path / "hf" / "ERRORS").read_text()
+        assert "--hf-arch qwen2 does not fit: the run's args describe a llama model" in errors
+    # --hf-config: the user's config.json is the target, served as given
+    # (dtype fields set to what the files hold).
+    mine = dict(base_cfg, rms_norm_eps=1e-5, bos_token_id=1)
+    (tmp_path / "config.json").write_text(json.dumps(mine))
+    with mounter(src, name="cfg", extra=["--hf-config", str(tmp_path / "config.json")]) as m:
+        assert json.loads((m.path / "hf" / "config.json").read_text()) == mine
+    # Bad options are command-line errors.
+    for bad in (["--hf-arch", "gptj"], ["--hf-dtype", "int4"], ["--hf-config", str(tmp_path / "none.json")]):
+        r = run([bin_path, "ls", str(src), "hf"] + bad)
+        assert r.returncode != 0 and ("hf" in r.stderr or "none.json" in r.stderr), (bad, r.stderr)
+
+
+def test_unrecognised_or_incomplete_runs_say_why(hf_fixtures, mounter, tmp_path):
+    # LayerNorm + learned positions: no transformers architecture ckptfs maps.
+    with mounter(hf_fixtures / "gpt_legacy_tp1", name="gpt") as m:
+        hf = m.path / "hf"
+        assert not (hf / "config.json").exists()
+        errors = (hf / "ERRORS").read_text()
+        assert "position_embedding_type is 'learned_absolute'" in errors and "normalization is 'LayerNorm'" in errors
+        assert "decoder.layers.0.self_attention.linear_qkv.weight" in hf_tensors(hf)  # source names, as before
+    # A run whose second pipeline stage is lost: the missing layers are named
+    # in ERRORS, not left for transformers to initialise at random.
+    half = tmp_path / "half"
+    shutil.copytree(hf_fixtures / "llama_legacy_tp2_pp2", half, ignore=shutil.ignore_patterns(".ckptfs", "reference"))
+    for d in (half / "iter_0000007").glob("mp_rank_*_001"):
+        shutil.rmtree(d)
+    with mounter(half, name="half_mnt") as m:
+        errors = (m.path / "hf" / "ERRORS").read_text()
+        for name in ["lm_head.weight", "model.norm.weight", "model.layers.2.self_attn.q_proj.weight",
+                     "model.layers.3.mlp.down_proj.weight"]:
+            assert f"'{name}' is missing" in errors, name
+        assert "model.layers.1.self_attn.q_proj.weight" in hf_tensors(m.path / "hf")
