@@ -58,6 +58,12 @@ enum class Op : uint8_t {
   kV,
   kGate,  // SwiGLU fc1 [gate; up]: rows [0, n/2)
   kUp,    //                        rows [n/2, n)
+  // Meta / torchtitan RoPE rotates interleaved pairs (2j, 2j+1) of each head;
+  // Hugging Face rotates halves (j, j + hd/2). Per head, the rows in the
+  // order 0, 2, .., hd-2, 1, 3, .., hd-1 (convert_llama_weights_to_hf's
+  // permute): query heads (kRopeQ) or key-value heads (kRopeK).
+  kRopeQ,
+  kRopeK,
 };
 enum class When : uint8_t { kAlways, kUntied, kQkvBias, kOBias, kMlpBias, kQkNorm };
 
@@ -129,6 +135,26 @@ constexpr MapRule kMegatronMixtralMlp[] = {
     {"decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}", "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",
      Op::kCopy, When::kAlways},
 };
+
+// torchtitan's Llama (torchtitan/models/llama3/model: the names of Meta's
+// reference implementation) -> Hugging Face Llama.
+constexpr MapRule kTorchtitanLlama[] = {
+    {"tok_embeddings.weight", "model.embed_tokens.weight", Op::kVocab, When::kAlways},
+    {"norm.weight", "model.norm.weight", Op::kCopy, When::kAlways},
+    {"output.weight", "lm_head.weight", Op::kVocab, When::kUntied},
+    {"layers.{L}.attention_norm.weight", "model.layers.{L}.input_layernorm.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.attention.wq.weight", "model.layers.{L}.self_attn.q_proj.weight", Op::kRopeQ, When::kAlways},
+    {"layers.{L}.attention.wk.weight", "model.layers.{L}.self_attn.k_proj.weight", Op::kRopeK, When::kAlways},
+    {"layers.{L}.attention.wv.weight", "model.layers.{L}.self_attn.v_proj.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.attention.wo.weight", "model.layers.{L}.self_attn.o_proj.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.ffn_norm.weight", "model.layers.{L}.post_attention_layernorm.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.feed_forward.w1.weight", "model.layers.{L}.mlp.gate_proj.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.feed_forward.w3.weight", "model.layers.{L}.mlp.up_proj.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.feed_forward.w2.weight", "model.layers.{L}.mlp.down_proj.weight", Op::kCopy, When::kAlways},
+};
+
+// Where the parameter names come from.
+enum class Convention { kHf, kMegatron, kTorchtitan };
 
 // Legacy Megatron GPTModel names (megatron/legacy/model) -> mcore names.
 constexpr std::pair<const char*, const char*> kLegacyNames[] = {
@@ -484,6 +510,22 @@ Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const
       out[0] = s.kv_heads * len;
       return boxes;
     }
+    case Op::kRopeQ:
+    case Op::kRopeK: {
+      const int64_t heads = op == Op::kRopeQ ? s.heads : s.kv_heads, hd = s.head_dim;
+      if (heads <= 0 || hd <= 0 || hd % 2 != 0 || rows != heads * hd) {
+        return Invalid(std::to_string(rows) + " rows are not " + std::to_string(heads) + " heads of an even head_dim " +
+                       std::to_string(hd));
+      }
+      std::vector<Box> boxes;
+      boxes.reserve(static_cast<size_t>(rows));
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t a = 0; a < 2; ++a) {
+          for (int64_t j = 0; j < hd / 2; ++j) boxes.push_back(whole_rows(h * hd + 2 * j + a, h * hd + 2 * j + a + 1));
+        }
+      }
+      return boxes;
+    }
     case Op::kCopy: break;
   }
   return Invalid("unknown op");
@@ -510,7 +552,19 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     }
   }
   const Sources src = CollectSources(index);
-  const bool megatron = index.info().family.rfind("megatron", 0) == 0;
+  Convention conv = Convention::kHf;
+  if (index.info().family.rfind("megatron", 0) == 0) {
+    conv = Convention::kMegatron;
+  } else {
+    for (const auto& [fqn, id] : src.param) {
+      int64_t l = -1, e = -1;
+      if (fqn == "tok_embeddings.weight" || MatchTemplate("layers.{L}.attention.wq.weight", fqn, l, e)) {
+        conv = Convention::kTorchtitan;
+        break;
+      }
+    }
+  }
+  const bool megatron = conv == Convention::kMegatron;
 
   // The target config: --hf-config, else what the checkpoint records.
   json config;
@@ -568,14 +622,28 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
                                                                                          : "?";
         }
       }
+    } else if (conv == Convention::kTorchtitan) {
+      why.push_back("torchtitan names (tok_embeddings, layers.N.attention.wq), and torchtitan records no model "
+                    "config in its checkpoint; pass --hf-config FILE (a Llama config.json: its heads and "
+                    "key-value heads decide the RoPE row permutation of wq and wk)");
     } else {
       why.push_back("the checkpoint records no model architecture (no Megatron args, no config.json beside it); "
                     "pass --hf-config FILE (a config.json) and, if needed, --hf-arch NAME");
     }
   }
+  if (arch != nullptr && conv == Convention::kTorchtitan) {
+    const std::string mt = arch->model_type;
+    if (mt != "llama" && mt != "mistral") {
+      why.push_back("torchtitan's Llama names map to llama or mistral, not " + mt);
+      arch = nullptr;
+    } else if (Get<bool>(config, "attention_bias", false) || Get<bool>(config, "mlp_bias", false)) {
+      why.push_back("the config has linear biases, which torchtitan's Llama has not");
+      arch = nullptr;
+    }
+  }
 
   // The tensors: mapped (Megatron names) or as named (Hugging Face names).
-  const bool mapped = arch != nullptr && megatron;
+  const bool mapped = arch != nullptr && conv != Convention::kHf;
   if (arch == nullptr && plan.architecture.empty()) {
     for (const std::string& w : why) plan.errors.push_back("hf/: not a transformers model directory: " + w);
     plan.errors.push_back("hf/: the parameters are served under their source names, without config.json");
@@ -657,7 +725,9 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   };
 
   std::vector<const MapRule*> rules;
-  if (arch != nullptr) {
+  if (arch != nullptr && conv == Convention::kTorchtitan) {
+    for (const MapRule& r : kTorchtitanLlama) rules.push_back(&r);
+  } else if (arch != nullptr) {
     for (const MapRule& r : kMegatronCommon) rules.push_back(&r);
     if (arch->moe) {
       for (const MapRule& r : kMegatronMixtralMlp) rules.push_back(&r);

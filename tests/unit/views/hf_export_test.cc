@@ -267,5 +267,47 @@ TEST_F(HfExportTest, ConfigFileDecidesForOtherFamilies) {
   EXPECT_NE(Errors(*p).find("cannot parse " + dir_.path() + "/config.json"), std::string::npos) << Errors(*p);
 }
 
+TEST_F(HfExportTest, TorchtitanNamesWithTheirRopePermutation) {
+  family_ = "pytorch-dcp";
+  args_ = nullptr;
+  // dim 8, 2 query heads and 1 key-value head of head_dim 4, ffn 6, vocabulary 10.
+  params_ = {{"tok_embeddings.weight", {10, 8}},          {"norm.weight", {8}},
+             {"output.weight", {10, 8}},                  {"layers.0.attention_norm.weight", {8}},
+             {"layers.0.attention.wq.weight", {8, 8}},    {"layers.0.attention.wk.weight", {4, 8}},
+             {"layers.0.attention.wv.weight", {4, 8}},    {"layers.0.attention.wo.weight", {8, 8}},
+             {"layers.0.ffn_norm.weight", {8}},           {"layers.0.feed_forward.w1.weight", {6, 8}},
+             {"layers.0.feed_forward.w2.weight", {8, 6}}, {"layers.0.feed_forward.w3.weight", {6, 8}}};
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "");
+  EXPECT_NE(Errors(*p).find("torchtitan records no model config"), std::string::npos) << Errors(*p);
+
+  const std::string cfg = dir_.path() + "/llama.json";
+  ckptfs::testing::WriteFile(cfg, R"({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+      "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1,
+      "intermediate_size": 6, "vocab_size": 10})");
+  TopoOptions o;
+  o.hf_config = cfg;
+  p = Plan(o);
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  EXPECT_EQ(p->architecture, "LlamaForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+  EXPECT_EQ(p->tensors.size(), 12u);
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  // Per head: even rows, then odd rows (interleaved pairs -> halves).
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.self_attn.q_proj.weight")),
+            (R{{0, 1}, {2, 3}, {1, 2}, {3, 4}, {4, 5}, {6, 7}, {5, 6}, {7, 8}}));
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.self_attn.k_proj.weight")), (R{{0, 1}, {2, 3}, {1, 2}, {3, 4}}));
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.self_attn.v_proj.weight")), (R{{0, 4}}));
+  EXPECT_EQ(Find(*p, "model.layers.0.mlp.up_proj.weight")->id.v,
+            Find(*p, "model.layers.0.mlp.gate_proj.weight")->id.v + 2);  // w3 is up, w1 gate
+  // A head_dim that is odd cannot be a RoPE layout.
+  ckptfs::testing::WriteFile(cfg, R"({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 3, "vocab_size": 10})");
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("8 rows are not 2 heads of an even head_dim 3"), std::string::npos) << Errors(*p);
+}
+
 }  // namespace
 }  // namespace ckptfs::hf
