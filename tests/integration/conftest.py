@@ -81,6 +81,20 @@ def run_producer(cmd, out, env, timeout=900):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
 
 
+def make_megatron_fixtures(root, scenarios):
+    """Writes each make_megatron.py scenario (name -> arguments) under `root`
+    unless a complete one is there (cached between runs)."""
+    for name, args in scenarios.items():
+        out = Path(root) / name
+        with fixture_lock(out):
+            if (out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists():
+                continue
+            shutil.rmtree(out, ignore_errors=True)
+            subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
+                           check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return Path(root)
+
+
 def run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw)
 

@@ -9,8 +9,6 @@ query group [q heads | k | v]) and SwiGLU's [gate; up]."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from conftest import FIXTURES, fixture_lock, run  # noqa: E402
+from conftest import make_megatron_fixtures, run  # noqa: E402
 from test_topo_mount import full_tensor, spawn  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("hf")
@@ -39,16 +37,8 @@ HF_SCENARIOS = {
 @pytest.fixture(scope="session")
 def hf_fixtures(tmp_path_factory):
     cache = os.environ.get("CKPTFS_FIXTURE_CACHE")
-    root = Path(cache) / "megatron_hf" if cache else tmp_path_factory.mktemp("megatron_hf")
-    for name, args in HF_SCENARIOS.items():
-        out = root / name
-        with fixture_lock(out):
-            if (out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists():
-                continue
-            shutil.rmtree(out, ignore_errors=True)
-            subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
-                           check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return root
+    return make_megatron_fixtures(Path(cache) / "megatron_hf" if cache else tmp_path_factory.mktemp("megatron_hf"),
+                                  HF_SCENARIOS)
 
 
 def hf_tensors(hf):

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, ckptfs_bin, fixture_lock, run
+from conftest import ckptfs_bin, make_megatron_fixtures, run
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -67,16 +67,7 @@ def topology(args):
 @pytest.fixture(scope="session")
 def megatron_fixtures(tmp_path_factory):
     cache = os.environ.get("CKPTFS_FIXTURE_CACHE")
-    root = Path(cache) / "megatron" if cache else tmp_path_factory.mktemp("megatron")
-    for name, args in SCENARIOS.items():
-        out = root / name
-        with fixture_lock(out):
-            if (out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists():
-                continue
-            shutil.rmtree(out, ignore_errors=True)
-            subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
-                           check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return root
+    return make_megatron_fixtures(Path(cache) / "megatron" if cache else tmp_path_factory.mktemp("megatron"), SCENARIOS)
 
 
 def split_rule(name):
