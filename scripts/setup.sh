@@ -26,7 +26,8 @@ PY=.venv/bin/python
 # scripts/constraints.txt; a package installed at another version is reinstalled at the pin.
 want=(numpy:numpy)
 [[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout pytest-xdist:xdist
-                                     deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors transformers:transformers)
+                                     deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors transformers:transformers
+                                     accelerate:accelerate)
 need=()
 for w in "${want[@]}"; do
   req=${w%%:*}
@@ -35,3 +36,14 @@ for w in "${want[@]}"; do
   [[ -n "$pin" && "$have" == "$pin" ]] || need+=("$req")
 done
 if ((${#need[@]})); then "$PY" -m pip install -q -c scripts/constraints.txt "${need[@]}"; fi
+# torchtitan (the hf/ tests' producer): its model and checkpointer need only these; its declared
+# dependencies (datasets, tensorboard, ...) are for training runs, so they are left out (--no-deps).
+if [[ "${1:-}" == "--test" ]]; then
+  nodeps=()
+  for req in torchtitan tyro docstring-parser spmd_types; do
+    pin=$(grep -i -m1 "^${req}==" scripts/constraints.txt | cut -d= -f3)
+    have=$("$PY" -c "import importlib.metadata as m; print(m.version('${req}'))" 2>/dev/null || true)
+    [[ -n "$pin" && "$have" == "$pin" ]] || nodeps+=("$req==$pin")
+  done
+  if ((${#nodeps[@]})); then "$PY" -m pip install -q --no-deps "${nodeps[@]}"; fi
+fi

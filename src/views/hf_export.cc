@@ -136,12 +136,21 @@ constexpr MapRule kMegatronMixtralMlp[] = {
      Op::kCopy, When::kAlways},
 };
 
-// torchtitan's Llama (torchtitan/models/llama3/model: the names of Meta's
-// reference implementation) -> Hugging Face Llama.
+// torchtitan's Llama 3 (torchtitan/models/llama3; 0.2 keeps the names of
+// Meta's reference implementation, 0.3 puts wq/wk/wv under qkv_linear and
+// names the output lm_head) -> Hugging Face Llama, as its own
+// Llama3StateDictAdapter.to_hf maps them.
 constexpr MapRule kTorchtitanLlama[] = {
     {"tok_embeddings.weight", "model.embed_tokens.weight", Op::kVocab, When::kAlways},
     {"norm.weight", "model.norm.weight", Op::kCopy, When::kAlways},
     {"output.weight", "lm_head.weight", Op::kVocab, When::kUntied},
+    {"lm_head.weight", "lm_head.weight", Op::kVocab, When::kUntied},
+    {"layers.{L}.attention.qkv_linear.wq.weight", "model.layers.{L}.self_attn.q_proj.weight", Op::kRopeQ,
+     When::kAlways},
+    {"layers.{L}.attention.qkv_linear.wk.weight", "model.layers.{L}.self_attn.k_proj.weight", Op::kRopeK,
+     When::kAlways},
+    {"layers.{L}.attention.qkv_linear.wv.weight", "model.layers.{L}.self_attn.v_proj.weight", Op::kCopy,
+     When::kAlways},
     {"layers.{L}.attention_norm.weight", "model.layers.{L}.input_layernorm.weight", Op::kCopy, When::kAlways},
     {"layers.{L}.attention.wq.weight", "model.layers.{L}.self_attn.q_proj.weight", Op::kRopeQ, When::kAlways},
     {"layers.{L}.attention.wk.weight", "model.layers.{L}.self_attn.k_proj.weight", Op::kRopeK, When::kAlways},
@@ -408,17 +417,17 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   return c;
 }
 
-Result<std::string> ReadSmallFile(int fd, const std::string& path) {
+// A config or tokenizer file, whole (they are held in the view).
+Result<std::string> ReadSmallFile(int fd, const std::string& path, uint64_t max_bytes = 16u << 20) {
   struct stat st{};
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     return ErrnoStatus("stat", path, errno);
   }
-  constexpr uint64_t kMax = 16u << 20;
-  if (static_cast<uint64_t>(st.st_size) > kMax) {
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
     ::close(fd);
-    return Invalid("cannot read " + path + ": " + std::to_string(st.st_size) + " bytes, more than a config file's " +
-                   std::to_string(kMax) + "-byte bound");
+    return Invalid("cannot read " + path + ": " + std::to_string(st.st_size) + " bytes, more than the " +
+                   std::to_string(max_bytes) + "-byte bound ckptfs holds such a file to");
   }
   std::string s(static_cast<size_t>(st.st_size), '\0');
   Status r = formats::PreadExact(fd, 0, s.data(), s.size(), path);
@@ -431,6 +440,30 @@ Result<json> ParseConfig(const std::string& text, const std::string& path) {
   json c = json::parse(text, nullptr, false);
   if (c.is_discarded() || !c.is_object()) return Invalid("cannot parse " + path + ": not a JSON object");
   return c;
+}
+
+// What from_pretrained / AutoTokenizer read beside config.json.
+constexpr const char* kSideFiles[] = {
+    "generation_config.json", "tokenizer.json",   "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model",        "vocab.json",       "merges.txt",            "added_tokens.json",
+    "chat_template.jinja",    "chat_template.json",
+};
+
+// The side files present in `dir` (read through OpenSourceFile: never a
+// symlink out of it); a file that cannot be read is an ERRORS line.
+void AddSideFiles(const std::string& dir, HfPlan& plan) {
+  for (const char* name : kSideFiles) {
+    const std::string path = dir + "/" + name;
+    struct stat st{};
+    if (::lstat(path.c_str(), &st) != 0) continue;
+    auto fd = OpenSourceFile(dir, name);
+    auto text = fd.ok() ? ReadSmallFile(*fd, path, 64u << 20) : Result<std::string>(fd.status());
+    if (!text.ok()) {
+      plan.errors.push_back("hf/: " + std::string(name) + " is not passed through: " + text.status().message());
+      continue;
+    }
+    plan.side_files.emplace_back(name, std::move(*text));
+  }
 }
 
 // The output dtype of a tensor stored as `src` under --hf-dtype.
@@ -798,6 +831,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       config["dtype"] = d;        // transformers 5.x
     }
     plan.config_json = JsonText(config, 2) + "\n";
+    const std::string& cfg = opts.hf_config;
+    AddSideFiles(cfg.empty() ? index.src_dir() : cfg.substr(0, std::max<size_t>(cfg.rfind('/'), 1)), plan);
   }
   return plan;
 }

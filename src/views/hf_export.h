@@ -38,6 +38,9 @@ struct HfPlan {
   std::vector<HfTensor> tensors;
   std::vector<std::string> not_included;  // source parameters left out
   std::vector<std::string> errors;        // hf/ERRORS lines (each "hf/: ...")
+  // Files served verbatim beside config.json (generation_config.json and the
+  // tokenizer's), from the checkpoint directory or --hf-config's directory.
+  std::vector<std::pair<std::string, std::string>> side_files;  // name, bytes
 };
 
 // The plan for `index` under `opts` (--hf-arch, --hf-config, --hf-dtype).

@@ -482,6 +482,11 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& 
     cl.Add(LiteralSegment(plan.config_json));
     out.emplace_back("config.json", std::move(cl));
   }
+  for (auto& [name, bytes] : plan.side_files) {
+    FileLayout sl;
+    sl.Add(LiteralSegment(std::move(bytes)));
+    out.emplace_back(name, std::move(sl));
+  }
   std::string errors;
   for (const std::string& e : plan.errors) errors += e + "\n";
   FileLayout el;

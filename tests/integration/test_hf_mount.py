@@ -9,6 +9,7 @@ query group [q heads | k | v]) and SwiGLU's [gate; up]."""
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from conftest import make_megatron_fixtures, run  # noqa: E402
+from conftest import FIXTURES, fixture_lock, make_megatron_fixtures, run  # noqa: E402
 from test_topo_mount import full_tensor, spawn  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("hf")
@@ -188,3 +189,80 @@ def test_unrecognised_or_incomplete_runs_say_why(hf_fixtures, mounter, tmp_path)
                      "model.layers.3.mlp.down_proj.weight"]:
             assert f"'{name}' is missing" in errors, name
         assert "model.layers.1.self_attn.q_proj.weight" in hf_tensors(m.path / "hf")
+
+
+def produced(factory, name, script, args=()):
+    """A single-run producer's output under the fixture cache (or a session
+    temp dir), made once: `script` writes OUT/reference/logits.pt last."""
+    cache = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    out = Path(cache) / name if cache else factory.mktemp(name)
+    with fixture_lock(out):
+        if not (out / "reference" / "logits.pt").exists():
+            shutil.rmtree(out, ignore_errors=True)
+            r = run([sys.executable, str(FIXTURES / script), str(out)] + list(args), timeout=900)
+            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def torchtitan_ck(tmp_path_factory):
+    pytest.importorskip("torchtitan")
+    return produced(tmp_path_factory, "torchtitan_llama3", "make_torchtitan.py", ["--no-verify"])
+
+
+@pytest.fixture(scope="session")
+def hf_trainer_ck(tmp_path_factory):
+    pytest.importorskip("accelerate")
+    return produced(tmp_path_factory, "hf_trainer_ds_zero2", "make_hf_trainer.py")
+
+
+def test_torchtitan_checkpoint_equals_torchtitans_own_to_hf(torchtitan_ck, mounter, bin_path):
+    """torchtitan's CheckpointManager writes a Llama 3 DCP step; hf/ with the
+    model's config.json (torchtitan records none) equals what torchtitan's own
+    Llama3StateDictAdapter.to_hf gives, tensor by tensor (wq/wk RoPE row
+    permutation included), and transformers computes torchtitan's logits."""
+    out = torchtitan_ck
+    step = out / "checkpoint" / "step-10"
+    r = run([bin_path, "cat", str(step), "hf/ERRORS"])
+    assert "torchtitan records no model config" in r.stdout and "pass --hf-config" in r.stdout
+    cfg = out / "reference" / "config.json"
+    with mounter(step, extra=["--hf-config", str(cfg)]) as m:
+        hf = m.path / "hf"
+        assert (hf / "ERRORS").read_text() == ""
+        got, want = hf_tensors(hf), load_file(str(out / "reference" / "hf_state_dict.safetensors"))
+        assert sorted(got) == sorted(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+        tokens = (torch.arange(32).reshape(2, 16) * 7 + 3) % 96
+        with torch.no_grad():
+            logits = model(tokens).logits
+    ref = torch.load(out / "reference" / "logits.pt")
+    assert torch.allclose(logits, ref, atol=1e-5, rtol=1e-5), (logits - ref).abs().max()
+
+
+def test_hf_trainer_deepspeed_checkpoint(hf_trainer_ck, mounter):
+    """The HF Trainer with DeepSpeed ZeRO-2 (DP=2, CPU) saves checkpoint-N/:
+    mounted, hf/ is its ZeRO shards under their own (Hugging Face) names with
+    the config.json and generation_config.json beside them; every tensor equals
+    the Trainer's own save_pretrained (checkpoint-N/model.safetensors) and
+    transformers computes the trained model's logits."""
+    out = hf_trainer_ck
+    ck = out / "checkpoint-3"
+    assert (ck / "global_step3").is_dir()
+    with mounter(ck) as m:
+        hf = m.path / "hf"
+        assert (hf / "ERRORS").read_text() == ""
+        assert (hf / "generation_config.json").read_bytes() == (ck / "generation_config.json").read_bytes()
+        src_cfg = json.loads((ck / "config.json").read_text())
+        assert json.loads((hf / "config.json").read_text()) == dict(src_cfg, torch_dtype="float32", dtype="float32")
+        got, want = hf_tensors(hf), load_file(str(ck / "model.safetensors"))
+        assert sorted(got) == sorted(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+        with torch.no_grad():
+            logits = model((torch.arange(32).reshape(2, 16) * 7 + 3) % 96).logits
+    assert torch.allclose(logits, torch.load(out / "reference" / "logits.pt"), atol=1e-5, rtol=1e-5)
