@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo|transforms|read|scale] [args...]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo|hf|transforms|read|scale] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -10,6 +10,7 @@ if [[ "$which" == ds || "$which" == all ]]; then .venv/bin/python bench/ds_bench
 if [[ "$which" == megatron || "$which" == all ]]; then .venv/bin/python bench/megatron_bench.py "$@"; fi
 if [[ "$which" == verify || "$which" == all ]]; then .venv/bin/python bench/verify_bench.py "$@"; fi
 if [[ "$which" == topo || "$which" == all ]]; then .venv/bin/python bench/topo_bench.py "$@"; fi
+if [[ "$which" == hf || "$which" == all ]]; then .venv/bin/python bench/hf_bench.py "$@"; fi
 if [[ "$which" == transforms || "$which" == all ]]; then
   mkdir -p bench/out
   build/ckptfs_transform_bench "bench/out/transforms-$(hostname).json"
