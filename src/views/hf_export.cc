@@ -795,7 +795,15 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
 
   // Every tensor the target architecture has must be there: a pipeline stage
   // that was not saved shows here, not as a model with random layers.
-  if (arch != nullptr) {
+  // (A config's counts are untrusted: at most one expected name per layer and
+  // expert can exist for each source tensor, so more is refused, not looped.)
+  const int64_t bound = 4 * static_cast<int64_t>(src.param.size()) + 16;
+  if (arch != nullptr && (shape.layers > bound || shape.experts > bound ||
+                          shape.layers * std::max<int64_t>(shape.experts, 1) > bound)) {
+    plan.errors.push_back("hf/: the config's num_hidden_layers (" + std::to_string(shape.layers) + ") and experts (" +
+                          std::to_string(shape.experts) + ") are far more than the checkpoint's " +
+                          std::to_string(src.param.size()) + " parameters hold; completeness is not checked");
+  } else if (arch != nullptr) {
     std::set<std::string> expected;
     for (const MapRule* r : rules) {
       if (!Holds(r->when, shape)) continue;

@@ -261,6 +261,12 @@ TEST_F(HfExportTest, ConfigFileDecidesForOtherFamilies) {
   EXPECT_EQ(p->architecture, "LlamaForCausalLM");
   EXPECT_NE(Errors(*p).find("'model.layers.0.self_attn.q_proj.weight' is missing"), std::string::npos);
   EXPECT_NE(Errors(*p).find("'lm_head.weight' is missing"), std::string::npos);
+  // Counts no checkpoint this size could hold are not looped over.
+  ckptfs::testing::WriteFile(dir_.path() + "/config.json",
+                             R"({"model_type": "mixtral", "num_hidden_layers": 1000000000, "num_local_experts": 99999})");
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("completeness is not checked"), std::string::npos) << Errors(*p);
   ckptfs::testing::WriteFile(dir_.path() + "/config.json", "{not json");
   p = Plan();
   ASSERT_TRUE(p.ok());
