@@ -62,6 +62,9 @@ struct TopoOptions {
   // used as the target), --hf-dtype model|source|fp32|bf16|fp16|master.
   std::string hf_arch, hf_config, hf_dtype;
 };
+// The names --hf-arch ("llama", "mistral", ...) and --hf-dtype take.
+std::vector<std::string> HfArchNames();
+std::vector<std::string> HfDtypeNames();
 // The --rules file (JSON):
 //   {"rules": [{"match": "<regex>", "split": "replicate"|"dim"|"sub2",
 //               "dim": 1, "groups": 8, "stage": "first"|"last"}, ...],

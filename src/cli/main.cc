@@ -27,7 +27,6 @@
 #include "ckptfs/progress.h"
 #include "ckptfs/verify.h"
 #include "common/json_text.h"
-#include "views/hf_export.h"
 
 namespace ckptfs {
 namespace {
@@ -722,12 +721,12 @@ int Main(std::vector<std::string> raw) {
         ->check(bytes_check)
         ->option_text("BYTES");
     c->add_option("--hf-arch", str["--hf-arch"], "hf/ target architecture when the checkpoint records too little")
-        ->check(CLI::IsMember(hf::ArchNames()))
+        ->check(CLI::IsMember(HfArchNames()))
         ->option_text("NAME");
     c->add_option("--hf-config", str["--hf-config"], "hf/ config.json to use (its model_type picks the mapping)")
         ->option_text("FILE");
     c->add_option("--hf-dtype", str["--hf-dtype"], "hf/ dtype (default model: the parameters' dtype)")
-        ->check(CLI::IsMember({"model", "source", "fp32", "bf16", "fp16", "master"}))
+        ->check(CLI::IsMember(HfDtypeNames()))
         ->option_text("DTYPE");
   };
   auto add_read = [&](CLI::App* c) {

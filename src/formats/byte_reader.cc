@@ -72,8 +72,10 @@ Result<std::string> FileSliceReader::ReadAt(uint64_t offset, uint64_t len) const
   return Pread(offset, len);
 }
 
-Result<int> OpenBoundedFile(const std::string& path, uint64_t max_bytes, uint64_t* size) {
-  ASSIGN_OR_RETURN(int fd, OpenRegularFile(path));
+namespace {
+
+// `fd` (owned) if its size is at most max_bytes; sets `size`.
+Result<int> Bounded(int fd, const std::string& path, uint64_t max_bytes, uint64_t* size) {
   struct stat st{};
   if (::fstat(fd, &st) != 0) {
     int e = errno;
@@ -89,13 +91,33 @@ Result<int> OpenBoundedFile(const std::string& path, uint64_t max_bytes, uint64_
   return fd;
 }
 
-Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
-  uint64_t size = 0;
-  ASSIGN_OR_RETURN(int fd, OpenBoundedFile(path, max_bytes, &size));
+// All of `fd` (owned, `size` bytes).
+Result<std::string> ReadAll(int fd, uint64_t size, const std::string& path) {
   FileSliceReader r(fd, 0, size, path);
   auto res = size == 0 ? Result<std::string>(std::string()) : r.ReadAt(0, size);
   ::close(fd);
   return res;
+}
+
+}  // namespace
+
+Result<int> OpenBoundedFile(const std::string& path, uint64_t max_bytes, uint64_t* size) {
+  ASSIGN_OR_RETURN(int fd, OpenRegularFile(path));
+  return Bounded(fd, path, max_bytes, size);
+}
+
+Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes) {
+  uint64_t size = 0;
+  ASSIGN_OR_RETURN(int fd, OpenBoundedFile(path, max_bytes, &size));
+  return ReadAll(fd, size, path);
+}
+
+Result<std::string> ReadWholeSourceFile(const std::string& root, const std::string& rel, uint64_t max_bytes) {
+  const std::string path = root + "/" + rel;
+  uint64_t size = 0;
+  ASSIGN_OR_RETURN(int opened, OpenSourceFile(root, rel));
+  ASSIGN_OR_RETURN(int fd, Bounded(opened, path, max_bytes, &size));
+  return ReadAll(fd, size, path);
 }
 
 Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f) {

@@ -68,6 +68,9 @@ Result<int> OpenBoundedFile(const std::string& path, uint64_t max_bytes, uint64_
 
 // Reads a whole regular file, refusing files larger than max_bytes.
 Result<std::string> ReadWholeFile(const std::string& path, uint64_t max_bytes);
+// The same for file `rel` of the checkpoint at `root`, opened through
+// OpenSourceFile (never a path out of the tree).
+Result<std::string> ReadWholeSourceFile(const std::string& root, const std::string& rel, uint64_t max_bytes);
 
 // The entry names of a directory (no "." / ".."), sorted; empty when it
 // cannot be listed.

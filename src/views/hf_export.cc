@@ -1,7 +1,6 @@
 #include "views/hf_export.h"
 
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -35,6 +34,12 @@ constexpr Arch kArchs[] = {
     {"qwen3", "qwen3", "Qwen3ForCausalLM", false},
     {"mixtral", "mixtral", "MixtralForCausalLM", true},
 };
+
+std::string JoinNames(const std::vector<std::string>& names) {
+  std::string s;
+  for (const std::string& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
 
 const Arch* ArchByName(const std::string& name) {
   for (const Arch& a : kArchs) {
@@ -417,24 +422,16 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   return c;
 }
 
-// A config or tokenizer file, whole (they are held in the view).
-Result<std::string> ReadSmallFile(int fd, const std::string& path, uint64_t max_bytes = 16u << 20) {
+// File `name` of `dir` when it exists (lstat: a dangling or escaping
+// symlink is present, and its refusal is the answer), read whole through
+// OpenSourceFile and held to `max_bytes`; nullopt when absent.
+std::optional<Result<std::string>> ReadIfPresent(const std::string& dir, const std::string& name, uint64_t max_bytes) {
   struct stat st{};
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    return ErrnoStatus("stat", path, errno);
-  }
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    ::close(fd);
-    return Invalid("cannot read " + path + ": " + std::to_string(st.st_size) + " bytes, more than the " +
-                   std::to_string(max_bytes) + "-byte bound ckptfs holds such a file to");
-  }
-  std::string s(static_cast<size_t>(st.st_size), '\0');
-  Status r = formats::PreadExact(fd, 0, s.data(), s.size(), path);
-  ::close(fd);
-  if (!r.ok()) return r;
-  return s;
+  if (::lstat((dir + "/" + name).c_str(), &st) != 0) return std::nullopt;
+  return formats::ReadWholeSourceFile(dir, name, max_bytes);
 }
+
+constexpr uint64_t kMaxConfigBytes = 16u << 20, kMaxSideFileBytes = 64u << 20;
 
 Result<json> ParseConfig(const std::string& text, const std::string& path) {
   json c = json::parse(text, nullptr, false);
@@ -453,36 +450,34 @@ constexpr const char* kSideFiles[] = {
 // symlink out of it); a file that cannot be read is an ERRORS line.
 void AddSideFiles(const std::string& dir, HfPlan& plan) {
   for (const char* name : kSideFiles) {
-    const std::string path = dir + "/" + name;
-    struct stat st{};
-    if (::lstat(path.c_str(), &st) != 0) continue;
-    auto fd = OpenSourceFile(dir, name);
-    auto text = fd.ok() ? ReadSmallFile(*fd, path, 64u << 20) : Result<std::string>(fd.status());
-    if (!text.ok()) {
-      plan.errors.push_back("hf/: " + std::string(name) + " is not passed through: " + text.status().message());
+    auto text = ReadIfPresent(dir, name, kMaxSideFileBytes);
+    if (!text) continue;
+    if (!text->ok()) {
+      plan.errors.push_back("hf/: " + std::string(name) + " is not passed through: " + text->status().message());
       continue;
     }
-    plan.side_files.emplace_back(name, std::move(*text));
+    plan.side_files.emplace_back(name, std::move(**text));
   }
 }
 
 // The output dtype of a tensor stored as `src` under --hf-dtype.
 enum class DtypeChoice { kModel, kSource, kF32, kBF16, kF16, kMaster };
 
+// --hf-dtype's names, in DtypeChoice order.
+constexpr const char* kDtypeNames[] = {"model", "source", "fp32", "bf16", "fp16", "master"};
+
 Result<DtypeChoice> ParseDtype(const std::string& s) {
-  if (s.empty() || s == "model") return DtypeChoice::kModel;
-  if (s == "source") return DtypeChoice::kSource;
-  if (s == "fp32" || s == "float32") return DtypeChoice::kF32;
-  if (s == "bf16" || s == "bfloat16") return DtypeChoice::kBF16;
-  if (s == "fp16" || s == "float16") return DtypeChoice::kF16;
-  if (s == "master" || s == "fp32-master") return DtypeChoice::kMaster;
-  return Invalid("--hf-dtype '" + s + "': expected model, source, fp32, bf16, fp16 or master");
+  if (s.empty()) return DtypeChoice::kModel;
+  for (size_t i = 0; i < std::size(kDtypeNames); ++i) {
+    if (s == kDtypeNames[i]) return static_cast<DtypeChoice>(i);
+  }
+  return Invalid("--hf-dtype '" + s + "': expected one of " + JoinNames(HfDtypeNames()));
 }
 
 // The parameter records, by FQN (the "param" state), and by FQN the fp32
 // master ("fp32" state) when there is one.
-struct Sources {
-  std::map<std::string, uint32_t> param, master;
+struct Sources {  // keys view the index's own FQN strings
+  std::map<std::string_view, uint32_t> param, master;
 };
 
 Sources CollectSources(const Index& index) {
@@ -566,11 +561,21 @@ Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const
 
 }  // namespace
 
-std::vector<std::string> ArchNames() {
+}  // namespace ckptfs::hf
+
+namespace ckptfs {
+
+std::vector<std::string> HfArchNames() {
   std::vector<std::string> v;
-  for (const Arch& a : kArchs) v.push_back(a.name);
+  for (const hf::Arch& a : hf::kArchs) v.push_back(a.name);
   return v;
 }
+
+std::vector<std::string> HfDtypeNames() { return {std::begin(hf::kDtypeNames), std::end(hf::kDtypeNames)}; }
+
+}  // namespace ckptfs
+
+namespace ckptfs::hf {
 
 Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   HfPlan plan;
@@ -578,11 +583,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   const Arch* forced = nullptr;
   if (!opts.hf_arch.empty()) {
     forced = ArchByName(opts.hf_arch);
-    if (forced == nullptr) {
-      std::string names;
-      for (const Arch& a : kArchs) names += std::string(names.empty() ? "" : ", ") + a.name;
-      return Invalid("--hf-arch '" + opts.hf_arch + "': expected one of " + names);
-    }
+    if (forced == nullptr) return Invalid("--hf-arch '" + opts.hf_arch + "': expected one of " + JoinNames(HfArchNames()));
   }
   const Sources src = CollectSources(index);
   Convention conv = Convention::kHf;
@@ -604,8 +605,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   const Arch* arch = nullptr;
   std::vector<std::string> why;
   if (!opts.hf_config.empty()) {
-    ASSIGN_OR_RETURN(int fd, OpenRegularFile(opts.hf_config));
-    ASSIGN_OR_RETURN(std::string text, ReadSmallFile(fd, opts.hf_config));
+    ASSIGN_OR_RETURN(std::string text, formats::ReadWholeFile(opts.hf_config, kMaxConfigBytes));
     ASSIGN_OR_RETURN(config, ParseConfig(text, opts.hf_config));
     const std::string mt = Get<std::string>(config, "model_type", "");
     arch = forced != nullptr ? forced : ArchByName(mt);
@@ -636,11 +636,10 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       config = MegatronConfig(*args, *arch, rows);
     }
   } else {
-    auto fd = OpenSourceFile(index.src_dir(), "config.json");
-    if (fd.ok()) {
+    auto text = ReadIfPresent(index.src_dir(), "config.json", kMaxConfigBytes);
+    if (text) {
       const std::string path = index.src_dir() + "/config.json";
-      auto text = ReadSmallFile(*fd, path);
-      auto c = text.ok() ? ParseConfig(*text, path) : Result<json>(text.status());
+      auto c = text->ok() ? ParseConfig(**text, path) : Result<json>(text->status());
       if (!c.ok()) {
         why.push_back(c.status().message());
       } else {
@@ -768,7 +767,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       for (const MapRule& r : kMegatronDenseMlp) rules.push_back(&r);
     }
   }
-  for (const auto& [fqn, id] : src.param) {
+  for (const auto& [key, id] : src.param) {
+    const std::string& fqn = index.tensors()[id].fqn;
     if (!mapped) {
       add(fqn, fqn, id, Op::kCopy);
       continue;

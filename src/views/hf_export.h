@@ -48,9 +48,6 @@ struct HfPlan {
 // unreadable --hf-config); what the checkpoint lacks goes to `errors`.
 Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts);
 
-// Architecture names --hf-arch takes ("llama", "mistral", ...).
-std::vector<std::string> ArchNames();
-
 }  // namespace ckptfs::hf
 
 #endif  // CKPTFS_VIEWS_HF_EXPORT_H_

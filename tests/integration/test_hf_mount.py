@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 
-from conftest import FIXTURES, fixture_lock, make_megatron_fixtures, run  # noqa: E402
+from conftest import FIXTURES, fixture_lock, make_megatron_fixtures, run, run_producer  # noqa: E402
 from test_topo_mount import full_tensor, spawn  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("hf")
@@ -198,9 +198,7 @@ def produced(factory, name, script, args=()):
     out = Path(cache) / name if cache else factory.mktemp(name)
     with fixture_lock(out):
         if not (out / "reference" / "logits.pt").exists():
-            shutil.rmtree(out, ignore_errors=True)
-            r = run([sys.executable, str(FIXTURES / script), str(out)] + list(args), timeout=900)
-            assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+            run_producer([sys.executable, str(FIXTURES / script), str(out)] + list(args), out, os.environ)
     return out
 
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "ckptfs/geometry.h"
 #include "ckptfs/model.h"
 
 namespace ckptfs::testing {
@@ -51,6 +52,19 @@ inline void FillStat(const std::string& dir, SourceFile* f) {
   f->mtime_ns = StatNs(st.st_mtim);
   f->ctime_ns = StatNs(st.st_ctim);
   f->inode = st.st_ino;
+}
+
+// One fragment holding a whole tensor of `shape`, contiguous (C order) at
+// byte `offset` of the data file.
+inline Fragment WholeFragment(const std::vector<int64_t>& shape, DType dtype, uint64_t offset) {
+  Fragment f;
+  f.offsets.assign(shape.size(), 0);
+  f.lengths = shape;
+  f.strides = ContiguousStrides(shape);
+  f.dtype = dtype;
+  f.data_offset = offset;
+  f.data_length = static_cast<uint64_t>(NumelOf(shape)) * DTypeSize(dtype);
+  return f;
 }
 
 }  // namespace ckptfs::testing

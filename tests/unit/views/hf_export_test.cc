@@ -44,13 +44,7 @@ class HfExportTest : public ::testing::Test {
       r.state = "param";
       r.dtype = dtype;
       r.shape = shape;
-      Fragment f;
-      f.offsets.assign(shape.size(), 0);
-      f.lengths = shape;
-      f.strides = ContiguousStrides(shape);
-      f.dtype = dtype;
-      f.data_offset = off;
-      f.data_length = static_cast<uint64_t>(NumelOf(shape)) * DTypeSize(dtype);
+      Fragment f = ckptfs::testing::WholeFragment(shape, dtype, off);
       off += f.data_length;
       ck.AddTensor(r, {f});
     }

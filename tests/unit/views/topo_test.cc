@@ -76,13 +76,7 @@ class TopoTest : public ::testing::Test {
     r.dtype = DType::kF32;
     r.shape = shape;
     r.split = split;
-    Fragment f;
-    f.offsets.assign(shape.size(), 0);
-    f.lengths = shape;
-    f.strides = ContiguousStrides(shape);
-    f.dtype = DType::kF32;
-    f.data_offset = next_;
-    f.data_length = static_cast<uint64_t>(NumelOf(shape)) * 4;
+    Fragment f = ckptfs::testing::WholeFragment(shape, DType::kF32, next_);
     next_ += f.data_length;
     base_[fqn + "/" + state] = f.data_offset / 4;
     ck_.AddTensor(r, {f});
