@@ -51,6 +51,10 @@ std::string_view DTypeName(DType d);          // torch spelling: "float32", "bfl
 DType DTypeFromTorchName(std::string_view n);  // "float32" / "FloatStorage" ...
 // torch's typed-storage class ("FloatStorage"); empty when there is none.
 std::string_view StorageClassName(DType d);
+// safetensors header dtype ("BF16", "F8_E4M3"); empty when safetensors has none.
+std::string_view SafetensorsDType(DType d);
+// The inverse; kInvalid for a name safetensors does not define here.
+DType DTypeFromSafetensorsName(std::string_view n);
 // numpy descr for .npy headers ("<f4"); empty when numpy has no such dtype.
 std::string_view NumpyDescr(DType d);
 // The dtype a .npy view uses: bf16 and fp8 widen to float32, others keep theirs.

@@ -104,9 +104,6 @@ int64_t LayerOf(const std::string& fqn);
 // Global MoE expert index of "...local_experts.<g>..."; -1 when none.
 int64_t ExpertOf(const std::string& fqn);
 
-// safetensors dtype name ("BF16"); empty when safetensors has none.
-std::string_view SafetensorsDType(DType d);
-
 }  // namespace ckptfs
 
 #endif  // CKPTFS_TOPO_H_

@@ -16,28 +16,29 @@ struct DTypeInfo {
   std::string_view torch_name;
   std::string_view storage_class;  // legacy typed-storage class (torch.save v2)
   std::string_view numpy;
+  std::string_view safetensors;  // safetensors header "dtype"; empty: none
 };
 
 constexpr std::array<DTypeInfo, 19> kDTypes = {{
-    {DType::kBool, 1, "bool", "BoolStorage", "|b1"},
-    {DType::kU8, 1, "uint8", "ByteStorage", "|u1"},
-    {DType::kI8, 1, "int8", "CharStorage", "|i1"},
-    {DType::kI16, 2, "int16", "ShortStorage", "<i2"},
-    {DType::kI32, 4, "int32", "IntStorage", "<i4"},
-    {DType::kI64, 8, "int64", "LongStorage", "<i8"},
-    {DType::kU16, 2, "uint16", "", "<u2"},
-    {DType::kU32, 4, "uint32", "", "<u4"},
-    {DType::kU64, 8, "uint64", "", "<u8"},
-    {DType::kF16, 2, "float16", "HalfStorage", "<f2"},
-    {DType::kBF16, 2, "bfloat16", "BFloat16Storage", ""},
-    {DType::kF32, 4, "float32", "FloatStorage", "<f4"},
-    {DType::kF64, 8, "float64", "DoubleStorage", "<f8"},
-    {DType::kC64, 8, "complex64", "ComplexFloatStorage", "<c8"},
-    {DType::kC128, 16, "complex128", "ComplexDoubleStorage", "<c16"},
-    {DType::kF8E4M3FN, 1, "float8_e4m3fn", "", ""},
-    {DType::kF8E5M2, 1, "float8_e5m2", "", ""},
-    {DType::kF8E4M3FNUZ, 1, "float8_e4m3fnuz", "", ""},
-    {DType::kF8E5M2FNUZ, 1, "float8_e5m2fnuz", "", ""},
+    {DType::kBool, 1, "bool", "BoolStorage", "|b1", "BOOL"},
+    {DType::kU8, 1, "uint8", "ByteStorage", "|u1", "U8"},
+    {DType::kI8, 1, "int8", "CharStorage", "|i1", "I8"},
+    {DType::kI16, 2, "int16", "ShortStorage", "<i2", "I16"},
+    {DType::kI32, 4, "int32", "IntStorage", "<i4", "I32"},
+    {DType::kI64, 8, "int64", "LongStorage", "<i8", "I64"},
+    {DType::kU16, 2, "uint16", "", "<u2", "U16"},
+    {DType::kU32, 4, "uint32", "", "<u4", "U32"},
+    {DType::kU64, 8, "uint64", "", "<u8", "U64"},
+    {DType::kF16, 2, "float16", "HalfStorage", "<f2", "F16"},
+    {DType::kBF16, 2, "bfloat16", "BFloat16Storage", "", "BF16"},
+    {DType::kF32, 4, "float32", "FloatStorage", "<f4", "F32"},
+    {DType::kF64, 8, "float64", "DoubleStorage", "<f8", "F64"},
+    {DType::kC64, 8, "complex64", "ComplexFloatStorage", "<c8", "C64"},
+    {DType::kC128, 16, "complex128", "ComplexDoubleStorage", "<c16", ""},
+    {DType::kF8E4M3FN, 1, "float8_e4m3fn", "", "", "F8_E4M3"},
+    {DType::kF8E5M2, 1, "float8_e5m2", "", "", "F8_E5M2"},
+    {DType::kF8E4M3FNUZ, 1, "float8_e4m3fnuz", "", "", "F8_E4M3FNUZ"},
+    {DType::kF8E5M2FNUZ, 1, "float8_e5m2fnuz", "", "", "F8_E5M2FNUZ"},
 }};
 
 const DTypeInfo* Find(DType d) {
@@ -62,6 +63,18 @@ size_t DTypeSize(DType d) {
 std::string_view DTypeName(DType d) {
   const DTypeInfo* i = Find(d);
   return i ? i->torch_name : "invalid";
+}
+
+std::string_view SafetensorsDType(DType d) {
+  const DTypeInfo* i = Find(d);
+  return i ? i->safetensors : "";
+}
+
+DType DTypeFromSafetensorsName(std::string_view n) {
+  for (const auto& i : kDTypes) {
+    if (!i.safetensors.empty() && i.safetensors == n) return i.dtype;
+  }
+  return DType::kInvalid;
 }
 
 DType DTypeFromTorchName(std::string_view n) {

@@ -3,6 +3,7 @@
 #include "formats/deepspeed/ds_reader.h"
 #include "formats/megatron/dist_reader.h"
 #include "formats/megatron/legacy_reader.h"
+#include "formats/safetensors/st_dir_reader.h"
 
 namespace ckptfs {
 
@@ -57,10 +58,12 @@ Result<Checkpoint> Detect(const std::string& dir) {
   if (formats::LooksLikeDcp(dir)) return formats::ReadDcp(dir);
   if (formats::LooksLikeDeepSpeed(dir)) return formats::ReadDeepSpeed(dir);
   if (formats::LooksLikeMegatronLegacy(dir)) return formats::ReadMegatronLegacy(dir);
+  // Last: a Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files.
+  if (formats::LooksLikeSafetensorsDir(dir)) return formats::ReadSafetensorsDir(dir);
   return Unsupported("cannot detect a checkpoint in " + dir +
-                     ": no .metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp) and no "
+                     ": no .metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp), no "
                      "latest / mp_rank_XX_model_states.pt (DeepSpeed), no "
-                     "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM)");
+                     "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM), no *.safetensors");
 }
 
 }  // namespace

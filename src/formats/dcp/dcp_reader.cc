@@ -7,16 +7,21 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <re2/re2.h>
 #include <set>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/geometry.h"
 #include "formats/byte_reader.h"
 #include "formats/pickle.h"
+#include "formats/safetensors/safetensors_header.h"
+#include "formats/tiling.h"
 #include "formats/torch_save.h"
 #include "ckptfs/formats.h"
 #include "formats/zstd.h"
@@ -183,31 +188,6 @@ void Classify(std::vector<TensorRecord>& tensors, const std::vector<std::vector<
   }
 }
 
-// Chunks must tile the tensor exactly (planner.md: every element in one chunk).
-// A hole or an overlap is reported with its coordinates; `detail` gets them
-// as JSON for the verify report.
-Status CheckTiling(const TensorRecord& t, const std::vector<Fragment>& frags, const std::vector<SourceFile>& files,
-                   std::string* detail) {
-  auto files_of = [&](const Fragment& f) { return f.file.v < files.size() ? files[f.file.v].rel_path : "?"; };
-  std::vector<Box> boxes;
-  for (const auto& f : frags) {
-    if (f.offsets.size() != t.shape.size() || f.lengths.size() != t.shape.size()) {
-      return Invalid("a chunk's rank differs from the tensor's");
-    }
-    for (size_t d = 0; d < t.shape.size(); ++d) {
-      if (f.offsets[d] < 0 || f.lengths[d] < 0 || f.offsets[d] + f.lengths[d] > t.shape[d]) {
-        return Invalid("a chunk lies outside the tensor's shape");
-      }
-    }
-    boxes.push_back(Box{f.offsets, f.lengths});
-  }
-  const Coverage c = AnalyzeCoverage(t.shape, boxes, 8);
-  if (c.clean()) return Status::Ok();
-  CoverageText text = DescribeCoverage(c, t.shape, [&](size_t i) { return files_of(frags[i]); }, "chunks");
-  *detail = std::move(text.detail);
-  return Invalid(text.message);
-}
-
 Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name) {
   if (loc.length > GetReadLimits().max_item_bytes) {
     return Invalid("cannot read " + name + ": compressed item of " + std::to_string(loc.length) +
@@ -217,11 +197,80 @@ Result<std::string> ReadItem(int fd, const ItemLoc& loc, const std::string& name
   return r.ReadAt(0, loc.length);
 }
 
-// Resolves one chunk: parses its torch.save item, checks it against the
+// DCP's SAFETENSORS serialization (FileSystemWriter(serialization_format=
+// SAFETENSORS)): a rank file's tensors are one safetensors blob after its
+// bytes items, and every tensor's _StorageInfo points at the blob's start
+// (length: the tensor's bytes). Each blob's header is parsed once, by the
+// first chunk that needs it, and shared by the resolver threads.
+struct StBlock {
+  std::once_flag once;
+  Status status;
+  std::unordered_map<std::string, SafetensorsEntry> entries;
+  std::map<std::string, std::vector<int64_t>> saved_offsets;  // DCP_SHARDING_INFO
+};
+class StBlocks {
+ public:
+  std::shared_ptr<StBlock> Get(uint32_t file, uint64_t offset) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& b = blocks_[{file, offset}];
+    if (!b) b = std::make_shared<StBlock>();
+    return b;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<uint32_t, uint64_t>, std::shared_ptr<StBlock>> blocks_;
+};
+
+Result<Fragment> ResolveSafetensorsChunk(const Work& w, Fragment f, const TensorRecord& t, int fd,
+                                         const std::string& file_name, uint64_t file_size, StBlocks& blocks) {
+  const std::string name = file_name + " (safetensors block @ " + std::to_string(w.loc.offset) + ")";
+  std::shared_ptr<StBlock> b = blocks.Get(w.loc.file, w.loc.offset);
+  std::call_once(b->once, [&] {
+    auto h = ReadSafetensorsHeader(fd, w.loc.offset, file_size, name);
+    if (!h.ok()) {
+      b->status = h.status();
+      return;
+    }
+    auto sharding = DcpShardingInfo(*h, name);
+    if (!sharding.ok()) {
+      b->status = sharding.status();
+      return;
+    }
+    b->saved_offsets = std::move(*sharding);
+    for (SafetensorsEntry& e : h->entries) b->entries.emplace(e.name, std::move(e));
+  });
+  RETURN_IF_ERROR(b->status);
+  auto it = b->entries.find(t.key);
+  if (it == b->entries.end()) return Invalid("cannot read " + name + ": no tensor '" + t.key + "' in it");
+  const SafetensorsEntry& e = it->second;
+  if (e.dtype != t.dtype || e.shape != f.lengths) {
+    return Invalid("cannot read " + name + ": '" + t.key + "' is " + std::string(DTypeName(e.dtype)) + " " +
+                   ShapeStr(e.shape) + " there, .metadata's chunk is " + std::string(DTypeName(t.dtype)) + " " +
+                   ShapeStr(f.lengths));
+  }
+  if (e.end - e.begin != w.loc.length) {
+    return Invalid("cannot read " + name + ": '" + t.key + "' has " + std::to_string(e.end - e.begin) +
+                   " bytes there, .metadata says " + std::to_string(w.loc.length));
+  }
+  if (auto so = b->saved_offsets.find(t.key); so != b->saved_offsets.end() && so->second != f.offsets) {
+    return Invalid("cannot read " + name + ": DCP_SHARDING_INFO puts '" + t.key + "' at " + ShapeStr(so->second) +
+                   ", .metadata's chunk at " + ShapeStr(f.offsets));
+  }
+  f.dtype = e.dtype;
+  f.strides = ContiguousStrides(e.shape);
+  f.data_offset = e.begin;
+  f.data_length = e.end - e.begin;
+  return f;
+}
+
+// Resolves one chunk: parses its torch.save item (or finds it in its file's
+// safetensors block), checks it against the
 // metadata and returns the fragment (or a per-tensor error).
 // `box`: the chunk's offsets then sizes (w.ndim each).
 Result<Fragment> ResolveChunk(const Work& w, const int64_t* box, const TensorRecord& t, int fd,
-                              const std::string& file_name, std::vector<ChecksumRange>* sums) {
+                              const std::string& file_name, uint64_t file_size, StBlocks& st_blocks,
+                              std::vector<ChecksumRange>* sums) {
   const std::string name = file_name + " @ " + std::to_string(w.loc.offset);
   Fragment f;
   f.file = FileId{w.loc.file};
@@ -255,7 +304,14 @@ Result<Fragment> ResolveChunk(const Work& w, const int64_t* box, const TensorRec
   } else {
     reader = std::make_unique<FileSliceReader>(fd, w.loc.offset, w.loc.length, name);
   }
-  ASSIGN_OR_RETURN(TorchSaveArchive a, ReadTorchSave(*reader));
+  auto archive = ReadTorchSave(*reader);
+  if (!archive.ok()) {
+    if (!w.loc.zstd && LooksLikeSafetensorsAt(fd, w.loc.offset, file_size)) {
+      return ResolveSafetensorsChunk(w, std::move(f), t, fd, file_name, file_size, st_blocks);
+    }
+    return archive.status();
+  }
+  TorchSaveArchive& a = *archive;
   if (a.root->kind != PyKind::kTensor) return Invalid("cannot read " + name + ": item is not a tensor");
   const TensorRef& ref = a.root->tensor();
   if (ref.shape != f.lengths) return Invalid("cannot read " + name + ": item's shape differs from the chunk in .metadata");
@@ -312,45 +368,50 @@ int64_t FindStep(const std::string& dir, const Checkpoint& ck, const OpenFiles& 
   return -1;
 }
 
-}  // namespace
-
-bool LooksLikeDcp(const std::string& dir) {
+// The metadata files of `dir`: {".metadata"} for a global save, else the
+// rank-local `__<rank>.metadata` files (dcp.save(use_collectives=False)) in
+// rank order; empty when there are none. `data_ranks` gets the ranks of the
+// `__<rank>_<n>.distcp` data files seen.
+std::vector<std::pair<uint32_t, std::string>> MetadataFiles(const std::string& dir, std::set<uint32_t>* data_ranks) {
   struct stat st{};
-  return ::stat((dir + "/.metadata").c_str(), &st) == 0;
+  if (::stat((dir + "/.metadata").c_str(), &st) == 0) return {{0, ".metadata"}};
+  std::vector<std::pair<uint32_t, std::string>> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return out;
+  static const RE2 kMetaRe(R"(__([0-9]{1,9})\.metadata)");
+  static const RE2 kDataRe(R"(__([0-9]{1,9})_[0-9]+(?:\.distcp)?)");
+  while (const dirent* e = ::readdir(d)) {
+    uint32_t rank = 0;
+    if (RE2::FullMatch(e->d_name, kMetaRe, &rank)) out.emplace_back(rank, e->d_name);
+    if (data_ranks != nullptr && RE2::FullMatch(e->d_name, kDataRe, &rank)) data_ranks->insert(rank);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
+}  // namespace
+
+bool LooksLikeDcp(const std::string& dir) { return !MetadataFiles(dir, nullptr).empty(); }
+
 Result<Checkpoint> ReadDcp(const std::string& dir) {
-  const std::string meta_path = dir + "/.metadata";
+  std::set<uint32_t> data_ranks;
+  const auto meta_files = MetadataFiles(dir, &data_ranks);
+  if (meta_files.empty()) return NotFound("cannot read " + dir + ": no .metadata and no __<rank>.metadata");
+  const bool rank_local = meta_files[0].second != ".metadata";
+  std::string meta_path;  // the metadata file being parsed, for errors
   auto fail = [&](const Status& s) { return s.Annotate("cannot parse " + meta_path); };
-  // The .metadata is read in windows by the pickle VM (it may be hundreds of
-  // MiB), never held whole.
-  uint64_t meta_size = 0;
-  auto meta_fd = OpenBoundedFile(meta_path, GetReadLimits().max_metadata_bytes, &meta_size);
-  if (!meta_fd.ok()) return meta_fd.status();
-  struct CloseFd {
-    int fd;
-    ~CloseFd() { ::close(fd); }
-  } meta_closer{*meta_fd};
-  if (meta_size == 0) return Invalid("cannot parse " + meta_path + ": empty file");
-  uint64_t meta_reported = 0;  // progress counts each byte once (the VM reads it twice)
-  const PickleRead read_meta = [&](uint64_t offset, char* dst, size_t len) -> Status {
-    RETURN_IF_ERROR(PreadExact(*meta_fd, offset, dst, len, meta_path));
-    if (offset + len > meta_reported) {
-      ReportProgress(offset + len - std::max(offset, meta_reported));
-      meta_reported = offset + len;
-    }
-    return Status::Ok();
-  };
 
   Checkpoint ck;
-  // Source files: .metadata first, then every data file in storage_data order.
+  // Source files: the metadata files first, then every data file in
+  // storage_data order.
   std::map<std::string, uint32_t> file_ids;
   auto add_file = [&](const std::string& rel) {
     auto [it, inserted] = file_ids.emplace(rel, static_cast<uint32_t>(ck.files.size()));
     if (inserted) ck.files.push_back(SourceFile{rel, 0, 0, 0});
     return it->second;
   };
-  add_file(".metadata");
+  for (const auto& [rank, name] : meta_files) add_file(name);
 
   // storage_data: MetadataIndex(fqn, offset) -> _StorageInfo(file, offset, length).
   std::unordered_map<std::string, ItemLoc> items;
@@ -392,7 +453,9 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
         }
       }
     }
-    items[ChunkKey(fqn_id(fqn->s), offsets.data(), offsets.size())] = loc;
+    // Rank-local saves are not deduplicated: a replicated item is in every
+    // rank's metadata; the lowest rank's copy is the one read.
+    items.emplace(ChunkKey(fqn_id(fqn->s), offsets.data(), offsets.size()), loc);
     return Status::Ok();
   };
 
@@ -400,15 +463,41 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   // storage_data once both are read) or a bytes entry.
   std::vector<Work> work;
   std::vector<int64_t> boxes;  // Work::box
+  // Rank-local saves: the same key appears in several ranks' metadata (each
+  // with that rank's chunks, replicated ones in every rank); merged here.
+  std::unordered_map<std::string, uint32_t> tensor_ids;
+  std::unordered_set<std::string> seen_chunks;
+  auto describe = [](const TensorRecord& t) {
+    return t.encoding == Encoding::kBytes ? std::string("a bytes entry")
+                                          : std::string(DTypeName(t.dtype)) + " " + ShapeStr(t.shape);
+  };
   auto add_sdm = [&](const PyValue& k, const PyValue& md) -> Status {
     if (!k.IsStr()) return Invalid("cannot parse " + meta_path + ": non-string key in state_dict_metadata");
     TensorRecord t;
     t.key = k.s;
     size_t ti = ck.tensors.size();
+    TensorRecord* earlier = nullptr;
+    if (rank_local) {
+      auto [it, inserted] = tensor_ids.emplace(t.key, static_cast<uint32_t>(ti));
+      if (!inserted) {
+        ti = it->second;
+        earlier = &ck.tensors[ti];
+      }
+    }
+    // A key an earlier rank's metadata gave differently: the tensor is refused.
+    auto disagree = [&] {
+      if (earlier->error.empty()) {
+        earlier->error = "cannot index '" + t.key + "': " + meta_path + " gives it as " + describe(t) +
+                         ", an earlier rank's metadata as " + describe(*earlier);
+        ck.info.Flag(Check::kCoverage, Severity::kError, t.key, meta_path.substr(dir.size() + 1), earlier->error);
+      }
+      return Status::Ok();
+    };
     std::string cls = md.ClassName();
     if (cls == "BytesStorageMetadata") {
       t.encoding = Encoding::kBytes;
       t.dtype = DType::kU8;
+      if (earlier != nullptr) return earlier->encoding == Encoding::kBytes ? Status::Ok() : disagree();
       Work w;
       w.tensor = static_cast<uint32_t>(ti);
       w.bytes = true;
@@ -426,7 +515,12 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       for (int64_t s : t.shape) {
         if (s < 0) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has a negative size");
       }
+      if (earlier != nullptr && (earlier->encoding != Encoding::kTensor || earlier->dtype != t.dtype ||
+                                 earlier->shape != t.shape)) {
+        return disagree();
+      }
       if (std::string why = CheckTensorGeometry(t, {}); !why.empty()) {
+        if (earlier != nullptr) return Status::Ok();  // refused with the first rank's entry
         t.error = "cannot index '" + t.key + "' (" + meta_path + "): " + why;
         t.shape.assign(1, 0);
         ck.info.problems.push_back(t.error);
@@ -435,19 +529,23 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       }
       const PyValue* chunks = md.Attr("chunks");
       if (chunks == nullptr || !chunks->IsSeq()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has no chunks");
+      TensorRecord& rec = earlier != nullptr ? *earlier : t;
       for (const auto& c : chunks->items) {
         auto offs = AsIntVector(c->Attr("offsets"), "chunk offsets");
         auto sizes = AsIntVector(c->Attr("sizes"), "chunk sizes");
         if (!offs.ok() || !sizes.ok()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': bad chunk");
         if (offs->size() != t.shape.size() || sizes->size() != t.shape.size()) {
-          if (t.error.empty()) {
-            t.error = "cannot index '" + t.key + "' (" + meta_path + "): a chunk has " + std::to_string(offs->size()) +
-                      " offsets and " + std::to_string(sizes->size()) + " sizes for a tensor of " +
-                      std::to_string(t.shape.size()) + " dimensions";
-            ck.info.Flag(Check::kCoverage, Severity::kError, t.key, ".metadata", t.error);
+          if (rec.error.empty()) {
+            rec.error = "cannot index '" + t.key + "' (" + meta_path + "): a chunk has " + std::to_string(offs->size()) +
+                        " offsets and " + std::to_string(sizes->size()) + " sizes for a tensor of " +
+                        std::to_string(t.shape.size()) + " dimensions";
+            ck.info.Flag(Check::kCoverage, Severity::kError, t.key, meta_path.substr(dir.size() + 1), rec.error);
           }
           continue;
         }
+        // Not deduplicated across ranks: a replicated chunk is read from the
+        // lowest rank that lists it (as its storage item is).
+        if (rank_local && !seen_chunks.insert(ChunkKey(fqn_id(t.key), offs->data(), offs->size())).second) continue;
         Work w;
         w.tensor = static_cast<uint32_t>(ti);
         w.ndim = static_cast<uint32_t>(t.shape.size());
@@ -456,6 +554,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
         boxes.insert(boxes.end(), sizes->begin(), sizes->end());
         work.push_back(w);
       }
+      if (earlier != nullptr) return Status::Ok();
       t.byte_size = t.Numel() * DTypeSize(t.dtype);
     } else {
       return Unsupported("cannot parse " + meta_path + ": unknown storage metadata class " + cls + " for '" + t.key + "'");
@@ -464,77 +563,131 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     return Status::Ok();
   };
 
-  // The entries are taken as the VM sets them (see pickle.h, streaming): a
-  // .metadata of millions of chunks never becomes a tree of Python objects.
-  // Only the dicts that end up as Metadata's two fields may hold them.
-  const PyValue* sdm_seen = nullptr;
-  const PyValue* storage_seen = nullptr;
-  PickleOptions opts;
-  opts.consume = [&](const PyValue& dict, const PyValue& k, const PyValue& v) -> Result<bool> {
-    const std::string vc = v.ClassName();
-    const PyValue** seen = nullptr;
-    if (vc == "_StorageInfo" && k.ClassName() == "MetadataIndex") {
-      seen = &storage_seen;
-      RETURN_IF_ERROR(add_storage(k, v));
-    } else if (k.IsStr() && (vc == "TensorStorageMetadata" || vc == "BytesStorageMetadata")) {
-      seen = &sdm_seen;
-      RETURN_IF_ERROR(add_sdm(k, v));
-    } else {
-      return false;
+  // Each metadata file in turn (one, or one per rank when rank-local). The
+  // file is read in windows by the pickle VM (it may be hundreds of MiB),
+  // never held whole.
+  std::vector<std::vector<std::string>> paths;  // each tensor's state-dict path
+  for (const auto& [rank, name] : meta_files) {
+    meta_path = dir + "/" + name;
+    uint64_t meta_size = 0;
+    auto meta_fd = OpenBoundedFile(meta_path, GetReadLimits().max_metadata_bytes, &meta_size);
+    if (!meta_fd.ok()) return meta_fd.status();
+    struct CloseFd {
+      int fd;
+      ~CloseFd() { ::close(fd); }
+    } meta_closer{*meta_fd};
+    if (meta_size == 0) return Invalid("cannot parse " + meta_path + ": empty file");
+    uint64_t meta_reported = 0;  // progress counts each byte once (the VM reads it twice)
+    const PickleRead read_meta = [&](uint64_t offset, char* dst, size_t len) -> Status {
+      RETURN_IF_ERROR(PreadExact(*meta_fd, offset, dst, len, meta_path));
+      if (offset + len > meta_reported) {
+        ReportProgress(offset + len - std::max(offset, meta_reported));
+        meta_reported = offset + len;
+      }
+      return Status::Ok();
+    };
+    // The entries are taken as the VM sets them (see pickle.h, streaming): a
+    // .metadata of millions of chunks never becomes a tree of Python objects.
+    // Only the dicts that end up as Metadata's two fields may hold them.
+    const PyValue* sdm_seen = nullptr;
+    const PyValue* storage_seen = nullptr;
+    PickleOptions opts;
+    opts.consume = [&](const PyValue& dict, const PyValue& k, const PyValue& v) -> Result<bool> {
+      const std::string vc = v.ClassName();
+      const PyValue** seen = nullptr;
+      if (vc == "_StorageInfo" && k.ClassName() == "MetadataIndex") {
+        seen = &storage_seen;
+        RETURN_IF_ERROR(add_storage(k, v));
+      } else if (k.IsStr() && (vc == "TensorStorageMetadata" || vc == "BytesStorageMetadata")) {
+        seen = &sdm_seen;
+        RETURN_IF_ERROR(add_sdm(k, v));
+      } else {
+        return false;
+      }
+      if (*seen != nullptr && *seen != &dict) {
+        return Invalid("cannot parse " + meta_path + ": " + (seen == &sdm_seen ? "tensor metadata" : "storage items") +
+                       " in two different dicts");
+      }
+      *seen = &dict;
+      return true;
+    };
+    // torch >= 2.6 may pickle every rank's SavePlan too (Metadata.all_local_plans,
+    // which megatron-core's cached plans fill): a WriteItem per chunk and rank
+    // that ckptfs never reads, dropped as it is appended.
+    opts.consume_item = [](const PyValue&, const PyValue& item) -> Result<bool> {
+      return item.ClassName() == "WriteItem";
+    };
+    auto root_or = Unpickle(meta_size, read_meta, name, opts);
+    if (!root_or.ok()) return root_or.status().message().rfind("cannot parse ", 0) == 0 ? root_or.status() : fail(root_or.status());
+    const PyValue& root = **root_or;
+    // megatron-core 0.12-0.15 pickled its own subclass of Metadata (MCoreMetadata,
+    // with an `mcore_data` attribute beside torch's fields); today's mcore keeps a
+    // dummy of the name so those checkpoints still load. Read as the DCP class.
+    const std::string cls = root.ClassName();
+    const bool mcore = cls == "MCoreMetadata" && root.callable &&
+                       root.callable->s == "megatron.core.dist_checkpointing.strategies.torch";
+    if (cls != "Metadata" && !mcore) {
+      return Invalid("cannot parse " + meta_path + ": top-level object is not a DCP Metadata (" +
+                     (cls.empty() ? "not an object" : "class " + cls) + ")");
     }
-    if (*seen != nullptr && *seen != &dict) {
-      return Invalid("cannot parse " + meta_path + ": " + (seen == &sdm_seen ? "tensor metadata" : "storage items") +
-                     " in two different dicts");
+    const PyValue* sdm = root.Attr("state_dict_metadata");
+    const PyValue* storage = root.Attr("storage_data");
+    const PyValue* planner = root.Attr("planner_data");
+    if (sdm == nullptr || sdm->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no state_dict_metadata");
+    if (storage == nullptr || storage->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no storage_data");
+    if ((sdm_seen != nullptr && sdm_seen != sdm) || (storage_seen != nullptr && storage_seen != storage)) {
+      return Invalid("cannot parse " + meta_path + ": chunk metadata outside Metadata.state_dict_metadata / storage_data");
     }
-    *seen = &dict;
-    return true;
-  };
-  // torch >= 2.6 may pickle every rank's SavePlan too (Metadata.all_local_plans,
-  // which megatron-core's cached plans fill): a WriteItem per chunk and rank
-  // that ckptfs never reads, dropped as it is appended.
-  opts.consume_item = [](const PyValue&, const PyValue& item) -> Result<bool> {
-    return item.ClassName() == "WriteItem";
-  };
-  auto root_or = Unpickle(meta_size, read_meta, ".metadata", opts);
-  if (!root_or.ok()) return root_or.status().message().rfind("cannot parse ", 0) == 0 ? root_or.status() : fail(root_or.status());
-  const PyValue& root = **root_or;
-  // megatron-core 0.12-0.15 pickled its own subclass of Metadata (MCoreMetadata,
-  // with an `mcore_data` attribute beside torch's fields); today's mcore keeps a
-  // dummy of the name so those checkpoints still load. Read as the DCP class.
-  const std::string cls = root.ClassName();
-  const bool mcore = cls == "MCoreMetadata" && root.callable &&
-                     root.callable->s == "megatron.core.dist_checkpointing.strategies.torch";
-  if (cls != "Metadata" && !mcore) {
-    return Invalid("cannot parse " + meta_path + ": top-level object is not a DCP Metadata (" +
-                   (cls.empty() ? "not an object" : "class " + cls) + ")");
-  }
-  const PyValue* sdm = root.Attr("state_dict_metadata");
-  const PyValue* storage = root.Attr("storage_data");
-  const PyValue* planner = root.Attr("planner_data");
-  if (sdm == nullptr || sdm->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no state_dict_metadata");
-  if (storage == nullptr || storage->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no storage_data");
-  if ((sdm_seen != nullptr && sdm_seen != sdm) || (storage_seen != nullptr && storage_seen != storage)) {
-    return Invalid("cannot parse " + meta_path + ": chunk metadata outside Metadata.state_dict_metadata / storage_data");
-  }
-  // What the VM did not take: refused here with the reason.
-  for (const auto& [k, v] : storage->dict) RETURN_IF_ERROR(add_storage(*k, *v));
-  for (const auto& [k, v] : sdm->dict) RETURN_IF_ERROR(add_sdm(*k, *v));
+    // What the VM did not take: refused here with the reason.
+    for (const auto& [k, v] : storage->dict) RETURN_IF_ERROR(add_storage(*k, *v));
+    for (const auto& [k, v] : sdm->dict) RETURN_IF_ERROR(add_sdm(*k, *v));
 
+    const PyValue* version = root.Attr("version");
+    // torch 1.13 writes neither storage_meta nor planner_data (module names are
+    // canonicalised by the VM, so the class path cannot tell the versions apart).
+    const bool has_planner = planner != nullptr && planner->kind == PyKind::kDict;
+    if (ck.info.format_note.empty()) {
+      ck.info.format_note = std::string("DCP metadata") + (version && version->IsStr() ? " version " + version->s : "") +
+                            (root.Attr("storage_meta") ? " (torch 2.x)"
+                             : has_planner             ? " (torch 2.0-2.2)"
+                                                       : " (torch 1.13 _shard.checkpoint layout)");
+    }
+    for (size_t i = paths.size(); i < ck.tensors.size(); ++i) paths.push_back(PathOf(planner, ck.tensors[i].key));
+    // Nothing below reads the unpickled tree: its arena goes before the chunks
+    // are resolved, so the two never add up.
+    root_or = PyHandle();
+  }
   ck.info.family = "pytorch-dcp";
-  const PyValue* version = root.Attr("version");
-  // torch 1.13 writes neither storage_meta nor planner_data (module names are
-  // canonicalised by the VM, so the class path cannot tell the versions apart).
-  const bool has_planner = planner != nullptr && planner->kind == PyKind::kDict;
-  ck.info.format_note = std::string("DCP metadata") + (version && version->IsStr() ? " version " + version->s : "") +
-                        (root.Attr("storage_meta") ? " (torch 2.x)"
-                         : has_planner             ? " (torch 2.0-2.2)"
-                                                   : " (torch 1.13 _shard.checkpoint layout)");
-  std::vector<std::vector<std::string>> paths;
-  paths.reserve(ck.tensors.size());
-  for (const auto& t : ck.tensors) paths.push_back(PathOf(planner, t.key));
-  // Nothing below reads the unpickled tree: its arena goes before the chunks
-  // are resolved, so the two never add up.
-  root_or = PyHandle();
+  if (rank_local) {
+    ck.info.format_note += ", rank-local: " + std::to_string(meta_files.size()) +
+                           " __<rank>.metadata files (dcp.save use_collectives=False), merged";
+    // Merged chunks arrive rank by rank; the work list goes back to tensor order.
+    std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.tensor < y.tensor; });
+    // A rank whose metadata is missing: what it saved is unknown, so the
+    // tensors it held a part of show holes (and are refused by the tiling check).
+    std::set<uint32_t> meta_ranks;
+    for (const auto& [rank, name] : meta_files) meta_ranks.insert(rank);
+    const uint32_t last = std::max(*meta_ranks.rbegin(), data_ranks.empty() ? 0u : *data_ranks.rbegin());
+    const uint64_t missing_ranks = uint64_t{last} + 1 - meta_ranks.size();
+    for (uint64_t r = 0, named = 0; r <= last && named < 16; ++r) {
+      if (meta_ranks.count(r)) continue;
+      ++named;  // the first 16 are named, the rest counted
+      const std::string m = "__" + std::to_string(r) + ".metadata";
+      ck.info.Flag(Check::kCoverage, Severity::kError, "", m,
+                   m + " is missing" +
+                       (data_ranks.count(r) ? " (rank " + std::to_string(r) + "'s data files are present)"
+                                            : " (and rank " + std::to_string(r) + " wrote no data file)") +
+                       ": what rank " + std::to_string(r) +
+                       " saved is unknown; tensors it held a part of have holes (an interrupted save leaves " + m +
+                       ".tmp)");
+    }
+    if (missing_ranks > 16) {
+      ck.info.Flag(Check::kCoverage, Severity::kError, "", "",
+                   std::to_string(missing_ranks) + " of " + std::to_string(uint64_t{last} + 1) +
+                       " ranks have no __<rank>.metadata (the first 16 are listed)");
+    }
+  }
+  const std::string meta_desc = rank_local ? "the __<rank>.metadata files" : ".metadata";
 
   // Each chunk's storage item.
   size_t kept = 0;
@@ -545,8 +698,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     auto it = id == fqn_ids.end() ? items.end() : items.find(ChunkKey(id->second, boxes.data() + w.box, w.ndim));
     if (it == items.end()) {
       if (t.error.empty()) {
-        t.error = w.bytes ? "cannot find the storage item of bytes entry '" + t.key + "' in .metadata"
-                          : "cannot find the storage item of a chunk of '" + t.key + "' in .metadata";
+        t.error = w.bytes ? "cannot find the storage item of bytes entry '" + t.key + "' in " + meta_desc
+                          : "cannot find the storage item of a chunk of '" + t.key + "' in " + meta_desc;
       }
       continue;
     }
@@ -615,6 +768,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     if (!gathered.empty()) ck.fragments.Set(gathering, gathered);
     gathered.clear();
   };
+  StBlocks st_blocks;
   unsigned n_threads = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
   if (work.size() < 64) n_threads = 1;
   for (size_t begin = 0; begin < work.size(); begin += kBatch) {
@@ -640,7 +794,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
                            " bytes; truncated?)");
           continue;
         }
-        result = ResolveChunk(w, boxes.data() + w.box, ck.tensors[w.tensor], fd, rel, &sums[i - begin]);
+        result = ResolveChunk(w, boxes.data() + w.box, ck.tensors[w.tensor], fd, rel, ck.files[w.loc.file].size,
+                              st_blocks, &sums[i - begin]);
       }
     };
     std::vector<std::thread> threads;
@@ -675,8 +830,9 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       std::string detail;
       Status s = CheckTiling(t, ck.fragments.Get(i), ck.files, &detail);
       if (!s.ok()) {
-        t.error = s.Annotate("tensor '" + t.key + "' in " + meta_path).message();
-        ck.info.Flag(Check::kCoverage, Severity::kError, t.key, ".metadata", t.error, detail);
+        const std::string meta_rel = rank_local ? "__<rank>.metadata" : ".metadata";
+        t.error = s.Annotate("tensor '" + t.key + "' in " + dir + "/" + meta_rel).message();
+        ck.info.Flag(Check::kCoverage, Severity::kError, t.key, meta_rel, t.error, detail);
       }
     }
     if (!t.error.empty()) ck.fragments.Clear(i);

@@ -1,0 +1,194 @@
+"""DCP's other on-disk layouts, written by torch itself (make_dcp.py variants_w2:
+one FSDP2 model, 2 gloo ranks, one AdamW step, saved five ways), mounted and
+compared with the producer's own full state (get_state_dict(full_state_dict=True)):
+
+  ranklocal_w2           dcp.save(use_collectives=False): __<rank>.metadata, no .metadata
+  st_format_w2           FileSystemWriter(serialization_format=SAFETENSORS)
+  hf_storage_w2          HuggingFaceStorageWriter consolidated files + index.json
+  hf_storage_w2/sharded  its per-rank shards (DCP_SHARDING_INFO)
+  hf_sharded_w2          HuggingFaceStorageWriter(save_distributed=True) shards alone
+
+and, for each, damage that must be named, not served."""
+import errno
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ckptfs_bin, run
+
+FULL_DCP = ["ranklocal_w2", "st_format_w2"]
+HF_STORAGE = ["hf_storage_w2", "hf_storage_w2/sharded", "hf_sharded_w2"]
+
+
+@pytest.fixture(scope="module")
+def full(dcp_fixtures):
+    return torch.load(dcp_fixtures / "variants_w2.full.pt", weights_only=False)
+
+
+def npy(mnt, rel):
+    return np.load(mnt.path / rel)
+
+
+@pytest.mark.parametrize("variant", FULL_DCP)
+def test_model_and_optimizer_equal_the_full_state(variant, dcp_fixtures, full, mounter, tmp_path):
+    src = dcp_fixtures / variant
+    with mounter(src, index=tmp_path / "ix") as m:
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        assert info["family"] == "pytorch-dcp", info
+        n = 0
+        for fqn, ref in full["model"].items():
+            got = npy(m, f"params/{fqn}/param.npy")
+            np.testing.assert_array_equal(got, ref.numpy(), err_msg=fqn)
+            n += 1
+            for state, sref in full["optimizer"]["state"][fqn].items():
+                got = npy(m, f"params/{fqn}/{state}.npy")
+                np.testing.assert_array_equal(got, sref.numpy(), err_msg=f"{fqn} {state}")
+                n += 1
+        assert n == 6 + 6 * 3
+        assert torch.load(m.path / "other/train_state.step", weights_only=False) == 1
+        # The exact bytes of both ranks' rows, merged (cmp-able against any copy).
+        raw = (m.path / "params/embed.weight/param.raw").read_bytes()
+        assert raw == full["model"]["embed.weight"].numpy().tobytes()
+
+
+def test_rank_local_is_recognised_as_such(dcp_fixtures, tmp_path):
+    r = run([ckptfs_bin(), "info", str(dcp_fixtures / "ranklocal_w2"), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 0, r.stderr
+    assert "rank-local: 2 __<rank>.metadata files" in r.stdout and "ranks       2" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("variant", HF_STORAGE)
+def test_hf_storage_writer_output_equals_the_model(variant, dcp_fixtures, full, mounter, tmp_path):
+    from safetensors.numpy import load_file
+
+    src = dcp_fixtures / variant
+    with mounter(src, index=tmp_path / "ix") as m:
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        assert info["family"] == "safetensors", info
+        names = sorted(os.listdir(m.path / "params"))
+        assert names == sorted(full["model"]), names
+        for fqn, ref in full["model"].items():
+            np.testing.assert_array_equal(npy(m, f"params/{fqn}/param.npy"), ref.numpy(), err_msg=fqn)
+        # The consolidated file torch wrote, read by safetensors itself, equals
+        # what the mount serves for the shards.
+        if variant != "hf_sharded_w2":
+            consolidated = load_file(dcp_fixtures / "hf_storage_w2" / "model-00001-of-00001.safetensors")
+            for fqn, arr in consolidated.items():
+                np.testing.assert_array_equal(npy(m, f"params/{fqn}/param.npy"), arr, err_msg=fqn)
+
+
+def test_plain_hf_model_directory_exports_to_hf(dcp_fixtures, full, mounter, tmp_path):
+    """A save_pretrained-style directory mounts as a checkpoint of its own; hf/
+    re-exports it (names as they are) and safetensors reads the shards."""
+    from safetensors.numpy import load_file
+
+    src = tmp_path / "model"
+    shutil.copytree(dcp_fixtures / "hf_storage_w2", src, ignore=shutil.ignore_patterns(".ckptfs", "sharded"))
+    r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 0 and "Hugging Face safetensors, 1 file(s) (model.safetensors.index.json)" in r.stdout, r.stdout
+    with mounter(src, index=tmp_path / "ix") as m:
+        got = {}
+        for f in sorted(os.listdir(m.path / "hf")):
+            if f.endswith(".safetensors"):
+                got.update(load_file(m.path / "hf" / f))
+        assert sorted(got) == sorted(full["model"])
+        for fqn, ref in full["model"].items():
+            np.testing.assert_array_equal(got[fqn], ref.numpy(), err_msg=fqn)
+
+
+# ---------------------------------------------------------------- damage
+
+
+def copy(dcp_fixtures, variant, tmp_path):
+    dst = tmp_path / "ck"
+    shutil.copytree(dcp_fixtures / variant, dst, ignore=shutil.ignore_patterns(".ckptfs"))
+    return dst
+
+
+def test_rank_local_with_a_missing_rank_metadata_names_it(dcp_fixtures, mounter, tmp_path):
+    ck = copy(dcp_fixtures, "ranklocal_w2", tmp_path)
+    os.unlink(ck / "__1.metadata")
+    r = run([ckptfs_bin(), "verify", str(ck), "--json", "--index", str(tmp_path / "ix")])
+    assert r.returncode != 0
+    rep = json.loads(r.stdout)
+    msgs = [f["message"] for f in rep["findings"]]
+    assert any("__1.metadata is missing (rank 1's data files are present)" in x for x in msgs), msgs
+    with mounter(ck, index=tmp_path / "ix2") as m:
+        # Sharded tensors lost rank 1's half: EIO, never a half-filled file.
+        with pytest.raises(OSError) as e:
+            (m.path / "params/embed.weight/param.npy").read_bytes()
+        assert e.value.errno == errno.EIO
+        assert "embed.weight" in m.log_text()
+        # What rank 0 saved whole is still served.
+        assert torch.load(m.path / "other/train_state.step", weights_only=False) == 1
+
+
+def test_rank_local_metadata_disagreeing_on_a_shape_is_refused(dcp_fixtures, tmp_path):
+    """A stale __1.metadata from another run (other shapes) next to __0's."""
+    ck = copy(dcp_fixtures, "ranklocal_w2", tmp_path)
+    other = copy(dcp_fixtures, "fsdp2_bf16_w2", tmp_path / "o")
+    shutil.copy(other / ".metadata", ck / "__1.metadata")
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 1
+    assert "__1.metadata gives it as bfloat16 [13, 6], an earlier rank's metadata as float32 [13, 6]" in r.stderr, r.stderr
+
+
+def test_safetensors_block_damage_is_named(dcp_fixtures, mounter, tmp_path):
+    ck = copy(dcp_fixtures, "st_format_w2", tmp_path)
+    f = ck / "__1_0.distcp"
+    data = bytearray(f.read_bytes())
+    # The block starts after rank 1's bytes items: its header length is the
+    # first u64 followed by '{' from the end of the last bytes item.
+    start = data.index(b'{"__metadata__"') - 8
+    data[start + 8:start + 9] = b"["  # not a JSON object any more
+    f.write_bytes(bytes(data))
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 1
+    assert "cannot read __1_0.distcp" in r.stderr or "cannot parse __1_0.distcp" in r.stderr, r.stderr
+    with mounter(ck, index=tmp_path / "ix2") as m:
+        with pytest.raises(OSError) as e:
+            (m.path / "params/embed.weight/param.npy").read_bytes()
+        assert e.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("damage", ["truncated", "huge_header", "missing_file"])
+def test_hf_storage_damage_is_named(damage, dcp_fixtures, mounter, tmp_path):
+    ck = copy(dcp_fixtures, "hf_sharded_w2", tmp_path)
+    f = ck / ("shard-00001-model-00001-of-00001.safetensors" if damage == "missing_file" else
+              "shard-00002-model-00001-of-00001.safetensors")
+    data = f.read_bytes()
+    if damage == "truncated":
+        f.write_bytes(data[: len(data) - 100])
+        want = "lie outside the"
+    elif damage == "huge_header":
+        f.write_bytes((1 << 62).to_bytes(8, "little") + data[8:])
+        want = "more than the format's limit"
+    else:
+        f.unlink()  # rank 0's shard: rank 1's alone would look like smaller tensors
+        want = "shard-00001-model-00001-of-00001.safetensors is missing (rank 0's shard 1 of 1)"
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 1 and want in r.stderr, r.stderr
+    assert f.name in r.stderr, r.stderr
+    with mounter(ck, index=tmp_path / "ix2") as m:
+        with pytest.raises(OSError) as e:
+            (m.path / "params/embed.weight/param.npy").read_bytes()
+        assert e.value.errno == errno.EIO
+
+
+def test_index_json_naming_a_missing_file_refuses_its_tensors(dcp_fixtures, tmp_path):
+    ck = copy(dcp_fixtures, "hf_storage_w2", tmp_path)
+    shutil.rmtree(ck / "sharded")
+    idx = json.loads((ck / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["extra.weight"] = "model-00002-of-00002.safetensors"
+    (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 1
+    assert "model-00002-of-00002.safetensors" in r.stderr and "extra.weight" in r.stderr, r.stderr
+    idx["weight_map"]["evil"] = "../outside.safetensors"
+    (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix3")])
+    assert r.returncode == 1 and "is not a .safetensors file in the directory" in r.stderr, r.stderr
