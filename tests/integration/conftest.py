@@ -70,6 +70,16 @@ def dcp_fixtures(tmp_path_factory):
     return Path(out)
 
 
+@pytest.fixture(scope="session")
+def accelerate_fixtures(tmp_path_factory):
+    """make_accelerate.py's Accelerate FSDP2 checkpoint (cached like dcp_fixtures)."""
+    out = os.environ.get("CKPTFS_FIXTURE_CACHE") or str(tmp_path_factory.mktemp("accelerate"))
+    with fixture_lock(Path(out) / "make_accelerate"):
+        subprocess.run([sys.executable, str(FIXTURES / "make_accelerate.py"), out], check=True, timeout=900,
+                       stdout=subprocess.DEVNULL)
+    return Path(out) / "fsdp2_sharded_w2"
+
+
 def run_producer(cmd, out, env, timeout=900):
     """Runs a multi-process fixture producer into `out` (emptied first), once
     more if it fails: gloo's rendezvous port can be taken between pick and bind."""

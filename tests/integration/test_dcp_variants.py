@@ -8,11 +8,16 @@ compared with the producer's own full state (get_state_dict(full_state_dict=True
   hf_storage_w2/sharded  its per-rank shards (DCP_SHARDING_INFO)
   hf_sharded_w2          HuggingFaceStorageWriter(save_distributed=True) shards alone
 
-and, for each, damage that must be named, not served."""
+plus Accelerate's FSDP layout (make_accelerate.py: accelerate's save_fsdp_model /
+save_fsdp_optimizer, what HF Trainer's checkpoint-N/ holds): pytorch_model_fsdp_0/
++ optimizer_0/ mounted as one checkpoint, and, for each, damage that must be
+named, not served."""
 import errno
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -98,6 +103,40 @@ def test_plain_hf_model_directory_exports_to_hf(dcp_fixtures, full, mounter, tmp
         assert sorted(got) == sorted(full["model"])
         for fqn, ref in full["model"].items():
             np.testing.assert_array_equal(got[fqn], ref.numpy(), err_msg=fqn)
+
+
+def test_accelerate_fsdp_checkpoint_is_one_checkpoint(accelerate_fixtures, mounter, tmp_path):
+    """checkpoint-N/ with pytorch_model_fsdp_0/ and optimizer_0/: the optimizer
+    states sit under their parameters; everything equals the producer's full
+    state and `accelerate merge-weights` (accelerate's own merger)."""
+    from safetensors.numpy import load_file
+
+    full = torch.load(accelerate_fixtures / "full.pt", weights_only=False)
+    merged = tmp_path / "merged"
+    subprocess.run([sys.executable, "-m", "accelerate.commands.accelerate_cli", "merge-weights",
+                    str(accelerate_fixtures / "checkpoint-1" / "pytorch_model_fsdp_0"), str(merged)],
+                   check=True, capture_output=True, timeout=300)
+    by_accelerate = load_file(merged / "model.safetensors")
+    assert sorted(by_accelerate) == sorted(full["model"])
+    src = accelerate_fixtures / "checkpoint-1"
+    r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 0 and "Accelerate FSDP: pytorch_model_fsdp_0/ + optimizer_0/" in r.stdout, r.stdout + r.stderr
+    assert "step        1" in r.stdout
+    with mounter(src, index=tmp_path / "ix") as m:
+        for fqn, ref in full["model"].items():
+            got = npy(m, f"params/{fqn}/param.npy")
+            np.testing.assert_array_equal(got, ref.numpy(), err_msg=fqn)
+            np.testing.assert_array_equal(got, by_accelerate[fqn], err_msg=fqn)
+            for state, sref in full["optimizer"]["state"][fqn].items():
+                np.testing.assert_array_equal(npy(m, f"params/{fqn}/{state}.npy"), sref.numpy(), err_msg=f"{fqn} {state}")
+
+
+def test_accelerate_optimizer_dir_without_its_model_is_not_a_checkpoint(accelerate_fixtures, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(accelerate_fixtures / "checkpoint-1", ck, ignore=shutil.ignore_patterns(".ckptfs"))
+    shutil.rmtree(ck / "pytorch_model_fsdp_0")
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 1 and "cannot detect a checkpoint" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------- damage

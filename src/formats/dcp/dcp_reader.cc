@@ -368,37 +368,63 @@ int64_t FindStep(const std::string& dir, const Checkpoint& ck, const OpenFiles& 
   return -1;
 }
 
-// The metadata files of `dir`: {".metadata"} for a global save, else the
-// rank-local `__<rank>.metadata` files (dcp.save(use_collectives=False)) in
-// rank order; empty when there are none. `data_ranks` gets the ranks of the
-// `__<rank>_<n>.distcp` data files seen.
-std::vector<std::pair<uint32_t, std::string>> MetadataFiles(const std::string& dir, std::set<uint32_t>* data_ranks) {
+// One DCP save inside the mounted directory: its folder ("" or "<sub>/")
+// and metadata files: {".metadata"} for a global save, else the rank-local
+// `__<rank>.metadata` files (dcp.save(use_collectives=False)) in rank order.
+struct DcpSave {
+  std::string prefix;
+  std::vector<std::pair<uint32_t, std::string>> meta;  // (rank, file name)
+  std::set<uint32_t> data_ranks;                       // ranks of its __<rank>_<n>.distcp files
+  bool rank_local() const { return !meta.empty() && meta[0].second != ".metadata"; }
+};
+
+DcpSave FindSave(const std::string& dir, const std::string& prefix) {
+  DcpSave save;
+  save.prefix = prefix;
+  const std::string d = prefix.empty() ? dir : dir + "/" + prefix;
   struct stat st{};
-  if (::stat((dir + "/.metadata").c_str(), &st) == 0) return {{0, ".metadata"}};
-  std::vector<std::pair<uint32_t, std::string>> out;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return out;
+  if (::stat((d + "/.metadata").c_str(), &st) == 0) {
+    save.meta = {{0, ".metadata"}};
+    return save;
+  }
   static const RE2 kMetaRe(R"(__([0-9]{1,9})\.metadata)");
   static const RE2 kDataRe(R"(__([0-9]{1,9})_[0-9]+(?:\.distcp)?)");
-  while (const dirent* e = ::readdir(d)) {
+  for (const std::string& name : ListDirectory(d)) {
     uint32_t rank = 0;
-    if (RE2::FullMatch(e->d_name, kMetaRe, &rank)) out.emplace_back(rank, e->d_name);
-    if (data_ranks != nullptr && RE2::FullMatch(e->d_name, kDataRe, &rank)) data_ranks->insert(rank);
+    if (RE2::FullMatch(name, kMetaRe, &rank)) save.meta.emplace_back(rank, name);
+    if (RE2::FullMatch(name, kDataRe, &rank)) save.data_ranks.insert(rank);
   }
-  ::closedir(d);
-  std::sort(out.begin(), out.end());
+  std::sort(save.meta.begin(), save.meta.end());
+  return save;
+}
+
+// The DCP saves that make up the checkpoint at `dir`: the directory itself,
+// or Accelerate's FSDP layout (what HF Trainer's checkpoint-N/ holds with
+// SHARDED_STATE_DICT): the model in pytorch_model_fsdp_0/ and its optimizer
+// in optimizer_0/, two DCP saves read as one checkpoint. Empty when none.
+std::vector<DcpSave> FindSaves(const std::string& dir) {
+  DcpSave top = FindSave(dir, "");
+  if (!top.meta.empty()) return {top};
+  std::vector<DcpSave> out;
+  for (const char* sub : {"pytorch_model_fsdp_0/", "optimizer_0/"}) {
+    DcpSave s = FindSave(dir, sub);
+    if (!s.meta.empty()) out.push_back(std::move(s));
+  }
+  if (!out.empty() && out[0].prefix != "pytorch_model_fsdp_0/") out.clear();  // an optimizer without its model
   return out;
 }
 
 }  // namespace
 
-bool LooksLikeDcp(const std::string& dir) { return !MetadataFiles(dir, nullptr).empty(); }
+bool LooksLikeDcp(const std::string& dir) { return !FindSaves(dir).empty(); }
 
 Result<Checkpoint> ReadDcp(const std::string& dir) {
-  std::set<uint32_t> data_ranks;
-  const auto meta_files = MetadataFiles(dir, &data_ranks);
-  if (meta_files.empty()) return NotFound("cannot read " + dir + ": no .metadata and no __<rank>.metadata");
-  const bool rank_local = meta_files[0].second != ".metadata";
+  const std::vector<DcpSave> saves = FindSaves(dir);
+  if (saves.empty()) return NotFound("cannot read " + dir + ": no .metadata and no __<rank>.metadata");
+  size_t n_meta = 0;
+  for (const DcpSave& sv : saves) n_meta += sv.meta.size();
+  // Several metadata files: their entries are merged by key.
+  const bool merge = n_meta > 1;
   std::string meta_path;  // the metadata file being parsed, for errors
   auto fail = [&](const Status& s) { return s.Annotate("cannot parse " + meta_path); };
 
@@ -411,7 +437,10 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     if (inserted) ck.files.push_back(SourceFile{rel, 0, 0, 0});
     return it->second;
   };
-  for (const auto& [rank, name] : meta_files) add_file(name);
+  for (const DcpSave& sv : saves) {
+    for (const auto& [rank, name] : sv.meta) add_file(sv.prefix + name);
+  }
+  std::string cur_prefix;  // the folder of the save being parsed
 
   // storage_data: MetadataIndex(fqn, offset) -> _StorageInfo(file, offset, length).
   std::unordered_map<std::string, ItemLoc> items;
@@ -438,7 +467,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       return Invalid("cannot parse " + meta_path + ": unsafe relative_path '" + rel->s + "'");
     }
     ItemLoc loc;
-    loc.file = add_file(rel->s);
+    loc.file = add_file(cur_prefix + rel->s);
     auto o = AsInt(v.Attr("offset"), "_StorageInfo.offset");
     auto l = AsInt(v.Attr("length"), "_StorageInfo.length");
     if (!o.ok() || !l.ok() || *o < 0 || *l < 0) return Invalid("cannot parse " + meta_path + ": bad _StorageInfo offset/length");
@@ -477,7 +506,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     t.key = k.s;
     size_t ti = ck.tensors.size();
     TensorRecord* earlier = nullptr;
-    if (rank_local) {
+    if (merge) {
       auto [it, inserted] = tensor_ids.emplace(t.key, static_cast<uint32_t>(ti));
       if (!inserted) {
         ti = it->second;
@@ -545,7 +574,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
         }
         // Not deduplicated across ranks: a replicated chunk is read from the
         // lowest rank that lists it (as its storage item is).
-        if (rank_local && !seen_chunks.insert(ChunkKey(fqn_id(t.key), offs->data(), offs->size())).second) continue;
+        if (merge && !seen_chunks.insert(ChunkKey(fqn_id(t.key), offs->data(), offs->size())).second) continue;
         Work w;
         w.tensor = static_cast<uint32_t>(ti);
         w.ndim = static_cast<uint32_t>(t.shape.size());
@@ -567,8 +596,13 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   // file is read in windows by the pickle VM (it may be hundreds of MiB),
   // never held whole.
   std::vector<std::vector<std::string>> paths;  // each tensor's state-dict path
-  for (const auto& [rank, name] : meta_files) {
-    meta_path = dir + "/" + name;
+  std::vector<std::pair<std::string, std::string>> meta_files;  // (folder, file name), in reading order
+  for (const DcpSave& sv : saves) {
+    for (const auto& [rank, name] : sv.meta) meta_files.emplace_back(sv.prefix, name);
+  }
+  for (const auto& [prefix, name] : meta_files) {
+    cur_prefix = prefix;
+    meta_path = dir + "/" + prefix + name;
     uint64_t meta_size = 0;
     auto meta_fd = OpenBoundedFile(meta_path, GetReadLimits().max_metadata_bytes, &meta_size);
     if (!meta_fd.ok()) return meta_fd.status();
@@ -658,36 +692,40 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     root_or = PyHandle();
   }
   ck.info.family = "pytorch-dcp";
-  if (rank_local) {
-    ck.info.format_note += ", rank-local: " + std::to_string(meta_files.size()) +
+  if (saves.size() > 1) ck.info.format_note += ", Accelerate FSDP: pytorch_model_fsdp_0/ + optimizer_0/";
+  // Merged chunks arrive file by file; the work list goes back to tensor order.
+  if (merge) std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.tensor < y.tensor; });
+  for (const DcpSave& sv : saves) {
+    if (!sv.rank_local()) continue;
+    ck.info.format_note += ", rank-local" + (sv.prefix.empty() ? "" : " " + sv.prefix) + ": " +
+                           std::to_string(sv.meta.size()) +
                            " __<rank>.metadata files (dcp.save use_collectives=False), merged";
-    // Merged chunks arrive rank by rank; the work list goes back to tensor order.
-    std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.tensor < y.tensor; });
     // A rank whose metadata is missing: what it saved is unknown, so the
     // tensors it held a part of show holes (and are refused by the tiling check).
     std::set<uint32_t> meta_ranks;
-    for (const auto& [rank, name] : meta_files) meta_ranks.insert(rank);
-    const uint32_t last = std::max(*meta_ranks.rbegin(), data_ranks.empty() ? 0u : *data_ranks.rbegin());
+    for (const auto& [rank, name] : sv.meta) meta_ranks.insert(rank);
+    const uint32_t last = std::max(*meta_ranks.rbegin(), sv.data_ranks.empty() ? 0u : *sv.data_ranks.rbegin());
     const uint64_t missing_ranks = uint64_t{last} + 1 - meta_ranks.size();
     for (uint64_t r = 0, named = 0; r <= last && named < 16; ++r) {
       if (meta_ranks.count(r)) continue;
       ++named;  // the first 16 are named, the rest counted
-      const std::string m = "__" + std::to_string(r) + ".metadata";
+      const std::string m = sv.prefix + "__" + std::to_string(r) + ".metadata";
       ck.info.Flag(Check::kCoverage, Severity::kError, "", m,
                    m + " is missing" +
-                       (data_ranks.count(r) ? " (rank " + std::to_string(r) + "'s data files are present)"
-                                            : " (and rank " + std::to_string(r) + " wrote no data file)") +
+                       (sv.data_ranks.count(r) ? " (rank " + std::to_string(r) + "'s data files are present)"
+                                               : " (and rank " + std::to_string(r) + " wrote no data file)") +
                        ": what rank " + std::to_string(r) +
                        " saved is unknown; tensors it held a part of have holes (an interrupted save leaves " + m +
                        ".tmp)");
     }
     if (missing_ranks > 16) {
-      ck.info.Flag(Check::kCoverage, Severity::kError, "", "",
-                   std::to_string(missing_ranks) + " of " + std::to_string(uint64_t{last} + 1) +
-                       " ranks have no __<rank>.metadata (the first 16 are listed)");
+      ck.info.Flag(Check::kCoverage, Severity::kError, "", sv.prefix,
+                   std::to_string(missing_ranks) + " of " + std::to_string(uint64_t{last} + 1) + " ranks in " +
+                       (sv.prefix.empty() ? dir : dir + "/" + sv.prefix) +
+                       " have no __<rank>.metadata (the first 16 are listed)");
     }
   }
-  const std::string meta_desc = rank_local ? "the __<rank>.metadata files" : ".metadata";
+  const std::string meta_desc = n_meta > 1 ? "the metadata files" : ".metadata";
 
   // Each chunk's storage item.
   size_t kept = 0;
@@ -830,8 +868,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       std::string detail;
       Status s = CheckTiling(t, ck.fragments.Get(i), ck.files, &detail);
       if (!s.ok()) {
-        const std::string meta_rel = rank_local ? "__<rank>.metadata" : ".metadata";
-        t.error = s.Annotate("tensor '" + t.key + "' in " + dir + "/" + meta_rel).message();
+        const std::string meta_rel = n_meta > 1 ? "" : ".metadata";
+        t.error = s.Annotate("tensor '" + t.key + "' in " + (n_meta > 1 ? dir : dir + "/.metadata")).message();
         ck.info.Flag(Check::kCoverage, Severity::kError, t.key, meta_rel, t.error, detail);
       }
     }
@@ -845,7 +883,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   static const RE2 kRankRe(R"(__([0-9]+)_[0-9]+(?:\.distcp)?)");
   for (const auto& f : ck.files) {
     uint32_t rank = 0;
-    if (RE2::FullMatch(f.rel_path, kRankRe, &rank) && rank < UINT32_MAX) {
+    if (RE2::FullMatch(f.rel_path.substr(f.rel_path.rfind('/') + 1), kRankRe, &rank) && rank < UINT32_MAX) {
       ck.info.world_size = std::max<uint32_t>(ck.info.world_size, rank + 1);
     }
   }
