@@ -4,6 +4,7 @@
 #include "formats/megatron/dist_reader.h"
 #include "formats/megatron/legacy_reader.h"
 #include "formats/safetensors/st_dir_reader.h"
+#include "formats/torchsave/pt_reader.h"
 
 namespace ckptfs {
 
@@ -60,10 +61,11 @@ Result<Checkpoint> Detect(const std::string& dir) {
   if (formats::LooksLikeMegatronLegacy(dir)) return formats::ReadMegatronLegacy(dir);
   // Last: a Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files.
   if (formats::LooksLikeSafetensorsDir(dir)) return formats::ReadSafetensorsDir(dir);
+  if (formats::LooksLikeTorchSaveDir(dir)) return formats::ReadTorchSaveDir(dir);
   return Unsupported("cannot detect a checkpoint in " + dir +
                      ": no .metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp), no "
                      "latest / mp_rank_XX_model_states.pt (DeepSpeed), no "
-                     "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM), no *.safetensors");
+                     "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM), no *.safetensors, no torch.save .pt / .pth / .bin");
 }
 
 }  // namespace

@@ -8,9 +8,11 @@ compared with the producer's own full state (get_state_dict(full_state_dict=True
   hf_storage_w2/sharded  its per-rank shards (DCP_SHARDING_INFO)
   hf_sharded_w2          HuggingFaceStorageWriter(save_distributed=True) shards alone
 
-plus Accelerate's FSDP layout (make_accelerate.py: accelerate's save_fsdp_model /
-save_fsdp_optimizer, what HF Trainer's checkpoint-N/ holds): pytorch_model_fsdp_0/
-+ optimizer_0/ mounted as one checkpoint, and, for each, damage that must be
+plus Accelerate's FSDP layouts (make_accelerate.py: accelerate's save_fsdp_model /
+save_fsdp_optimizer, what HF Trainer's checkpoint-N/ holds): SHARDED_STATE_DICT
+(pytorch_model_fsdp_0/ + optimizer_0/, mounted as one checkpoint) and
+FULL_STATE_DICT (pytorch_model_fsdp.bin + optimizer.bin), and plain torch.save
+files (torch's own dcp_to_torch_save output); for each, damage that must be
 named, not served."""
 import errno
 import json
@@ -139,6 +141,38 @@ def test_accelerate_optimizer_dir_without_its_model_is_not_a_checkpoint(accelera
     assert r.returncode == 1 and "cannot detect a checkpoint" in r.stderr, r.stderr
 
 
+def test_accelerate_full_state_dict_files(accelerate_fixtures, mounter, tmp_path):
+    full = torch.load(accelerate_fixtures / "full.pt", weights_only=False)
+    src = accelerate_fixtures / "checkpoint-1-full"
+    r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 0, r.stderr
+    assert "torch-save (torch.save archives: pytorch_model_fsdp.bin, optimizer.bin)" in r.stdout, r.stdout
+    with mounter(src, index=tmp_path / "ix") as m:
+        for fqn, ref in full["model"].items():
+            np.testing.assert_array_equal(npy(m, f"params/{fqn}/param.npy"), ref.numpy(), err_msg=fqn)
+            for state, sref in full["optimizer"]["state"][fqn].items():
+                np.testing.assert_array_equal(npy(m, f"params/{fqn}/{state}.npy"), sref.numpy(), err_msg=f"{fqn} {state}")
+        # rng_state_*.pth and trainer_state.json are bookkeeping, not tensors.
+        assert not (m.path / "other").exists() or not any("rng" in x for x in os.listdir(m.path / "other"))
+
+
+def test_dcp_to_torch_save_output_equals_the_dcp_it_came_from(dcp_fixtures, mounter, tmp_path):
+    """torch's own DCP -> torch.save converter wrote model.pt from fsdp2_w3:
+    mounting either gives byte-identical params/ files (cmp)."""
+    src = dcp_fixtures / "torch_save"
+    ref = torch.load(src / "model.pt", weights_only=False)
+    with mounter(src, name="pt", index=tmp_path / "ix1") as a, \
+            mounter(dcp_fixtures / "fsdp2_w3", name="dcp", index=tmp_path / "ix2") as b:
+        n = 0
+        for fqn, t in ref["model"].items():
+            np.testing.assert_array_equal(npy(a, f"params/{fqn}/param.npy"), t.numpy(), err_msg=fqn)
+            files = [f"params/{fqn}/param.raw"] + [f"params/{fqn}/{s}.raw" for s in ref["optimizer"]["state"][fqn]]
+            for f in files:
+                assert subprocess.run(["cmp", a.path / f, b.path / f]).returncode == 0, f
+                n += 1
+        assert n == 6 * 4
+
+
 # ---------------------------------------------------------------- damage
 
 
@@ -231,3 +265,30 @@ def test_index_json_naming_a_missing_file_refuses_its_tensors(dcp_fixtures, tmp_
     (ck / "model.safetensors.index.json").write_text(json.dumps(idx))
     r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix3")])
     assert r.returncode == 1 and "is not a .safetensors file in the directory" in r.stderr, r.stderr
+
+
+def test_torch_save_damage_is_named(dcp_fixtures, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    data = (dcp_fixtures / "torch_save" / "model.pt").read_bytes()
+    (ck / "model.pt").write_bytes(data[: len(data) // 2])
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 1 and "cannot parse model.pt" in r.stderr, r.stderr
+    # The same tensor path in two archives is refused, naming both.
+    (ck / "model.pt").write_bytes(data)
+    (ck / "copy.pt").write_bytes(data)
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix2")])
+    assert r.returncode == 1 and "is in two archives (copy.pt and model.pt)" in r.stderr, r.stderr
+    # Meta's model-parallel shards: refused with the reason, not merged wrongly.
+    for f in ("model.pt", "copy.pt"):
+        os.unlink(ck / f)
+    for i in range(2):
+        (ck / f"consolidated.0{i}.pth").write_bytes(data)
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix3")])
+    assert r.returncode == 1 and "2 model-parallel consolidated.NN.pth shards" in r.stderr, r.stderr
+    # Only Trainer bookkeeping: not a checkpoint.
+    shutil.rmtree(ck)
+    ck.mkdir()
+    (ck / "rng_state_0.pth").write_bytes(data)
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix4")])
+    assert r.returncode == 1 and "cannot detect a checkpoint" in r.stderr, r.stderr

@@ -1,0 +1,27 @@
+// Which tensors of a state dict are parameters and which are optimizer
+// states of which parameter, from each tensor's path in the nested dict
+// (DCP's planner_data; a torch.save file's dict keys): the rules of README
+// "How keys map to params/", shared by every reader of state dicts.
+#ifndef CKPTFS_FORMATS_STATE_DICT_ROLES_H_
+#define CKPTFS_FORMATS_STATE_DICT_ROLES_H_
+
+#include <string>
+#include <vector>
+
+#include "ckptfs/model.h"
+
+namespace ckptfs::formats {
+
+// Sets role / fqn / state of every tensor-encoded record; `paths[i]` is
+// tensors[i]'s path (dict keys; list indices as decimal strings).
+//  - ("model", <fqn parts>...) -> parameter <fqn>;
+//  - a bare top-level key (no "model" root, not a known non-model root such
+//    as optimizer / lr_scheduler / train_state) -> parameter <key>;
+//  - ("optimizer"|"optim", "state", <fqn>, <state>...) and the flattened
+//    "optimizer.state.<fqn>.<state>" -> optimizer state <state> of <fqn>;
+//  - anything else -> other/.
+void ClassifyStateDict(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths);
+
+}  // namespace ckptfs::formats
+
+#endif  // CKPTFS_FORMATS_STATE_DICT_ROLES_H_

@@ -1,0 +1,217 @@
+#include "formats/torchsave/pt_reader.h"
+
+#include <nlohmann/json.hpp>
+#include <re2/re2.h>
+
+#include <algorithm>
+#include <map>
+
+#include "formats/byte_reader.h"
+#include "formats/state_dict_roles.h"
+#include "formats/torch_file.h"
+
+namespace ckptfs::formats {
+namespace {
+
+using json = nlohmann::json;
+
+// Nesting deeper than this is not a state dict; it is cut off with a note.
+constexpr int kMaxDepth = 32;
+
+const RE2& ArchiveRe() {
+  static const RE2 re(R"([^.].*\.(?:pt|pth|bin|ckpt))");
+  return re;
+}
+// Trainer / Accelerate bookkeeping beside the weights: not model state.
+const RE2& BookkeepingRe() {
+  static const RE2 re(R"((?:rng_state.*|random_states.*|training_args|scheduler.*|scaler.*|lr_scheduler.*)\.(?:pt|pth|bin|pkl))");
+  return re;
+}
+const RE2& OptimizerRe() {
+  static const RE2 re(R"((?:optimizer|optim)(?:_[0-9]+)?\.(?:pt|pth|bin))");
+  return re;
+}
+const RE2& ConsolidatedRe() {
+  static const RE2 re(R"(consolidated\.[0-9]+\.pth)");
+  return re;
+}
+
+std::vector<std::string> Archives(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const std::string& n : ListDirectory(dir)) {
+    if (RE2::FullMatch(n, ArchiveRe()) && !RE2::FullMatch(n, BookkeepingRe())) out.push_back(n);
+  }
+  return out;
+}
+
+struct Leaf {
+  std::vector<std::string> path;
+  const PyValue* v;
+};
+
+// Every tensor of a nested dict / list, with its path; non-tensor leaves are
+// counted (they are metadata: param_groups, counters, strings).
+void Walk(const PyValue* v, std::vector<std::string>& path, std::vector<Leaf>& out, size_t* skipped, bool* too_deep) {
+  if (v->kind == PyKind::kTensor) {
+    out.push_back(Leaf{path, v});
+    return;
+  }
+  if (path.size() >= kMaxDepth) {
+    *too_deep = true;
+    return;
+  }
+  if (v->kind == PyKind::kDict) {
+    for (const auto& [k, x] : v->dict) {
+      if (k->kind == PyKind::kStr) {
+        path.push_back(k->s);
+      } else if (k->kind == PyKind::kInt) {
+        path.push_back(std::to_string(k->i));
+      } else {
+        ++*skipped;
+        continue;
+      }
+      Walk(x, path, out, skipped, too_deep);
+      path.pop_back();
+    }
+  } else if (v->IsSeq()) {
+    for (size_t i = 0; i < v->items.size(); ++i) {
+      path.push_back(std::to_string(i));
+      Walk(v->items[i], path, out, skipped, too_deep);
+      path.pop_back();
+    }
+  } else {
+    ++*skipped;
+  }
+}
+
+std::string Joined(const std::vector<std::string>& p) {
+  std::string s;
+  for (const std::string& x : p) s += (s.empty() ? "" : ".") + x;
+  return s;
+}
+
+int64_t StepOf(const std::string& dir, const std::vector<const PyValue*>& roots) {
+  for (const PyValue* r : roots) {
+    if (r == nullptr || r->kind != PyKind::kDict) continue;
+    for (const char* k : {"step", "global_step", "iteration", "epoch_step"}) {
+      const PyValue* v = r->Get(k);
+      if (v != nullptr && v->kind == PyKind::kInt) return v->i;
+    }
+  }
+  if (auto text = ReadWholeSourceFile(dir, "trainer_state.json", uint64_t{16} << 20); text.ok()) {
+    const json j = json::parse(*text, nullptr, false);
+    if (j.is_object() && j.contains("global_step") && j["global_step"].is_number_integer()) {
+      return j["global_step"].get<int64_t>();
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
+bool LooksLikeTorchSaveDir(const std::string& dir) { return !Archives(dir).empty(); }
+
+Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
+  std::vector<std::string> names = Archives(dir);
+  // Model archives first, then optimizer ones (listing order of params/).
+  std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return !RE2::FullMatch(n, OptimizerRe()); });
+  if (names.empty()) return NotFound("cannot read " + dir + ": no torch.save archive (.pt, .pth, .bin)");
+  size_t consolidated = 0;
+  for (const std::string& n : names) consolidated += RE2::FullMatch(n, ConsolidatedRe()) ? 1 : 0;
+  if (consolidated > 1) {
+    return Unsupported("cannot read " + dir + ": " + std::to_string(consolidated) +
+                       " model-parallel consolidated.NN.pth shards (Meta Llama layout); merging them needs each "
+                       "weight's split dimension, which ckptfs does not know for this layout yet");
+  }
+  Checkpoint ck;
+  ck.info.family = "torch-save";
+  Files files;
+  files.dir = dir;
+  files.ck = &ck;
+  std::vector<std::unique_ptr<Source>> sources;
+  std::vector<const PyValue*> roots;
+  std::vector<Leaf> leaves;
+  std::vector<uint32_t> leaf_source;
+  size_t skipped = 0;
+  bool too_deep = false;
+  for (const std::string& n : names) {
+    sources.push_back(files.Open(n));
+    Source& s = *sources.back();
+    if (!s.error.empty()) {
+      ck.info.Flag(Check::kCoverage, Severity::kError, "", n, s.error);
+      continue;
+    }
+    roots.push_back(s.root());
+    std::vector<std::string> path;
+    if (RE2::FullMatch(n, OptimizerRe())) path.push_back("optimizer");  // optimizer.bin: {"state", "param_groups"}
+    const size_t before = leaves.size();
+    Walk(s.root(), path, leaves, &skipped, &too_deep);
+    leaf_source.resize(leaves.size(), static_cast<uint32_t>(sources.size() - 1));
+    if (leaves.size() == before && path.empty() && s.root()->kind != PyKind::kDict) {
+      ck.info.problems.push_back(n + " holds no state dict (a pickled " +
+                                 (s.root()->ClassName().empty() ? std::string("value") : s.root()->ClassName()) +
+                                 "); not read");
+    }
+  }
+  if (ck.info.findings.size() == names.size()) {
+    return Invalid("cannot read " + dir + ": " + ck.info.findings[0].message);
+  }
+
+  // One record per tensor path; a path two archives both hold is refused.
+  std::map<std::string, size_t> by_key;
+  std::vector<std::vector<std::string>> paths;
+  std::vector<std::string> record_file;  // the archive each record comes from
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    const Leaf& leaf = leaves[i];
+    const Source& s = *sources[leaf_source[i]];
+    TensorRecord t;
+    t.key = Joined(leaf.path);
+    t.encoding = Encoding::kTensor;
+    if (auto [it, inserted] = by_key.emplace(t.key, ck.tensors.size()); !inserted) {
+      TensorRecord& first = ck.tensors[it->second];
+      if (first.error.empty()) {
+        first.error = "cannot index '" + t.key + "': it is in two archives (" + record_file[it->second] + " and " +
+                      s.rel + ")";
+        ck.info.Flag(Check::kCoverage, Severity::kError, t.key, s.rel, first.error);
+      }
+      continue;
+    }
+    auto loc = Resolve(s, leaf.v, s.rel + " '" + t.key + "'");
+    ck.fragments.Resize(ck.tensors.size() + 1);
+    if (!loc.ok()) {
+      t.error = loc.status().message();
+      t.dtype = leaf.v->tensor().dtype;
+      t.shape.assign(1, 0);
+    } else {
+      t.dtype = loc->dtype;
+      t.shape = loc->shape;
+      t.byte_size = t.Numel() * DTypeSize(t.dtype);
+      ck.fragments.Set(ck.tensors.size(), {WholeFragment(*loc, s.file)});
+      t.num_fragments = 1;
+    }
+    paths.push_back(leaf.path);
+    record_file.push_back(s.rel);
+    ck.tensors.push_back(std::move(t));
+  }
+  for (size_t i = 0; i < ck.tensors.size(); ++i) {
+    if (!ck.tensors[i].error.empty()) {
+      ck.fragments.Clear(i);
+      ck.tensors[i].num_fragments = 0;
+    }
+  }
+  ClassifyStateDict(ck.tensors, paths);
+  if (skipped > 0) {
+    ck.info.problems.push_back(std::to_string(skipped) +
+                               " non-tensor entries (param_groups, counters, strings) are not shown");
+  }
+  if (too_deep) ck.info.problems.push_back("entries nested deeper than 32 levels are not shown");
+  if (std::string note = files.PlaceholderNote(); !note.empty()) ck.info.problems.push_back(std::move(note));
+  std::string list;
+  for (size_t i = 0; i < names.size() && i < 4; ++i) list += (i ? ", " : "") + names[i];
+  if (names.size() > 4) list += ", ...";
+  ck.info.format_note = "torch.save archive" + std::string(names.size() > 1 ? "s" : "") + ": " + list;
+  ck.info.step = StepOf(dir, roots);
+  return ck;
+}
+
+}  // namespace ckptfs::formats
