@@ -51,7 +51,9 @@ Result<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t base, uint64_t 
   SafetensorsHeader out;
   out.data_start = base + 8 + n;
   const uint64_t data_bytes = limit - out.data_start;
-  for (const auto& [key, v] : h.items()) {
+  for (const auto& item : h.items()) {
+    const std::string& key = item.key();  // a variable, not a binding: clang 14 cannot capture bindings
+    const json& v = item.value();
     if (key == "__metadata__") {
       if (!v.is_object()) return bad("__metadata__ is not an object");
       for (const auto& [mk, mv] : v.items()) {

@@ -183,7 +183,9 @@ Result<Checkpoint> ReadSafetensorsDir(const std::string& dir) {
     if (bad_files.count(f)) chunks.emplace(name, std::vector<Chunk>{});
   }
   ck.fragments.Resize(chunks.size());
-  for (auto& [name, cs] : chunks) {
+  for (auto& entry : chunks) {
+    const std::string& name = entry.first;  // a variable, not a binding: clang 14 cannot capture bindings
+    std::vector<Chunk>& cs = entry.second;
     const size_t ti = ck.tensors.size();
     TensorRecord t;
     t.key = name;
