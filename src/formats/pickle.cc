@@ -597,6 +597,23 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
     if (m == "torch._tensor" && n == "_rebuild_from_type_v2") {
       // (func, type, args, state): the tensor comes from func(*args).
       if (a.size() < 3) return Err("_rebuild_from_type_v2 with too few arguments");
+      if (a[0]->kind == PyKind::kGlobal && a[0]->s == "torch._utils" && a[0]->name == "_rebuild_wrapper_subclass") {
+        // A tensor subclass with no storage of its own (DTensor): kept as an
+        // object of that class with its metadata (args: dtype, size, stride,
+        // ...) and its state (DTensor: _local_tensor, _spec), for the reader
+        // that knows the class. Not a tensor: nothing reads it as one.
+        if (a[1]->kind != PyKind::kGlobal || !a[2]->IsSeq()) return Err("_rebuild_wrapper_subclass without a class");
+        auto o = Make(PyKind::kObject);
+        o->callable = a[1];
+        RETURN_IF_ERROR(Adopt(o, a[1]));
+        for (const auto& x : a[2]->items) RETURN_IF_ERROR(Adopt(o, x));
+        o->args = a[2]->items;
+        if (a.size() > 3) {
+          RETURN_IF_ERROR(Adopt(o, a[3]));
+          o->state = a[3];
+        }
+        return o;
+      }
       return Call(a[0], a[2]);
     }
     if (m == "builtins" && n == "getattr" && a.size() == 2 && a[1]->IsStr()) {

@@ -433,6 +433,19 @@ std::optional<Result<std::string>> ReadIfPresent(const std::string& dir, const s
 
 constexpr uint64_t kMaxConfigBytes = 16u << 20, kMaxSideFileBytes = 64u << 20;
 
+// Where a checkpoint keeps its Hugging Face config and tokenizer: beside the
+// weights, or (verl) in a huggingface/ directory of its own (a real
+// directory: a symlink there is not followed).
+std::string HfConfigDir(const std::string& src) {
+  struct stat st{};
+  if (::lstat((src + "/config.json").c_str(), &st) == 0) return src;
+  if (::lstat((src + "/huggingface").c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
+      ::lstat((src + "/huggingface/config.json").c_str(), &st) == 0) {
+    return src + "/huggingface";
+  }
+  return src;
+}
+
 Result<json> ParseConfig(const std::string& text, const std::string& path) {
   json c = json::parse(text, nullptr, false);
   if (c.is_discarded() || !c.is_object()) return Invalid("cannot parse " + path + ": not a JSON object");
@@ -636,9 +649,9 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       config = MegatronConfig(*args, *arch, rows);
     }
   } else {
-    auto text = ReadIfPresent(index.src_dir(), "config.json", kMaxConfigBytes);
+    auto text = ReadIfPresent(HfConfigDir(index.src_dir()), "config.json", kMaxConfigBytes);
     if (text) {
-      const std::string path = index.src_dir() + "/config.json";
+      const std::string path = HfConfigDir(index.src_dir()) + "/config.json";
       auto c = text->ok() ? ParseConfig(**text, path) : Result<json>(text->status());
       if (!c.ok()) {
         why.push_back(c.status().message());
@@ -840,7 +853,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     }
     plan.config_json = JsonText(config, 2) + "\n";
     const std::string& cfg = opts.hf_config;
-    AddSideFiles(cfg.empty() ? index.src_dir() : cfg.substr(0, std::max<size_t>(cfg.rfind('/'), 1)), plan);
+    AddSideFiles(cfg.empty() ? HfConfigDir(index.src_dir()) : cfg.substr(0, std::max<size_t>(cfg.rfind('/'), 1)), plan);
   }
   return plan;
 }

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ckptfs_bin, run
+from conftest import ROOT, ckptfs_bin, run
 
 FULL_DCP = ["ranklocal_w2", "st_format_w2"]
 HF_STORAGE = ["hf_storage_w2", "hf_storage_w2/sharded", "hf_sharded_w2"]
@@ -292,3 +292,58 @@ def test_torch_save_damage_is_named(dcp_fixtures, tmp_path):
     (ck / "rng_state_0.pth").write_bytes(data)
     r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix4")])
     assert r.returncode == 1 and "cannot detect a checkpoint" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- verl
+
+VERL = ROOT / "tests" / "data" / "verl_fsdp2"  # make_verl.sh: verl 0.9.1's own FSDPCheckpointManager
+
+
+def test_verl_fsdp2_checkpoint_merges_and_exports(mounter, tmp_path):
+    """Each rank's model_world_size_2_rank_R.pt holds DTensor shards: params/
+    equals the full state the run gathered, in bf16 exactly what verl's own
+    model merger wrote, optimizer ids land under their parameters, and hf/
+    (config and tokenizer from verl's huggingface/) loads in transformers."""
+    from safetensors.torch import load_file
+
+    full = torch.load(VERL / "full.pt", weights_only=False)
+    merged = load_file(VERL / "merged" / "model.safetensors")
+    src = VERL / "global_step_1" / "actor"
+    r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 0, r.stderr
+    assert "verl FSDP checkpoint: 2 ranks" in r.stdout and "step        1" in r.stdout, r.stdout
+    with mounter(src, index=tmp_path / "ix") as m:
+        for fqn, ref in full["model"].items():
+            got = torch.from_numpy(npy(m, f"params/{fqn}/param.npy"))
+            assert torch.equal(got, ref), fqn
+            assert torch.equal(got.bfloat16(), merged[fqn]), fqn
+            for state, sref in full["optimizer"]["state"][fqn].items():
+                assert torch.equal(torch.from_numpy(npy(m, f"params/{fqn}/{state}.npy")).reshape(sref.shape), sref), (fqn, state)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(m.path / "hf")
+        sd = model.state_dict()
+        for fqn, ref in full["model"].items():
+            assert torch.equal(sd[fqn], ref), fqn
+
+
+def test_verl_damage_is_named(mounter, tmp_path):
+    ck = tmp_path / "actor"
+    shutil.copytree(VERL / "global_step_1" / "actor", ck, ignore=shutil.ignore_patterns(".ckptfs"))
+    os.unlink(ck / "model_world_size_2_rank_1.pt")
+    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 1
+    assert "'model.embed_tokens.weight' in " in r.stderr and "elements are in no chunk" in r.stderr, r.stderr
+    r = run([ckptfs_bin(), "verify", str(ck), "--json", "--index", str(tmp_path / "ix3")])
+    msgs = [f["message"] for f in json.loads(r.stdout)["findings"]]
+    assert "model_world_size_2_rank_1.pt is missing: rank 1's shards are unknown" in msgs, msgs
+    with mounter(ck, index=tmp_path / "ix") as m:
+        with pytest.raises(OSError) as e:
+            (m.path / "params/model.embed_tokens.weight/param.npy").read_bytes()
+        assert e.value.errno == errno.EIO
+    # One rank's file on its own is not a checkpoint of whole tensors.
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copy(VERL / "global_step_1" / "actor" / "model_world_size_2_rank_0.pt", one / "model.pt")
+    r = run([ckptfs_bin(), "info", str(one), "--index", str(tmp_path / "ix2")])
+    assert r.returncode == 1 and "is a DTensor, one rank's shard" in r.stderr, r.stderr

@@ -9,14 +9,13 @@
 #include "formats/byte_reader.h"
 #include "formats/state_dict_roles.h"
 #include "formats/torch_file.h"
+#include "formats/torchsave/state_walk.h"
+#include "formats/torchsave/verl_reader.h"
 
 namespace ckptfs::formats {
 namespace {
 
 using json = nlohmann::json;
-
-// Nesting deeper than this is not a state dict; it is cut off with a note.
-constexpr int kMaxDepth = 32;
 
 const RE2& ArchiveRe() {
   static const RE2 re(R"([^.].*\.(?:pt|pth|bin|ckpt))");
@@ -24,7 +23,8 @@ const RE2& ArchiveRe() {
 }
 // Trainer / Accelerate bookkeeping beside the weights: not model state.
 const RE2& BookkeepingRe() {
-  static const RE2 re(R"((?:rng_state.*|random_states.*|training_args|scheduler.*|scaler.*|lr_scheduler.*)\.(?:pt|pth|bin|pkl))");
+  static const RE2 re(
+      R"((?:rng_state.*|random_states.*|training_args|scheduler.*|scaler.*|lr_scheduler.*|extra_state_world_size_.*)\.(?:pt|pth|bin|pkl))");
   return re;
 }
 const RE2& OptimizerRe() {
@@ -42,52 +42,6 @@ std::vector<std::string> Archives(const std::string& dir) {
     if (RE2::FullMatch(n, ArchiveRe()) && !RE2::FullMatch(n, BookkeepingRe())) out.push_back(n);
   }
   return out;
-}
-
-struct Leaf {
-  std::vector<std::string> path;
-  const PyValue* v;
-};
-
-// Every tensor of a nested dict / list, with its path; non-tensor leaves are
-// counted (they are metadata: param_groups, counters, strings).
-void Walk(const PyValue* v, std::vector<std::string>& path, std::vector<Leaf>& out, size_t* skipped, bool* too_deep) {
-  if (v->kind == PyKind::kTensor) {
-    out.push_back(Leaf{path, v});
-    return;
-  }
-  if (path.size() >= kMaxDepth) {
-    *too_deep = true;
-    return;
-  }
-  if (v->kind == PyKind::kDict) {
-    for (const auto& [k, x] : v->dict) {
-      if (k->kind == PyKind::kStr) {
-        path.push_back(k->s);
-      } else if (k->kind == PyKind::kInt) {
-        path.push_back(std::to_string(k->i));
-      } else {
-        ++*skipped;
-        continue;
-      }
-      Walk(x, path, out, skipped, too_deep);
-      path.pop_back();
-    }
-  } else if (v->IsSeq()) {
-    for (size_t i = 0; i < v->items.size(); ++i) {
-      path.push_back(std::to_string(i));
-      Walk(v->items[i], path, out, skipped, too_deep);
-      path.pop_back();
-    }
-  } else {
-    ++*skipped;
-  }
-}
-
-std::string Joined(const std::vector<std::string>& p) {
-  std::string s;
-  for (const std::string& x : p) s += (s.empty() ? "" : ".") + x;
-  return s;
 }
 
 int64_t StepOf(const std::string& dir, const std::vector<const PyValue*>& roots) {
@@ -112,6 +66,7 @@ int64_t StepOf(const std::string& dir, const std::vector<const PyValue*>& roots)
 bool LooksLikeTorchSaveDir(const std::string& dir) { return !Archives(dir).empty(); }
 
 Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
+  if (LooksLikeVerl(dir)) return ReadVerl(dir);
   std::vector<std::string> names = Archives(dir);
   // Model archives first, then optimizer ones (listing order of params/).
   std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return !RE2::FullMatch(n, OptimizerRe()); });
@@ -145,7 +100,7 @@ Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
     std::vector<std::string> path;
     if (RE2::FullMatch(n, OptimizerRe())) path.push_back("optimizer");  // optimizer.bin: {"state", "param_groups"}
     const size_t before = leaves.size();
-    Walk(s.root(), path, leaves, &skipped, &too_deep);
+    WalkStateDict(s.root(), path, leaves, &skipped, &too_deep);
     leaf_source.resize(leaves.size(), static_cast<uint32_t>(sources.size() - 1));
     if (leaves.size() == before && path.empty() && s.root()->kind != PyKind::kDict) {
       ck.info.problems.push_back(n + " holds no state dict (a pickled " +
@@ -165,7 +120,7 @@ Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
     const Leaf& leaf = leaves[i];
     const Source& s = *sources[leaf_source[i]];
     TensorRecord t;
-    t.key = Joined(leaf.path);
+    t.key = JoinPath(leaf.path);
     t.encoding = Encoding::kTensor;
     if (auto [it, inserted] = by_key.emplace(t.key, ck.tensors.size()); !inserted) {
       TensorRecord& first = ck.tensors[it->second];
@@ -176,11 +131,15 @@ Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
       }
       continue;
     }
-    auto loc = Resolve(s, leaf.v, s.rel + " '" + t.key + "'");
+    auto loc = IsDTensor(leaf.v) ? Result<Loc>(Unsupported(
+                                       "cannot read " + s.rel + ": '" + t.key +
+                                       "' is a DTensor, one rank's shard of a tensor; no rank-file layout this "
+                                       "archive belongs to is known (verl: model_world_size_W_rank_R.pt)"))
+                                 : Resolve(s, leaf.v, s.rel + " '" + t.key + "'");
     ck.fragments.Resize(ck.tensors.size() + 1);
     if (!loc.ok()) {
       t.error = loc.status().message();
-      t.dtype = leaf.v->tensor().dtype;
+      t.dtype = leaf.v->kind == PyKind::kTensor ? leaf.v->tensor().dtype : DType::kU8;
       t.shape.assign(1, 0);
     } else {
       t.dtype = loc->dtype;

@@ -1,0 +1,281 @@
+#include "formats/torchsave/verl_reader.h"
+
+#include <re2/re2.h>
+
+#include <map>
+#include <set>
+
+#include "formats/byte_reader.h"
+#include "formats/state_dict_roles.h"
+#include "formats/tiling.h"
+#include "formats/torch_file.h"
+#include "formats/torchsave/state_walk.h"
+
+namespace ckptfs::formats {
+namespace {
+
+const RE2& RankFileRe() {
+  static const RE2 re(R"((model|optim)_world_size_([0-9]{1,6})_rank_([0-9]{1,6})\.pt)");
+  return re;
+}
+
+// One rank's piece of a tensor.
+struct Piece {
+  DType dtype = DType::kInvalid;
+  std::vector<int64_t> global;  // the tensor's global shape
+  Loc local;                    // the rank's elements
+  int shard_dim = -1;           // Shard(d); -1: whole (Replicate, or a plain tensor)
+};
+
+Result<Piece> PieceOf(const Source& s, const PyValue* v, const std::string& what) {
+  Piece p;
+  if (v->kind == PyKind::kTensor) {
+    ASSIGN_OR_RETURN(p.local, Resolve(s, v, what));
+    p.dtype = p.local.dtype;
+    p.global = p.local.shape;
+    return p;
+  }
+  auto bad = [&](const std::string& why) { return Invalid("cannot read " + s.rel + ": " + what + ": " + why); };
+  // DTensor: args (DTensor, dtype, size, stride, ...) as _rebuild_wrapper_subclass
+  // takes them; state {_local_tensor, _spec}, or (None, {...}) when pickled as
+  // (__dict__, __slots__) state.
+  size_t a0 = !v->args.empty() && v->args[0]->kind == PyKind::kGlobal && v->args[0]->name == "DTensor" ? 1 : 0;
+  if (v->args.size() < a0 + 2 || v->args[a0]->kind != PyKind::kGlobal) return bad("DTensor without dtype and size");
+  p.dtype = DTypeFromTorchName(v->args[a0]->name);
+  if (p.dtype == DType::kInvalid) return bad("DTensor of unsupported dtype torch." + v->args[a0]->name);
+  auto size = AsIntVector(v->args[a0 + 1], "DTensor size");
+  if (!size.ok()) return bad(size.status().message());
+  p.global = *size;
+  const PyValue* st = v->state;
+  if (st != nullptr && st->kind == PyKind::kTuple && st->items.size() == 2) {
+    st = st->items[1] != nullptr && st->items[1]->kind == PyKind::kDict ? st->items[1] : st->items[0];
+  }
+  const PyValue* local = st != nullptr && st->kind == PyKind::kDict ? st->Get("_local_tensor") : nullptr;
+  const PyValue* spec = st != nullptr && st->kind == PyKind::kDict ? st->Get("_spec") : nullptr;
+  if (local == nullptr || spec == nullptr) return bad("DTensor without _local_tensor / _spec");
+  ASSIGN_OR_RETURN(p.local, Resolve(s, local, what + " (local shard)"));
+  if (p.local.dtype != p.dtype) return bad("local shard dtype differs from the DTensor's");
+  const PyValue* placements = spec->Attr("placements");
+  if (placements == nullptr || !placements->IsSeq()) return bad("DTensorSpec without placements");
+  if (placements->items.size() != 1) {
+    return Unsupported("cannot read " + s.rel + ": " + what + ": a DTensor over a " +
+                       std::to_string(placements->items.size()) +
+                       "-D device mesh (HSDP / FSDP + TP); only 1-D meshes are placed");
+  }
+  const PyValue* pl = placements->items[0];
+  const std::string cls = pl->ClassName();
+  if (cls == "Replicate") return p;
+  if (cls != "Shard") return Unsupported("cannot read " + s.rel + ": " + what + ": placement " + cls + " is not supported");
+  auto dim = AsInt(pl->Attr("dim"), "Shard.dim");
+  if (!dim.ok() || *dim < 0 || *dim >= static_cast<int64_t>(p.global.size())) return bad("Shard with a bad dim");
+  p.shard_dim = static_cast<int>(*dim);
+  if (p.local.shape.size() != p.global.size()) return bad("local shard rank differs from the global shape's");
+  for (size_t d = 0; d < p.global.size(); ++d) {
+    if (static_cast<int>(d) != p.shard_dim && p.local.shape[d] != p.global[d]) return bad("local shard shape disagrees");
+  }
+  return p;
+}
+
+struct RankFiles {
+  uint32_t world = 0;
+  std::map<uint32_t, std::string> model, optim;
+};
+
+RankFiles Scan(const std::string& dir) {
+  RankFiles r;
+  for (const std::string& n : ListDirectory(dir)) {
+    std::string kind;
+    uint32_t w = 0, rank = 0;
+    if (!RE2::FullMatch(n, RankFileRe(), &kind, &w, &rank)) continue;
+    r.world = std::max(r.world, w);
+    (kind == "model" ? r.model : r.optim).emplace(rank, n);
+  }
+  return r;
+}
+
+}  // namespace
+
+bool LooksLikeVerl(const std::string& dir) { return !Scan(dir).model.empty(); }
+
+Result<Checkpoint> ReadVerl(const std::string& dir) {
+  const RankFiles rf = Scan(dir);
+  if (rf.model.empty()) return NotFound("cannot read " + dir + ": no model_world_size_W_rank_R.pt");
+  Checkpoint ck;
+  ck.info.family = "verl";
+  ck.info.world_size = rf.world;
+  Files files;
+  files.dir = dir;
+  files.ck = &ck;
+  // Every rank's files, opened in rank order; a missing or unreadable one is a finding.
+  std::vector<std::unique_ptr<Source>> model(rf.world), optim(rf.world);
+  auto open_all = [&](const std::map<uint32_t, std::string>& names, const char* kind,
+                      std::vector<std::unique_ptr<Source>>& out) {
+    for (uint32_t r = 0; r < rf.world; ++r) {
+      const std::string want = std::string(kind) + "_world_size_" + std::to_string(rf.world) + "_rank_" +
+                               std::to_string(r) + ".pt";
+      auto it = names.find(r);
+      if (it == names.end() || it->second != want) {
+        ck.info.Flag(Check::kCoverage, Severity::kError, "", want,
+                     want + " is missing: rank " + std::to_string(r) + "'s shards are unknown");
+        continue;
+      }
+      out[r] = files.Open(want);
+      if (!out[r]->error.empty()) {
+        ck.info.Flag(Check::kCoverage, Severity::kError, "", want, out[r]->error);
+        out[r].reset();
+      }
+    }
+  };
+  open_all(rf.model, "model", model);
+  if (!rf.optim.empty()) open_all(rf.optim, "optim", optim);
+
+  // key -> per-rank (source, value); the key order is the first rank's.
+  struct Entry {
+    std::vector<std::string> path;
+    std::vector<std::pair<const Source*, const PyValue*>> ranks;
+  };
+  std::vector<Entry> entries;
+  std::map<std::string, size_t> by_key;
+  size_t skipped = 0;
+  bool too_deep = false;
+  auto collect = [&](const std::vector<std::unique_ptr<Source>>& srcs, std::vector<std::string> prefix,
+                     const std::map<std::string, std::string>& rename) {
+    for (uint32_t r = 0; r < rf.world; ++r) {
+      if (!srcs[r]) continue;
+      std::vector<Leaf> leaves;
+      std::vector<std::string> path = prefix;
+      WalkStateDict(srcs[r]->root(), path, leaves, &skipped, &too_deep);
+      for (Leaf& l : leaves) {
+        // optimizer.state.<id>.<k> -> optimizer.state.<fqn>.<k> when the ids map.
+        if (l.path.size() >= 3 && !rename.empty()) {
+          if (auto it = rename.find(l.path[2]); it != rename.end()) l.path[2] = it->second;
+        }
+        auto [it, inserted] = by_key.emplace(JoinPath(l.path), entries.size());
+        if (inserted) entries.push_back(Entry{l.path, std::vector<std::pair<const Source*, const PyValue*>>(rf.world)});
+        entries[it->second].ranks[r] = {srcs[r].get(), l.v};
+      }
+    }
+  };
+  collect(model, {}, {});
+  const size_t n_model = entries.size();
+
+  // The optimizer's ids: its param_groups list them in model.parameters()
+  // order, which is the model state dict's order for the parameters. Mapped
+  // only if every id's states have its parameter's global shape.
+  std::map<std::string, std::string> id_to_fqn;
+  if (!rf.optim.empty() && optim[0]) {
+    std::vector<std::string> ids;
+    const PyValue* groups = optim[0]->root()->kind == PyKind::kDict ? optim[0]->root()->Get("param_groups") : nullptr;
+    for (size_t g = 0; groups != nullptr && groups->IsSeq() && g < groups->items.size(); ++g) {
+      const PyValue* params = groups->items[g]->kind == PyKind::kDict ? groups->items[g]->Get("params") : nullptr;
+      for (size_t i = 0; params != nullptr && params->IsSeq() && i < params->items.size(); ++i) {
+        if (params->items[i]->kind == PyKind::kInt) ids.push_back(std::to_string(params->items[i]->i));
+      }
+    }
+    const PyValue* state = optim[0]->root()->kind == PyKind::kDict ? optim[0]->root()->Get("state") : nullptr;
+    bool ok = !ids.empty() && ids.size() <= n_model && state != nullptr && state->kind == PyKind::kDict;
+    for (size_t i = 0; ok && i < ids.size(); ++i) {
+      const Entry& e = entries[i];
+      const PyValue* pv = e.ranks[0].second;
+      auto param = pv ? PieceOf(*e.ranks[0].first, pv, JoinPath(e.path)) : Result<Piece>(Invalid(""));
+      const PyValue* st = nullptr;
+      for (const auto& [k, v] : state->dict) {
+        if (k->kind == PyKind::kInt && std::to_string(k->i) == ids[i]) st = v;
+      }
+      const PyValue* avg = st != nullptr && st->kind == PyKind::kDict ? st->Get("exp_avg") : nullptr;
+      auto s = avg ? PieceOf(*optim[0], avg, "state " + ids[i]) : Result<Piece>(Invalid(""));
+      ok = param.ok() && (st == nullptr || (s.ok() && s->global == param->global));
+      if (ok) id_to_fqn[ids[i]] = JoinPath(e.path);
+    }
+    if (!ok) {
+      id_to_fqn.clear();
+      ck.info.problems.push_back("optimizer ids could not be matched to parameters by order and shape: its "
+                                 "states are under other/optimizer.state.<id>");
+    }
+    collect(optim, {"optimizer"}, id_to_fqn);
+  }
+
+  // One record per key: the ranks' pieces placed in the global tensor.
+  std::vector<std::vector<std::string>> paths;
+  for (const Entry& e : entries) {
+    const size_t ti = ck.tensors.size();
+    ck.fragments.Resize(ti + 1);
+    TensorRecord t;
+    t.key = JoinPath(e.path);
+    t.encoding = Encoding::kTensor;
+    std::vector<Fragment> frags;
+    std::string error;
+    int64_t next = 0;  // Shard(d): where the next rank's rows start
+    bool seen = false;  // some rank gave the tensor's dtype and shape
+    for (uint32_t r = 0; r < rf.world && error.empty(); ++r) {
+      const auto& [src, v] = e.ranks[r];
+      if (v == nullptr) {
+        if (model[r] || (e.path[0] == "optimizer" && optim[r])) {
+          error = "rank " + std::to_string(r) + "'s file has no '" + t.key + "'";
+        }
+        continue;  // a missing file: a finding already; its rows stay a hole
+      }
+      auto p = PieceOf(*src, v, "'" + t.key + "'");
+      if (!p.ok()) {
+        error = p.status().message();
+        break;
+      }
+      if (!seen) {
+        t.dtype = p->dtype;
+        t.shape = p->global;
+        seen = true;
+      }
+      if (p->global != t.shape || p->dtype != t.dtype) {
+        error = src->rel + " gives '" + t.key + "' another shape or dtype than rank 0";
+        break;
+      }
+      if (p->shard_dim < 0) {
+        if (frags.empty()) frags.push_back(WholeFragment(p->local, src->file));  // replicated: the first copy
+        continue;
+      }
+      if (!e.ranks[0].second && r > 0 && frags.empty() && next == 0) {
+        // Rank 0's file is missing: where this rank's rows start is unknown.
+        error = "rank 0's shard of '" + t.key + "' is missing; the others cannot be placed";
+        break;
+      }
+      Fragment f = WholeFragment(p->local, src->file);
+      f.offsets[p->shard_dim] = next;
+      next += p->local.shape[p->shard_dim];
+      if (f.lengths[p->shard_dim] > 0) frags.push_back(std::move(f));
+    }
+    if (error.empty() && seen) {
+      std::string detail;
+      t.byte_size = NumelOf(t.shape) * DTypeSize(t.dtype);
+      if (Status s = CheckTiling(t, frags, ck.files, &detail); !s.ok()) {
+        error = s.Annotate("tensor '" + t.key + "' in " + dir).message();
+        ck.info.Flag(Check::kCoverage, Severity::kError, t.key, "", error, detail);
+      }
+    }
+    if (!error.empty() || !seen) {
+      t.error = error.empty() ? "cannot index '" + t.key + "': no rank holds it" : error;
+      if (t.dtype == DType::kInvalid) t.dtype = DType::kU8;
+      t.shape.assign(1, 0);
+      t.byte_size = 0;
+    } else {
+      ck.fragments.Set(ti, frags);
+      t.num_fragments = static_cast<uint32_t>(frags.size());
+    }
+    paths.push_back(e.path);
+    ck.tensors.push_back(std::move(t));
+  }
+  ClassifyStateDict(ck.tensors, paths);
+  if (skipped > 0) {
+    ck.info.problems.push_back(std::to_string(skipped) +
+                               " non-tensor entries (param_groups, counters) are not shown");
+  }
+  if (too_deep) ck.info.problems.push_back("entries nested deeper than 32 levels are not shown");
+  if (std::string note = files.PlaceholderNote(); !note.empty()) ck.info.problems.push_back(std::move(note));
+  ck.info.format_note = "verl FSDP checkpoint: " + std::to_string(rf.world) +
+                        " ranks' model_world_size_*_rank_*.pt" + (rf.optim.empty() ? "" : " + optim_…");
+  static const RE2 kStepRe(R"(global_step_([0-9]{1,12}))");
+  int64_t step = -1;
+  if (RE2::PartialMatch(dir, kStepRe, &step)) ck.info.step = step;
+  return ck;
+}
+
+}  // namespace ckptfs::formats
