@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 
+#include <nlohmann/json.hpp>
+
 #include "ckptfs/progress.h"
 
 namespace ckptfs::formats {
@@ -164,6 +166,16 @@ std::vector<std::string> ListDirectory(const std::string& path) {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+int64_t TrainerStateStep(const std::string& dir) {
+  auto text = ReadWholeSourceFile(dir, "trainer_state.json", uint64_t{16} << 20);
+  if (!text.ok()) return -1;
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+  if (j.is_object() && j.contains("global_step") && j["global_step"].is_number_integer()) {
+    return j["global_step"].get<int64_t>();
+  }
+  return -1;
 }
 
 }  // namespace ckptfs::formats

@@ -76,6 +76,10 @@ Result<std::string> ReadWholeSourceFile(const std::string& root, const std::stri
 // cannot be listed.
 std::vector<std::string> ListDirectory(const std::string& path);
 
+// The `global_step` of the HF Trainer's trainer_state.json in `dir`; -1 when
+// it is absent or says none.
+int64_t TrainerStateStep(const std::string& dir);
+
 // Opens <dir>/<f.rel_path> read-only and records its fingerprint in `f` (size,
 // mtime, inode: what the index checks for staleness). A file that cannot be
 // opened is recorded as missing (mtime_ns = -1) and the error says why.

@@ -599,6 +599,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     if (forced == nullptr) return Invalid("--hf-arch '" + opts.hf_arch + "': expected one of " + JoinNames(HfArchNames()));
   }
   const Sources src = CollectSources(index);
+  const std::string config_dir = HfConfigDir(index.src_dir());  // config.json and the tokenizer files
   Convention conv = Convention::kHf;
   if (index.info().family.rfind("megatron", 0) == 0) {
     conv = Convention::kMegatron;
@@ -649,9 +650,9 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       config = MegatronConfig(*args, *arch, rows);
     }
   } else {
-    auto text = ReadIfPresent(HfConfigDir(index.src_dir()), "config.json", kMaxConfigBytes);
+    auto text = ReadIfPresent(config_dir, "config.json", kMaxConfigBytes);
     if (text) {
-      const std::string path = HfConfigDir(index.src_dir()) + "/config.json";
+      const std::string path = config_dir + "/config.json";
       auto c = text->ok() ? ParseConfig(**text, path) : Result<json>(text->status());
       if (!c.ok()) {
         why.push_back(c.status().message());
@@ -853,7 +854,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     }
     plan.config_json = JsonText(config, 2) + "\n";
     const std::string& cfg = opts.hf_config;
-    AddSideFiles(cfg.empty() ? HfConfigDir(index.src_dir()) : cfg.substr(0, std::max<size_t>(cfg.rfind('/'), 1)), plan);
+    AddSideFiles(cfg.empty() ? config_dir : cfg.substr(0, std::max<size_t>(cfg.rfind('/'), 1)), plan);
   }
   return plan;
 }

@@ -56,17 +56,6 @@ Result<std::map<std::string, std::string>> ReadWeightMap(const std::string& dir)
   return out;
 }
 
-// The step from trainer_state.json (HF Trainer writes it beside the weights).
-int64_t TrainerStep(const std::string& dir) {
-  auto text = ReadWholeSourceFile(dir, "trainer_state.json", uint64_t{16} << 20);
-  if (!text.ok()) return -1;
-  const json j = json::parse(*text, nullptr, false);
-  if (j.is_object() && j.contains("global_step") && j["global_step"].is_number_integer()) {
-    return j["global_step"].get<int64_t>();
-  }
-  return -1;
-}
-
 struct Chunk {
   uint32_t file = 0;
   SafetensorsEntry entry;
@@ -264,7 +253,7 @@ Result<Checkpoint> ReadSafetensorsDir(const std::string& dir) {
       sharded ? "DCP HuggingFaceStorageWriter shards (DCP_SHARDING_INFO), " + std::to_string(rels.size()) + " files"
               : "Hugging Face safetensors, " + std::to_string(rels.size()) + " file(s)" +
                     (weight_map.empty() ? "" : std::string(" (") + kIndexName + ")");
-  ck.info.step = TrainerStep(dir);
+  ck.info.step = TrainerStateStep(dir);  // HF Trainer writes it beside the weights
   return ck;
 }
 

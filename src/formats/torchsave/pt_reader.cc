@@ -1,6 +1,5 @@
 #include "formats/torchsave/pt_reader.h"
 
-#include <nlohmann/json.hpp>
 #include <re2/re2.h>
 
 #include <algorithm>
@@ -10,12 +9,9 @@
 #include "formats/state_dict_roles.h"
 #include "formats/torch_file.h"
 #include "formats/torchsave/state_walk.h"
-#include "formats/torchsave/verl_reader.h"
 
 namespace ckptfs::formats {
 namespace {
-
-using json = nlohmann::json;
 
 const RE2& ArchiveRe() {
   static const RE2 re(R"([^.].*\.(?:pt|pth|bin|ckpt))");
@@ -52,13 +48,7 @@ int64_t StepOf(const std::string& dir, const std::vector<const PyValue*>& roots)
       if (v != nullptr && v->kind == PyKind::kInt) return v->i;
     }
   }
-  if (auto text = ReadWholeSourceFile(dir, "trainer_state.json", uint64_t{16} << 20); text.ok()) {
-    const json j = json::parse(*text, nullptr, false);
-    if (j.is_object() && j.contains("global_step") && j["global_step"].is_number_integer()) {
-      return j["global_step"].get<int64_t>();
-    }
-  }
-  return -1;
+  return TrainerStateStep(dir);
 }
 
 }  // namespace
@@ -66,7 +56,6 @@ int64_t StepOf(const std::string& dir, const std::vector<const PyValue*>& roots)
 bool LooksLikeTorchSaveDir(const std::string& dir) { return !Archives(dir).empty(); }
 
 Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
-  if (LooksLikeVerl(dir)) return ReadVerl(dir);
   std::vector<std::string> names = Archives(dir);
   // Model archives first, then optimizer ones (listing order of params/).
   std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return !RE2::FullMatch(n, OptimizerRe()); });

@@ -174,14 +174,17 @@ Result<Checkpoint> ReadVerl(const std::string& dir) {
     }
     const PyValue* state = optim[0]->root()->kind == PyKind::kDict ? optim[0]->root()->Get("state") : nullptr;
     bool ok = !ids.empty() && ids.size() <= n_model && state != nullptr && state->kind == PyKind::kDict;
+    std::map<std::string, const PyValue*> by_id;  // "<id>" -> that parameter's states
+    for (size_t k = 0; ok && k < state->dict.size(); ++k) {
+      const auto& [key, v] = state->dict[k];
+      if (key->kind == PyKind::kInt) by_id.emplace(std::to_string(key->i), v);
+    }
     for (size_t i = 0; ok && i < ids.size(); ++i) {
       const Entry& e = entries[i];
       const PyValue* pv = e.ranks[0].second;
       auto param = pv ? PieceOf(*e.ranks[0].first, pv, JoinPath(e.path)) : Result<Piece>(Invalid(""));
-      const PyValue* st = nullptr;
-      for (const auto& [k, v] : state->dict) {
-        if (k->kind == PyKind::kInt && std::to_string(k->i) == ids[i]) st = v;
-      }
+      auto found = by_id.find(ids[i]);
+      const PyValue* st = found == by_id.end() ? nullptr : found->second;
       const PyValue* avg = st != nullptr && st->kind == PyKind::kDict ? st->Get("exp_avg") : nullptr;
       auto s = avg ? PieceOf(*optim[0], avg, "state " + ids[i]) : Result<Piece>(Invalid(""));
       ok = param.ok() && (st == nullptr || (s.ok() && s->global == param->global));
