@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 APT_PKGS=(build-essential cmake pkg-config git libfuse3-dev fuse3 librocksdb-dev liburing-dev libgtest-dev
           libre2-dev libyaml-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libzstd-dev zlib1g-dev python3 python3-venv python3-pip)
-[[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev)
+[[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev ccache)
 APT_PKGS+=(help2man)  # ckptfs.1 at build time (CMake leaves the man page out without it)
 
 missing=()
@@ -27,7 +27,7 @@ PY=.venv/bin/python
 want=(numpy:numpy)
 [[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout pytest-xdist:xdist
                                      deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors transformers:transformers
-                                     accelerate:accelerate)
+                                     accelerate:accelerate scikit-build-core:scikit_build_core nanobind:nanobind)
 need=()
 for w in "${want[@]}"; do
   req=${w%%:*}

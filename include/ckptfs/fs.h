@@ -88,6 +88,14 @@ class Filesystem {
   Status OpenFile(uint64_t ino);
   // Reads up to `size` bytes at `offset`; short only at end of file.
   Result<size_t> Read(uint64_t ino, uint64_t offset, size_t size, char* buf);
+  // The sub-box `box` (null: the whole tensor) of tensor `id` rendered as
+  // `out` in C order of the box's shape, `len` bytes exactly: the bytes its
+  // params/ file serves, without a path (the Python package's read). Checks
+  // the box against the shape and the sources' freshness first; a failure is
+  // logged like a failed read of the file.
+  Status ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len);
+  // The inode of a tree path ("params/w/param.raw"; "" is the root).
+  Result<uint64_t> LookupPath(std::string_view path) const;
   // .ckptfs/stats: the counters below as one JSON object (no checkpoint I/O,
   // never a verify). A read at offset 0 takes a fresh snapshot; reads past 0
   // continue the latest one (the adapter passes no file handle), so a reader

@@ -135,6 +135,63 @@ Result<Attr> Filesystem::Lookup(uint64_t parent, std::string_view name) const {
   return AttrOfIno(n->ino);
 }
 
+Result<uint64_t> Filesystem::LookupPath(std::string_view path) const {
+  uint64_t ino = kRootIno;
+  while (!path.empty()) {
+    const size_t slash = path.find('/');
+    const std::string_view part = path.substr(0, slash);
+    path = slash == std::string_view::npos ? std::string_view() : path.substr(slash + 1);
+    if (part.empty() || part == ".") continue;
+    const Node* n = view_->Lookup(ino, part);
+    if (n == nullptr) return NotFound(std::string(part));
+    ino = n->ino;
+  }
+  return ino;
+}
+
+Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len) {
+  const auto& tensors = index_->tensors();
+  if (id.v >= tensors.size()) return NotFound("no tensor " + std::to_string(id.v));
+  const TensorRecord& t = tensors[id.v];
+  auto fail = [&](Status st) {
+    errors_.fetch_add(1, std::memory_order_relaxed);
+    LogError((t.fqn.empty() ? t.key : t.fqn) + (t.state.empty() ? "" : " (" + t.state + ")") + ": " + st.message());
+    return st;
+  };
+  if (!t.error.empty()) return fail(Invalid(t.error));
+  if (t.encoding != Encoding::kTensor) return Invalid(t.key + " is a pickled object, not a tensor");
+  if (out != t.dtype && !CanConvert(t.dtype, out)) {
+    return Status(Code::kInvalid, "cannot render " + std::string(DTypeName(t.dtype)) + " as " +
+                                      std::string(DTypeName(out)) + " (only identity and widening to float32)");
+  }
+  uint64_t numel = t.Numel();
+  if (box != nullptr) {
+    if (box->offsets.size() != t.shape.size() || box->lengths.size() != t.shape.size()) {
+      return Invalid("box of rank " + std::to_string(box->offsets.size()) + " for a tensor of shape " +
+                     ShapeStr(t.shape));
+    }
+    numel = 1;
+    for (size_t d = 0; d < t.shape.size(); ++d) {
+      const int64_t o = box->offsets[d], l = box->lengths[d];
+      if (o < 0 || l < 0 || o > t.shape[d] || l > t.shape[d] - o) {
+        return Invalid("box [" + std::to_string(o) + ", " + std::to_string(o + l) + ") of dim " + std::to_string(d) +
+                       " is outside shape " + ShapeStr(t.shape));
+      }
+      numel *= static_cast<uint64_t>(l);
+    }
+  }
+  if (len != numel * DTypeSize(out)) {
+    return Invalid("buffer of " + std::to_string(len) + " bytes for " + std::to_string(numel * DTypeSize(out)));
+  }
+  if (Status st = reader_->CheckFresh(id); !st.ok()) return fail(st);
+  const int64_t t0 = SteadyNs();
+  if (Status st = reader_->ReadBox(id, out, box, 0, len, dst); !st.ok()) return fail(st);
+  latency_.Record(static_cast<uint64_t>(SteadyNs() - t0));
+  reads_.fetch_add(1, std::memory_order_relaxed);
+  bytes_.fetch_add(len, std::memory_order_relaxed);
+  return Status::Ok();
+}
+
 Result<std::vector<DirEntry>> Filesystem::ReadDir(uint64_t ino) const {
   const Node* n = view_->Get(ino);
   if (n == nullptr) return NotFound("no inode " + std::to_string(ino));

@@ -1,0 +1,161 @@
+"""ckptfs for torch: tensors as torch tensors, and a DCP StorageReader.
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    import ckptfs.torch
+
+    sd = {"model": model.state_dict(), "optim": optim_state_dict}   # DTensors at any placement
+    dcp.load(sd, storage_reader=ckptfs.torch.StorageReader("/ckpt/global_step1000"),
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+
+Any checkpoint ckptfs reads (DeepSpeed, Megatron legacy / torch_dist / zarr,
+DCP, ...) loads at the caller's world size and placements; each rank reads only
+the boxes of its own shards.
+
+Keys. The reader offers every tensor under the keys `key_map(info)` returns
+(default_keys below): a parameter under its params/ name, bare and with
+"model." in front; an optimizer state under "optim.state.<name>.<state>" and
+"optimizer.state.<name>.<state>" (the flattened keys of
+get_state_dict(model, optim) saved as {"model": ..., "optim": ...}), the
+optimizer's step count included where the checkpoint keeps one per parameter
+(params/<name>/step: DeepSpeed, Megatron, DCP); it is never guessed from the
+training iteration, which can differ. Pass your own key_map for other names (a model whose module names
+differ from the checkpoint's). Optimizer hyperparameters (param_groups) are
+not checkpoint tensors here: load with allow_partial_load=True so they keep the
+values the caller's optimizer was built with.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+import ckptfs
+from ckptfs import Checkpoint, TensorInfo
+
+__all__ = ["read", "StorageReader", "default_keys"]
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    if not isinstance(d, torch.dtype):
+        raise TypeError(f"torch has no dtype {name}")
+    return d
+
+
+def read(ck: Checkpoint, name: str, state: str = "param", box: Any = None, dtype: Any = None,
+         out: Optional[torch.Tensor] = None, pin_memory: bool = False, device: Any = None) -> torch.Tensor:
+    """Checkpoint.read as a torch tensor (bfloat16 and fp8 included). With
+    `device` ("cuda:0"), the bytes land in host memory (pinned when asked) and
+    are copied there."""
+    t = ck.tensor(name, state)
+    dt = ckptfs._dtype_name(dtype) or t.dtype
+    if out is None:
+        offsets, lengths = ckptfs._box(box, t.shape)
+        shape = lengths if lengths is not None else list(t.shape)
+        out = torch.empty(shape, dtype=_torch_dtype(dt), pin_memory=pin_memory)
+    ck.read(name, state, box=box, dtype=dt, out=out)
+    return out if device is None else out.to(device, non_blocking=pin_memory)
+
+
+def default_keys(t: TensorInfo) -> list[str]:
+    """The state-dict keys a tensor is offered under (see the module doc)."""
+    if t.role == "param":
+        return [t.name, "model." + t.name]
+    if t.role == "optim_state":
+        return [f"optim.state.{t.name}.{t.state}", f"optimizer.state.{t.name}.{t.state}"]
+    return [t.name]
+
+
+class StorageReader(_DcpStorageReader):
+    """torch.distributed.checkpoint.StorageReader over any checkpoint ckptfs reads.
+
+    `src`: the checkpoint directory (or pass checkpoint_id to dcp.load);
+    `index`: where its index lives (ckptfs.open's default otherwise);
+    `key_map`: TensorInfo -> key or keys (default_keys)."""
+
+    def __init__(self, src: Union[str, os.PathLike, None] = None, index: Optional[str] = None,
+                 key_map: Optional[Callable[[TensorInfo], Union[str, Iterable[str]]]] = None, **open_kwargs: Any):
+        super().__init__()
+        self.src = None if src is None else str(src)
+        self.index = index
+        self.key_map = key_map or default_keys
+        self.open_kwargs = open_kwargs
+        self.ck: Optional[Checkpoint] = None
+        self._by_key: dict[str, Any] = {}
+
+    # -- StorageReader --------------------------------------------------------
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None and str(checkpoint_id) != self.src:
+            self.src, self.ck = str(checkpoint_id), None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        return os.path.isdir(checkpoint_id)
+
+    def _open(self) -> Checkpoint:
+        if self.ck is None:
+            if self.src is None:
+                raise ValueError("ckptfs.torch.StorageReader: no checkpoint directory (pass src or checkpoint_id)")
+            self.ck = ckptfs.open(self.src, self.index, **self.open_kwargs)
+        return self.ck
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Every tensor as one chunk of its global shape, under its keys."""
+        ck = self._open()
+        md: dict[str, TensorStorageMetadata] = {}
+        self._by_key = {}
+        for t in ck.tensors():
+            if t.dtype == "object":
+                continue
+            keys = self.key_map(t)
+            for key in [keys] if isinstance(keys, str) else keys:
+                if key in self._by_key:
+                    o = self._by_key[key]
+                    raise ckptfs.Error(f"cannot map {self.src}: key {key!r} names params/{o.name}/{o.state} and "
+                                       f"params/{t.name}/{t.state}; pass a key_map that tells them apart")
+                self._by_key[key] = t
+                shape = torch.Size(t.shape)
+                md[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=_torch_dtype(t.dtype)), size=shape,
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
+        return Metadata(state_dict_metadata=md)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self._by_key:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        """Each item reads its box of the global tensor, straight into the
+        destination when it is contiguous host memory of the same dtype."""
+        ck = self._open()
+        for req in plan.items:
+            if req.type == LoadItemType.BYTE_IO:
+                raise ckptfs.Error(f"cannot load {req.storage_index.fqn} from {self.src}: not a tensor "
+                                   "(load with allow_partial_load=True)")
+            t = self._by_key[req.storage_index.fqn]
+            dest = planner.resolve_tensor(req).detach()
+            box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+            src_dtype = _torch_dtype(t.dtype)
+            if dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == src_dtype:
+                ck.read(t.name, t.state, box=box, out=dest)
+            else:
+                tmp = torch.empty(list(req.lengths), dtype=src_dtype)
+                ck.read(t.name, t.state, box=box, out=tmp)
+                dest.copy_(tmp)
+            planner.commit_tensor(req, dest)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut

@@ -1,0 +1,258 @@
+// The Python extension `ckptfs._ckptfs`: the FUSE-free filesystem core
+// (ckptfs/fs.h) for the package in python/ckptfs, without a mount.
+//
+// Design note. This layer only converts: Python values into the core's calls
+// and Status into exceptions. Tensor bytes go straight from the read engine
+// into the caller's buffer (numpy, torch, anything speaking DLPack or the
+// buffer protocol, host memory: pageable or pinned), with the GIL released,
+// so reads from several Python threads run in parallel in the core. Naming
+// tensors, boxes as slices and the torch StorageReader live in Python.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ckptfs/fs.h"
+#include "ckptfs/transforms.h"
+#include "ckptfs/verify.h"
+
+namespace nb = nanobind;
+
+namespace ckptfs {
+namespace {
+
+PyObject* g_error = nullptr;  // ckptfs.Error (an OSError)
+
+// Raises the Status as ckptfs.Error (FileNotFoundError/KeyError for a name that
+// does not exist), with the core's "cannot <verb> <file>: <reason>" text.
+[[noreturn]] void Raise(const Status& st) {
+  if (st.code() == Code::kNotFound) throw nb::key_error(st.message().c_str());
+  PyErr_SetString(g_error, st.message().c_str());
+  throw nb::python_error();
+}
+
+// DLPack type code and bits of a dtype (the buffer the caller hands in must
+// hold exactly these elements; a raw-byte view would be silently misread).
+std::pair<uint8_t, uint8_t> DlpackOf(DType d) {
+  using nb::dlpack::dtype_code;
+  const auto c = [](dtype_code x) { return static_cast<uint8_t>(x); };
+  switch (d) {
+    case DType::kBool: return {c(dtype_code::Bool), 8};
+    case DType::kU8: return {c(dtype_code::UInt), 8};
+    case DType::kU16: return {c(dtype_code::UInt), 16};
+    case DType::kU32: return {c(dtype_code::UInt), 32};
+    case DType::kU64: return {c(dtype_code::UInt), 64};
+    case DType::kI8: return {c(dtype_code::Int), 8};
+    case DType::kI16: return {c(dtype_code::Int), 16};
+    case DType::kI32: return {c(dtype_code::Int), 32};
+    case DType::kI64: return {c(dtype_code::Int), 64};
+    case DType::kF16: return {c(dtype_code::Float), 16};
+    case DType::kF32: return {c(dtype_code::Float), 32};
+    case DType::kF64: return {c(dtype_code::Float), 64};
+    case DType::kBF16: return {c(dtype_code::Bfloat), 16};
+    case DType::kC64: return {c(dtype_code::Complex), 64};
+    case DType::kC128: return {c(dtype_code::Complex), 128};
+    // DLPack 1.1's float8 codes (torch exports these).
+    case DType::kF8E4M3FN: return {10, 8};
+    case DType::kF8E4M3FNUZ: return {11, 8};
+    case DType::kF8E5M2: return {12, 8};
+    case DType::kF8E5M2FNUZ: return {13, 8};
+    case DType::kInvalid: break;
+  }
+  return {255, 0};
+}
+
+DType ParseDType(const std::string& name) {
+  const DType d = DTypeFromTorchName(name);
+  if (d == DType::kInvalid) {
+    PyErr_SetString(PyExc_TypeError, ("unknown dtype '" + name + "'").c_str());
+    throw nb::python_error();
+  }
+  return d;
+}
+
+using Buffer = nb::ndarray<nb::c_contig>;
+
+class PyCheckpoint {
+ public:
+  PyCheckpoint(const std::string& src, const std::optional<std::string>& index, const std::string& engine,
+               const std::string& gpu, bool rebuild) {
+    FsOptions o;
+    o.src = src;
+    o.index_dir = index.value_or("");
+    if (engine == "auto") {
+      o.engine = EngineKind::kAuto;
+    } else if (engine == "uring") {
+      o.engine = EngineKind::kUring;
+    } else if (engine == "pread") {
+      o.engine = EngineKind::kPread;
+    } else {
+      throw nb::value_error(("engine must be auto, uring or pread, not '" + engine + "'").c_str());
+    }
+    auto mode = ParseGpuMode(gpu);
+    if (!mode.ok()) throw nb::value_error(mode.status().message().c_str());
+    o.gpu = *mode;
+    o.force_rebuild = rebuild;
+    Result<std::unique_ptr<Filesystem>> fs = Internal("not run");
+    {
+      nb::gil_scoped_release unlocked;  // an index build takes seconds on big checkpoints
+      fs = Filesystem::Open(o);
+    }
+    if (!fs.ok()) Raise(fs.status());
+    fs_ = std::move(*fs);
+  }
+
+  // (id, key, role, fqn, state, dtype, shape, error, alias) for every tensor.
+  using TensorRow = std::tuple<uint32_t, std::string, std::string, std::string, std::string, std::string,
+                               std::vector<int64_t>, std::string, bool>;
+  std::vector<TensorRow> Tensors() const {
+    static constexpr const char* kRoles[] = {"param", "optim_state", "other", "hidden"};
+    std::vector<TensorRow> rows;
+    const auto& ts = fs_->index().tensors();
+    rows.reserve(ts.size());
+    for (uint32_t i = 0; i < ts.size(); ++i) {
+      const TensorRecord& t = ts[i];
+      if (t.role == Role::kHidden) continue;
+      const bool blob = t.encoding != Encoding::kTensor;
+      rows.emplace_back(i, t.key, kRoles[static_cast<int>(t.role)], t.fqn, t.state,
+                        blob ? std::string("object") : std::string(DTypeName(t.dtype)), t.shape, t.error, t.alias);
+    }
+    return rows;
+  }
+
+  void ReadInto(uint32_t id, const std::string& out_dtype, const std::optional<std::vector<int64_t>>& offsets,
+                const std::optional<std::vector<int64_t>>& lengths, Buffer out) {
+    const DType d = ParseDType(out_dtype);
+    const auto [code, bits] = DlpackOf(d);
+    if (out.dtype().code != code || out.dtype().bits != bits || out.dtype().lanes != 1) {
+      throw nb::type_error(("the output buffer's element type does not hold " + std::string(DTypeName(d))).c_str());
+    }
+    const int dev = out.device_type();
+    if (dev != nb::device::cpu::value && dev != nb::device::cuda_host::value) {
+      throw nb::type_error("the output buffer must be host memory (pageable or pinned); copy to the device after");
+    }
+    if (out.is_valid() && out.size() != 0 && out.data() == nullptr) throw nb::type_error("the output buffer has no data");
+    Box box;
+    const bool boxed = offsets.has_value();
+    if (boxed) {
+      if (!lengths || lengths->size() != offsets->size()) throw nb::value_error("offsets and lengths differ in rank");
+      box.offsets = *offsets;
+      box.lengths = *lengths;
+      // The buffer's shape must be the box's (a flat buffer of its numel too).
+      int64_t numel = 1;
+      for (int64_t l : box.lengths) numel *= l;
+      if (static_cast<int64_t>(out.size()) != numel) {
+        throw nb::value_error(("the output buffer holds " + std::to_string(out.size()) + " elements, the box " +
+                               std::to_string(numel)).c_str());
+      }
+    }
+    const uint64_t len = static_cast<uint64_t>(out.size()) * (bits / 8);
+    Status st;
+    {
+      nb::gil_scoped_release unlocked;
+      st = fs_->ReadTensor(TensorId{id}, d, boxed ? &box : nullptr, static_cast<char*>(out.data()), len);
+    }
+    if (!st.ok()) Raise(st);
+  }
+
+  // (inode, is_dir, size) of a tree path.
+  std::tuple<uint64_t, bool, uint64_t> Stat(const std::string& path) const {
+    auto ino = fs_->LookupPath(path);
+    if (!ino.ok()) {
+      PyErr_SetString(PyExc_FileNotFoundError, ("no such file in the checkpoint tree: " + path).c_str());
+      throw nb::python_error();
+    }
+    auto attr = fs_->GetAttr(*ino);
+    if (!attr.ok()) Raise(attr.status());
+    return {*ino, attr->is_dir, attr->size};
+  }
+
+  std::vector<std::pair<std::string, bool>> ListDir(const std::string& path) const {
+    auto [ino, is_dir, size] = Stat(path);
+    (void)size;
+    if (!is_dir) throw nb::value_error((path + " is not a directory").c_str());
+    auto entries = fs_->ReadDir(ino);
+    if (!entries.ok()) Raise(entries.status());
+    std::vector<std::pair<std::string, bool>> out;
+    for (DirEntry& e : *entries) {
+      if (e.name != "." && e.name != "..") out.emplace_back(std::move(e.name), e.is_dir);
+    }
+    return out;
+  }
+
+  void Open(uint64_t ino) {
+    Status st = fs_->OpenFile(ino);
+    if (!st.ok()) Raise(st);
+  }
+
+  // Reads into `out` (bytes) at `offset`; returns how many (short only at the end).
+  size_t Pread(uint64_t ino, uint64_t offset, nb::ndarray<uint8_t, nb::c_contig, nb::device::cpu> out) {
+    Result<size_t> n = Internal("not run");
+    {
+      nb::gil_scoped_release unlocked;
+      n = fs_->Read(ino, offset, out.size(), reinterpret_cast<char*>(out.data()));
+    }
+    if (!n.ok()) Raise(n.status());
+    return *n;
+  }
+
+  std::string Verify(bool deep, unsigned threads) const {
+    VerifyOptions o;
+    o.deep = deep;
+    o.threads = threads;
+    Result<Report> r = Internal("not run");
+    {
+      nb::gil_scoped_release unlocked;
+      r = fs_->Verify(o);
+    }
+    if (!r.ok()) Raise(r.status());
+    return ReportJson(*r, fs_->index(), /*timing=*/true);
+  }
+
+  std::string IndexDir() const { return fs_->index().dir(); }
+  bool Built() const { return fs_->open_result().built; }
+  std::string Stats() const { return fs_->StatsJson(); }
+  std::string EngineName() const { return fs_->engine_name(); }
+
+ private:
+  std::unique_ptr<Filesystem> fs_;
+};
+
+}  // namespace
+}  // namespace ckptfs
+
+NB_MODULE(_ckptfs, m) {
+  using ckptfs::PyCheckpoint;
+  m.doc() = "ckptfs core (see the ckptfs package)";
+  ckptfs::g_error = PyErr_NewExceptionWithDoc("ckptfs.Error",
+                                              "A checkpoint ckptfs cannot read: the message names the file and the "
+                                              "problem (what the mount answers with EIO).",
+                                              PyExc_OSError, nullptr);
+  m.attr("Error") = nb::handle(ckptfs::g_error);
+  nb::class_<PyCheckpoint>(m, "_Checkpoint")
+      .def(nb::init<const std::string&, const std::optional<std::string>&, const std::string&, const std::string&,
+                    bool>(),
+           nb::arg("src"), nb::arg("index").none() = nb::none(), nb::arg("engine") = "auto", nb::arg("gpu") = "auto",
+           nb::arg("rebuild") = false)
+      .def("tensors", &PyCheckpoint::Tensors)
+      .def("read_into", &PyCheckpoint::ReadInto, nb::arg("id"), nb::arg("dtype"), nb::arg("offsets").none(),
+           nb::arg("lengths").none(), nb::arg("out"))
+      .def("stat", &PyCheckpoint::Stat)
+      .def("listdir", &PyCheckpoint::ListDir)
+      .def("open", &PyCheckpoint::Open)
+      .def("pread", &PyCheckpoint::Pread)
+      .def("verify", &PyCheckpoint::Verify, nb::arg("deep") = false, nb::arg("threads") = 0)
+      .def_prop_ro("index_dir", &PyCheckpoint::IndexDir)
+      .def_prop_ro("built", &PyCheckpoint::Built)
+      .def_prop_ro("engine", &PyCheckpoint::EngineName)
+      .def("stats", &PyCheckpoint::Stats);
+}

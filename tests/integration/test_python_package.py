@@ -1,0 +1,247 @@
+"""The Python package (python/ckptfs, scripts/test.sh installs it into .venv):
+reads equal what the mount serves, boxes and dtypes, any file of the tree,
+errors as exceptions naming the file, threads, a fresh venv without /dev/fuse,
+and torch's own dcp.load through ckptfs.torch.StorageReader at world 2."""
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, ROOT, run
+from test_deepspeed_mount import produce
+
+ckptfs = pytest.importorskip("ckptfs", reason="the ckptfs package is not installed (scripts/test.sh installs it)")
+torch = pytest.importorskip("torch")
+import ckptfs.torch as ctorch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ds_root(tmp_path_factory):
+    base = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    return Path(base) / "deepspeed" if base else tmp_path_factory.mktemp("deepspeed")
+
+
+@pytest.fixture(scope="module")
+def z2(ds_root, tmp_path_factory):
+    """DeepSpeed ZeRO-2, fp32, DP=2 (tests/fixtures/make_deepspeed.py), copied so
+    its index lives in a directory of its own."""
+    ck, _ = produce(ds_root, "z2_fp32_dp2")
+    dst = tmp_path_factory.mktemp("pkg") / "z2"
+    shutil.copytree(ck, dst, ignore=shutil.ignore_patterns(".ckptfs"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def z1bf16(ds_root):
+    ck, _ = produce(ds_root, "z1_bf16_dp4")
+    return ck
+
+
+def test_every_tensor_reads_as_the_mount_serves(z2, mounter):
+    ck = ckptfs.open(z2)
+    assert ck.info()["family"].startswith("deepspeed")
+    tensors = ck.tensors()
+    assert {t.role for t in tensors} >= {"param", "optim_state"}
+    with mounter(z2) as m:
+        for t in tensors:
+            if t.role == "other" or t.dtype == "object":
+                continue
+            raw = (m.path / "params" / t.name / f"{t.state}.raw").read_bytes()
+            a = ck.read(t.name, t.state)
+            assert a.shape == t.shape and a.tobytes() == raw, (t.name, t.state)
+            npy = np.load(m.path / "params" / t.name / f"{t.state}.npy")
+            assert np.array_equal(npy, a)
+
+
+def test_boxes_dtypes_and_out_buffers(z2, z1bf16):
+    ck = ckptfs.open(z2)
+    name = "language_model.encoder.layers.0.mlp.dense_h_to_4h.weight"
+    full = ck.read(name, "exp_avg")
+    assert np.array_equal(ck.read(name, "exp_avg", box=(slice(3, 9), slice(2, 5))), full[3:9, 2:5])
+    assert np.array_equal(ck.read(name, "exp_avg", box=(slice(1, 2),)), full[1:2])
+    out = torch.empty(full.shape, dtype=torch.float32)
+    ck.read(name, "exp_avg", out=out)  # a torch tensor through DLPack
+    assert np.array_equal(out.numpy(), full)
+    pinned_ok = True
+    try:
+        pinned = torch.empty(full.shape, dtype=torch.float32, pin_memory=True)
+    except RuntimeError:  # no CUDA driver: no pinned memory on this machine
+        pinned_ok = False
+    if pinned_ok:
+        ck.read(name, "exp_avg", out=pinned)
+        assert np.array_equal(pinned.numpy(), full)
+    with pytest.raises(TypeError, match="element type"):
+        ck.read(name, "exp_avg", out=np.empty(full.shape, np.float64))
+    with pytest.raises(ValueError, match="elements"):
+        ck.read(name, "exp_avg", box=(slice(0, 2),), out=np.empty(full.shape, np.float32))
+    with pytest.raises(KeyError, match="states: exp_avg, exp_avg_sq, fp32, param"):
+        ck.read(name, "momentum")
+    with pytest.raises(KeyError):
+        ck.read("no.such.weight")
+
+    # bfloat16: torch tensors hold it, numpy refuses it by name, float32 widens exactly.
+    bf = ckptfs.open(z1bf16)
+    t = next(t for t in bf.tensors() if t.dtype == "bfloat16" and t.role == "param")
+    as_bf16 = ctorch.read(bf, t.name)
+    assert as_bf16.dtype == torch.bfloat16 and tuple(as_bf16.shape) == t.shape
+    assert torch.equal(ctorch.read(bf, t.name, dtype=torch.float32), as_bf16.float())
+    assert np.array_equal(bf.read(t.name, dtype="float32"), as_bf16.float().numpy())
+    with pytest.raises(TypeError, match="numpy has no bfloat16"):
+        if "bfloat16" in ckptfs._NUMPY:
+            raise TypeError("numpy has no bfloat16 (ml_dtypes is installed: nothing to check)")
+        bf.read(t.name)
+    with pytest.raises(ckptfs.Error, match="cannot render float32 as bfloat16"):
+        ck.read(name, "exp_avg", dtype="bfloat16", out=torch.empty(full.shape, dtype=torch.bfloat16))
+
+
+def test_any_file_of_the_tree(z2, mounter):
+    from safetensors.torch import load as st_load
+    ck = ckptfs.open(z2)
+    assert "params" in ck.listdir("") and "topo" in ck.listdir("")
+    with mounter(z2) as m:
+        for rel in ["checkpoint.json", "universal/zero/language_model.encoder.final_layernorm.bias/fp32.pt",
+                    "params/language_model.embedding.word_embeddings.weight/info.json"]:
+            with ck.open_file(rel) as f:
+                assert f.read() == (m.path / rel).read_bytes(), rel
+        views = [v for v in ck.listdir("topo") if v.startswith("tp")]
+        assert views, ck.listdir("topo")
+        files = [f for f in ck.listdir(f"topo/{views[0]}") if f.endswith(".safetensors")]
+        rel = f"topo/{views[0]}/{files[0]}"
+        with ck.open_file(rel) as f:
+            data = f.read()
+            f.seek(100)
+            assert f.read(50) == data[100:150]
+        assert data == (m.path / rel).read_bytes() and ck.getsize(rel) == len(data)
+        tensors = st_load(data)
+        assert tensors
+    # torch.load straight from the view file object (seeks, reads in pieces).
+    with ck.open_file("universal/zero/language_model.encoder.final_layernorm.bias/exp_avg.pt") as f:
+        obj = torch.load(f, weights_only=False)
+    assert np.array_equal(obj["param"].numpy(), ck.read("language_model.encoder.final_layernorm.bias", "exp_avg"))
+    with pytest.raises(FileNotFoundError):
+        ck.open_file("params/nothing/param.raw")
+
+
+def test_threads_read_the_same_bytes(z2):
+    ck = ckptfs.open(z2)
+    ts = [t for t in ck.tensors() if t.role != "other"]
+    want = {(t.name, t.state): ck.read(t.name, t.state).tobytes() for t in ts}
+    bad = []
+
+    def worker(k):
+        for t in ts[k::2] + ts:
+            if ck.read(t.name, t.state).tobytes() != want[(t.name, t.state)]:
+                bad.append((t.name, t.state))
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not bad
+    assert ck.stats()["reads"] >= 5 * len(ts)
+
+
+def test_damaged_sources_raise_naming_the_file(z2, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(z2, bad, ignore=shutil.ignore_patterns(".ckptfs"))
+    optim = next((bad / "global_step2").glob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:2000])
+    ck = ckptfs.open(bad)
+    broken = [t for t in ck.tensors() if t.error]
+    assert broken and all(optim.name in t.error for t in broken)
+    with pytest.raises(ckptfs.Error, match=optim.name) as e:
+        ck.read(broken[0].name, broken[0].state)
+    assert isinstance(e.value, OSError)
+    intact = next(t for t in ck.tensors() if t.role == "param" and not t.error)
+    assert np.array_equal(ck.read(intact.name), ckptfs.open(z2).read(intact.name))
+    with pytest.raises(ckptfs.Error, match="cannot"):
+        ckptfs.open(tmp_path / "missing")
+    # A source replaced after indexing: the read is refused, never stale bytes.
+    changed = tmp_path / "changed"
+    shutil.copytree(z2, changed, ignore=shutil.ignore_patterns(".ckptfs"))
+    ck = ckptfs.open(changed)
+    t = next(t for t in ck.tensors() if t.role == "param")
+    model = changed / "global_step2" / "mp_rank_00_model_states.pt"
+    model.write_bytes(model.read_bytes() + b"\0")
+    with pytest.raises(ckptfs.Error, match="mp_rank_00_model_states.pt"):
+        ck.read(t.name)
+
+
+def test_verify_report(z2):
+    rep = ckptfs.open(z2).verify()
+    assert rep["verdict"] == "clean" and rep["findings"] == [] and len(rep["tensors"]) > 100, rep
+
+
+def test_imports_in_a_fresh_venv_without_dev_fuse(z2, tmp_path):
+    """The wheel scripts/test.sh built, installed into a fresh venv, used in a
+    mount namespace whose /dev has no fuse device."""
+    wheels = sorted((ROOT / "build-py" / "wheel").glob("ckptfs-*.whl"))
+    if not wheels:
+        pytest.skip("no wheel in build-py/wheel (scripts/test.sh builds it)")
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to hide /dev/fuse")
+    venv = tmp_path / "venv"
+    r = run([sys.executable, "-m", "venv", str(venv)])
+    assert r.returncode == 0, r.stderr
+    py = venv / "bin" / "python"
+    numpy_pin = next(line.split("==")[1].strip() for line in (ROOT / "scripts" / "constraints.txt").read_text().split()
+                     if line.lower().startswith("numpy=="))
+    r = run([str(py), "-m", "pip", "install", "-q", str(wheels[-1]), f"numpy=={numpy_pin}"], timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    script = (
+        "import os, ckptfs, sys\n"
+        "assert not os.path.exists('/dev/fuse')\n"
+        f"ck = ckptfs.open({str(z2)!r}, index={str(tmp_path / 'idx')!r})\n"
+        "t = next(t for t in ck.tensors() if t.role == 'param')\n"
+        "print(ck.info()['family'], t.name, float(ck.read(t.name).sum()))\n")
+    r = run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs none /dev && exec {py} -c \"$0\"", script])
+    assert r.returncode == 0, r.stdout + r.stderr
+    family, name, total = r.stdout.split()
+    assert family.startswith("deepspeed") and float(total) == float(ckptfs.open(z2).read(name).sum())
+
+
+@pytest.fixture(scope="module")
+def megatron_tp2_pp2(tmp_path_factory):
+    from conftest import make_megatron_fixtures
+    from test_megatron_mount import SCENARIOS
+    cache = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    root = Path(cache) / "megatron" if cache else tmp_path_factory.mktemp("megatron")
+    return make_megatron_fixtures(root, {"legacy_tp2_pp2": SCENARIOS["legacy_tp2_pp2"]}) / "legacy_tp2_pp2"
+
+
+@pytest.mark.parametrize("case", ["deepspeed_z2_dp2", "megatron_legacy_tp2_pp2"])
+def test_dcp_load_into_fsdp2_at_world_2(case, request, tmp_path):
+    """torch's dcp.load through ckptfs.torch.StorageReader: an FSDP2 model and
+    its AdamW at world 2 (gloo, CPU) take a DeepSpeed ZeRO-2 DP=2 checkpoint
+    (the model's parameters) or a Megatron legacy TP=2 PP=2 bf16 one (its fp32
+    masters, through a key_map), compared exactly with what params/ serves,
+    then train a step."""
+    src, params_from = {"deepspeed_z2_dp2": ("z2", "param"),
+                        "megatron_legacy_tp2_pp2": ("megatron_tp2_pp2", "fp32")}[case]
+    src = request.getfixturevalue(src)
+    out = tmp_path / "loaded.pt"
+    r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(src), "--out", str(out),
+                        "--world", "2", "--params-from", params_from], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    got = torch.load(out, weights_only=False)
+    ck = ckptfs.open(src)
+    params = [t for t in ck.tensors() if t.state == params_from]
+    assert set(got["params"]) == {t.name for t in params}
+    trained = {t.name for t in ck.tensors() if t.state == "exp_avg"}
+    assert set(got["optim"]) == trained and len(trained) >= len(params) - 1  # DeepSpeed: position_embeddings frozen
+    for t in params:
+        assert torch.equal(got["params"][t.name], ctorch.read(ck, t.name, params_from)), t.name
+        if t.name not in trained:
+            continue
+        for state in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["optim"][t.name][state], ctorch.read(ck, t.name, state)), (t.name, state)
+        assert float(got["optim"][t.name]["step"]) == float(ck.read(t.name, "step"))  # the optimizer's own count
+    assert got["stepped"]  # an optimizer step after the load ran and changed every trained weight
+    # Each rank read about half of the source bytes (its Shard(0) boxes), not the whole tensors.
+    per_rank = got["source_bytes"]
+    assert len(per_rank) == 2 and min(per_rank) > 0 and max(per_rank) < 0.6 * sum(per_rank), per_rank
