@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo|hf|transforms|read|scale] [args...]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|megatron|verify|topo|hf|py|transforms|read|scale] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -11,6 +11,12 @@ if [[ "$which" == megatron || "$which" == all ]]; then .venv/bin/python bench/me
 if [[ "$which" == verify || "$which" == all ]]; then .venv/bin/python bench/verify_bench.py "$@"; fi
 if [[ "$which" == topo || "$which" == all ]]; then .venv/bin/python bench/topo_bench.py "$@"; fi
 if [[ "$which" == hf || "$which" == all ]]; then .venv/bin/python bench/hf_bench.py "$@"; fi
+# The Python package (pip wheel + install into .venv, as scripts/test.sh does).
+if [[ "$which" == py || "$which" == all ]]; then
+  .venv/bin/python -m pip wheel -q --no-build-isolation --no-deps -w build-py/wheel .
+  .venv/bin/python -m pip install -q --no-deps --force-reinstall build-py/wheel/ckptfs-*.whl
+  .venv/bin/python bench/py_bench.py "$@"
+fi
 if [[ "$which" == transforms || "$which" == all ]]; then
   mkdir -p bench/out
   build/ckptfs_transform_bench "bench/out/transforms-$(hostname).json"

@@ -94,8 +94,6 @@ class Filesystem {
   // the box against the shape and the sources' freshness first; a failure is
   // logged like a failed read of the file.
   Status ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len);
-  // The inode of a tree path ("params/w/param.raw"; "" is the root).
-  Result<uint64_t> LookupPath(std::string_view path) const;
   // .ckptfs/stats: the counters below as one JSON object (no checkpoint I/O,
   // never a verify). A read at offset 0 takes a fresh snapshot; reads past 0
   // continue the latest one (the adapter passes no file handle), so a reader

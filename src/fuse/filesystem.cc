@@ -135,20 +135,6 @@ Result<Attr> Filesystem::Lookup(uint64_t parent, std::string_view name) const {
   return AttrOfIno(n->ino);
 }
 
-Result<uint64_t> Filesystem::LookupPath(std::string_view path) const {
-  uint64_t ino = kRootIno;
-  while (!path.empty()) {
-    const size_t slash = path.find('/');
-    const std::string_view part = path.substr(0, slash);
-    path = slash == std::string_view::npos ? std::string_view() : path.substr(slash + 1);
-    if (part.empty() || part == ".") continue;
-    const Node* n = view_->Lookup(ino, part);
-    if (n == nullptr) return NotFound(std::string(part));
-    ino = n->ino;
-  }
-  return ino;
-}
-
 Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len) {
   const auto& tensors = index_->tensors();
   if (id.v >= tensors.size()) return NotFound("no tensor " + std::to_string(id.v));

@@ -140,20 +140,22 @@ class PyCheckpoint {
     if (dev != nb::device::cpu::value && dev != nb::device::cuda_host::value) {
       throw nb::type_error("the output buffer must be host memory (pageable or pinned); copy to the device after");
     }
-    if (out.is_valid() && out.size() != 0 && out.data() == nullptr) throw nb::type_error("the output buffer has no data");
+    const auto& ts = fs_->index().tensors();
+    if (id >= ts.size()) throw nb::index_error(("no tensor " + std::to_string(id)).c_str());
     Box box;
     const bool boxed = offsets.has_value();
+    int64_t numel = static_cast<int64_t>(ts[id].Numel());
     if (boxed) {
       if (!lengths || lengths->size() != offsets->size()) throw nb::value_error("offsets and lengths differ in rank");
       box.offsets = *offsets;
       box.lengths = *lengths;
-      // The buffer's shape must be the box's (a flat buffer of its numel too).
-      int64_t numel = 1;
+      numel = 1;
       for (int64_t l : box.lengths) numel *= l;
-      if (static_cast<int64_t>(out.size()) != numel) {
-        throw nb::value_error(("the output buffer holds " + std::to_string(out.size()) + " elements, the box " +
-                               std::to_string(numel)).c_str());
-      }
+    }
+    // The buffer holds the box's elements (any shape with that count: C order).
+    if (static_cast<int64_t>(out.size()) != numel) {
+      throw nb::value_error(("the output buffer holds " + std::to_string(out.size()) + " elements, the " +
+                             (boxed ? "box " : "tensor ") + std::to_string(numel)).c_str());
     }
     const uint64_t len = static_cast<uint64_t>(out.size()) * (bits / 8);
     Status st;
@@ -166,7 +168,7 @@ class PyCheckpoint {
 
   // (inode, is_dir, size) of a tree path.
   std::tuple<uint64_t, bool, uint64_t> Stat(const std::string& path) const {
-    auto ino = fs_->LookupPath(path);
+    auto ino = fs_->view().Resolve(path);
     if (!ino.ok()) {
       PyErr_SetString(PyExc_FileNotFoundError, ("no such file in the checkpoint tree: " + path).c_str());
       throw nb::python_error();
@@ -245,11 +247,11 @@ NB_MODULE(_ckptfs, m) {
            nb::arg("rebuild") = false)
       .def("tensors", &PyCheckpoint::Tensors)
       .def("read_into", &PyCheckpoint::ReadInto, nb::arg("id"), nb::arg("dtype"), nb::arg("offsets").none(),
-           nb::arg("lengths").none(), nb::arg("out"))
+           nb::arg("lengths").none(), nb::arg("out").noconvert())
       .def("stat", &PyCheckpoint::Stat)
       .def("listdir", &PyCheckpoint::ListDir)
       .def("open", &PyCheckpoint::Open)
-      .def("pread", &PyCheckpoint::Pread)
+      .def("pread", &PyCheckpoint::Pread, nb::arg("ino"), nb::arg("offset"), nb::arg("out").noconvert())
       .def("verify", &PyCheckpoint::Verify, nb::arg("deep") = false, nb::arg("threads") = 0)
       .def_prop_ro("index_dir", &PyCheckpoint::IndexDir)
       .def_prop_ro("built", &PyCheckpoint::Built)

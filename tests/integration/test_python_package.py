@@ -79,6 +79,14 @@ def test_boxes_dtypes_and_out_buffers(z2, z1bf16):
         ck.read(name, "exp_avg", out=np.empty(full.shape, np.float64))
     with pytest.raises(ValueError, match="elements"):
         ck.read(name, "exp_avg", box=(slice(0, 2),), out=np.empty(full.shape, np.float32))
+    # Buffers the read could not land in as given are refused, never filled through a copy.
+    with pytest.raises(TypeError):
+        ck.read(name, "exp_avg", out=np.empty((full.shape[0], full.shape[1] * 2), np.float32)[:, ::2])
+    frozen = np.zeros(full.shape, np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises((TypeError, ValueError)):
+        ck.read(name, "exp_avg", out=frozen)
+    assert not frozen.any()
     with pytest.raises(KeyError, match="states: exp_avg, exp_avg_sq, fp32, param"):
         ck.read(name, "momentum")
     with pytest.raises(KeyError):

@@ -86,6 +86,52 @@ TEST_F(FilesystemTest, TransposedSourceIsServedInCOrder) {
   }
 }
 
+// The Python package's read: a tensor (or a box of it) without a path, the
+// same bytes as its params/ file; every argument checked before any I/O.
+TEST_F(FilesystemTest, ReadTensorServesTheFileBytesAndChecksItsArguments) {
+  const auto& ts = fs_->index().tensors();
+  auto find = [&](std::string_view fqn, std::string_view state) {
+    for (uint32_t i = 0; i < ts.size(); ++i) {
+      if (ts[i].fqn == fqn && ts[i].state == state) return TensorId{i};
+    }
+    ADD_FAILURE() << fqn;
+    return TensorId{0};
+  };
+  const TensorId w = find("proj.weight", "param");  // float32 [10, 6]
+  std::string raw = ReadAll("params/proj.weight/param.raw");
+  std::string got(raw.size(), '\0');
+  ASSERT_TRUE(fs_->ReadTensor(w, DType::kF32, nullptr, got.data(), got.size()).ok());
+  EXPECT_EQ(got, raw);
+  // Rows 2..4, columns 1..3: element (r, c) of the file at r*6 + c.
+  Box box{{2, 1}, {3, 3}};
+  std::string sub(9 * 4, '\0');
+  ASSERT_TRUE(fs_->ReadTensor(w, DType::kF32, &box, sub.data(), sub.size()).ok());
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(sub.substr(r * 12, 12), raw.substr(((2 + r) * 6 + 1) * 4, 12)) << r;
+  }
+  // bf16 widens to float32 exactly as the .npy does.
+  const TensorId bf = find("extra.bf16", "");
+  std::string npy = ReadAll("other/extra.bf16.npy");
+  std::string wide(24 * 4, '\0');
+  ASSERT_TRUE(fs_->ReadTensor(bf, DType::kF32, nullptr, wide.data(), wide.size()).ok());
+  EXPECT_EQ(wide, npy.substr(npy.size() - wide.size()));
+
+  auto code = [&](TensorId id, DType d, const Box* b, size_t len) {
+    std::string buf(len, '\0');
+    return fs_->ReadTensor(id, d, b, buf.data(), len);
+  };
+  Box outside{{8, 0}, {3, 6}}, rank1{{0}, {10}}, negative{{-1, 0}, {1, 6}};
+  EXPECT_EQ(code(w, DType::kF32, &outside, 18 * 4).code(), Code::kInvalid);
+  EXPECT_EQ(code(w, DType::kF32, &rank1, 10 * 4).code(), Code::kInvalid);
+  EXPECT_EQ(code(w, DType::kF32, &negative, 6 * 4).code(), Code::kInvalid);
+  EXPECT_EQ(code(w, DType::kF32, nullptr, raw.size() - 4).code(), Code::kInvalid);  // a short buffer
+  Status narrow = code(w, DType::kBF16, nullptr, raw.size() / 2);
+  EXPECT_EQ(narrow.code(), Code::kInvalid);
+  EXPECT_NE(narrow.message().find("cannot render float32 as bfloat16"), std::string::npos) << narrow.message();
+  EXPECT_EQ(code(find("lr_scheduler.last_epoch", ""), DType::kU8, nullptr, 1).code(), Code::kInvalid);  // a blob
+  EXPECT_EQ(code(TensorId{static_cast<uint32_t>(ts.size())}, DType::kF32, nullptr, 4).code(), Code::kNotFound);
+}
+
 TEST_F(FilesystemTest, InfoJsonCarriesFragmentsAndHash) {
   std::string j = ReadAll("params/proj.weight/info.json");
   EXPECT_NE(j.find("\"fragments\""), std::string::npos);
