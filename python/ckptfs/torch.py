@@ -23,10 +23,18 @@ training iteration, which can differ. Pass your own key_map for other names (a m
 differ from the checkpoint's). Optimizer hyperparameters (param_groups) are
 not checkpoint tensors here: load with allow_partial_load=True so they keep the
 values the caller's optimizer was built with.
+
+view="hf": the tensors of the checkpoint's hf/ export instead, under their
+Hugging Face names (Megatron's fused QKV split, SwiGLU fc1 split, torchtitan's
+RoPE permutation: whatever hf/ serves), for models named the Hugging Face way
+(transformers; torchtitan through its state-dict adapter). Each item reads the
+rows of its box from the hf/ safetensors file (a column box reads its rows whole).
 """
 from __future__ import annotations
 
+import json
 import os
+import struct
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -78,13 +86,18 @@ class StorageReader(_DcpStorageReader):
 
     `src`: the checkpoint directory (or pass checkpoint_id to dcp.load);
     `index`: where its index lives (ckptfs.open's default otherwise);
-    `key_map`: TensorInfo -> key or keys (default_keys)."""
+    `key_map`: TensorInfo -> key or keys (default_keys; view="params" only);
+    `view`: "params" (every tensor and optimizer state) or "hf" (the hf/ export)."""
 
     def __init__(self, src: Union[str, os.PathLike, None] = None, index: Optional[str] = None,
-                 key_map: Optional[Callable[[TensorInfo], Union[str, Iterable[str]]]] = None, **open_kwargs: Any):
+                 key_map: Optional[Callable[[TensorInfo], Union[str, Iterable[str]]]] = None, view: str = "params",
+                 **open_kwargs: Any):
         super().__init__()
+        if view not in ("params", "hf"):
+            raise ValueError(f"view must be 'params' or 'hf', not {view!r}")
         self.src = None if src is None else str(src)
         self.index = index
+        self.view = view
         self.key_map = key_map or default_keys
         self.open_kwargs = open_kwargs
         self.ck: Optional[Checkpoint] = None
@@ -111,6 +124,11 @@ class StorageReader(_DcpStorageReader):
         ck = self._open()
         md: dict[str, TensorStorageMetadata] = {}
         self._by_key = {}
+        if self.view == "hf":
+            for key, t in _hf_tensors(ck).items():
+                self._by_key[key] = t
+                md[key] = _chunk_md(t.dtype, t.shape)
+            return Metadata(state_dict_metadata=md)
         for t in ck.tensors():
             if t.dtype == "object":
                 continue
@@ -121,10 +139,7 @@ class StorageReader(_DcpStorageReader):
                     raise ckptfs.Error(f"cannot map {self.src}: key {key!r} names params/{o.name}/{o.state} and "
                                        f"params/{t.name}/{t.state}; pass a key_map that tells them apart")
                 self._by_key[key] = t
-                shape = torch.Size(t.shape)
-                md[key] = TensorStorageMetadata(
-                    properties=TensorProperties(dtype=_torch_dtype(t.dtype)), size=shape,
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=shape)])
+                md[key] = _chunk_md(t.dtype, t.shape)
         return Metadata(state_dict_metadata=md)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -149,7 +164,9 @@ class StorageReader(_DcpStorageReader):
             dest = planner.resolve_tensor(req).detach()
             box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
             src_dtype = _torch_dtype(t.dtype)
-            if dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == src_dtype:
+            if isinstance(t, _HfTensor):
+                dest.copy_(t.read_box(ck, box))
+            elif dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == src_dtype:
                 ck.read(t.name, t.state, box=box, out=dest)
             else:
                 tmp = torch.empty(list(req.lengths), dtype=src_dtype)
@@ -159,3 +176,69 @@ class StorageReader(_DcpStorageReader):
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+
+def _chunk_md(dtype: str, shape: tuple) -> TensorStorageMetadata:
+    size = torch.Size(shape)
+    return TensorStorageMetadata(properties=TensorProperties(dtype=_torch_dtype(dtype)), size=size,
+                                 chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
+
+
+# safetensors dtype names -> torch's (the ones hf/ writes).
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+class _HfTensor:
+    """A tensor of an hf/ safetensors file: where its bytes are in that file."""
+
+    def __init__(self, path: str, dtype: str, shape: tuple, begin: int, end: int):
+        self.path, self.dtype, self.shape, self.begin, self.end = path, dtype, shape, begin, end
+        self.name, self.state = path, "hf"
+
+    def read_box(self, ck: Checkpoint, box: tuple) -> torch.Tensor:
+        """The rows of the box's first dim (one contiguous range of the file), sliced."""
+        dt = _torch_dtype(self.dtype)
+        shape = list(self.shape)
+        row = dt.itemsize
+        for n in shape[1:]:
+            row *= n
+        r0, r1 = (box[0].start, box[0].stop) if shape else (0, 1)
+        nbytes = (r1 - r0) * row
+        with ck.open_file(self.path) as f:
+            f.seek(self.begin + r0 * row)
+            data = f.read(nbytes)
+        if len(data) != nbytes:
+            raise ckptfs.Error(f"cannot read {self.path}: {len(data)} of {nbytes} bytes")
+        rows = torch.frombuffer(bytearray(data), dtype=dt).reshape([r1 - r0] + shape[1:]) if nbytes else \
+            torch.empty([r1 - r0] + shape[1:], dtype=dt)
+        return rows[(slice(None),) + tuple(box[1:])] if shape else rows.reshape([])
+
+
+def _hf_tensors(ck: Checkpoint) -> dict[str, _HfTensor]:
+    """Name -> _HfTensor for every tensor of hf/ (its index, else model.safetensors)."""
+    if "hf" not in ck.listdir(""):
+        raise ckptfs.Error(f"cannot read {ck.src}: no hf/ export")
+    names = ck.listdir("hf")
+    if "model.safetensors.index.json" in names:
+        with ck.open_file("hf/model.safetensors.index.json") as f:
+            files = sorted(set(json.loads(f.read())["weight_map"].values()))
+    elif "model.safetensors" in names:
+        files = ["model.safetensors"]
+    else:
+        with ck.open_file("hf/ERRORS") as f:
+            why = f.read().decode(errors="replace").strip()
+        raise ckptfs.Error(f"cannot read {ck.src}/hf: no model files ({why or 'hf/ERRORS is empty'})")
+    out: dict[str, _HfTensor] = {}
+    for name in files:
+        path = f"hf/{name}"
+        with ck.open_file(path) as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for key, v in header.items():
+            if key == "__metadata__":
+                continue
+            b, e = v["data_offsets"]
+            out[key] = _HfTensor(path, _ST_DTYPES[v["dtype"]], tuple(v["shape"]), 8 + n + b, 8 + n + e)
+    return out

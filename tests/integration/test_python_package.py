@@ -222,6 +222,43 @@ def megatron_tp2_pp2(tmp_path_factory):
     return make_megatron_fixtures(root, {"legacy_tp2_pp2": SCENARIOS["legacy_tp2_pp2"]}) / "legacy_tp2_pp2"
 
 
+@pytest.fixture(scope="module")
+def megatron_llama(tmp_path_factory):
+    from test_hf_mount import HF_SCENARIOS
+    from conftest import make_megatron_fixtures
+    cache = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    root = Path(cache) / "megatron_hf" if cache else tmp_path_factory.mktemp("megatron_hf")
+    name = "llama_legacy_tp2_pp2"
+    return make_megatron_fixtures(root, {name: HF_SCENARIOS[name]}) / name
+
+
+def test_dcp_load_hf_view_into_a_transformers_model_at_world_2(megatron_llama, tmp_path):
+    """StorageReader(view="hf"): a transformers Llama built from hf/config.json,
+    FSDP2 at world 2, dcp.load's the Megatron legacy TP=2 PP=2 checkpoint
+    under Hugging Face names (fused QKV and SwiGLU fc1 split by hf/): every
+    weight equals the hf/ safetensors, then a training step runs."""
+    from safetensors.torch import load as st_load
+    out = tmp_path / "loaded.pt"
+    r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(megatron_llama),
+                        "--out", str(out), "--world", "2", "--params-from", "hf"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    got = torch.load(out, weights_only=False)
+    ck = ckptfs.open(megatron_llama)
+    want = {}
+    for f in ck.listdir("hf"):
+        if f.endswith(".safetensors"):
+            with ck.open_file(f"hf/{f}") as fh:
+                want.update(st_load(fh.read()))
+    assert want and set(want) <= set(got["params"]), sorted(set(want) - set(got["params"]))
+    for k, v in want.items():
+        assert torch.equal(got["params"][k], v), k
+    assert any(".q_proj." in k for k in want) and any(".gate_proj." in k for k in want)
+    assert got["stepped"]
+    per_rank = got["source_bytes"]
+    assert min(per_rank) > 0 and max(per_rank) < 0.75 * sum(per_rank), per_rank
+
+
 @pytest.mark.parametrize("case", ["deepspeed_z2_dp2", "megatron_legacy_tp2_pp2"])
 def test_dcp_load_into_fsdp2_at_world_2(case, request, tmp_path):
     """torch's dcp.load through ckptfs.torch.StorageReader: an FSDP2 model and
