@@ -259,6 +259,50 @@ def test_dcp_load_hf_view_into_a_transformers_model_at_world_2(megatron_llama, t
     assert min(per_rank) > 0 and max(per_rank) < 0.75 * sum(per_rank), per_rank
 
 
+def test_torchtitan_model_resumes_from_megatron_at_world_2(megatron_llama, tmp_path):
+    """torchtitan's own Llama 3 model (FSDP2, world 2) loads the Megatron Llama
+    TP=2 PP=2 checkpoint the way torchtitan's checkpointer loads Hugging Face
+    weights: its Llama3StateDictAdapter.to_hf names the keys, dcp.load reads
+    them through StorageReader(view="hf"), from_hf undoes the RoPE row
+    permutation. Its parameters equal from_hf of the hf/ tensors, and its
+    logits equal transformers' on the same weights."""
+    pytest.importorskip("torchtitan")
+    from safetensors.torch import load as st_load
+    from transformers import AutoModelForCausalLM
+    out = tmp_path / "loaded.pt"
+    r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(megatron_llama),
+                        "--out", str(out), "--world", "2", "--params-from", "torchtitan"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    got = torch.load(out, weights_only=False)
+    ck = ckptfs.open(megatron_llama)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    hf = {}
+    for f in ck.listdir("hf"):
+        with ck.open_file(f"hf/{f}") as fh:
+            (hf_dir / f).write_bytes(fh.read())
+        if f.endswith(".safetensors"):
+            hf.update(st_load((hf_dir / f).read_bytes()))
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        from dcp_load_worker import torchtitan_llama
+    finally:
+        sys.path.pop(0)
+    import json
+    _, adapter = torchtitan_llama(json.loads((hf_dir / "config.json").read_text()))
+    want = adapter.from_hf(dict(hf))
+    assert set(want) == set(got["params"]), sorted(set(want) ^ set(got["params"]))
+    for k, v in want.items():
+        assert torch.equal(got["params"][k], v.to(got["params"][k].dtype)), k
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    tokens = (torch.arange(32).reshape(2, 16) * 7 + 3) % model.config.vocab_size
+    with torch.no_grad():
+        ref = model(tokens).logits
+    assert torch.allclose(got["logits"], ref, atol=1e-5, rtol=1e-5), (got["logits"] - ref).abs().max()
+    assert got["stepped"]
+
+
 @pytest.mark.parametrize("case", ["deepspeed_z2_dp2", "megatron_legacy_tp2_pp2"])
 def test_dcp_load_into_fsdp2_at_world_2(case, request, tmp_path):
     """torch's dcp.load through ckptfs.torch.StorageReader: an FSDP2 model and
