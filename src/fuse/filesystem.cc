@@ -147,8 +147,8 @@ Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst,
   if (!t.error.empty()) return fail(Invalid(t.error));
   if (t.encoding != Encoding::kTensor) return Invalid(t.key + " is a pickled object, not a tensor");
   if (out != t.dtype && !CanConvert(t.dtype, out)) {
-    return Status(Code::kInvalid, "cannot render " + std::string(DTypeName(t.dtype)) + " as " +
-                                      std::string(DTypeName(out)) + " (only identity and widening to float32)");
+    return Invalid("cannot render " + std::string(DTypeName(t.dtype)) + " as " + std::string(DTypeName(out)) +
+                   " (only identity and widening to float32)");
   }
   uint64_t numel = t.Numel();
   if (box != nullptr) {

@@ -213,6 +213,15 @@ def test_imports_in_a_fresh_venv_without_dev_fuse(z2, tmp_path):
     assert family.startswith("deepspeed") and float(total) == float(ckptfs.open(z2).read(name).sum())
 
 
+def resume(src, params_from, tmp_path):
+    """Runs tests/fixtures/dcp_load_worker.py at world 2; returns what rank 0 saved."""
+    out = tmp_path / "loaded.pt"
+    r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(src), "--out", str(out),
+                        "--world", "2", "--params-from", params_from], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    return torch.load(out, weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def megatron_tp2_pp2(tmp_path_factory):
     from conftest import make_megatron_fixtures
@@ -238,12 +247,7 @@ def test_dcp_load_hf_view_into_a_transformers_model_at_world_2(megatron_llama, t
     under Hugging Face names (fused QKV and SwiGLU fc1 split by hf/): every
     weight equals the hf/ safetensors, then a training step runs."""
     from safetensors.torch import load as st_load
-    out = tmp_path / "loaded.pt"
-    r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(megatron_llama),
-                        "--out", str(out), "--world", "2", "--params-from", "hf"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    got = torch.load(out, weights_only=False)
+    got = resume(megatron_llama, "hf", tmp_path)
     ck = ckptfs.open(megatron_llama)
     want = {}
     for f in ck.listdir("hf"):
@@ -269,12 +273,7 @@ def test_torchtitan_model_resumes_from_megatron_at_world_2(megatron_llama, tmp_p
     pytest.importorskip("torchtitan")
     from safetensors.torch import load as st_load
     from transformers import AutoModelForCausalLM
-    out = tmp_path / "loaded.pt"
-    r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(megatron_llama),
-                        "--out", str(out), "--world", "2", "--params-from", "torchtitan"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    got = torch.load(out, weights_only=False)
+    got = resume(megatron_llama, "torchtitan", tmp_path)
     ck = ckptfs.open(megatron_llama)
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
@@ -313,11 +312,7 @@ def test_dcp_load_into_fsdp2_at_world_2(case, request, tmp_path):
     src, params_from = {"deepspeed_z2_dp2": ("z2", "param"),
                         "megatron_legacy_tp2_pp2": ("megatron_tp2_pp2", "fp32")}[case]
     src = request.getfixturevalue(src)
-    out = tmp_path / "loaded.pt"
-    r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(src), "--out", str(out),
-                        "--world", "2", "--params-from", params_from], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    got = torch.load(out, weights_only=False)
+    got = resume(src, params_from, tmp_path)
     ck = ckptfs.open(src)
     params = [t for t in ck.tensors() if t.state == params_from]
     assert set(got["params"]) == {t.name for t in params}
