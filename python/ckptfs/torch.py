@@ -20,8 +20,10 @@ get_state_dict(model, optim) saved as {"model": ..., "optim": ...}), the
 optimizer's step count included where the checkpoint keeps one per parameter
 (params/<name>/step: DeepSpeed, Megatron, DCP); it is never guessed from the
 training iteration, which can differ. Pass your own key_map for other names (a model whose module names
-differ from the checkpoint's). Optimizer hyperparameters (param_groups) are
-not checkpoint tensors here: load with allow_partial_load=True so they keep the
+differ from the checkpoint's). Non-tensor entries (other/<name>: DCP's bytes
+entries, param_groups values, train state) are offered under their own key as
+bytes the planner unpickles. Keys the checkpoint does not have (another
+optimizer's param_groups layout) need allow_partial_load=True; they keep the
 values the caller's optimizer was built with.
 
 view="hf": the tensors of the checkpoint's hf/ export instead, under their
@@ -32,6 +34,7 @@ rows of its box from the hf/ safetensors file (a column box reads its rows whole
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -39,8 +42,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import StorageReader as _DcpStorageReader
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
@@ -130,8 +133,6 @@ class StorageReader(_DcpStorageReader):
                 md[key] = _chunk_md(t.dtype, t.shape)
             return Metadata(state_dict_metadata=md)
         for t in ck.tensors():
-            if t.dtype == "object":
-                continue
             keys = self.key_map(t)
             for key in [keys] if isinstance(keys, str) else keys:
                 if key in self._by_key:
@@ -139,7 +140,7 @@ class StorageReader(_DcpStorageReader):
                     raise ckptfs.Error(f"cannot map {self.src}: key {key!r} names params/{o.name}/{o.state} and "
                                        f"params/{t.name}/{t.state}; pass a key_map that tells them apart")
                 self._by_key[key] = t
-                md[key] = _chunk_md(t.dtype, t.shape)
+                md[key] = BytesStorageMetadata() if t.dtype == "object" else _chunk_md(t.dtype, t.shape)
         return Metadata(state_dict_metadata=md)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -157,10 +158,17 @@ class StorageReader(_DcpStorageReader):
         destination when it is contiguous host memory of the same dtype."""
         ck = self._open()
         for req in plan.items:
-            if req.type == LoadItemType.BYTE_IO:
-                raise ckptfs.Error(f"cannot load {req.storage_index.fqn} from {self.src}: not a tensor "
-                                   "(load with allow_partial_load=True)")
             t = self._by_key[req.storage_index.fqn]
+            if req.type == LoadItemType.BYTE_IO:
+                # A non-tensor entry: other/<name> holds the bytes the source
+                # stored (DCP: what torch.save wrote; the planner unpickles them).
+                with ck.open_file(f"other/{t.name}") as f:
+                    data = f.read()
+                try:
+                    planner.load_bytes(req, io.BytesIO(data))
+                except Exception as e:  # an unpicklable blob: say which entry and where
+                    raise ckptfs.Error(f"cannot load other/{t.name} of {self.src}: {e}") from e
+                continue
             dest = planner.resolve_tensor(req).detach()
             box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
             src_dtype = _torch_dtype(t.dtype)

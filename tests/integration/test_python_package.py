@@ -213,6 +213,28 @@ def test_imports_in_a_fresh_venv_without_dev_fuse(z2, tmp_path):
     assert family.startswith("deepspeed") and float(total) == float(ckptfs.open(z2).read(name).sum())
 
 
+def test_dcp_load_non_tensor_entries_like_torchs_reader(dcp_fsdp2_w3):
+    """Bytes entries (param_groups values, here) load through the StorageReader
+    as through torch's own FileSystemReader; a key the checkpoint lacks is
+    refused unless the load is partial."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    keys = [t.name for t in ckptfs.open(dcp_fsdp2_w3).tensors() if t.dtype == "object"]
+    assert "optimizer.param_groups.0.lr" in keys
+    mine = {k: None for k in keys}
+    theirs = {k: None for k in keys}
+    dcp.load(mine, storage_reader=ctorch.StorageReader(dcp_fsdp2_w3), no_dist=True)
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(str(dcp_fsdp2_w3)), no_dist=True)
+    assert mine == theirs and mine["optimizer.param_groups.0.lr"] == theirs["optimizer.param_groups.0.lr"] > 0
+    with pytest.raises(BaseException) as e:  # torch's CheckpointException (a BaseException): the cause per rank
+        dcp.load({"optim.param_groups.0.lr": 0.0}, storage_reader=ctorch.StorageReader(dcp_fsdp2_w3), no_dist=True)
+    assert "Missing key in checkpoint state_dict: optim.param_groups.0.lr" in str(e.value.failures[0])
+    partial = {"optim.param_groups.0.lr": 0.5}
+    dcp.load(partial, storage_reader=ctorch.StorageReader(dcp_fsdp2_w3), no_dist=True,
+             planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert partial == {"optim.param_groups.0.lr": 0.5}
+
+
 def resume(src, params_from, tmp_path):
     """Runs tests/fixtures/dcp_load_worker.py at world 2; returns what rank 0 saved."""
     out = tmp_path / "loaded.pt"
