@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PKGS=(build-essential cmake pkg-config git libfuse3-dev fuse3 librocksdb-dev liburing-dev libgtest-dev
-          libre2-dev libyaml-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libzstd-dev zlib1g-dev python3 python3-venv python3-pip)
+          libre2-dev libyaml-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libzstd-dev zlib1g-dev python3 python3-venv python3-pip python3-dev)
 [[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev ccache)
 APT_PKGS+=(help2man)  # ckptfs.1 at build time (CMake leaves the man page out without it)
 

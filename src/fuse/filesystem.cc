@@ -137,37 +137,40 @@ Result<Attr> Filesystem::Lookup(uint64_t parent, std::string_view name) const {
 
 Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len) {
   const auto& tensors = index_->tensors();
-  if (id.v >= tensors.size()) return NotFound("no tensor " + std::to_string(id.v));
+  if (id.v >= tensors.size()) return NotFound("cannot read tensor " + std::to_string(id.v) + ": no such tensor");
   const TensorRecord& t = tensors[id.v];
+  const std::string name = (t.fqn.empty() ? t.key : t.fqn) + (t.state.empty() ? "" : " (" + t.state + ")");
+  // The caller's mistakes (a box outside the shape, a buffer of another size) are
+  // refused before any I/O and not logged; checkpoint failures are, like a file's.
+  auto bad = [&](const std::string& why) { return Invalid("cannot read " + name + ": " + why); };
   auto fail = [&](Status st) {
     errors_.fetch_add(1, std::memory_order_relaxed);
-    LogError((t.fqn.empty() ? t.key : t.fqn) + (t.state.empty() ? "" : " (" + t.state + ")") + ": " + st.message());
+    LogError(name + ": " + st.message());
     return st;
   };
   if (!t.error.empty()) return fail(Invalid(t.error));
-  if (t.encoding != Encoding::kTensor) return Invalid(t.key + " is a pickled object, not a tensor");
+  if (t.encoding != Encoding::kTensor) return bad("a pickled object, not a tensor");
   if (out != t.dtype && !CanConvert(t.dtype, out)) {
-    return Invalid("cannot render " + std::string(DTypeName(t.dtype)) + " as " + std::string(DTypeName(out)) +
-                   " (only identity and widening to float32)");
+    return bad("cannot render " + std::string(DTypeName(t.dtype)) + " as " + std::string(DTypeName(out)) +
+               " (only identity and widening to float32)");
   }
   uint64_t numel = t.Numel();
   if (box != nullptr) {
     if (box->offsets.size() != t.shape.size() || box->lengths.size() != t.shape.size()) {
-      return Invalid("box of rank " + std::to_string(box->offsets.size()) + " for a tensor of shape " +
-                     ShapeStr(t.shape));
+      return bad("a box of rank " + std::to_string(box->offsets.size()) + " for shape " + ShapeStr(t.shape));
     }
     numel = 1;
     for (size_t d = 0; d < t.shape.size(); ++d) {
       const int64_t o = box->offsets[d], l = box->lengths[d];
       if (o < 0 || l < 0 || o > t.shape[d] || l > t.shape[d] - o) {
-        return Invalid("box [" + std::to_string(o) + ", " + std::to_string(o + l) + ") of dim " + std::to_string(d) +
-                       " is outside shape " + ShapeStr(t.shape));
+        return bad("box [" + std::to_string(o) + ", " + std::to_string(o + l) + ") of dim " + std::to_string(d) +
+                   " is outside shape " + ShapeStr(t.shape));
       }
       numel *= static_cast<uint64_t>(l);
     }
   }
   if (len != numel * DTypeSize(out)) {
-    return Invalid("buffer of " + std::to_string(len) + " bytes for " + std::to_string(numel * DTypeSize(out)));
+    return bad("a buffer of " + std::to_string(len) + " bytes for " + std::to_string(numel * DTypeSize(out)));
   }
   if (Status st = reader_->CheckFresh(id); !st.ok()) return fail(st);
   const int64_t t0 = SteadyNs();

@@ -46,27 +46,47 @@ std::pair<uint8_t, uint8_t> DlpackOf(DType d) {
   using nb::dlpack::dtype_code;
   const auto c = [](dtype_code x) { return static_cast<uint8_t>(x); };
   switch (d) {
-    case DType::kBool: return {c(dtype_code::Bool), 8};
-    case DType::kU8: return {c(dtype_code::UInt), 8};
-    case DType::kU16: return {c(dtype_code::UInt), 16};
-    case DType::kU32: return {c(dtype_code::UInt), 32};
-    case DType::kU64: return {c(dtype_code::UInt), 64};
-    case DType::kI8: return {c(dtype_code::Int), 8};
-    case DType::kI16: return {c(dtype_code::Int), 16};
-    case DType::kI32: return {c(dtype_code::Int), 32};
-    case DType::kI64: return {c(dtype_code::Int), 64};
-    case DType::kF16: return {c(dtype_code::Float), 16};
-    case DType::kF32: return {c(dtype_code::Float), 32};
-    case DType::kF64: return {c(dtype_code::Float), 64};
-    case DType::kBF16: return {c(dtype_code::Bfloat), 16};
-    case DType::kC64: return {c(dtype_code::Complex), 64};
-    case DType::kC128: return {c(dtype_code::Complex), 128};
+    case DType::kBool:
+      return {c(dtype_code::Bool), 8};
+    case DType::kU8:
+      return {c(dtype_code::UInt), 8};
+    case DType::kU16:
+      return {c(dtype_code::UInt), 16};
+    case DType::kU32:
+      return {c(dtype_code::UInt), 32};
+    case DType::kU64:
+      return {c(dtype_code::UInt), 64};
+    case DType::kI8:
+      return {c(dtype_code::Int), 8};
+    case DType::kI16:
+      return {c(dtype_code::Int), 16};
+    case DType::kI32:
+      return {c(dtype_code::Int), 32};
+    case DType::kI64:
+      return {c(dtype_code::Int), 64};
+    case DType::kF16:
+      return {c(dtype_code::Float), 16};
+    case DType::kF32:
+      return {c(dtype_code::Float), 32};
+    case DType::kF64:
+      return {c(dtype_code::Float), 64};
+    case DType::kBF16:
+      return {c(dtype_code::Bfloat), 16};
+    case DType::kC64:
+      return {c(dtype_code::Complex), 64};
+    case DType::kC128:
+      return {c(dtype_code::Complex), 128};
     // DLPack 1.1's float8 codes (torch exports these).
-    case DType::kF8E4M3FN: return {10, 8};
-    case DType::kF8E4M3FNUZ: return {11, 8};
-    case DType::kF8E5M2: return {12, 8};
-    case DType::kF8E5M2FNUZ: return {13, 8};
-    case DType::kInvalid: break;
+    case DType::kF8E4M3FN:
+      return {10, 8};
+    case DType::kF8E4M3FNUZ:
+      return {11, 8};
+    case DType::kF8E5M2:
+      return {12, 8};
+    case DType::kF8E5M2FNUZ:
+      return {13, 8};
+    case DType::kInvalid:
+      break;
   }
   return {255, 0};
 }
@@ -155,7 +175,8 @@ class PyCheckpoint {
     // The buffer holds the box's elements (any shape with that count: C order).
     if (static_cast<int64_t>(out.size()) != numel) {
       throw nb::value_error(("the output buffer holds " + std::to_string(out.size()) + " elements, the " +
-                             (boxed ? "box " : "tensor ") + std::to_string(numel)).c_str());
+                             (boxed ? "box " : "tensor ") + std::to_string(numel))
+                                .c_str());
     }
     const uint64_t len = static_cast<uint64_t>(out.size()) * (bits / 8);
     Status st;
