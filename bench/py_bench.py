@@ -6,7 +6,10 @@ and warm, all in one run:
   * a rank's resharded slice, TP=4 rank 1 (columns 2048..4095 of every big
     tensor = source rank 1's blocks): Checkpoint.read of each box into one
     reused numpy buffer, vs the mount's topo/tp4-pp1/tp1-pp0.safetensors read
-    whole (1 MiB reads), vs plain 4 MiB preads of source rank 1's file (the
+    whole (1 MiB reads), vs dcp.load of DTensor(Shard(1)) shards as rank 1 of
+    4 (a fake process group: only this rank's boxes are planned and read)
+    through ckptfs.torch.StorageReader and through torch's FileSystemReader of
+    this very checkpoint, vs plain 4 MiB preads of source rank 1's file (the
     same bytes; 32 MiB preads, the box's size, shown too);
   * the whole checkpoint at world 1: dcp.load with ckptfs.torch.StorageReader
     vs dcp.load with torch's FileSystemReader (the native reader of this very
@@ -67,6 +70,15 @@ def main():
     import ckptfs
     import ckptfs.torch as ctorch
 
+    # Rank 1 of 4 without other processes: a fake process group, so that dcp.load
+    # (no_dist) plans exactly this rank's DTensor shards.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    mesh = init_device_mesh("cpu", (4,))
+
     ck = ckptfs.open(ckpt, index=index)
     big = [t for t in ck.tensors() if t.name.startswith("model.layers.")]
     rows, cols = big[0].shape
@@ -95,6 +107,15 @@ def main():
 
         sd = {t.key: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in ck.tensors() if t.role != "other"}
 
+        shards = {t.key: DTensor.from_local(torch.empty(rows, q), mesh, [Shard(1)], run_check=False,
+                                            shape=torch.Size(t.shape), stride=(cols, 1)) for t in big}
+
+        def slice_load_with(reader):
+            def go():
+                dcp.load(shards, storage_reader=reader, no_dist=True)
+                return len(big) * rows * q * 4
+            return go
+
         def load_with(reader):
             def go():
                 dcp.load(sd, storage_reader=reader, no_dist=True)
@@ -107,7 +128,9 @@ def main():
             if not cold:  # warm: everything read once before
                 pread_files(sources)
             base_n, base_t = timed(lambda: pread_files(rank1), sources, cold)
-            for name, fn in [("Checkpoint.read", slice_read), ("mount topo file", mount_read)]:
+            for name, fn in [("Checkpoint.read", slice_read), ("mount topo file", mount_read),
+                             ("dcp.load + ckptfs StorageReader", slice_load_with(ctorch.StorageReader(ckpt, index=index))),
+                             ("dcp.load + FileSystemReader", slice_load_with(dcp.FileSystemReader(ckpt)))]:
                 n, t = timed(fn, sources, cold)
                 rows_out.append(("slice tp4 rank 1", label, name, n, t, (n / t) / (base_n / base_t)))
             rows_out.append(("slice tp4 rank 1", label, "pread source rank 1 (4 MiB)", base_n, base_t, 1.0))
@@ -142,6 +165,7 @@ def main():
             thread_rows.append((n_threads, len(big) * 4 * quarter.nbytes / dt / 1e9))
     finally:
         subprocess.run([a.bin, "umount", mnt], capture_output=True)
+        dist.destroy_process_group()
 
     print(f"checkpoint: {ckpt} ({src_bytes / 2**30:.2f} GiB, {len(sources)} shard files), {os.cpu_count()} cores")
     print(f"{'read':18} {'cache':5} {'method':32} {'MiB':>7} {'s':>7} {'GB/s':>6} {'vs pread 4 MiB':>14}")
