@@ -13,8 +13,7 @@ if [[ "$which" == topo || "$which" == all ]]; then .venv/bin/python bench/topo_b
 if [[ "$which" == hf || "$which" == all ]]; then .venv/bin/python bench/hf_bench.py "$@"; fi
 # The Python package (pip wheel + install into .venv, as scripts/test.sh does).
 if [[ "$which" == py || "$which" == all ]]; then
-  .venv/bin/python -m pip wheel -q --no-build-isolation --no-deps -w build-py/wheel .
-  .venv/bin/python -m pip install -q --no-deps --force-reinstall build-py/wheel/ckptfs-*.whl
+  scripts/py_package.sh
   .venv/bin/python bench/py_bench.py "$@"
 fi
 if [[ "$which" == transforms || "$which" == all ]]; then

@@ -11,11 +11,7 @@ stage() { echo "== $* ($(date -u +%H:%M:%S), $SECONDS s in)"; }
 stage "build (RelWithDebInfo, -Werror)"
 scripts/build.sh
 stage "python package (wheel built from this tree, installed into .venv)"
-# The same build pip install . runs (pyproject.toml), with the main build's
-# flags so ccache shares its objects; the integration tests import it.
-rm -rf build-py/wheel
-.venv/bin/python -m pip wheel -q --no-build-isolation --no-deps -C cmake.define.CKPTFS_WERROR=ON -w build-py/wheel .
-.venv/bin/python -m pip install -q --no-deps --force-reinstall build-py/wheel/ckptfs-*.whl
+scripts/py_package.sh  # the integration tests import it
 stage "unit tests"
 ctest --test-dir build --output-on-failure -j"$JOBS"
 

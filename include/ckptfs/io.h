@@ -61,6 +61,8 @@ std::unique_ptr<ReadEngine> MakePreadEngine();
 std::unique_ptr<ReadEngine> MakeUringEngine(unsigned queue_depth = 64);
 
 enum class EngineKind : uint8_t { kAuto, kUring, kPread };
+// "auto", "uring" (or "io_uring"), "pread": the --engine / engine= spelling.
+Result<EngineKind> ParseEngineKind(std::string_view s);
 
 // Element conversion for one contiguous or strided run (src_stride in
 // elements). Supported: identity, and bf16/f16/fp8 -> f32 widening.

@@ -193,8 +193,6 @@ class Checkpoint:
                 raise TypeError(f"numpy has no {dt} (install ml_dtypes, pass dtype='float32', "
                                 f"or use ckptfs.torch.read)")
             out = np.empty(tuple(lengths) if lengths is not None else t.shape, dtype=np_dtype)
-        elif lengths is None:
-            offsets, lengths = [0] * len(t.shape), list(t.shape)
         self._c.read_into(t.id, dt, offsets, lengths, out)
         return out
 

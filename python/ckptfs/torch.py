@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import struct
 from typing import Any, Callable, Iterable, Optional, Union
@@ -157,33 +158,44 @@ class StorageReader(_DcpStorageReader):
         """Each item reads its box of the global tensor, straight into the
         destination when it is contiguous host memory of the same dtype."""
         ck = self._open()
-        for req in plan.items:
-            t = self._by_key[req.storage_index.fqn]
-            if req.type == LoadItemType.BYTE_IO:
-                # A non-tensor entry: other/<name> holds the bytes the source
-                # stored (DCP: what torch.save wrote; the planner unpickles them).
-                with ck.open_file(f"other/{t.name}") as f:
-                    data = f.read()
-                try:
-                    planner.load_bytes(req, io.BytesIO(data))
-                except Exception as e:  # an unpicklable blob: say which entry and where
-                    raise ckptfs.Error(f"cannot load other/{t.name} of {self.src}: {e}") from e
-                continue
-            dest = planner.resolve_tensor(req).detach()
-            box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+        hf_files: dict[str, io.BufferedReader] = {}  # view="hf": each file opened (and checked) once
+        try:
+            for req in plan.items:
+                self._read_item(ck, req, planner, hf_files)
+        finally:
+            for f in hf_files.values():
+                f.close()
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_item(self, ck: Checkpoint, req: Any, planner: LoadPlanner, hf_files: dict) -> None:
+        t = self._by_key[req.storage_index.fqn]
+        if req.type == LoadItemType.BYTE_IO:
+            # A non-tensor entry: other/<name> holds the bytes the source
+            # stored (DCP: what torch.save wrote; the planner unpickles them).
+            with ck.open_file(f"other/{t.name}") as f:
+                data = f.read()
+            try:
+                planner.load_bytes(req, io.BytesIO(data))
+            except Exception as e:  # an unpicklable blob: say which entry and where
+                raise ckptfs.Error(f"cannot load other/{t.name} of {self.src}: {e}") from e
+            return
+        dest = planner.resolve_tensor(req).detach()
+        box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+        if isinstance(t, _HfTensor):
+            if t.path not in hf_files:
+                hf_files[t.path] = ck.open_file(t.path)
+            dest.copy_(t.read_box(hf_files[t.path], box))
+        else:
             src_dtype = _torch_dtype(t.dtype)
-            if isinstance(t, _HfTensor):
-                dest.copy_(t.read_box(ck, box))
-            elif dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == src_dtype:
+            if dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == src_dtype:
                 ck.read(t.name, t.state, box=box, out=dest)
             else:
                 tmp = torch.empty(list(req.lengths), dtype=src_dtype)
                 ck.read(t.name, t.state, box=box, out=tmp)
                 dest.copy_(tmp)
-            planner.commit_tensor(req, dest)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
+        planner.commit_tensor(req, dest)
 
 
 def _chunk_md(dtype: str, shape: tuple) -> TensorStorageMetadata:
@@ -205,22 +217,19 @@ class _HfTensor:
         self.path, self.dtype, self.shape, self.begin, self.end = path, dtype, shape, begin, end
         self.name, self.state = path, "hf"
 
-    def read_box(self, ck: Checkpoint, box: tuple) -> torch.Tensor:
-        """The rows of the box's first dim (one contiguous range of the file), sliced."""
+    def read_box(self, f: io.BufferedReader, box: tuple) -> torch.Tensor:
+        """The rows of the box's first dim (one contiguous range of the open
+        hf/ file `f`), read into a tensor and sliced to the box."""
         dt = _torch_dtype(self.dtype)
         shape = list(self.shape)
-        row = dt.itemsize
-        for n in shape[1:]:
-            row *= n
         r0, r1 = (box[0].start, box[0].stop) if shape else (0, 1)
-        nbytes = (r1 - r0) * row
-        with ck.open_file(self.path) as f:
-            f.seek(self.begin + r0 * row)
-            data = f.read(nbytes)
-        if len(data) != nbytes:
-            raise ckptfs.Error(f"cannot read {self.path}: {len(data)} of {nbytes} bytes")
-        rows = torch.frombuffer(bytearray(data), dtype=dt).reshape([r1 - r0] + shape[1:]) if nbytes else \
-            torch.empty([r1 - r0] + shape[1:], dtype=dt)
+        rows = torch.empty([r1 - r0] + shape[1:], dtype=dt)
+        row_bytes = dt.itemsize * math.prod(shape[1:])
+        f.seek(self.begin + r0 * row_bytes)
+        view = rows.reshape(-1).view(torch.uint8).numpy()
+        n = f.readinto(view) if view.size else 0
+        if n != view.size:
+            raise ckptfs.Error(f"cannot read {self.path}: {n} of {view.size} bytes")
         return rows[(slice(None),) + tuple(box[1:])] if shape else rows.reshape([])
 
 

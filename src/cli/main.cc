@@ -135,11 +135,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   if (!o.index_dir.empty()) o.index_dir = std::filesystem::absolute(o.index_dir, ec).string();
   o.force_rebuild = a.Has("--force");
   o.verify_on_read = a.Has("--verify-on-read");
-  std::string e = a.Get("--engine", "auto");
-  if (e == "auto") o.engine = EngineKind::kAuto;
-  else if (e == "uring" || e == "io_uring") o.engine = EngineKind::kUring;
-  else if (e == "pread") o.engine = EngineKind::kPread;
-  else return Invalid("unknown --engine " + e + " (auto, uring, pread)");
+  ASSIGN_OR_RETURN(o.engine, ParseEngineKind(a.Get("--engine", "auto")));
   ASSIGN_OR_RETURN(o.gpu, ParseGpuMode(a.Get("--gpu", "auto")));
   if (a.Has("--rules")) {
     RETURN_IF_ERROR(ParseRulesFile(std::filesystem::absolute(a.Get("--rules"), ec).string(), o.topo));

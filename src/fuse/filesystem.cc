@@ -172,6 +172,9 @@ Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst,
   if (len != numel * DTypeSize(out)) {
     return bad("a buffer of " + std::to_string(len) + " bytes for " + std::to_string(numel * DTypeSize(out)));
   }
+  // Each call is an open and a read in one (there is no file handle to check
+  // once): a stat per source file of this tensor, so a checkpoint rewritten
+  // after indexing is refused, never served.
   if (Status st = reader_->CheckFresh(id); !st.ok()) return fail(st);
   const int64_t t0 = SteadyNs();
   if (Status st = reader_->ReadBox(id, out, box, 0, len, dst); !st.ok()) return fail(st);

@@ -34,4 +34,11 @@ class PreadEngine final : public ReadEngine {
 
 std::unique_ptr<ReadEngine> MakePreadEngine() { return std::make_unique<PreadEngine>(); }
 
+Result<EngineKind> ParseEngineKind(std::string_view s) {
+  if (s == "auto") return EngineKind::kAuto;
+  if (s == "uring" || s == "io_uring") return EngineKind::kUring;
+  if (s == "pread") return EngineKind::kPread;
+  return Invalid("unknown engine '" + std::string(s) + "' (auto, uring, pread)");
+}
+
 }  // namespace ckptfs

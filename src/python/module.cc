@@ -109,15 +109,9 @@ class PyCheckpoint {
     FsOptions o;
     o.src = src;
     o.index_dir = index.value_or("");
-    if (engine == "auto") {
-      o.engine = EngineKind::kAuto;
-    } else if (engine == "uring") {
-      o.engine = EngineKind::kUring;
-    } else if (engine == "pread") {
-      o.engine = EngineKind::kPread;
-    } else {
-      throw nb::value_error(("engine must be auto, uring or pread, not '" + engine + "'").c_str());
-    }
+    auto kind = ParseEngineKind(engine);
+    if (!kind.ok()) throw nb::value_error(kind.status().message().c_str());
+    o.engine = *kind;
     auto mode = ParseGpuMode(gpu);
     if (!mode.ok()) throw nb::value_error(mode.status().message().c_str());
     o.gpu = *mode;
