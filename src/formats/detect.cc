@@ -5,7 +5,7 @@
 #include "formats/megatron/legacy_reader.h"
 #include "formats/safetensors/st_dir_reader.h"
 #include "formats/torchsave/pt_reader.h"
-#include "formats/torchsave/verl_reader.h"
+#include "formats/torchsave/rank_files_reader.h"
 
 namespace ckptfs {
 
@@ -62,7 +62,7 @@ Result<Checkpoint> Detect(const std::string& dir) {
   if (formats::LooksLikeMegatronLegacy(dir)) return formats::ReadMegatronLegacy(dir);
   // Last: a Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files.
   if (formats::LooksLikeSafetensorsDir(dir)) return formats::ReadSafetensorsDir(dir);
-  if (formats::LooksLikeVerl(dir)) return formats::ReadVerl(dir);  // per-rank torch.save files
+  if (formats::LooksLikeRankFiles(dir)) return formats::ReadRankFiles(dir);  // per-rank torch.save files (verl, Accelerate)
   if (formats::LooksLikeTorchSaveDir(dir)) return formats::ReadTorchSaveDir(dir);
   return Unsupported("cannot detect a checkpoint in " + dir +
                      ": no .metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp), no "

@@ -11,7 +11,8 @@ compared with the producer's own full state (get_state_dict(full_state_dict=True
 plus Accelerate's FSDP layouts (make_accelerate.py: accelerate's save_fsdp_model /
 save_fsdp_optimizer, what HF Trainer's checkpoint-N/ holds): SHARDED_STATE_DICT
 (pytorch_model_fsdp_0/ + optimizer_0/, mounted as one checkpoint) and
-FULL_STATE_DICT (pytorch_model_fsdp.bin + optimizer.bin), and plain torch.save
+FULL_STATE_DICT (pytorch_model_fsdp.bin + optimizer.bin), the per-rank files of
+use_dcp=False and LOCAL_STATE_DICT (FSDP1 ShardedTensors, FSDP2 DTensors), and plain torch.save
 files (torch's own dcp_to_torch_save output); for each, damage that must be
 named, not served."""
 import errno
@@ -154,6 +155,77 @@ def test_accelerate_full_state_dict_files(accelerate_fixtures, mounter, tmp_path
                 np.testing.assert_array_equal(npy(m, f"params/{fqn}/{state}.npy"), sref.numpy(), err_msg=f"{fqn} {state}")
         # rng_state_*.pth and trainer_state.json are bookkeeping, not tensors.
         assert not (m.path / "other").exists() or not any("rng" in x for x in os.listdir(m.path / "other"))
+
+
+@pytest.mark.parametrize("model,ck", [("fsdp1_w2", "checkpoint-1-rank"), ("fsdp1_w2", "checkpoint-1"),
+                                      ("fsdp2_sharded_w2", "checkpoint-1-rank")])
+def test_accelerate_per_rank_files_equal_the_full_state(model, ck, accelerate_fixtures, mounter, tmp_path):
+    """save_fsdp_model / save_fsdp_optimizer with use_dcp=False: every rank
+    torch.saves its ShardedTensors (FSDP1) or DTensors (FSDP2) as
+    pytorch_model_fsdp_0_rank<R>.bin + optimizer_0_rank<R>.bin. Mounted, every
+    parameter and AdamW state is merged and equals the producer's full state
+    (FSDP1: FULL_STATE_DICT and a full FSDP.optim_state_dict); FSDP1 through
+    DCP (ShardedTensors in .metadata) too."""
+    base = accelerate_fixtures.parent / model
+    full = torch.load(base / "full.pt", weights_only=False)
+    src = base / ck
+    r = run([ckptfs_bin(), "verify", str(src), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    with mounter(src, index=tmp_path / "ix") as m:
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        assert info["step"] == 1, info
+        if ck == "checkpoint-1-rank":
+            assert info["family"] == "accelerate-fsdp", info
+            assert "2 ranks' pytorch_model_fsdp_0_rank*.bin + optimizer_0_rank*.bin" in info["format"], info
+        n = 0
+        for fqn, ref in full["model"].items():
+            np.testing.assert_array_equal(npy(m, f"params/{fqn}/param.npy"), ref.numpy(), err_msg=fqn)
+            for state, sref in full["optimizer"]["state"][fqn].items():
+                np.testing.assert_array_equal(npy(m, f"params/{fqn}/{state}.npy"), sref.numpy(),
+                                              err_msg=f"{fqn} {state}")
+                n += 1
+        assert len(full["model"]) == 6 and n == 18
+        assert "error" not in m.log_text().lower()
+
+
+def test_accelerate_fsdp1_local_state_dict_is_the_flat_parameter(accelerate_fixtures, mounter, tmp_path):
+    """LOCAL_STATE_DICT keeps FSDP1's flat parameter: each rank's piece as a 1-D
+    ShardedTensor. Mounted, the pieces are merged into the whole flat parameter
+    (the per-parameter shapes are not in these files)."""
+    base = accelerate_fixtures.parent / "fsdp1_w2"
+    flat = torch.load(base / "full.pt", weights_only=False)["flat"]
+    assert list(flat) == ["_flat_param"]
+    with mounter(base / "checkpoint-1-local", index=tmp_path / "ix") as m:
+        got = npy(m, "params/_flat_param/param.npy")
+        np.testing.assert_array_equal(got, flat["_flat_param"].detach().numpy())
+        assert got.size == sum(t.numel() for t in torch.load(base / "full.pt", weights_only=False)["model"].values())
+
+
+@pytest.mark.parametrize("model", ["fsdp1_w2", "fsdp2_sharded_w2"])
+def test_accelerate_per_rank_files_missing_or_damaged_are_named(model, accelerate_fixtures, mounter, tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(accelerate_fixtures.parent / model / "checkpoint-1-rank", ck,
+                    ignore=shutil.ignore_patterns(".ckptfs"))
+    os.unlink(ck / "optimizer_0_rank1.bin")
+    r = run([ckptfs_bin(), "verify", str(ck), "--json", "--index", str(tmp_path / "ix")])
+    assert r.returncode != 0
+    msgs = [f["message"] for f in json.loads(r.stdout)["findings"]]
+    assert any("optimizer_0_rank1.bin is missing" in x for x in msgs), msgs
+    with mounter(ck, index=tmp_path / "ix2") as m:
+        # Rank 1's half of every moment is gone: EIO, never a half-filled file.
+        with pytest.raises(OSError) as e:
+            (m.path / "params/embed.weight/exp_avg.npy").read_bytes()
+        assert e.value.errno == errno.EIO
+        assert "embed.weight" in m.log_text()
+        # The model files are whole: parameters are still served.
+        assert npy(m, "params/embed.weight/param.npy").shape == (13, 6)
+    # A truncated rank file: named, not a crash.
+    shutil.copy(accelerate_fixtures.parent / model / "checkpoint-1-rank" / "optimizer_0_rank1.bin", ck)
+    blob = (ck / "pytorch_model_fsdp_0_rank0.bin").read_bytes()
+    (ck / "pytorch_model_fsdp_0_rank0.bin").write_bytes(blob[: len(blob) // 2])
+    r = run([ckptfs_bin(), "verify", str(ck), "--json", "--index", str(tmp_path / "ix3")])
+    assert r.returncode != 0
+    assert "pytorch_model_fsdp_0_rank0.bin" in r.stdout, r.stdout
 
 
 def test_dcp_to_torch_save_output_equals_the_dcp_it_came_from(dcp_fixtures, mounter, tmp_path):

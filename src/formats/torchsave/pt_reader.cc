@@ -120,11 +120,13 @@ Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
       }
       continue;
     }
-    auto loc = IsDTensor(leaf.v) ? Result<Loc>(Unsupported(
-                                       "cannot read " + s.rel + ": '" + t.key +
-                                       "' is a DTensor, one rank's shard of a tensor; no rank-file layout this "
-                                       "archive belongs to is known (verl: model_world_size_W_rank_R.pt)"))
-                                 : Resolve(s, leaf.v, s.rel + " '" + t.key + "'");
+    const bool piece = IsDTensor(leaf.v) || IsShardedTensor(leaf.v);
+    auto loc = piece ? Result<Loc>(Unsupported("cannot read " + s.rel + ": '" + t.key + "' is a " +
+                                               (IsDTensor(leaf.v) ? "DTensor" : "ShardedTensor") +
+                                               ", one rank's shard of a tensor; no rank-file layout this archive "
+                                               "belongs to is known (verl: model_world_size_W_rank_R.pt, Accelerate: "
+                                               "pytorch_model_fsdp_0_rank<R>.bin)"))
+                     : Resolve(s, leaf.v, s.rel + " '" + t.key + "'");
     ck.fragments.Resize(ck.tensors.size() + 1);
     if (!loc.ok()) {
       t.error = loc.status().message();

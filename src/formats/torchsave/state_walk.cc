@@ -6,18 +6,21 @@ namespace {
 // Nesting deeper than this is not a state dict; it is cut off with a note.
 constexpr size_t kMaxDepth = 32;
 
+bool IsTorchDistributedObject(const PyValue* v, std::string_view cls) {
+  return v != nullptr && v->kind == PyKind::kObject && v->callable && v->callable->kind == PyKind::kGlobal &&
+         v->callable->name == cls && v->callable->s.rfind("torch.distributed", 0) == 0;
+}
+
 }  // namespace
 
-bool IsDTensor(const PyValue* v) {
-  return v != nullptr && v->kind == PyKind::kObject && v->callable && v->callable->kind == PyKind::kGlobal &&
-         v->callable->name == "DTensor" && v->callable->s.rfind("torch.distributed", 0) == 0;
-}
+bool IsDTensor(const PyValue* v) { return IsTorchDistributedObject(v, "DTensor"); }
+bool IsShardedTensor(const PyValue* v) { return IsTorchDistributedObject(v, "ShardedTensor"); }
 
 // Every tensor of a nested dict / list, with its path; non-tensor leaves are
 // counted (they are metadata: param_groups, counters, strings).
 void WalkStateDict(const PyValue* v, std::vector<std::string>& path, std::vector<Leaf>& out, size_t* skipped,
                    bool* too_deep) {
-  if (v->kind == PyKind::kTensor || IsDTensor(v)) {
+  if (v->kind == PyKind::kTensor || IsDTensor(v) || IsShardedTensor(v)) {
     out.push_back(Leaf{path, v});
     return;
   }

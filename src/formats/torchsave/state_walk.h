@@ -12,13 +12,15 @@ namespace ckptfs::formats {
 
 struct Leaf {
   std::vector<std::string> path;
-  const PyValue* v;  // a tensor, or a DTensor object (IsDTensor)
+  const PyValue* v;  // a tensor, or a DTensor / ShardedTensor object
 };
 
-// A DTensor as the pickle VM keeps it (a _rebuild_wrapper_subclass object).
+// A DTensor / ShardedTensor as the pickle VM keeps it (a
+// _rebuild_wrapper_subclass object: one rank's piece of a tensor).
 bool IsDTensor(const PyValue* v);
+bool IsShardedTensor(const PyValue* v);
 
-// Appends every tensor / DTensor under `v` to `out`; other leaves are counted
+// Appends every tensor / DTensor / ShardedTensor under `v` to `out`; other leaves are counted
 // in `skipped`; nesting deeper than 32 sets `too_deep`.
 void WalkStateDict(const PyValue* v, std::vector<std::string>& path, std::vector<Leaf>& out, size_t* skipped,
                    bool* too_deep);

@@ -9,7 +9,7 @@
 #include "formats/byte_reader.h"
 #include "formats/torch_save.h"
 #include "formats/torchsave/state_walk.h"
-#include "formats/torchsave/verl_reader.h"
+#include "formats/torchsave/rank_files_reader.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -32,8 +32,8 @@ TEST(VerlTest, DTensorIsAnObjectNotATensor) {
 }
 
 TEST(VerlTest, RanksShardsArePlacedInRankOrder) {
-  ASSERT_TRUE(LooksLikeVerl(kActor));
-  auto ck = ReadVerl(kActor);
+  ASSERT_TRUE(LooksLikeRankFiles(kActor));
+  auto ck = ReadRankFiles(kActor);
   ASSERT_TRUE(ck.ok()) << ck.status().message();
   EXPECT_EQ(ck->info.world_size, 2u);
   EXPECT_EQ(ck->info.step, 1);

@@ -1,4 +1,4 @@
-#include "formats/torchsave/verl_reader.h"
+#include "formats/torchsave/rank_files_reader.h"
 
 #include <re2/re2.h>
 
@@ -14,8 +14,14 @@
 namespace ckptfs::formats {
 namespace {
 
-const RE2& RankFileRe() {
+// verl: (model|optim)_world_size_<W>_rank_<R>.pt
+const RE2& VerlFileRe() {
   static const RE2 re(R"((model|optim)_world_size_([0-9]{1,6})_rank_([0-9]{1,6})\.pt)");
+  return re;
+}
+// Accelerate: pytorch_model_fsdp[_<N>]_rank<R>.bin / optimizer[_<N>]_rank<R>.bin
+const RE2& AccelerateFileRe() {
+  static const RE2 re(R"(((pytorch_model_fsdp|optimizer)(?:_[0-9]{1,4})?)_rank([0-9]{1,6})\.bin)");
   return re;
 }
 
@@ -23,9 +29,62 @@ const RE2& RankFileRe() {
 struct Piece {
   DType dtype = DType::kInvalid;
   std::vector<int64_t> global;  // the tensor's global shape
-  Loc local;                    // the rank's elements
-  int shard_dim = -1;           // Shard(d); -1: whole (Replicate, or a plain tensor)
+  Loc local;                    // the rank's elements (DTensor, plain tensor)
+  int shard_dim = -1;           // DTensor Shard(d); -1: whole (Replicate, or a plain tensor)
+  bool sharded_tensor = false;  // a ShardedTensor: its local shards, at their offsets
+  std::vector<std::pair<std::vector<int64_t>, Loc>> placed;
 };
+
+// The dtype and global size a _rebuild_wrapper_subclass object was rebuilt
+// with: args (cls, dtype, size, stride, ...).
+Status WrapperDTypeAndSize(const PyValue* v, const char* cls, Piece& p) {
+  size_t a0 = !v->args.empty() && v->args[0]->kind == PyKind::kGlobal && v->args[0]->name == cls ? 1 : 0;
+  if (v->args.size() < a0 + 2 || v->args[a0]->kind != PyKind::kGlobal) return Invalid("no dtype and size");
+  p.dtype = DTypeFromTorchName(v->args[a0]->name);
+  if (p.dtype == DType::kInvalid) return Invalid("unsupported dtype torch." + v->args[a0]->name);
+  ASSIGN_OR_RETURN(p.global, AsIntVector(v->args[a0 + 1], "size"));
+  for (int64_t d : p.global) {
+    if (d < 0) return Invalid("negative size");
+  }
+  return Status::Ok();
+}
+
+// A ShardedTensor (torch.distributed._shard): state (local_shards,
+// ShardedTensorMetadata, ...) from its __getstate__; each local Shard holds
+// its tensor and a ShardMetadata with shard_offsets / shard_sizes.
+Result<Piece> ShardedTensorPiece(const Source& s, const PyValue* v, const std::string& what) {
+  auto bad = [&](const std::string& why) {
+    return Invalid("cannot read " + s.rel + ": " + what + ": ShardedTensor " + why);
+  };
+  Piece p;
+  p.sharded_tensor = true;
+  if (Status st = WrapperDTypeAndSize(v, "ShardedTensor", p); !st.ok()) return bad(st.message());
+  const PyValue* st = v->state;
+  if (st == nullptr || st->kind != PyKind::kTuple || st->items.empty() || !st->items[0]->IsSeq()) {
+    return bad("without its local shards");
+  }
+  const std::vector<int64_t>& global = p.global;
+  for (const PyValue* shard : st->items[0]->items) {
+    const PyValue* tensor = shard->Attr("tensor");
+    const PyValue* meta = shard->Attr("metadata");
+    if (tensor == nullptr || meta == nullptr) return bad("local shard without tensor / metadata");
+    auto offs = AsIntVector(meta->Attr("shard_offsets"), "shard_offsets");
+    auto sizes = AsIntVector(meta->Attr("shard_sizes"), "shard_sizes");
+    if (!offs.ok() || !sizes.ok()) return bad("local shard: " + (offs.ok() ? sizes : offs).status().message());
+    ASSIGN_OR_RETURN(Loc loc, Resolve(s, tensor, what + " (local shard)"));
+    if (loc.dtype != p.dtype) return bad("local shard dtype differs from the ShardedTensor's");
+    if (offs->size() != global.size() || sizes->size() != global.size() || loc.shape != *sizes) {
+      return bad("local shard shape disagrees with its ShardMetadata or the global size");
+    }
+    for (size_t d = 0; d < global.size(); ++d) {
+      if ((*offs)[d] < 0 || (*offs)[d] > global[d] || (*sizes)[d] > global[d] - (*offs)[d]) {
+        return bad("local shard at offsets outside the global size");
+      }
+    }
+    p.placed.emplace_back(std::move(*offs), std::move(loc));
+  }
+  return p;
+}
 
 Result<Piece> PieceOf(const Source& s, const PyValue* v, const std::string& what) {
   Piece p;
@@ -35,17 +94,12 @@ Result<Piece> PieceOf(const Source& s, const PyValue* v, const std::string& what
     p.global = p.local.shape;
     return p;
   }
+  if (IsShardedTensor(v)) return ShardedTensorPiece(s, v, what);
   auto bad = [&](const std::string& why) { return Invalid("cannot read " + s.rel + ": " + what + ": " + why); };
   // DTensor: args (DTensor, dtype, size, stride, ...) as _rebuild_wrapper_subclass
   // takes them; state {_local_tensor, _spec}, or (None, {...}) when pickled as
   // (__dict__, __slots__) state.
-  size_t a0 = !v->args.empty() && v->args[0]->kind == PyKind::kGlobal && v->args[0]->name == "DTensor" ? 1 : 0;
-  if (v->args.size() < a0 + 2 || v->args[a0]->kind != PyKind::kGlobal) return bad("DTensor without dtype and size");
-  p.dtype = DTypeFromTorchName(v->args[a0]->name);
-  if (p.dtype == DType::kInvalid) return bad("DTensor of unsupported dtype torch." + v->args[a0]->name);
-  auto size = AsIntVector(v->args[a0 + 1], "DTensor size");
-  if (!size.ok()) return bad(size.status().message());
-  p.global = *size;
+  if (Status st = WrapperDTypeAndSize(v, "DTensor", p); !st.ok()) return bad("DTensor " + st.message());
   const PyValue* st = v->state;
   if (st != nullptr && st->kind == PyKind::kTuple && st->items.size() == 2) {
     st = st->items[1] != nullptr && st->items[1]->kind == PyKind::kDict ? st->items[1] : st->items[0];
@@ -77,42 +131,77 @@ Result<Piece> PieceOf(const Source& s, const PyValue* v, const std::string& what
 }
 
 struct RankFiles {
+  bool verl = false;
   uint32_t world = 0;
   std::map<uint32_t, std::string> model, optim;
+  std::string model_stem, optim_stem;  // Accelerate: pytorch_model_fsdp_0, optimizer_0
+  std::set<std::string> other_stems;   // Accelerate: further models' / optimizers' files, not read
+
+  std::string Name(bool is_model, uint32_t rank) const {
+    const std::string r = std::to_string(rank);
+    if (verl) return std::string(is_model ? "model" : "optim") + "_world_size_" + std::to_string(world) + "_rank_" + r + ".pt";
+    return (is_model ? model_stem : optim_stem) + "_rank" + r + ".bin";
+  }
 };
 
 RankFiles Scan(const std::string& dir) {
   RankFiles r;
+  struct Stem {
+    std::map<uint32_t, std::string> files;
+  };
+  std::map<std::string, Stem> model_stems, optim_stems;
   for (const std::string& n : ListDirectory(dir)) {
-    std::string kind;
+    std::string kind, stem;
     uint32_t w = 0, rank = 0;
-    if (!RE2::FullMatch(n, RankFileRe(), &kind, &w, &rank)) continue;
-    r.world = std::max(r.world, w);
-    (kind == "model" ? r.model : r.optim).emplace(rank, n);
+    if (RE2::FullMatch(n, VerlFileRe(), &kind, &w, &rank)) {
+      r.verl = true;
+      r.world = std::max(r.world, w);
+      (kind == "model" ? r.model : r.optim).emplace(rank, n);
+    } else if (RE2::FullMatch(n, AccelerateFileRe(), &stem, &kind, &rank)) {
+      (kind == "optimizer" ? optim_stems : model_stems)[stem].files.emplace(rank, n);
+    }
+  }
+  if (r.verl || model_stems.empty()) return r;
+  // The first model (pytorch_model_fsdp_rank<R> under LOCAL_STATE_DICT, else
+  // pytorch_model_fsdp_0_rank<R>) and the first optimizer.
+  auto pick = [&](std::map<std::string, Stem>& stems, std::string& name, std::map<uint32_t, std::string>& files) {
+    if (stems.empty()) return;
+    auto it = stems.count("pytorch_model_fsdp") ? stems.find("pytorch_model_fsdp") : stems.begin();
+    name = it->first;
+    files = std::move(it->second.files);
+    for (const auto& [other, unused] : stems) {
+      if (other != name) r.other_stems.insert(other);
+    }
+  };
+  pick(model_stems, r.model_stem, r.model);
+  pick(optim_stems, r.optim_stem, r.optim);
+  for (const auto& m : {r.model, r.optim}) {
+    if (!m.empty()) r.world = std::max(r.world, m.rbegin()->first + 1);
   }
   return r;
 }
 
 }  // namespace
 
-bool LooksLikeVerl(const std::string& dir) { return !Scan(dir).model.empty(); }
+bool LooksLikeRankFiles(const std::string& dir) { return !Scan(dir).model.empty(); }
 
-Result<Checkpoint> ReadVerl(const std::string& dir) {
+Result<Checkpoint> ReadRankFiles(const std::string& dir) {
   const RankFiles rf = Scan(dir);
-  if (rf.model.empty()) return NotFound("cannot read " + dir + ": no model_world_size_W_rank_R.pt");
+  if (rf.model.empty()) {
+    return NotFound("cannot read " + dir + ": no model_world_size_W_rank_R.pt or pytorch_model_fsdp_0_rank<R>.bin");
+  }
   Checkpoint ck;
-  ck.info.family = "verl";
+  ck.info.family = rf.verl ? "verl" : "accelerate-fsdp";
   ck.info.world_size = rf.world;
   Files files;
   files.dir = dir;
   files.ck = &ck;
   // Every rank's files, opened in rank order; a missing or unreadable one is a finding.
   std::vector<std::unique_ptr<Source>> model(rf.world), optim(rf.world);
-  auto open_all = [&](const std::map<uint32_t, std::string>& names, const char* kind,
+  auto open_all = [&](const std::map<uint32_t, std::string>& names, bool is_model,
                       std::vector<std::unique_ptr<Source>>& out) {
     for (uint32_t r = 0; r < rf.world; ++r) {
-      const std::string want = std::string(kind) + "_world_size_" + std::to_string(rf.world) + "_rank_" +
-                               std::to_string(r) + ".pt";
+      const std::string want = rf.Name(is_model, r);
       auto it = names.find(r);
       if (it == names.end() || it->second != want) {
         ck.info.Flag(Check::kCoverage, Severity::kError, "", want,
@@ -126,8 +215,8 @@ Result<Checkpoint> ReadVerl(const std::string& dir) {
       }
     }
   };
-  open_all(rf.model, "model", model);
-  if (!rf.optim.empty()) open_all(rf.optim, "optim", optim);
+  open_all(rf.model, true, model);
+  if (!rf.optim.empty()) open_all(rf.optim, false, optim);
 
   // key -> per-rank (source, value); the key order is the first rank's.
   struct Entry {
@@ -159,11 +248,12 @@ Result<Checkpoint> ReadVerl(const std::string& dir) {
   collect(model, {}, {});
   const size_t n_model = entries.size();
 
-  // The optimizer's ids: its param_groups list them in model.parameters()
+  // verl's optimizer ids: its param_groups list them in model.parameters()
   // order, which is the model state dict's order for the parameters. Mapped
-  // only if every id's states have its parameter's global shape.
+  // only if every id's states have its parameter's global shape. (FSDP's own
+  // optimizer state dicts, Accelerate's, are keyed by parameter name.)
   std::map<std::string, std::string> id_to_fqn;
-  if (!rf.optim.empty() && optim[0]) {
+  if (rf.verl && !rf.optim.empty() && optim[0]) {
     std::vector<std::string> ids;
     const PyValue* groups = optim[0]->root()->kind == PyKind::kDict ? optim[0]->root()->Get("param_groups") : nullptr;
     for (size_t g = 0; groups != nullptr && groups->IsSeq() && g < groups->items.size(); ++g) {
@@ -195,8 +285,8 @@ Result<Checkpoint> ReadVerl(const std::string& dir) {
       ck.info.problems.push_back("optimizer ids could not be matched to parameters by order and shape: its "
                                  "states are under other/optimizer.state.<id>");
     }
-    collect(optim, {"optimizer"}, id_to_fqn);
   }
+  if (!rf.optim.empty()) collect(optim, {"optimizer"}, id_to_fqn);
 
   // One record per key: the ranks' pieces placed in the global tensor.
   std::vector<std::vector<std::string>> paths;
@@ -231,6 +321,14 @@ Result<Checkpoint> ReadVerl(const std::string& dir) {
       if (p->global != t.shape || p->dtype != t.dtype) {
         error = src->rel + " gives '" + t.key + "' another shape or dtype than rank 0";
         break;
+      }
+      if (p->sharded_tensor) {  // placed where its ShardMetadata says
+        for (const auto& [offsets, loc] : p->placed) {
+          Fragment f = WholeFragment(loc, src->file);
+          f.offsets = offsets;
+          if (NumelOf(f.lengths) > 0) frags.push_back(std::move(f));
+        }
+        continue;
       }
       if (p->shard_dim < 0) {
         if (frags.empty()) frags.push_back(WholeFragment(p->local, src->file));  // replicated: the first copy
@@ -273,11 +371,22 @@ Result<Checkpoint> ReadVerl(const std::string& dir) {
   }
   if (too_deep) ck.info.problems.push_back("entries nested deeper than 32 levels are not shown");
   if (std::string note = files.PlaceholderNote(); !note.empty()) ck.info.problems.push_back(std::move(note));
-  ck.info.format_note = "verl FSDP checkpoint: " + std::to_string(rf.world) +
-                        " ranks' model_world_size_*_rank_*.pt" + (rf.optim.empty() ? "" : " + optim_…");
-  static const RE2 kStepRe(R"(global_step_([0-9]{1,12}))");
-  int64_t step = -1;
-  if (RE2::PartialMatch(dir, kStepRe, &step)) ck.info.step = step;
+  if (rf.verl) {
+    ck.info.format_note = "verl FSDP checkpoint: " + std::to_string(rf.world) +
+                          " ranks' model_world_size_*_rank_*.pt" + (rf.optim.empty() ? "" : " + optim_…");
+    static const RE2 kStepRe(R"(global_step_([0-9]{1,12}))");
+    int64_t step = -1;
+    if (RE2::PartialMatch(dir, kStepRe, &step)) ck.info.step = step;
+  } else {
+    ck.info.format_note = "Accelerate FSDP per-rank files (use_dcp=False / LOCAL_STATE_DICT): " +
+                          std::to_string(rf.world) + " ranks' " + rf.model_stem + "_rank*.bin" +
+                          (rf.optim.empty() ? "" : " + " + rf.optim_stem + "_rank*.bin");
+    for (const std::string& other : rf.other_stems) {
+      ck.info.problems.push_back(other + "_rank*.bin (another model or optimizer) is not read; only " +
+                                 rf.model_stem + (rf.optim.empty() ? "" : " and " + rf.optim_stem) + " are shown");
+    }
+    ck.info.step = TrainerStateStep(dir);
+  }
   return ck;
 }
 
