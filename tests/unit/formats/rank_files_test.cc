@@ -1,6 +1,8 @@
-// verl's per-rank FSDP2 files (tests/data/verl_fsdp2, written by verl 0.9.1's
-// own FSDPCheckpointManager): DTensors kept as objects by the pickle VM and
-// placed by the verl reader.
+// Per-rank torch.save files: verl's FSDP2 files (tests/data/verl_fsdp2,
+// written by verl 0.9.1's own FSDPCheckpointManager), DTensors kept as objects
+// by the pickle VM; Accelerate's FSDP1 use_dcp=False files
+// (tests/data/accelerate_fsdp1_rank, accelerate's own save_fsdp_model /
+// save_fsdp_optimizer), ShardedTensors placed by their ShardMetadata.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -15,6 +17,24 @@ namespace ckptfs::formats {
 namespace {
 
 const std::string kActor = std::string(CKPTFS_TEST_DATA) + "/verl_fsdp2/global_step_1/actor";
+const std::string kFsdp1 = std::string(CKPTFS_TEST_DATA) + "/accelerate_fsdp1_rank";
+
+const TensorRecord* Find(const Checkpoint& ck, const std::string& key, size_t* index = nullptr) {
+  for (size_t i = 0; i < ck.tensors.size(); ++i) {
+    if (ck.tensors[i].key == key) {
+      if (index) *index = i;
+      return &ck.tensors[i];
+    }
+  }
+  return nullptr;
+}
+
+// A copy of the FSDP1 files in a temporary directory, for damaging.
+void CopyFsdp1(const std::string& to) {
+  for (const auto& e : std::filesystem::directory_iterator(kFsdp1)) {
+    std::filesystem::copy_file(e.path(), std::filesystem::path(to) / e.path().filename());
+  }
+}
 
 TEST(VerlTest, DTensorIsAnObjectNotATensor) {
   const std::string path = kActor + "/model_world_size_2_rank_1.pt";
@@ -54,6 +74,72 @@ TEST(VerlTest, RanksShardsArePlacedInRankOrder) {
   }
   EXPECT_EQ(params, 21u);
   EXPECT_EQ(states, 63u);  // step, exp_avg, exp_avg_sq of each, under the parameter's name
+}
+
+
+TEST(RankFilesTest, Fsdp1ShardedTensorsArePlacedByTheirShardMetadata) {
+  ASSERT_TRUE(LooksLikeRankFiles(kFsdp1));
+  auto ck = ReadRankFiles(kFsdp1);
+  ASSERT_TRUE(ck.ok()) << ck.status().message();
+  EXPECT_EQ(ck->info.family, "accelerate-fsdp");
+  EXPECT_EQ(ck->info.world_size, 2u);
+  EXPECT_EQ(ck->info.step, 1);  // trainer_state.json
+  EXPECT_TRUE(ck->info.findings.empty());
+  size_t params = 0, states = 0;
+  for (const TensorRecord& t : ck->tensors) {
+    EXPECT_TRUE(t.error.empty()) << t.key << ": " << t.error;
+    params += t.role == Role::kParam;
+    states += t.role == Role::kOptimState;
+  }
+  EXPECT_EQ(params, 6u);
+  EXPECT_EQ(states, 18u);
+  size_t i = 0;
+  const TensorRecord* w = Find(*ck, "proj.weight", &i);
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(w->shape, (std::vector<int64_t>{10, 6}));
+  auto frags = ck->fragments.Get(i);
+  ASSERT_EQ(frags.size(), 2u);  // FSDP1 flattens and splits evenly: rows 0-4 on rank 0, 5-9 on rank 1
+  EXPECT_EQ(frags[0].offsets, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(frags[1].offsets, (std::vector<int64_t>{5, 0}));
+  EXPECT_EQ(ck->files[frags[1].file.v].rel_path, "pytorch_model_fsdp_0_rank1.bin");
+  // The optimizer step is a plain tensor on every rank: rank 0's copy.
+  const TensorRecord* step = Find(*ck, "optimizer.state.proj.weight.step", &i);
+  ASSERT_NE(step, nullptr);
+  frags = ck->fragments.Get(i);
+  ASSERT_EQ(frags.size(), 1u);
+  EXPECT_EQ(ck->files[frags[0].file.v].rel_path, "optimizer_0_rank0.bin");
+}
+
+TEST(RankFilesTest, Fsdp1RankFileCopiedOverAnotherIsAnOverlapNotAValue) {
+  testing::TempDir dir;
+  CopyFsdp1(dir.path());
+  // rank 1's model file replaced by rank 0's: both claim rows 0-4, nobody rows 5-9.
+  std::filesystem::copy_file(dir.path() + "/pytorch_model_fsdp_0_rank0.bin", dir.path() + "/pytorch_model_fsdp_0_rank1.bin",
+                             std::filesystem::copy_options::overwrite_existing);
+  auto ck = ReadRankFiles(dir.path());
+  ASSERT_TRUE(ck.ok()) << ck.status().message();
+  const TensorRecord* w = Find(*ck, "proj.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_NE(w->error.find("proj.weight"), std::string::npos) << w->error;
+  EXPECT_NE(w->error.find("overlap"), std::string::npos) << w->error;
+  // The optimizer files are intact.
+  const TensorRecord* m = Find(*ck, "optimizer.state.proj.weight.exp_avg");
+  ASSERT_NE(m, nullptr);
+  EXPECT_TRUE(m->error.empty()) << m->error;
+}
+
+TEST(RankFilesTest, Fsdp1MissingRankZeroIsAFindingAndItsRowsAreHoles) {
+  testing::TempDir dir;
+  CopyFsdp1(dir.path());
+  std::filesystem::remove(dir.path() + "/pytorch_model_fsdp_0_rank0.bin");
+  auto ck = ReadRankFiles(dir.path());
+  ASSERT_TRUE(ck.ok()) << ck.status().message();
+  bool named = false;
+  for (const auto& f : ck->info.findings) named |= f.message.find("pytorch_model_fsdp_0_rank0.bin is missing") != std::string::npos;
+  EXPECT_TRUE(named);
+  const TensorRecord* w = Find(*ck, "proj.weight");
+  ASSERT_NE(w, nullptr);
+  EXPECT_NE(w->error.find("hole"), std::string::npos) << w->error;
 }
 
 }  // namespace
