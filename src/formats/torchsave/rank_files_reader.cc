@@ -43,8 +43,12 @@ Status WrapperDTypeAndSize(const PyValue* v, const char* cls, Piece& p) {
   p.dtype = DTypeFromTorchName(v->args[a0]->name);
   if (p.dtype == DType::kInvalid) return Invalid("unsupported dtype torch." + v->args[a0]->name);
   ASSIGN_OR_RETURN(p.global, AsIntVector(v->args[a0 + 1], "size"));
+  uint64_t numel = 1;
   for (int64_t d : p.global) {
     if (d < 0) return Invalid("negative size");
+    if (MulOverflow(numel, static_cast<uint64_t>(d), &numel) || numel > (uint64_t{1} << 56)) {
+      return Invalid("size with more than 2^56 elements");
+    }
   }
   return Status::Ok();
 }
@@ -190,6 +194,13 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
   if (rf.model.empty()) {
     return NotFound("cannot read " + dir + ": no model_world_size_W_rank_R.pt or pytorch_model_fsdp_0_rank<R>.bin");
   }
+  // Every key holds a slot per rank: a world the present files cannot back
+  // (a hostile or misnamed file) is refused before anything is sized by it.
+  const size_t present = rf.model.size() + rf.optim.size();
+  if (rf.world > 2 * present + 16) {
+    return Invalid("cannot read " + dir + ": its rank files name a world of " + std::to_string(rf.world) +
+                   " ranks, but only " + std::to_string(present) + " rank files are present");
+  }
   Checkpoint ck;
   ck.info.family = rf.verl ? "verl" : "accelerate-fsdp";
   ck.info.world_size = rf.world;
@@ -198,14 +209,17 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
   files.ck = &ck;
   // Every rank's files, opened in rank order; a missing or unreadable one is a finding.
   std::vector<std::unique_ptr<Source>> model(rf.world), optim(rf.world);
+  size_t missing = 0;
   auto open_all = [&](const std::map<uint32_t, std::string>& names, bool is_model,
                       std::vector<std::unique_ptr<Source>>& out) {
     for (uint32_t r = 0; r < rf.world; ++r) {
       const std::string want = rf.Name(is_model, r);
       auto it = names.find(r);
       if (it == names.end() || it->second != want) {
-        ck.info.Flag(Check::kCoverage, Severity::kError, "", want,
-                     want + " is missing: rank " + std::to_string(r) + "'s shards are unknown");
+        if (++missing <= 16) {  // the first 16 are named, the rest counted
+          ck.info.Flag(Check::kCoverage, Severity::kError, "", want,
+                       want + " is missing: rank " + std::to_string(r) + "'s shards are unknown");
+        }
         continue;
       }
       out[r] = files.Open(want);
@@ -217,6 +231,11 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
   };
   open_all(rf.model, true, model);
   if (!rf.optim.empty()) open_all(rf.optim, false, optim);
+  if (missing > 16) {
+    ck.info.Flag(Check::kCoverage, Severity::kError, "", "",
+                 std::to_string(missing) + " rank files of " + std::to_string(rf.world) + " ranks are missing in " +
+                     dir + " (the first 16 are listed)");
+  }
 
   // key -> per-rank (source, value); the key order is the first rank's.
   struct Entry {

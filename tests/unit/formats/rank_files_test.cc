@@ -142,5 +142,15 @@ TEST(RankFilesTest, Fsdp1MissingRankZeroIsAFindingAndItsRowsAreHoles) {
   EXPECT_NE(w->error.find("hole"), std::string::npos) << w->error;
 }
 
+TEST(RankFilesTest, AWorldTheFilesCannotBackIsRefusedBeforeAnythingIsSizedByIt) {
+  testing::TempDir dir;
+  // One real verl rank file, renamed to claim a world of 999999 ranks.
+  std::filesystem::copy_file(kActor + "/model_world_size_2_rank_0.pt", dir.path() + "/model_world_size_999999_rank_0.pt");
+  auto ck = ReadRankFiles(dir.path());
+  ASSERT_FALSE(ck.ok());
+  EXPECT_NE(ck.status().message().find("world of 999999 ranks, but only 1 rank files are present"), std::string::npos)
+      << ck.status().message();
+}
+
 }  // namespace
 }  // namespace ckptfs::formats
