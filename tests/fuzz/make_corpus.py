@@ -64,6 +64,7 @@ def main():
                         (data / "verl_fsdp2" / "global_step_1" / "actor", 300_000, ()),
                         # Per-rank ShardedTensor files (Accelerate, FSDP1) and torch 2.0's DCP.
                         (data / "accelerate_fsdp1_rank", 300_000, ()),
+                        (data / "verl_hsdp" / "global_step_1" / "actor", 300_000, ()),
                         (data / "dcp_torch2x" / "2.0.1" / "ckpt", 300_000, ())],
             "deepspeed_dir": [(data / "ds_py3112" / "padspan_z2_dp4", 300_000, ()),
                               (data / "ds_py3112" / "z1_fp32_dp1", 300_000, ()),

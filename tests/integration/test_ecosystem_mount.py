@@ -369,21 +369,27 @@ def test_torch_save_damage_is_named(dcp_fixtures, tmp_path):
 # ---------------------------------------------------------------- verl
 
 VERL = ROOT / "tests" / "data" / "verl_fsdp2"  # make_verl.sh: verl 0.9.1's own FSDPCheckpointManager
+VERL_HSDP = ROOT / "tests" / "data" / "verl_hsdp"  # the same over verl's ("ddp", "fsdp") mesh, 2 x 2 ranks
 
 
-def test_verl_fsdp2_checkpoint_merges_and_exports(mounter, tmp_path):
-    """Each rank's model_world_size_2_rank_R.pt holds DTensor shards: params/
-    equals the full state the run gathered, in bf16 exactly what verl's own
-    model merger wrote, optimizer ids land under their parameters, and hf/
-    (config and tokenizer from verl's huggingface/) loads in transformers."""
+@pytest.mark.parametrize("data,world", [(VERL, 2), (VERL_HSDP, 4)], ids=["fsdp2", "hsdp"])
+def test_verl_fsdp2_checkpoint_merges_and_exports(data, world, mounter, tmp_path):
+    """Each rank's model_world_size_W_rank_R.pt holds DTensor shards (HSDP:
+    Replicate over "ddp", Shard(0) over "fsdp", placed by the rank's mesh
+    coordinate, replicas read once): params/ equals the full state the run
+    gathered, in bf16 exactly what verl's own model merger wrote, optimizer ids
+    land under their parameters, and hf/ (config and tokenizer from verl's
+    huggingface/) loads in transformers."""
     from safetensors.torch import load_file
 
-    full = torch.load(VERL / "full.pt", weights_only=False)
-    merged = load_file(VERL / "merged" / "model.safetensors")
-    src = VERL / "global_step_1" / "actor"
+    full = torch.load(data / "full.pt", weights_only=False)
+    merged = load_file(data / "merged" / "model.safetensors")
+    src = data / "global_step_1" / "actor"
     r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix")])
     assert r.returncode == 0, r.stderr
-    assert "verl FSDP checkpoint: 2 ranks" in r.stdout and "step        1" in r.stdout, r.stdout
+    assert f"verl FSDP checkpoint: {world} ranks" in r.stdout and "step        1" in r.stdout, r.stdout
+    r = run([ckptfs_bin(), "verify", str(src), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 0, r.stdout + r.stderr
     with mounter(src, index=tmp_path / "ix") as m:
         for fqn, ref in full["model"].items():
             got = torch.from_numpy(npy(m, f"params/{fqn}/param.npy"))
@@ -413,9 +419,40 @@ def test_verl_damage_is_named(mounter, tmp_path):
         with pytest.raises(OSError) as e:
             (m.path / "params/model.embed_tokens.weight/param.npy").read_bytes()
         assert e.value.errno == errno.EIO
+    # Rank 0's file copied over rank 1's: its DeviceMesh names rank 0, so it is
+    # refused rather than placed as rank 1's rows.
+    shutil.copy(VERL / "global_step_1" / "actor" / "model_world_size_2_rank_0.pt", ck / "model_world_size_2_rank_1.pt")
+    r = run([ckptfs_bin(), "verify", str(ck), "--json", "--index", str(tmp_path / "ix4")])
+    assert r.returncode != 0
+    assert "is rank 0's shard (its DeviceMesh says so), not rank 1's" in r.stdout, r.stdout
     # One rank's file on its own is not a checkpoint of whole tensors.
     one = tmp_path / "one"
     one.mkdir()
     shutil.copy(VERL / "global_step_1" / "actor" / "model_world_size_2_rank_0.pt", one / "model.pt")
     r = run([ckptfs_bin(), "info", str(one), "--index", str(tmp_path / "ix2")])
     assert r.returncode == 1 and "is a DTensor, one rank's shard" in r.stderr, r.stderr
+
+
+def test_verl_hsdp_replicas_cover_a_missing_rank_and_a_lost_shard_is_named(mounter, tmp_path):
+    """HSDP keeps every shard on each "ddp" replica: without rank 2's files
+    (coordinate (1, 0)), rank 0's copy serves its rows and the absence is still
+    a finding; without ranks 1 and 3 (the whole "fsdp" shard 1), the rows are
+    holes: EIO."""
+    full = torch.load(VERL_HSDP / "full.pt", weights_only=False)
+    ck = tmp_path / "actor"
+    shutil.copytree(VERL_HSDP / "global_step_1" / "actor", ck, ignore=shutil.ignore_patterns(".ckptfs"))
+    for kind in ("model", "optim"):
+        os.unlink(ck / f"{kind}_world_size_4_rank_2.pt")
+    r = run([ckptfs_bin(), "verify", str(ck), "--json", "--index", str(tmp_path / "ix")])
+    msgs = [f["message"] for f in json.loads(r.stdout)["findings"]]
+    assert "model_world_size_4_rank_2.pt is missing: rank 2's shards are unknown" in msgs, msgs
+    with mounter(ck, index=tmp_path / "ix") as m:
+        for fqn, ref in full["model"].items():
+            assert torch.equal(torch.from_numpy(npy(m, f"params/{fqn}/param.npy")), ref), fqn
+    for rank in (1, 3):
+        os.unlink(ck / f"model_world_size_4_rank_{rank}.pt")
+    with mounter(ck, index=tmp_path / "ix2") as m:
+        with pytest.raises(OSError) as e:
+            (m.path / "params/model.embed_tokens.weight/param.npy").read_bytes()
+        assert e.value.errno == errno.EIO
+        assert "model.embed_tokens.weight" in m.log_text()

@@ -33,7 +33,33 @@ struct Piece {
   int shard_dim = -1;           // DTensor Shard(d); -1: whole (Replicate, or a plain tensor)
   bool sharded_tensor = false;  // a ShardedTensor: its local shards, at their offsets
   std::vector<std::pair<std::vector<int64_t>, Loc>> placed;
+  // A DTensor over an N-D mesh (N > 1: HSDP's ("ddp", "fsdp")): per mesh dim,
+  // the tensor dim it shards (-1: Replicate), and this rank's mesh coordinate.
+  std::vector<int> mesh_shards;
+  std::vector<int64_t> coords;
+  int64_t mesh_rank = -1;  // a DTensor's DeviceMesh._rank: the rank that saved it (-1: not recorded)
 };
+
+// Where a rank's piece of a DTensor lies, as torch computes it
+// (compute_local_shape_and_global_offset): mesh dim by mesh dim, the current
+// extent of the sharded tensor dim is cut like torch.chunk, and the rank's
+// coordinate picks its chunk. `local` gets the piece's shape.
+std::vector<int64_t> MeshOffsets(const std::vector<int64_t>& global, const std::vector<int>& mesh_shards,
+                                 const std::vector<int64_t>& mesh_sizes, const std::vector<int64_t>& coords,
+                                 std::vector<int64_t>* local) {
+  *local = global;
+  std::vector<int64_t> offsets(global.size(), 0);
+  for (size_t i = 0; i < mesh_shards.size(); ++i) {
+    if (mesh_shards[i] < 0) continue;
+    const size_t d = static_cast<size_t>(mesh_shards[i]);
+    const int64_t size = (*local)[d], n = mesh_sizes[i];
+    const int64_t chunk = size / n + (size % n != 0);
+    const int64_t start = std::min(size, chunk * coords[i]);
+    (*local)[d] = std::min(size - start, chunk);
+    offsets[d] += start;
+  }
+  return offsets;
+}
 
 // The dtype and global size a _rebuild_wrapper_subclass object was rebuilt
 // with: args (cls, dtype, size, stride, ...).
@@ -115,11 +141,41 @@ Result<Piece> PieceOf(const Source& s, const PyValue* v, const std::string& what
   if (p.local.dtype != p.dtype) return bad("local shard dtype differs from the DTensor's");
   const PyValue* placements = spec->Attr("placements");
   if (placements == nullptr || !placements->IsSeq()) return bad("DTensorSpec without placements");
-  if (placements->items.size() != 1) {
-    return Unsupported("cannot read " + s.rel + ": " + what + ": a DTensor over a " +
-                       std::to_string(placements->items.size()) +
-                       "-D device mesh (HSDP / FSDP + TP); only 1-D meshes are placed");
+  if (const PyValue* mesh = spec->Attr("mesh"); mesh != nullptr) {
+    if (auto rank = AsInt(mesh->Attr("_rank"), "rank"); rank.ok()) p.mesh_rank = *rank;
   }
+  if (placements->items.size() > 1) {
+    // An N-D mesh: placed by the rank's coordinate, which the pickled
+    // DeviceMesh records (_coordinate_on_dim).
+    for (const PyValue* pl : placements->items) {
+      const std::string cls = pl->ClassName();
+      if (cls == "Replicate") {
+        p.mesh_shards.push_back(-1);
+        continue;
+      }
+      if (cls != "Shard") {
+        return Unsupported("cannot read " + s.rel + ": " + what + ": placement " + cls + " on a " +
+                           std::to_string(placements->items.size()) +
+                           "-D device mesh is not supported (FSDP + TP strides its shards)");
+      }
+      auto dim = AsInt(pl->Attr("dim"), "Shard.dim");
+      if (!dim.ok() || *dim < 0 || *dim >= static_cast<int64_t>(p.global.size())) return bad("Shard with a bad dim");
+      p.mesh_shards.push_back(static_cast<int>(*dim));
+    }
+    const PyValue* mesh = spec->Attr("mesh");
+    auto coords = AsIntVector(mesh != nullptr ? mesh->Attr("_coordinate_on_dim") : nullptr, "coordinate");
+    if (!coords.ok() || coords->size() != p.mesh_shards.size()) {
+      return bad("a DTensor over a " + std::to_string(p.mesh_shards.size()) +
+                 "-D device mesh without this rank's mesh coordinate (DeviceMesh._coordinate_on_dim)");
+    }
+    for (int64_t c : *coords) {
+      if (c < 0 || c >= (int64_t{1} << 20)) return bad("mesh coordinate out of range");
+    }
+    p.coords = std::move(*coords);
+    if (p.local.shape.size() != p.global.size()) return bad("local shard rank differs from the global shape's");
+    return p;
+  }
+  if (placements->items.empty()) return bad("DTensorSpec without placements");
   const PyValue* pl = placements->items[0];
   const std::string cls = pl->ClassName();
   if (cls == "Replicate") return p;
@@ -318,6 +374,7 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
     std::vector<Fragment> frags;
     std::string error;
     int64_t next = 0;  // Shard(d): where the next rank's rows start
+    std::vector<std::pair<const Source*, Piece>> mesh_pieces;  // N-D mesh DTensors, placed once all are seen
     bool seen = false;  // some rank gave the tensor's dtype and shape
     for (uint32_t r = 0; r < rf.world && error.empty(); ++r) {
       const auto& [src, v] = e.ranks[r];
@@ -332,6 +389,13 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
         error = p.status().message();
         break;
       }
+      if (p->mesh_rank >= 0 && p->mesh_rank != r) {
+        // A rank's file copied over another's: placed by its name, its shard
+        // would land where the other rank's belongs.
+        error = "cannot read " + src->rel + ": '" + t.key + "' is rank " + std::to_string(p->mesh_rank) +
+                "'s shard (its DeviceMesh says so), not rank " + std::to_string(r) + "'s";
+        break;
+      }
       if (!seen) {
         t.dtype = p->dtype;
         t.shape = p->global;
@@ -340,6 +404,14 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
       if (p->global != t.shape || p->dtype != t.dtype) {
         error = src->rel + " gives '" + t.key + "' another shape or dtype than rank 0";
         break;
+      }
+      if (!p->mesh_shards.empty() || !mesh_pieces.empty()) {
+        if (p->mesh_shards.empty() || (!mesh_pieces.empty() && mesh_pieces[0].second.mesh_shards != p->mesh_shards)) {
+          error = src->rel + " gives '" + t.key + "' another placement than " + mesh_pieces[0].first->rel;
+          break;
+        }
+        mesh_pieces.emplace_back(src, std::move(*p));
+        continue;
       }
       if (p->sharded_tensor) {  // placed where its ShardMetadata says
         for (const auto& [offsets, loc] : p->placed) {
@@ -362,6 +434,28 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
       f.offsets[p->shard_dim] = next;
       next += p->local.shape[p->shard_dim];
       if (f.lengths[p->shard_dim] > 0) frags.push_back(std::move(f));
+    }
+    if (error.empty() && !mesh_pieces.empty()) {
+      // The mesh's extent along each dim: the largest coordinate any rank holds.
+      std::vector<int64_t> sizes(mesh_pieces[0].second.coords.size(), 1);
+      for (const auto& [src, p] : mesh_pieces) {
+        for (size_t i = 0; i < sizes.size(); ++i) sizes[i] = std::max(sizes[i], p.coords[i] + 1);
+      }
+      std::set<std::vector<int64_t>> placed;  // replicas: the lowest rank's copy
+      for (const auto& [src, p] : mesh_pieces) {
+        std::vector<int64_t> local;
+        std::vector<int64_t> offsets = MeshOffsets(t.shape, p.mesh_shards, sizes, p.coords, &local);
+        if (local != p.local.shape) {
+          error = "cannot read " + src->rel + ": '" + t.key + "': its local shard has shape " +
+                  ShapeStr(p.local.shape) + ", but its mesh coordinate places a " + ShapeStr(local) +
+                  " piece of the global " + ShapeStr(t.shape);
+          break;
+        }
+        if (!placed.insert(offsets).second || NumelOf(local) == 0) continue;
+        Fragment f = WholeFragment(p.local, src->file);
+        f.offsets = std::move(offsets);
+        frags.push_back(std::move(f));
+      }
     }
     if (error.empty() && seen) {
       std::string detail;
