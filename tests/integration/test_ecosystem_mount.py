@@ -370,6 +370,7 @@ def test_torch_save_damage_is_named(dcp_fixtures, tmp_path):
 
 VERL = ROOT / "tests" / "data" / "verl_fsdp2"  # make_verl.sh: verl 0.9.1's own FSDPCheckpointManager
 VERL_HSDP = ROOT / "tests" / "data" / "verl_hsdp"  # the same over verl's ("ddp", "fsdp") mesh, 2 x 2 ranks
+VERL_FSDP1 = ROOT / "tests" / "data" / "verl_fsdp1"  # and under FSDP1 (use_orig_params=False)
 
 
 @pytest.mark.parametrize("data,world", [(VERL, 2), (VERL_HSDP, 4)], ids=["fsdp2", "hsdp"])
@@ -456,3 +457,26 @@ def test_verl_hsdp_replicas_cover_a_missing_rank_and_a_lost_shard_is_named(mount
             (m.path / "params/model.embed_tokens.weight/param.npy").read_bytes()
         assert e.value.errno == errno.EIO
         assert "model.embed_tokens.weight" in m.log_text()
+
+
+def test_verl_fsdp1_params_merge_and_flat_optimizer_states_are_refused(mounter, tmp_path):
+    """verl (and SkyRL) under FSDP1 save model.state_dict() under
+    SHARDED_STATE_DICT (ShardedTensors: merged, equal to the full state; verl's
+    own model merger cannot load these outside a process group, see
+    merger_status.txt) and the raw optimizer.state_dict(): per rank, plain 1-D
+    pieces of flat parameters with nothing placing them. Those are refused by
+    name, never served as rank 0's part; the step counters are served."""
+    assert "before loading ShardedTensor" in (VERL_FSDP1 / "merger_status.txt").read_text()
+    full = torch.load(VERL_FSDP1 / "full.pt", weights_only=False)
+    src = VERL_FSDP1 / "global_step_1" / "actor"
+    r = run([ckptfs_bin(), "verify", str(src), "--json", "--index", str(tmp_path / "ix")])
+    assert r.returncode != 0
+    msgs = " ".join(f["message"] for f in json.loads(r.stdout)["findings"])
+    assert "'optimizer.state.0.exp_avg': every rank's optimizer file holds its own plain tensor" in msgs, msgs
+    with mounter(src, index=tmp_path / "ix") as m:
+        for fqn, ref in full["model"].items():
+            assert torch.equal(torch.from_numpy(npy(m, f"params/{fqn}/param.npy")), ref), fqn
+        with pytest.raises(OSError) as e:
+            (m.path / "other/optimizer.state.0.exp_avg.npy").read_bytes()
+        assert e.value.errno == errno.EIO
+        assert torch.equal(torch.from_numpy(npy(m, "other/optimizer.state.0.step.npy")), torch.tensor(1.0))

@@ -302,6 +302,9 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
   std::map<std::string, size_t> by_key;
   size_t skipped = 0;
   bool too_deep = false;
+  // Whether a file set holds any DTensor / ShardedTensor: only then are its
+  // plain tensors known to be replicas (FSDP leaves only those unsharded).
+  bool model_pieces = false, optim_pieces = false;
   auto collect = [&](const std::vector<std::unique_ptr<Source>>& srcs, std::vector<std::string> prefix,
                      const std::map<std::string, std::string>& rename) {
     for (uint32_t r = 0; r < rf.world; ++r) {
@@ -310,6 +313,7 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
       std::vector<std::string> path = prefix;
       WalkStateDict(srcs[r]->root(), path, leaves, &skipped, &too_deep);
       for (Leaf& l : leaves) {
+        if (l.v->kind != PyKind::kTensor) (prefix.empty() ? model_pieces : optim_pieces) = true;
         // optimizer.state.<id>.<k> -> optimizer.state.<fqn>.<k> when the ids map.
         if (l.path.size() >= 3 && !rename.empty()) {
           if (auto it = rename.find(l.path[2]); it != rename.end()) l.path[2] = it->second;
@@ -420,6 +424,17 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
           if (NumelOf(f.lengths) > 0) frags.push_back(std::move(f));
         }
         continue;
+      }
+      if (v->kind == PyKind::kTensor && rf.world > 1 && NumelOf(p->global) > 1 &&
+          !(e.path[0] == "optimizer" ? optim_pieces : model_pieces)) {
+        // Every rank's file holds a plain tensor under this key, and nothing in
+        // these files is placed: a rank-local value (FSDP1's flat-parameter
+        // optimizer state, optimizer.state_dict() under use_orig_params=False),
+        // not a replica. Serving rank 0's would be a part as the whole.
+        error = "cannot index '" + t.key + "': every rank's " + (e.path[0] == "optimizer" ? "optimizer" : "model") +
+                " file holds its own plain tensor under it and none of them is a DTensor or ShardedTensor, so "
+                "whether they are replicas or rank-local pieces (FSDP1 flat-parameter state) is unknown";
+        break;
       }
       if (p->shard_dim < 0) {
         if (frags.empty()) frags.push_back(WholeFragment(p->local, src->file));  // replicated: the first copy
