@@ -65,6 +65,7 @@ def main():
                         # Per-rank ShardedTensor files (Accelerate, FSDP1) and torch 2.0's DCP.
                         (data / "accelerate_fsdp1_rank", 300_000, ()),
                         (data / "verl_hsdp" / "global_step_1" / "actor", 300_000, ()),
+                        (data / "meta_llama_mp2" / "mp2", 300_000, ()),
                         (data / "dcp_torch2x" / "2.0.1" / "ckpt", 300_000, ())],
             "deepspeed_dir": [(data / "ds_py3112" / "padspan_z2_dp4", 300_000, ()),
                               (data / "ds_py3112" / "z1_fp32_dp1", 300_000, ()),
@@ -80,11 +81,16 @@ def main():
             d = Path(a.out) / target
             shutil.rmtree(d, ignore_errors=True)
             d.mkdir(parents=True)
+            used = set()
             for src, max_file, skip in srcs:
                 if not src.is_dir():
                     sys.exit(f"{src}: not found (run the integration tests once to write build/fixtures)")
                 blob = pack(src, max_file, skip)
-                (d / f"{src.parent.name}_{src.name}.bin").write_bytes(blob)
+                name = f"{src.parent.name}_{src.name}.bin"
+                if name in used:  # verl_fsdp2 and verl_hsdp both end in global_step_1/actor
+                    name = f"{src.parents[1].name}_{name}"
+                used.add(name)
+                (d / name).write_bytes(blob)
                 print(f"{target}: {src.name} {len(blob)} bytes")
 
 

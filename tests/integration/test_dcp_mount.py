@@ -156,6 +156,11 @@ def test_dcp_written_by_every_torch2x_release(version, mounter, tmp_path):
             assert seen.get(key) == val, (version, key, seen)
         info = json.loads((m.path / "checkpoint.json").read_text())
         assert info["step"] == 7 and info["family"] == "pytorch-dcp", info
+        # What the .metadata itself shows of its release: planner_data only
+        # (2.0-2.3), storage_meta (2.4+), a version field (2.9+).
+        v = tuple(int(x) for x in version.split(".")[:2])
+        assert ("(torch 2.0-2.3)" if v < (2, 4) else "(torch >= 2.4)") in info["format"], info["format"]
+        assert ("version 1.0.0" in info["format"]) == (v >= (2, 9)), info["format"]
         assert "error" not in m.log_text().lower()
 
 

@@ -351,13 +351,16 @@ def test_torch_save_damage_is_named(dcp_fixtures, tmp_path):
     (ck / "copy.pt").write_bytes(data)
     r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix2")])
     assert r.returncode == 1 and "is in two archives (copy.pt and model.pt)" in r.stderr, r.stderr
-    # Meta's model-parallel shards: refused with the reason, not merged wrongly.
+    # consolidated.0X.pth shards of a model that is not Meta's Llama: each weight
+    # refused with the reason, not merged along a guessed dimension.
     for f in ("model.pt", "copy.pt"):
         os.unlink(ck / f)
     for i in range(2):
         (ck / f"consolidated.0{i}.pth").write_bytes(data)
-    r = run([ckptfs_bin(), "info", str(ck), "--index", str(tmp_path / "ix3")])
-    assert r.returncode == 1 and "2 model-parallel consolidated.NN.pth shards" in r.stderr, r.stderr
+    r = run([ckptfs_bin(), "verify", str(ck), "--index", str(tmp_path / "ix3")])
+    assert r.returncode != 0
+    assert "'model.embed.weight': its split dimension across the 2 model-parallel shards is unknown" in r.stdout, \
+        r.stdout
     # Only Trainer bookkeeping: not a checkpoint.
     shutil.rmtree(ck)
     ck.mkdir()
@@ -480,3 +483,39 @@ def test_verl_fsdp1_params_merge_and_flat_optimizer_states_are_refused(mounter, 
             (m.path / "other/optimizer.state.0.exp_avg.npy").read_bytes()
         assert e.value.errno == errno.EIO
         assert torch.equal(torch.from_numpy(npy(m, "other/optimizer.state.0.step.npy")), torch.tensor(1.0))
+
+
+# ---------------------------------------------------------------- Meta consolidated.0X.pth
+
+META = ROOT / "tests" / "data" / "meta_llama_mp2"  # make_meta_llama.sh: Meta's llama-models + fairscale
+
+
+def test_meta_model_parallel_shards_merge_into_the_mp1_model(mounter, tmp_path):
+    """consolidated.00.pth / .01.pth: each model-parallel rank's state dict of
+    Meta's reference Llama (fairscale Column/RowParallelLinear,
+    VocabParallelEmbedding). Mounted, every weight equals the same model built
+    at MP=1 (fairscale inits the full master weight and keeps each rank's
+    slice), whose logits are the MP=2 run's."""
+    full = torch.load(META / "full.pt", weights_only=False)
+    torch.testing.assert_close(full["logits_mp1"], full["logits_mp2"], rtol=1e-4, atol=1e-4)
+    src = tmp_path / "mp2"
+    shutil.copytree(META / "mp2", src)
+    r = run([ckptfs_bin(), "verify", str(src), "--index", str(tmp_path / "ix")])
+    assert r.returncode == 0, r.stdout + r.stderr
+    with mounter(src, index=tmp_path / "ix") as m:
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        assert info["family"] == "meta-consolidated" and "2 consolidated.NN.pth shards" in info["format"], info
+        for key, ref in full["model"].items():
+            got = torch.from_numpy(npy(m, f"params/{key}/param.npy"))
+            assert torch.equal(got, ref), key
+        assert len(full["model"]) == 21
+    # A missing shard, or shards of two different models, are named.
+    os.unlink(src / "consolidated.01.pth")
+    shutil.copy(META / "mp2" / "consolidated.01.pth", src / "consolidated.02.pth")
+    r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix2")])
+    assert r.returncode == 1 and "consolidated.01.pth is missing" in r.stderr, r.stderr
+    os.unlink(src / "consolidated.02.pth")
+    shutil.copy(VERL / "global_step_1" / "actor" / "model_world_size_2_rank_0.pt", src / "consolidated.01.pth")
+    r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix3")])
+    # (verl's Llama also has 21 tensors, under other names)
+    assert r.returncode == 1 and "'tok_embeddings.weight': consolidated.01.pth does not hold it" in r.stderr, r.stderr

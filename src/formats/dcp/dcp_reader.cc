@@ -592,13 +592,15 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     for (const auto& [k, v] : sdm->dict) RETURN_IF_ERROR(add_sdm(*k, *v));
 
     const PyValue* version = root.Attr("version");
-    // torch 1.13 writes neither storage_meta nor planner_data (module names are
+    // What each release writes (tests/data/dcp_torch2x): planner_data from 2.0,
+    // storage_meta from 2.4, version from 2.9; torch 1.13 writes neither
+    // storage_meta nor planner_data (module names are
     // canonicalised by the VM, so the class path cannot tell the versions apart).
     const bool has_planner = planner != nullptr && planner->kind == PyKind::kDict;
     if (ck.info.format_note.empty()) {
       ck.info.format_note = std::string("DCP metadata") + (version && version->IsStr() ? " version " + version->s : "") +
-                            (root.Attr("storage_meta") ? " (torch 2.x)"
-                             : has_planner             ? " (torch 2.0-2.2)"
+                            (root.Attr("storage_meta") ? " (torch >= 2.4)"
+                             : has_planner             ? " (torch 2.0-2.3)"
                                                        : " (torch 1.13 _shard.checkpoint layout)");
     }
     for (size_t i = paths.size(); i < ck.tensors.size(); ++i) paths.push_back(PathOf(planner, ck.tensors[i].key));

@@ -8,6 +8,7 @@
 #include "formats/byte_reader.h"
 #include "formats/state_dict_roles.h"
 #include "formats/torch_file.h"
+#include "formats/torchsave/meta_consolidated.h"
 #include "formats/torchsave/state_walk.h"
 
 namespace ckptfs::formats {
@@ -60,12 +61,15 @@ Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
   // Model archives first, then optimizer ones (listing order of params/).
   std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return !RE2::FullMatch(n, OptimizerRe()); });
   if (names.empty()) return NotFound("cannot read " + dir + ": no torch.save archive (.pt, .pth, .bin)");
-  size_t consolidated = 0;
-  for (const std::string& n : names) consolidated += RE2::FullMatch(n, ConsolidatedRe()) ? 1 : 0;
-  if (consolidated > 1) {
-    return Unsupported("cannot read " + dir + ": " + std::to_string(consolidated) +
-                       " model-parallel consolidated.NN.pth shards (Meta Llama layout); merging them needs each "
-                       "weight's split dimension, which ckptfs does not know for this layout yet");
+  std::vector<std::string> consolidated;
+  for (const std::string& n : names) {
+    if (RE2::FullMatch(n, ConsolidatedRe())) consolidated.push_back(n);
+  }
+  if (consolidated.size() > 1) {
+    if (consolidated.size() != names.size()) {
+      return Invalid("cannot read " + dir + ": Meta model-parallel consolidated.NN.pth shards beside other archives");
+    }
+    return ReadMetaConsolidated(dir, std::move(consolidated));
   }
   Checkpoint ck;
   ck.info.family = "torch-save";

@@ -9,8 +9,7 @@
 // Tensors map to params/ by their dict paths (state_dict_roles.h), optimizer
 // files as if under an "optimizer" key. Trainer bookkeeping (rng_state*,
 // training_args.bin, scheduler.pt, scaler.pt, random_states*) is not read.
-// Meta's model-parallel consolidated.0X.pth (several) is refused: its shards
-// split each weight along a dimension only the model code knows.
+// Meta's model-parallel consolidated.0X.pth (several) go to meta_consolidated.h.
 #ifndef CKPTFS_FORMATS_TORCHSAVE_PT_READER_H_
 #define CKPTFS_FORMATS_TORCHSAVE_PT_READER_H_
 
