@@ -425,6 +425,51 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
 // File `name` of `dir` when it exists (lstat: a dangling or escaping
 // symlink is present, and its refusal is the answer), read whole through
 // OpenSourceFile and held to `max_bytes`; nullopt when absent.
+// A Llama config.json from Meta's params.json (dim, n_layers, n_heads,
+// n_kv_heads, vocab_size, norm_eps, rope_theta, use_scaled_rope), as
+// transformers' own convert_llama_weights_to_hf.py writes it. The sizes
+// params.json leaves out or gives as -1 (Llama 2's vocab_size) come from the
+// weights: the embedding's rows and feed_forward.w1's.
+json MetaParamsConfig(const json& p, const Arch& a, int64_t embedding_rows, int64_t ffn_rows) {
+  const int64_t hidden = Get<int64_t>(p, "dim", 0);
+  const int64_t heads = Get<int64_t>(p, "n_heads", 0);
+  int64_t kv = heads;
+  if (p.contains("n_kv_heads") && p["n_kv_heads"].is_number_integer()) kv = p["n_kv_heads"].get<int64_t>();
+  int64_t vocab = Get<int64_t>(p, "vocab_size", -1);
+  if (vocab <= 0) vocab = embedding_rows;
+  const double theta = Get<double>(p, "rope_theta", 10000.0);
+  const bool scaled = Get<bool>(p, "use_scaled_rope", false);
+  json c;
+  c["architectures"] = json::array({a.cls});
+  c["model_type"] = a.model_type;
+  c["hidden_size"] = hidden;
+  c["intermediate_size"] = ffn_rows;
+  c["num_hidden_layers"] = Get<int64_t>(p, "n_layers", 0);
+  c["num_attention_heads"] = heads;
+  c["num_key_value_heads"] = kv;
+  c["head_dim"] = heads > 0 ? hidden / heads : 0;
+  c["hidden_act"] = "silu";
+  // The converter's choice: Llama 3.1 (scaled RoPE) 131072, Llama 3 8192, Llama 2 4096.
+  c["max_position_embeddings"] = scaled ? 131072 : theta >= 500000.0 ? 8192 : 4096;
+  c["rms_norm_eps"] = Get<double>(p, "norm_eps", 1e-5);
+  c["initializer_range"] = 0.02;
+  c["vocab_size"] = vocab;
+  c["tie_word_embeddings"] = false;
+  json rope = {{"rope_type", "default"}, {"rope_theta", theta}};
+  if (scaled) {  // llama-models' apply_scaling constants (Llama 3.1)
+    rope = {{"rope_type", "llama3"},         {"rope_theta", theta},       {"factor", 8.0},
+            {"low_freq_factor", 1.0},       {"high_freq_factor", 4.0},   {"original_max_position_embeddings", 8192}};
+    c["rope_scaling"] = rope;
+  }
+  c["rope_theta"] = theta;      // transformers 4.x
+  c["rope_parameters"] = rope;  // transformers 5.x
+  c["attention_bias"] = false;
+  c["mlp_bias"] = false;
+  c["attention_dropout"] = 0.0;
+  c["use_cache"] = true;
+  return c;
+}
+
 std::optional<Result<std::string>> ReadIfPresent(const std::string& dir, const std::string& name, uint64_t max_bytes) {
   struct stat st{};
   if (::lstat((dir + "/" + name).c_str(), &st) != 0) return std::nullopt;
@@ -669,9 +714,25 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
         }
       }
     } else if (conv == Convention::kTorchtitan) {
-      why.push_back("torchtitan names (tok_embeddings, layers.N.attention.wq), and torchtitan records no model "
-                    "config in its checkpoint; pass --hf-config FILE (a Llama config.json: its heads and "
-                    "key-value heads decide the RoPE row permutation of wq and wk)");
+      // Meta's own checkpoints (consolidated.0X.pth) carry params.json.
+      auto params_text = ReadIfPresent(config_dir, "params.json", kMaxConfigBytes);
+      json params = params_text && params_text->ok() ? json::parse(**params_text, nullptr, false) : json();
+      if (params.is_object() && Get<int64_t>(params, "dim", 0) > 0 && Get<int64_t>(params, "n_heads", 0) > 0) {
+        arch = forced != nullptr ? forced : ArchByName("llama");
+        auto rows = [&](const char* name) -> int64_t {
+          auto it = src.param.find(name);
+          return it == src.param.end() || index.tensors()[it->second].shape.empty()
+                     ? 0
+                     : index.tensors()[it->second].shape[0];
+        };
+        config = MetaParamsConfig(params, *arch, rows("tok_embeddings.weight"), rows("layers.0.feed_forward.w1.weight"));
+      } else {
+        why.push_back(params_text ? config_dir + "/params.json: not a Meta params.json (an object with dim and n_heads)"
+                                  : "torchtitan names (tok_embeddings, layers.N.attention.wq), and no config beside "
+                                    "them (torchtitan records none in its checkpoint; Meta's params.json is absent); "
+                                    "pass --hf-config FILE (a Llama config.json: its heads and key-value heads decide "
+                                    "the RoPE row permutation of wq and wk)");
+      }
     } else {
       why.push_back("the checkpoint records no model architecture (no Megatron args, no config.json beside it); "
                     "pass --hf-config FILE (a config.json) and, if needed, --hf-arch NAME");

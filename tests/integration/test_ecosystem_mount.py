@@ -509,6 +509,18 @@ def test_meta_model_parallel_shards_merge_into_the_mp1_model(mounter, tmp_path):
             got = torch.from_numpy(npy(m, f"params/{key}/param.npy"))
             assert torch.equal(got, ref), key
         assert len(full["model"]) == 21
+        # hf/: config.json from Meta's params.json, wq/wk RoPE rows permuted to
+        # Hugging Face's layout; transformers gives Meta's reference logits.
+        from transformers import AutoModelForCausalLM
+
+        assert (m.path / "hf" / "ERRORS").read_text() == ""
+        cfg = json.loads((m.path / "hf" / "config.json").read_text())
+        assert (cfg["intermediate_size"], cfg["num_key_value_heads"], cfg["rope_theta"]) == (112, 2, 500000.0), cfg
+        model = AutoModelForCausalLM.from_pretrained(m.path / "hf")
+        with torch.no_grad():
+            logits = model(full["tokens"]).logits
+        torch.testing.assert_close(logits, full["logits_mp1"], rtol=0, atol=5e-5)
+        torch.testing.assert_close(logits, full["logits_mp2"], rtol=0, atol=5e-5)
     # A missing shard, or shards of two different models, are named.
     os.unlink(src / "consolidated.01.pth")
     shutil.copy(META / "mp2" / "consolidated.01.pth", src / "consolidated.02.pth")

@@ -222,7 +222,7 @@ def test_torchtitan_checkpoint_equals_torchtitans_own_to_hf(torchtitan_ck, mount
     out = torchtitan_ck
     step = out / "checkpoint" / "step-10"
     r = run([bin_path, "cat", str(step), "hf/ERRORS"])
-    assert "torchtitan records no model config" in r.stdout and "pass --hf-config" in r.stdout
+    assert "torchtitan records none in its checkpoint" in r.stdout and "pass --hf-config" in r.stdout
     cfg = out / "reference" / "config.json"
     with mounter(step, extra=["--hf-config", str(cfg)]) as m:
         hf = m.path / "hf"
