@@ -521,7 +521,12 @@ def test_meta_model_parallel_shards_merge_into_the_mp1_model(mounter, tmp_path):
             logits = model(full["tokens"]).logits
         torch.testing.assert_close(logits, full["logits_mp1"], rtol=0, atol=5e-5)
         torch.testing.assert_close(logits, full["logits_mp2"], rtol=0, atol=5e-5)
-    # A missing shard, or shards of two different models, are named.
+    # A shard copied over another, a missing shard, or shards of two different
+    # models, are named.
+    shutil.copy(src / "consolidated.00.pth", src / "consolidated.01.pth")
+    r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix1")])
+    assert r.returncode == 1 and "consolidated.01.pth holds the same 'tok_embeddings.weight' bytes as " \
+        "consolidated.00.pth" in r.stderr, r.stderr
     os.unlink(src / "consolidated.01.pth")
     shutil.copy(META / "mp2" / "consolidated.01.pth", src / "consolidated.02.pth")
     r = run([ckptfs_bin(), "info", str(src), "--index", str(tmp_path / "ix2")])

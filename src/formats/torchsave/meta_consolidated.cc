@@ -95,6 +95,8 @@ Result<Checkpoint> ReadMetaConsolidated(const std::string& dir, std::vector<std:
   auto out_loc = out0 ? Resolve(*src[0], out0, shards[0] + " 'output.weight'") : Result<Loc>(Invalid(""));
 
   std::vector<std::vector<std::string>> paths;
+  std::string sample_key;  // the first split weight, and where each shard holds it
+  std::vector<Loc> sample;
   for (const std::vector<std::string>& path : order) {
     TensorRecord t;
     t.key = JoinPath(path);
@@ -163,6 +165,7 @@ Result<Checkpoint> ReadMetaConsolidated(const std::string& dir, std::vector<std:
           if (NumelOf(f.lengths) > 0) frags.push_back(std::move(f));
         }
         t.shape[split] = at;
+        if (sample.empty()) sample_key = t.key, sample = locs;
       }
       t.byte_size = NumelOf(t.shape) * DTypeSize(t.dtype);
     } else {
@@ -176,6 +179,21 @@ Result<Checkpoint> ReadMetaConsolidated(const std::string& dir, std::vector<std:
     t.num_fragments = static_cast<uint32_t>(frags.size());
     paths.push_back(path);
     ck.tensors.push_back(std::move(t));
+  }
+  // The shards name no rank, so a shard copied over another would merge
+  // silently: a split weight's slices are distinct in any trained model, so
+  // the first 4 KiB of one are compared across the shards (all-zero slices,
+  // an untrained model's, prove nothing and are skipped).
+  std::map<std::string, size_t> seen;
+  for (size_t k = 0; k < sample.size(); ++k) {
+    auto head = src[k]->reader->ReadAt(sample[k].data_offset, std::min<uint64_t>(sample[k].data_length, 4096));
+    if (!head.ok()) return head.status();
+    if (head->find_first_not_of('\0') == std::string::npos) break;
+    auto [it, fresh] = seen.emplace(std::move(*head), k);
+    if (!fresh) {
+      return Invalid("cannot read " + dir + ": " + shards[k] + " holds the same '" + sample_key + "' bytes as " +
+                     shards[it->second] + ": one shard copied over another, not two model-parallel ranks");
+    }
   }
   ClassifyStateDict(ck.tensors, paths);
   if (skipped > 0) ck.info.problems.push_back(std::to_string(skipped) + " non-tensor entries are not shown");
