@@ -4,6 +4,17 @@
 
 namespace ckptfs::formats {
 
+std::optional<int> LlamaLinearSplitDim(std::string_view fqn) {
+  for (const char* col : {".wq.", ".wk.", ".wv.", ".w1.", ".w3.", ".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.",
+                          ".up_proj."}) {
+    if (Contains(fqn, col)) return 0;
+  }
+  for (const char* row : {".wo.", ".w2.", ".o_proj.", ".down_proj."}) {
+    if (Contains(fqn, row)) return EndsWith(fqn, ".bias") ? -1 : 1;
+  }
+  return std::nullopt;
+}
+
 TensorSplit SplitOf(const Rule& r) {
   TensorSplit s;
   switch (r.kind) {

@@ -10,6 +10,8 @@
 #define CKPTFS_FORMATS_TP_MERGE_H_
 
 #include <cstdint>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 #include "ckptfs/common.h"
@@ -51,6 +53,15 @@ struct Rule {
 // The same rule as the split recorded for topo/ (kAverage: every rank holds
 // the mean, i.e. a replicated tensor; kSubParams: unknown).
 TensorSplit SplitOf(const Rule& r);
+
+// The tensor-parallel split of a linear layer by its name, for checkpoints
+// that record no rule: Meta / torchtitan Llama names (fairscale's
+// ColumnParallelLinear wq wk wv w1 w3, RowParallelLinear wo w2) and Hugging
+// Face Llama names (q/k/v/gate/up_proj, o/down_proj). 0 or 1: the split
+// dimension; -1: a row-parallel layer's bias (replicated); nullopt: not such
+// a layer. Embeddings, norms and the output layer are the caller's: their
+// split differs between conventions.
+std::optional<int> LlamaLinearSplitDim(std::string_view fqn);
 
 // Maps a box of TP rank t's local tensor to boxes of the global tensor; each
 // result carries the local offsets of its first element.

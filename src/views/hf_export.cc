@@ -353,6 +353,21 @@ const Arch* RecogniseMegatron(const json& args, const Arch* forced, std::vector<
 }
 
 // config.json for `a` from a Megatron run's args and its embedding.
+// RoPE in both transformers spellings: rope_theta (4.x) and rope_parameters
+// (5.x); with `llama3_factor`, Llama 3.1's frequency scaling (the constants
+// mcore's apply_rope_scaling and llama-models' apply_scaling share) as
+// rope_scaling too.
+void SetRope(json& c, double theta, std::optional<double> llama3_factor) {
+  json rope = {{"rope_type", "default"}, {"rope_theta", theta}};
+  if (llama3_factor) {
+    rope = {{"rope_type", "llama3"},         {"rope_theta", theta},       {"factor", *llama3_factor},
+            {"low_freq_factor", 1.0},       {"high_freq_factor", 4.0},   {"original_max_position_embeddings", 8192}};
+    c["rope_scaling"] = rope;
+  }
+  c["rope_theta"] = theta;
+  c["rope_parameters"] = rope;
+}
+
 json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   const std::string mt = a.model_type;
   const int64_t hidden = Get<int64_t>(args, "hidden_size", 0);
@@ -382,18 +397,9 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   c["initializer_range"] = Get<double>(args, "init_method_std", 0.02);
   c["vocab_size"] = vocab;
   c["tie_word_embeddings"] = !Get<bool>(args, "untie_embeddings_and_output_weights", false);
-  json rope = {{"rope_type", "default"}, {"rope_theta", theta}};
-  if (Get<bool>(args, "use_rope_scaling", false)) {  // mcore's apply_rope_scaling: Llama 3.1's constants
-    rope = {{"rope_type", "llama3"},
-            {"rope_theta", theta},
-            {"factor", Get<double>(args, "rope_scaling_factor", 8.0)},
-            {"low_freq_factor", 1.0},
-            {"high_freq_factor", 4.0},
-            {"original_max_position_embeddings", 8192}};
-    c["rope_scaling"] = rope;
-  }
-  c["rope_theta"] = theta;          // transformers 4.x
-  c["rope_parameters"] = rope;      // transformers 5.x
+  SetRope(c, theta, Get<bool>(args, "use_rope_scaling", false)
+                        ? std::optional<double>(Get<double>(args, "rope_scaling_factor", 8.0))
+                        : std::nullopt);
   c["attention_dropout"] = 0.0;
   c["use_cache"] = true;
   if (mt == "llama") {
@@ -455,14 +461,7 @@ json MetaParamsConfig(const json& p, const Arch& a, int64_t embedding_rows, int6
   c["initializer_range"] = 0.02;
   c["vocab_size"] = vocab;
   c["tie_word_embeddings"] = false;
-  json rope = {{"rope_type", "default"}, {"rope_theta", theta}};
-  if (scaled) {  // llama-models' apply_scaling constants (Llama 3.1)
-    rope = {{"rope_type", "llama3"},         {"rope_theta", theta},       {"factor", 8.0},
-            {"low_freq_factor", 1.0},       {"high_freq_factor", 4.0},   {"original_max_position_embeddings", 8192}};
-    c["rope_scaling"] = rope;
-  }
-  c["rope_theta"] = theta;      // transformers 4.x
-  c["rope_parameters"] = rope;  // transformers 5.x
+  SetRope(c, theta, scaled ? std::optional<double>(8.0) : std::nullopt);
   c["attention_bias"] = false;
   c["mlp_bias"] = false;
   c["attention_dropout"] = 0.0;

@@ -25,19 +25,12 @@ bool ParseInt(std::string_view s, int* out) {
 // Name conventions for checkpoints whose reader records no rule (DCP):
 // torchtitan Llama and Hugging Face Llama names, then Megatron's.
 std::optional<TensorSplit> ConventionSplit(const std::string& fqn) {
-  const bool bias = EndsWith(fqn, ".bias");
   TensorSplit s;
   s.kind = SplitKind::kDim;
-  for (const char* col : {".wq.", ".wk.", ".wv.", ".w1.", ".w3.", ".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.",
-                          ".up_proj."}) {
-    if (Contains(fqn, col)) return s;
-  }
-  for (const char* row : {".wo.", ".w2.", ".o_proj.", ".down_proj."}) {
-    if (Contains(fqn, row)) {
-      if (bias) s.kind = SplitKind::kReplicate;
-      else s.dim = 1;
-      return s;
-    }
+  if (auto dim = formats::LlamaLinearSplitDim(fqn)) {
+    if (*dim < 0) s.kind = SplitKind::kReplicate;
+    else s.dim = *dim;
+    return s;
   }
   for (const char* vocab : {"tok_embeddings.weight", "embed_tokens.weight", "lm_head.weight"}) {
     if (EndsWith(fqn, vocab)) return s;

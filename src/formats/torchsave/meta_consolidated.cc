@@ -8,28 +8,17 @@
 #include "formats/byte_reader.h"
 #include "formats/state_dict_roles.h"
 #include "formats/torch_file.h"
+#include "formats/tp_merge.h"
 #include "formats/torchsave/state_walk.h"
 
 namespace ckptfs::formats {
 namespace {
 
-bool EndsWith(const std::string& s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // fairscale's split dimension of a weight of Meta's Llama (-1: replicated,
 // -2: unknown). `tok_embeddings` is decided by the caller.
 int SplitDim(const std::string& key, size_t ndim) {
-  static constexpr std::string_view kColumn[] = {"attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
-                                                 "feed_forward.w1.weight", "feed_forward.w3.weight"};
-  static constexpr std::string_view kRow[] = {"attention.wo.weight", "feed_forward.w2.weight"};
-  if (key == "output.weight") return 0;
-  for (std::string_view s : kColumn) {
-    if (EndsWith(key, s)) return 0;
-  }
-  for (std::string_view s : kRow) {
-    if (EndsWith(key, s)) return 1;
-  }
+  if (key == "output.weight") return 0;  // ColumnParallelLinear
+  if (auto dim = LlamaLinearSplitDim(key)) return *dim;
   if (ndim <= 1 || key == "rope.freqs") return -1;
   return -2;
 }

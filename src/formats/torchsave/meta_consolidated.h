@@ -2,8 +2,9 @@
 // consolidated.<N-1>.pth, each one model-parallel rank's model.state_dict()
 // from Meta's reference model (llama-models' llama3 Transformer, and the
 // original llama repo), beside params.json. fairscale's layers split each
-// weight along a fixed dimension, which only the model code knows; this reader
-// carries that rule table:
+// weight along a fixed dimension, which only the model code knows; the rule
+// table (the linear layers' part is formats/tp_merge.h's LlamaLinearSplitDim,
+// shared with topo/'s name conventions):
 //   ColumnParallelLinear, dim 0:  attention.wq / wk / wv, feed_forward.w1 / w3, output
 //   RowParallelLinear, dim 1:     attention.wo, feed_forward.w2
 //   tok_embeddings:               VocabParallelEmbedding (Llama 3, dim 0) or

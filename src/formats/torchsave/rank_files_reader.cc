@@ -235,8 +235,8 @@ RankFiles Scan(const std::string& dir) {
   };
   pick(model_stems, r.model_stem, r.model);
   pick(optim_stems, r.optim_stem, r.optim);
-  for (const auto& m : {r.model, r.optim}) {
-    if (!m.empty()) r.world = std::max(r.world, m.rbegin()->first + 1);
+  for (const auto* m : {&r.model, &r.optim}) {
+    if (!m->empty()) r.world = std::max(r.world, m->rbegin()->first + 1);
   }
   return r;
 }
