@@ -6,12 +6,15 @@ so that index-build throughput (fragments/s) is measured on a realistic count.
 """
 import argparse
 import os
-import socket
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures"))
+from ports import free_port  # noqa: E402
 
 
 def run(rank, world, out, port, n_big, rows, cols, n_small):
@@ -44,9 +47,7 @@ def main():
     rows, cols = 4096, 8192  # 128 MiB per f32 tensor
     n_big = max(1, int(round(a.gib * 1024 / 128)))
     os.makedirs(a.out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(run, args=(4, a.out, port, n_big, rows, cols, a.small), nprocs=4, join=True)
 
 

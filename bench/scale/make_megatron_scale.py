@@ -73,7 +73,6 @@ Measured 2026-11-25 on 2 shared cores (load 10-16 from other jobs), flat, 4 rank
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 import warnings
@@ -81,6 +80,9 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "fixtures"))
+from ports import free_port  # noqa: E402
 
 ITERATION = 7
 # Per-layer parameters of mcore's local-spec GPT layer: (name, global shape as a
@@ -246,9 +248,7 @@ def main():
     o = ap.parse_args()
     layers = layers_for(o.tensors)
     os.makedirs(o.out, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     mp.spawn(worker, args=(o, port, layers), nprocs=o.ranks, join=True)
     took = time.monotonic() - t0

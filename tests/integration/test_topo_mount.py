@@ -11,7 +11,6 @@ import json
 import mmap
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,9 @@ from safetensors.torch import load_file  # noqa: E402
 from conftest import FIXTURES, run  # noqa: E402
 from test_deepspeed_mount import produce  # noqa: E402
 from test_megatron_mount import megatron_fixtures  # noqa: E402,F401  (a session fixture)
+
+sys.path.insert(0, str(FIXTURES))
+from ports import free_port  # noqa: E402
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
                 "int64": torch.int64, "float64": torch.float64, "int32": torch.int32}
@@ -292,16 +294,14 @@ def test_megatron_native_view_at_source_topology_equals_source(megatron_fixtures
                     assert (v is None and mine["model"][k] is None) or torch.equal(mine["model"][k], v), k
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn(script, world, *args):
     env = dict(os.environ, PYTHONPATH=f"{FIXTURES}:{Path(__file__).parent}")
-    r = subprocess.run([sys.executable, str(Path(__file__).parent / script), str(world), str(free_port())] +
-                       [str(a) for a in args], capture_output=True, text=True, timeout=600, env=env)
+    for attempt in range(3):
+        r = subprocess.run([sys.executable, str(Path(__file__).parent / script), str(world), str(free_port())] +
+                           [str(a) for a in args], capture_output=True, text=True, timeout=600, env=env)
+        # A listener that took the port between choosing and binding it: choose again.
+        if r.returncode == 0 or "EADDRINUSE" not in r.stderr:
+            break
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
 
 
