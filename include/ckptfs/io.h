@@ -65,7 +65,8 @@ enum class EngineKind : uint8_t { kAuto, kUring, kPread };
 Result<EngineKind> ParseEngineKind(std::string_view s);
 
 // Element conversion for one contiguous or strided run (src_stride in
-// elements). Supported: identity, and bf16/f16/fp8 -> f32 widening.
+// elements). Supported: identity, bf16/f16/fp8 -> f32 widening and f32 ->
+// bf16/f16 narrowing (round to nearest even).
 Status ConvertRun(const char* src, DType src_dtype, int64_t src_stride, char* dst, DType dst_dtype, uint64_t n);
 bool CanConvert(DType from, DType to);
 

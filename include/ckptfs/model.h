@@ -47,6 +47,8 @@ size_t DTypeSize(DType d);
 // The widening the read engine renders (io.h CanConvert): bf16, f16 and the
 // fp8 formats to float32.
 bool WidensToF32(DType d);
+// The narrowing it renders: float32 to bf16 or f16, round to nearest even.
+bool NarrowsFromF32(DType d);
 std::string_view DTypeName(DType d);          // torch spelling: "float32", "bfloat16"
 DType DTypeFromTorchName(std::string_view n);  // "float32" / "FloatStorage" ...
 // torch's typed-storage class ("FloatStorage"); empty when there is none.

@@ -67,7 +67,8 @@ struct ByteRange {
   uint64_t offset = 0, length = 0;
 };
 
-// What a plan mostly does; calibration measures each kind separately.
+// What a plan mostly does; calibration measures each kind separately. kWiden
+// is any element conversion (widening, or narrowing float32 to bf16 / f16).
 enum class TransformKind : uint8_t { kCopy = 0, kTinyRuns = 1, kWiden = 2, kCrc32c = 3 };
 constexpr int kTransformKinds = 4;
 const char* TransformKindName(TransformKind k);

@@ -179,7 +179,8 @@ class Checkpoint:
     def read(self, name: str, state: str = "param", box: Any = None, dtype: Any = None, out: Any = None):
         """The tensor (or the sub-box `box`, a tuple of slices) as a numpy array,
         the bytes the mount's params/<name>/<state> file serves. `dtype`: None
-        keeps the source's; "float32" widens bf16/fp16/fp8. `out`: a C-contiguous
+        keeps the source's; "float32" widens bf16/fp16/fp8; "bfloat16" /
+        "float16" round float32 to nearest even (as torch's .to()). `out`: a C-contiguous
         host buffer (numpy array, torch tensor, pinned or not) to fill instead;
         its element count must be the box's. The GIL is released while reading."""
         t = self.tensor(name, state)

@@ -66,9 +66,9 @@ hf/ is a transformers model directory (config.json, safetensors with Hugging Fac
 when the architecture is known: Megatron Llama/Mistral/Qwen2/Qwen3/Mixtral from its args,
 or a config.json beside the checkpoint. --hf-arch NAME (llama, mistral, qwen2, qwen3,
 mixtral) picks one the args allow; --hf-config FILE supplies config.json; --hf-dtype
-model (default), source, fp32 (widened), bf16/fp16 (when stored so), master (the fp32
-master weights). hf/ERRORS says what is left out or missing, and why.
---gpu: where merges, padding strips and widening casts run (same bytes either way).
+model (default), source, fp32 (widened), bf16/fp16 (float32 rounded to nearest even),
+master (the fp32 master weights). hf/ERRORS says what is left out or missing, and why.
+--gpu: where merges, padding strips and dtype casts run (same bytes either way).
 auto (default): on a CUDA GPU for plans a calibration measured faster there, else
 the CPU; on: every plan with such work on the GPU (an error without one); off: the CPU.
 --verify-on-read: check the CRC-32 a source records for each range (ZIP entry)

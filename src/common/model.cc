@@ -55,6 +55,8 @@ bool WidensToF32(DType d) {
          d == DType::kF8E4M3FNUZ || d == DType::kF8E5M2FNUZ;
 }
 
+bool NarrowsFromF32(DType d) { return d == DType::kBF16 || d == DType::kF16; }
+
 size_t DTypeSize(DType d) {
   const DTypeInfo* i = Find(d);
   return i ? i->size : 0;

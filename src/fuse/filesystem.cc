@@ -152,7 +152,7 @@ Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst,
   if (t.encoding != Encoding::kTensor) return bad("a pickled object, not a tensor");
   if (out != t.dtype && !CanConvert(t.dtype, out)) {
     return bad("cannot render " + std::string(DTypeName(t.dtype)) + " as " + std::string(DTypeName(out)) +
-               " (only identity and widening to float32)");
+               " (only identity, widening to float32 and float32 to bf16 / f16)");
   }
   uint64_t numel = t.Numel();
   if (box != nullptr) {

@@ -1,6 +1,9 @@
 // CPU element transforms. Widening is exact: every bf16, f16 and fp8 value is
 // a float32 value. NaN payloads are kept where the source has them (bf16,
 // f16); fp8 NaNs become the canonical quiet NaN with the source's sign.
+// Narrowing float32 to bf16 / f16 rounds to nearest even, as torch's
+// .to(dtype) does (float_bits.h; overflow gives inf, NaN the canonical quiet
+// NaN: bf16 0x7FC0, f16 sign | 0x7E00).
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -80,6 +83,7 @@ const float* Fp8DecodeTable(DType d) {
 
 bool CanConvert(DType from, DType to) {
   if (from == to) return DTypeSize(from) > 0;
+  if (from == DType::kF32) return NarrowsFromF32(to);
   return to == DType::kF32 && WidensToF32(from);
 }
 
@@ -93,8 +97,17 @@ Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd
     }
     return Status::Ok();
   }
-  if (dd != DType::kF32) return Internal("no conversion from " + std::string(DTypeName(sd)) + " to " + std::string(DTypeName(dd)));
   const int64_t step = stride * static_cast<int64_t>(ss);
+  if (sd == DType::kF32 && NarrowsFromF32(dd)) {
+    const bool bf = dd == DType::kBF16;
+    for (uint64_t i = 0; i < n; ++i) {
+      const uint32_t f = LoadLE<uint32_t>(src + static_cast<int64_t>(i) * step);
+      const uint16_t h = bf ? FloatBitsToBFloat16Bits(f) : FloatBitsToHalfBits(f);
+      std::memcpy(dst + 2 * i, &h, 2);
+    }
+    return Status::Ok();
+  }
+  if (dd != DType::kF32) return Internal("no conversion from " + std::string(DTypeName(sd)) + " to " + std::string(DTypeName(dd)));
   if (sd == DType::kBF16) {
     WidenLoop(dst, n, [&](uint64_t i) { return BFloat16BitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step)); });
   } else if (sd == DType::kF16) {

@@ -112,16 +112,22 @@ struct DevOp {
   uint64_t src_off = 0, dst_off = 0;
   int64_t len[kMaxGatherDims], sstr[kMaxGatherDims], dstr[kMaxGatherDims];
   uint32_t ssize = 0, dsize = 0;
-  int32_t conv = 0;  // 0 copy, 1 bf16, 2 f16, 3.. fp8 table index + 3
+  int32_t conv = 0;  // 0 copy; widen to f32: 1 bf16, 2 f16, 3..6 fp8 table index + 3; narrow f32: 7 bf16, 8 f16
   int32_t rank = 0;
   int32_t aligned = 0;  // typed loads and stores are safe
   int32_t small = 0;    // fewer than 2^32 elements: 32-bit index math
 };
 
+// DevOp::conv of the narrowing conversions (float32 -> bf16 / f16, round to
+// nearest even, float_bits.h).
+constexpr int32_t kNarrowBF16 = 7, kNarrowF16 = 8;
+
 // -1 when the kernel has no conversion from `s` to `d` (ValidateOps rejects
 // such plans first).
 inline int ConvCode(DType s, DType d) {
   if (s == d) return 0;
+  if (s == DType::kF32) return d == DType::kBF16 ? kNarrowBF16 : d == DType::kF16 ? kNarrowF16 : -1;
+  if (d != DType::kF32) return -1;
   switch (s) {
     case DType::kBF16:
       return 1;
@@ -234,6 +240,23 @@ template <typename Fp8>
 CKPTFS_HD inline void ConvertElement(const DevOp& op, const unsigned char* s, unsigned char* d, const Fp8& fp8) {
   if (op.conv == 0) {
     CopyElement(s, d, op.ssize, op.aligned != 0);
+    return;
+  }
+  if (op.conv >= kNarrowBF16) {
+    uint32_t f;
+#if defined(__CUDA_ARCH__)
+    f = op.aligned ? *reinterpret_cast<const uint32_t*>(s) : LoadLE32(s);
+#else
+    f = LoadLE32(s);
+#endif
+    const uint16_t h = op.conv == kNarrowBF16 ? FloatBitsToBFloat16Bits(f) : FloatBitsToHalfBits(f);
+#if defined(__CUDA_ARCH__)
+    if (op.aligned) {
+      *reinterpret_cast<uint16_t*>(d) = h;
+      return;
+    }
+#endif
+    StoreLE16(h, d);
     return;
   }
   uint32_t bits;

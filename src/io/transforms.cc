@@ -511,8 +511,11 @@ Status CheckAgainstCpu(Transforms& gpu) {
                            DType::kI64, DType::kU64, DType::kF16, DType::kBF16, DType::kF32, DType::kF64, DType::kC64,
                            DType::kC128, DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ};
   for (DType sd : sources) {
-    for (DType out : {sd, DType::kF32}) {
-      if (out != sd && !CanConvert(sd, out)) continue;
+    std::vector<DType> outs = {sd};
+    for (DType o : {DType::kF32, DType::kBF16, DType::kF16}) {
+      if (o != sd && CanConvert(sd, o)) outs.push_back(o);
+    }
+    for (DType out : outs) {
       const int64_t ss = static_cast<int64_t>(DTypeSize(sd)), os = static_cast<int64_t>(DTypeSize(out));
       const int64_t rows = 37, cols = 13, run = 1001;
       std::vector<GatherOp> ops(3);
@@ -527,7 +530,6 @@ Status CheckAgainstCpu(Transforms& gpu) {
       ops[2].dst_off = ops[1].dst_off + static_cast<uint64_t>(os) + 1;
       const auto src = MixedBytes(ops[2].src_off + static_cast<uint64_t>(run * ss) + 5, Mix(seed));
       RETURN_IF_ERROR(CompareGather(gpu, src, ops, out, ops[2].dst_off + static_cast<uint64_t>(run * os) + 3));
-      if (out == sd && sd == DType::kF32) break;
     }
   }
   // A mean of replicas of each dtype, of arbitrary bit patterns (NaNs,

@@ -800,10 +800,15 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     h.name = hf_name;
     h.id = TensorId{read};
     h.out = out_dtype(t.dtype);
-    if (h.out != t.dtype && !(h.out == DType::kF32 && WidensToF32(t.dtype))) {
+    // The read engine's conversions (io.h CanConvert): widening to float32,
+    // float32 narrowed to bf16 / f16 with round to nearest even.
+    const bool widen = h.out == DType::kF32 && WidensToF32(t.dtype);
+    const bool narrow = t.dtype == DType::kF32 && NarrowsFromF32(h.out);
+    if (h.out != t.dtype && !widen && !narrow) {
       plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn + "' is " +
-                            std::string(DTypeName(t.dtype)) + ", and ckptfs converts only to a wider type, not to " +
-                            std::string(DTypeName(h.out)) + " (use --hf-dtype source or fp32)");
+                            std::string(DTypeName(t.dtype)) + ", and ckptfs converts only floats to float32 and "
+                            "float32 to bfloat16 / float16, not to " + std::string(DTypeName(h.out)) +
+                            " (use --hf-dtype source or fp32)");
       plan.not_included.push_back(fqn);
       return;
     }

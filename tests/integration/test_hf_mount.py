@@ -240,6 +240,44 @@ def test_torchtitan_checkpoint_equals_torchtitans_own_to_hf(torchtitan_ck, mount
     assert torch.allclose(logits, ref, atol=1e-5, rtol=1e-5), (logits - ref).abs().max()
 
 
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_torchtitan_fp32_narrowed_like_torchtitans_export_dtype(torchtitan_ck, mounter, dtype):
+    """torchtitan trains and saves float32; its convert_to_hf --export_dtype
+    bfloat16 / float16 casts every to_hf tensor with torch's .to(). hf/ with
+    --hf-dtype bf16 / fp16 serves the same bytes, rounded in the read engine
+    (round to nearest even, ties to even), and transformers loads it in that
+    dtype with the float32 model's logits to within that dtype's rounding."""
+    out = torchtitan_ck
+    step = out / "checkpoint" / "step-10"
+    td = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    with mounter(step, name=dtype, extra=["--hf-config", str(out / "reference" / "config.json"),
+                                          "--hf-dtype", dtype]) as m:
+        hf = m.path / "hf"
+        assert (hf / "ERRORS").read_text() == ""
+        cfg = json.loads((hf / "config.json").read_text())
+        assert cfg["torch_dtype"] == cfg["dtype"] == str(td).removeprefix("torch.")
+        got, want = hf_tensors(hf), load_file(str(out / "reference" / "hf_state_dict.safetensors"))
+        assert sorted(got) == sorted(want)
+        ties = 0
+        for k, w in want.items():
+            assert w.dtype == torch.float32 and got[k].dtype == td, k
+            assert torch.equal(got[k], w.to(td)), k
+            # Values whose dropped bits are exactly half an ulp: the tie rule decides them.
+            drop = 16 if dtype == "bf16" else 13
+            ties += int(((w.view(torch.int32) & ((1 << drop) - 1)) == (1 << (drop - 1))).sum())
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=td)
+        assert next(model.parameters()).dtype == td
+        tokens = (torch.arange(32).reshape(2, 16) * 7 + 3) % 96
+        with torch.no_grad():
+            logits = model(tokens).logits.float()
+    ref = torch.load(out / "reference" / "logits.pt")
+    err = (logits - ref).abs().max() / ref.abs().max()
+    assert err < (3e-2 if dtype == "bf16" else 4e-3), err
+    print(f"{dtype}: {ties} ties among the tensors, logits relative error {float(err):.2e}")
+
+
 def test_hf_trainer_deepspeed_checkpoint(hf_trainer_ck, mounter):
     """The HF Trainer with DeepSpeed ZeRO-2 (DP=2, CPU) saves checkpoint-N/:
     mounted, hf/ is its ZeRO shards under their own (Hugging Face) names with

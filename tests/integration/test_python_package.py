@@ -103,8 +103,17 @@ def test_boxes_dtypes_and_out_buffers(z2, z1bf16):
         if "bfloat16" in ckptfs._NUMPY:
             raise TypeError("numpy has no bfloat16 (ml_dtypes is installed: nothing to check)")
         bf.read(t.name)
-    with pytest.raises(ckptfs.Error, match="cannot render float32 as bfloat16"):
-        ck.read(name, "exp_avg", dtype="bfloat16", out=torch.empty(full.shape, dtype=torch.bfloat16))
+    # float32 rounds to bfloat16 / float16 as torch's .to() does (nearest even);
+    # numpy's own float16 cast agrees. Other conversions are refused by name.
+    full_t = torch.from_numpy(full)
+    assert torch.equal(ctorch.read(ck, name, "exp_avg", dtype=torch.bfloat16), full_t.to(torch.bfloat16))
+    into = torch.empty(full.shape, dtype=torch.bfloat16)
+    ck.read(name, "exp_avg", box=None, dtype="bfloat16", out=into)
+    assert torch.equal(into, full_t.to(torch.bfloat16))
+    half = ck.read(name, "exp_avg", dtype="float16")
+    assert half.dtype == np.float16 and np.array_equal(half.view(np.uint16), full.astype(np.float16).view(np.uint16))
+    with pytest.raises(ckptfs.Error, match="cannot render float32 as int32"):
+        ck.read(name, "exp_avg", dtype="int32")
 
 
 def test_any_file_of_the_tree(z2, mounter):

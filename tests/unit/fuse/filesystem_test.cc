@@ -6,9 +6,11 @@
 #include <nlohmann/json.hpp>
 
 #include <cerrno>
+#include <cstring>
 #include <filesystem>
 
 #include "../test_util.h"
+#include "common/float_bits.h"
 
 namespace ckptfs {
 namespace {
@@ -125,9 +127,19 @@ TEST_F(FilesystemTest, ReadTensorServesTheFileBytesAndChecksItsArguments) {
   EXPECT_EQ(code(w, DType::kF32, &rank1, 10 * 4).code(), Code::kInvalid);
   EXPECT_EQ(code(w, DType::kF32, &negative, 6 * 4).code(), Code::kInvalid);
   EXPECT_EQ(code(w, DType::kF32, nullptr, raw.size() - 4).code(), Code::kInvalid);  // a short buffer
-  Status narrow = code(w, DType::kBF16, nullptr, raw.size() / 2);
-  EXPECT_EQ(narrow.code(), Code::kInvalid);
-  EXPECT_NE(narrow.message().find("cannot render float32 as bfloat16"), std::string::npos) << narrow.message();
+  // float32 narrows to bfloat16 with round to nearest even; to int32 it does not convert.
+  std::string half(raw.size() / 2, '\0');
+  ASSERT_TRUE(fs_->ReadTensor(w, DType::kBF16, nullptr, half.data(), half.size()).ok());
+  for (size_t i = 0; i < raw.size() / 4; ++i) {
+    uint32_t f;
+    uint16_t b;
+    std::memcpy(&f, raw.data() + 4 * i, 4);
+    std::memcpy(&b, half.data() + 2 * i, 2);
+    EXPECT_EQ(b, FloatBitsToBFloat16Bits(f)) << i;
+  }
+  Status other = code(w, DType::kI32, nullptr, raw.size());
+  EXPECT_EQ(other.code(), Code::kInvalid);
+  EXPECT_NE(other.message().find("cannot render float32 as int32"), std::string::npos) << other.message();
   EXPECT_EQ(code(find("lr_scheduler.last_epoch", ""), DType::kU8, nullptr, 1).code(), Code::kInvalid);  // a blob
   EXPECT_EQ(code(TensorId{static_cast<uint32_t>(ts.size())}, DType::kF32, nullptr, 4).code(), Code::kNotFound);
 }

@@ -6,8 +6,8 @@
 // backend's, bit for bit: random plans of every dtype pair the transforms
 // support (odd sizes, unaligned offsets, strided and broadcast sources, mixed
 // conversions in one plan), the calibration's synthetic plans, every widening
-// bit pattern, means of replicas of random bit patterns, CRC-32C chunks and
-// their fold. Deliberately wrong bodies (an off-by-one index, a mean that
+// bit pattern, the narrowing rounding cases, means of replicas of random bit
+// patterns, CRC-32C chunks and their fold. Deliberately wrong bodies (an off-by-one index, a mean that
 // rounds once, a CRC chunk one byte short) must be caught, so the comparison
 // is shown to be able to fail. No GPU is needed.
 #include <gtest/gtest.h>
@@ -284,6 +284,35 @@ TEST(KernelEmulationTest, EveryWideningBitPattern) {
       const auto diff =
           CompareGather(src, std::span<const GatherOp>(&op, 1), DType::kF32, n * 4 + shift + 5, RealGatherBody);
       ASSERT_FALSE(diff.has_value()) << DTypeName(sd) << " shift " << shift << ": first differing byte " << *diff;
+    }
+  }
+}
+
+// float32 narrowed to bf16 and f16: for every upper part a narrowing keeps
+// (each bf16 pattern; sign, exponent and 10 mantissa bits for f16), the low
+// bits it drops at the rounding decisions (exact, just below, at and just
+// above half an ulp, all ones), at an aligned and an unaligned offset.
+TEST(KernelEmulationTest, EveryNarrowingRoundingCase) {
+  struct C {
+    DType out;
+    uint32_t top_bits;
+    std::vector<uint32_t> low;
+  };
+  for (const C& c : {C{DType::kBF16, 16, {0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF}},
+                     C{DType::kF16, 19, {0, 0x0FFF, 0x1000, 0x1001, 0x1FFF}}}) {
+    const uint32_t drop = 32 - c.top_bits;
+    const uint64_t n = (1ull << c.top_bits) * c.low.size();
+    for (uint64_t shift : {0, 3}) {
+      std::vector<char> src(n * 4 + shift);
+      uint64_t i = 0;
+      for (uint64_t top = 0; top < (1ull << c.top_bits); ++top) {
+        for (uint32_t low : c.low) StoreLE<uint32_t>(src.data() + shift + 4 * i++, static_cast<uint32_t>(top << drop) | low);
+      }
+      GatherOp op;
+      op.sdtype = DType::kF32, op.rank = 1, op.len[0] = static_cast<int64_t>(n), op.sstr[0] = 1, op.dstr[0] = 1;
+      op.src_off = shift, op.dst_off = shift;
+      const auto diff = CompareGather(src, std::span<const GatherOp>(&op, 1), c.out, n * 2 + shift + 5, RealGatherBody);
+      ASSERT_FALSE(diff.has_value()) << DTypeName(c.out) << " shift " << shift << ": first differing byte " << *diff;
     }
   }
 }

@@ -87,7 +87,25 @@ TEST(ConvertTest, WideningIsExact) {
   EXPECT_EQ(eo[0], 1.0f);
   EXPECT_TRUE(std::isinf(eo[1]));
   EXPECT_EQ(eo[2], 57344.0f);
-  EXPECT_FALSE(CanConvert(DType::kF32, DType::kF16));
+  // Narrowing float32 rounds to nearest even (ties to even, overflow to inf,
+  // NaN canonical), strided sources too.
+  const uint32_t f[] = {0x3F801000u, 0x3F803000u, 0x477FF000u, 0x3F808000u, 0x7FC01234u, 0x3F818000u};
+  uint16_t n16[3];
+  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(f), DType::kF32, 2, reinterpret_cast<char*>(n16), DType::kF16, 3).ok());
+  EXPECT_EQ(n16[0], 0x3C00);  // 1 + 2^-11: the tie goes to the even 1.0
+  EXPECT_EQ(n16[1], 0x7C00);  // 65520: inf
+  EXPECT_EQ(n16[2], 0x7E00);  // NaN
+  uint16_t b16[6];
+  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(f), DType::kF32, 1, reinterpret_cast<char*>(b16), DType::kBF16, 6).ok());
+  EXPECT_EQ(b16[1], 0x3F80);  // 1 + 2^-11 rounds down
+  EXPECT_EQ(b16[3], 0x3F80);  // 1 + 2^-8: the tie goes to the even 1.0
+  EXPECT_EQ(b16[5], 0x3F82);  // 1 + 3 * 2^-8: the tie goes up to the even
+  EXPECT_EQ(b16[4], 0x7FC0);
+  EXPECT_TRUE(CanConvert(DType::kF32, DType::kF16));
+  EXPECT_TRUE(CanConvert(DType::kF32, DType::kBF16));
+  EXPECT_FALSE(CanConvert(DType::kF64, DType::kF32));
+  EXPECT_FALSE(CanConvert(DType::kBF16, DType::kF16));
+  EXPECT_FALSE(CanConvert(DType::kF32, DType::kF8E4M3FN));
 }
 
 struct Synthetic {

@@ -217,12 +217,22 @@ TEST_F(HfExportTest, DtypeChoices) {
   ASSERT_TRUE(p.ok());
   for (const HfTensor& t : p->tensors) EXPECT_EQ(t.out, DType::kF32);
   EXPECT_EQ(nlohmann::json::parse(p->config_json)["torch_dtype"], "float32");
-  // Narrowing is not something the read engine does: each tensor says so.
-  o.hf_dtype = "bf16";
-  p = Plan(o, DType::kF32);
+  // float32 narrows to bf16 / fp16 (round to nearest even in the read engine).
+  for (const char* d : {"bf16", "fp16"}) {
+    o.hf_dtype = d;
+    p = Plan(o, DType::kF32);
+    ASSERT_TRUE(p.ok());
+    ASSERT_FALSE(p->tensors.empty());
+    const DType want = std::string(d) == "bf16" ? DType::kBF16 : DType::kF16;
+    for (const HfTensor& t : p->tensors) EXPECT_EQ(t.out, want);
+    EXPECT_EQ(nlohmann::json::parse(p->config_json)["torch_dtype"], want == DType::kBF16 ? "bfloat16" : "float16");
+  }
+  // bf16 to fp16 is neither: each tensor says so.
+  o.hf_dtype = "fp16";
+  p = Plan(o);
   ASSERT_TRUE(p.ok());
   EXPECT_TRUE(p->tensors.empty());
-  EXPECT_NE(Errors(*p).find("converts only to a wider type"), std::string::npos) << Errors(*p);
+  EXPECT_NE(Errors(*p).find("float32 to bfloat16 / float16, not to float16"), std::string::npos) << Errors(*p);
   // master: the fp32 copies, which this checkpoint lacks.
   o.hf_dtype = "master";
   p = Plan(o);
