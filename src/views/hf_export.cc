@@ -26,13 +26,15 @@ struct Arch {
   const char* model_type;  // config.json "model_type"
   const char* cls;         // config.json "architectures"
   bool moe;                // Mixtral-style sparse MLP (block_sparse_moe)
+  bool neox;               // GPT-NeoX layout (LayerNorm, fused per-head QKV, biases; kMegatronNeox)
 };
 constexpr Arch kArchs[] = {
-    {"llama", "llama", "LlamaForCausalLM", false},
-    {"mistral", "mistral", "MistralForCausalLM", false},
-    {"qwen2", "qwen2", "Qwen2ForCausalLM", false},
-    {"qwen3", "qwen3", "Qwen3ForCausalLM", false},
-    {"mixtral", "mixtral", "MixtralForCausalLM", true},
+    {"llama", "llama", "LlamaForCausalLM", false, false},
+    {"mistral", "mistral", "MistralForCausalLM", false, false},
+    {"qwen2", "qwen2", "Qwen2ForCausalLM", false, false},
+    {"qwen3", "qwen3", "Qwen3ForCausalLM", false, false},
+    {"mixtral", "mixtral", "MixtralForCausalLM", true, false},
+    {"gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", false, true},
 };
 
 std::string JoinNames(const std::vector<std::string>& names) {
@@ -139,6 +141,47 @@ constexpr MapRule kMegatronMixtralMlp[] = {
      Op::kUp, When::kAlways},
     {"decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}", "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",
      Op::kCopy, When::kAlways},
+};
+
+// Megatron GPT with RoPE, LayerNorm, a GELU MLP and linear biases -> GPT-NeoX
+// (use_parallel_residual false: Megatron adds attention and MLP one after the
+// other). With one key-value head per query head, Megatron's fused QKV rows
+// are per head [q | k | v], the layout of NeoX's query_key_value (its forward
+// views the output as [heads, 3 * head_size] and chunks q, k, v): copied as is.
+constexpr MapRule kMegatronNeox[] = {
+    {"embedding.word_embeddings.weight", "gpt_neox.embed_in.weight", Op::kVocab, When::kAlways},
+    {"decoder.final_layernorm.weight", "gpt_neox.final_layer_norm.weight", Op::kCopy, When::kAlways},
+    {"decoder.final_layernorm.bias", "gpt_neox.final_layer_norm.bias", Op::kCopy, When::kAlways},
+    {"output_layer.weight", "embed_out.weight", Op::kVocab, When::kUntied},
+    {"decoder.layers.{L}.input_layernorm.weight", "gpt_neox.layers.{L}.input_layernorm.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.input_layernorm.bias", "gpt_neox.layers.{L}.input_layernorm.bias", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.layer_norm_weight", "gpt_neox.layers.{L}.input_layernorm.weight",
+     Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.layer_norm_bias", "gpt_neox.layers.{L}.input_layernorm.bias",
+     Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.weight", "gpt_neox.layers.{L}.attention.query_key_value.weight",
+     Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.bias", "gpt_neox.layers.{L}.attention.query_key_value.bias",
+     Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_proj.weight", "gpt_neox.layers.{L}.attention.dense.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_proj.bias", "gpt_neox.layers.{L}.attention.dense.bias", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.pre_mlp_layernorm.weight", "gpt_neox.layers.{L}.post_attention_layernorm.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.pre_mlp_layernorm.bias", "gpt_neox.layers.{L}.post_attention_layernorm.bias", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.layer_norm_weight", "gpt_neox.layers.{L}.post_attention_layernorm.weight",
+     Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.layer_norm_bias", "gpt_neox.layers.{L}.post_attention_layernorm.bias",
+     Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.weight", "gpt_neox.layers.{L}.mlp.dense_h_to_4h.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.bias", "gpt_neox.layers.{L}.mlp.dense_h_to_4h.bias", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc2.weight", "gpt_neox.layers.{L}.mlp.dense_4h_to_h.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc2.bias", "gpt_neox.layers.{L}.mlp.dense_4h_to_h.bias", Op::kCopy, When::kAlways},
 };
 
 // torchtitan's Llama 3 (torchtitan/models/llama3; 0.2 keeps the names of
@@ -299,13 +342,49 @@ bool Holds(When w, const Shape& s) {
 // Which architecture a Megatron run is, from its args (argparse defaults of
 // megatron/training/arguments.py where a field is absent). `forced`: the
 // --hf-arch choice. Returns null and fills `why` when none fits.
+// A run with RoPE, LayerNorm and a plain (not gated) MLP as GPT-NeoX.
+const Arch* RecogniseMegatronNeox(const json& args, std::vector<std::string>& why) {
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) why.push_back(what);
+  };
+  const std::string pos = Get<std::string>(args, "position_embedding_type", "learned_absolute");
+  need(pos == "rope", "position_embedding_type is '" + pos + "' (GPT-NeoX uses 'rope')");
+  const std::string norm = Get<std::string>(args, "normalization", "LayerNorm");
+  need(norm == "LayerNorm", "normalization is '" + norm + "' (GPT-NeoX uses 'LayerNorm')");
+  need(!Get<bool>(args, "swiglu", false), "the MLP is SwiGLU (GPT-NeoX's is a plain GELU MLP)");
+  need(!Get<bool>(args, "squared_relu", false), "the activation is squared ReLU (GPT-NeoX uses GELU)");
+  need(Get<bool>(args, "add_bias_linear", true), "add_bias_linear is false (GPT-NeoX's MLP always has biases)");
+  const int64_t hidden = Get<int64_t>(args, "hidden_size", 0), heads = Get<int64_t>(args, "num_attention_heads", 0);
+  const int64_t head_size = heads > 0 ? hidden / heads : 0;
+  const int64_t groups =
+      Get<bool>(args, "group_query_attention", false) ? Get<int64_t>(args, "num_query_groups", heads) : heads;
+  need(groups == heads, "grouped-query attention (" + std::to_string(groups) + " key-value heads for " +
+                            std::to_string(heads) + " query heads; GPT-NeoX has one per query head)");
+  need(head_size > 0 && hidden % heads == 0 && Get<int64_t>(args, "kv_channels", head_size) == head_size,
+       "kv_channels is not hidden_size / num_attention_heads (GPT-NeoX's head size)");
+  const double pct = Get<double>(args, "rotary_percent", 1.0);
+  need(pct > 0.0 && pct <= 1.0, "rotary_percent " + std::to_string(pct) + " is not in (0, 1]");
+  need(!Get<bool>(args, "rotary_interleaved", false), "rotary_interleaved is set (GPT-NeoX rotates halves)");
+  need(!Get<bool>(args, "apply_layernorm_1p", false), "apply_layernorm_1p is set (zero-centered norm weights)");
+  need(!Get<bool>(args, "qk_layernorm", false), "QK layer norms (GPT-NeoX has none)");
+  need(!Get<bool>(args, "multi_latent_attention", false), "multi-latent attention has no mapping here");
+  need(Get<int64_t>(args, "num_experts", 0) == 0, "an MoE model (GPT-NeoX is dense)");
+  need(!Get<bool>(args, "use_rope_scaling", false), "use_rope_scaling (Llama 3.1 RoPE scaling) on a GPT-NeoX model");
+  return why.empty() ? ArchByName("gpt_neox") : nullptr;
+}
+
 const Arch* RecogniseMegatron(const json& args, const Arch* forced, std::vector<std::string>& why) {
   auto need = [&](bool ok, const std::string& what) {
     if (!ok) why.push_back(what);
   };
   const std::string pos = Get<std::string>(args, "position_embedding_type", "learned_absolute");
-  need(pos == "rope", "position_embedding_type is '" + pos + "' (the Llama family uses 'rope')");
   const std::string norm = Get<std::string>(args, "normalization", "LayerNorm");
+  // RoPE with LayerNorm and no SwiGLU is the GPT-NeoX family; the rest is
+  // judged as the Llama family.
+  if (forced != nullptr ? forced->neox : (pos == "rope" && norm == "LayerNorm" && !Get<bool>(args, "swiglu", false))) {
+    return RecogniseMegatronNeox(args, why);
+  }
+  need(pos == "rope", "position_embedding_type is '" + pos + "' (the Llama family uses 'rope')");
   need(norm == "RMSNorm", "normalization is '" + norm + "' (the Llama family uses 'RMSNorm')");
   need(Get<bool>(args, "swiglu", false), "the MLP is not SwiGLU (args.swiglu is false)");
   need(Get<double>(args, "rotary_percent", 1.0) == 1.0, "rotary_percent is not 1.0 (partial RoPE)");
@@ -368,6 +447,38 @@ void SetRope(json& c, double theta, std::optional<double> llama3_factor) {
   c["rope_parameters"] = rope;
 }
 
+// GPT-NeoX's config.json from a Megatron run (RecogniseMegatronNeox held).
+// RoPE in both spellings: rotary_pct / rotary_emb_base (4.x) and
+// rope_parameters' partial_rotary_factor (5.x). Megatron's openai_gelu is the
+// tanh approximation transformers calls gelu_new; its default is the exact GELU.
+json MegatronNeoxConfig(const json& args, const Arch& a, int64_t vocab) {
+  const double theta = Get<double>(args, "rotary_base", 10000.0), pct = Get<double>(args, "rotary_percent", 1.0);
+  const int64_t hidden = Get<int64_t>(args, "hidden_size", 0);
+  json c;
+  c["architectures"] = json::array({a.cls});
+  c["model_type"] = a.model_type;
+  c["hidden_size"] = hidden;
+  c["intermediate_size"] = Get<int64_t>(args, "ffn_hidden_size", 4 * hidden);
+  c["num_hidden_layers"] = Get<int64_t>(args, "num_layers", 0);
+  c["num_attention_heads"] = Get<int64_t>(args, "num_attention_heads", 0);
+  c["hidden_act"] = Get<bool>(args, "openai_gelu", false) ? "gelu_new" : "gelu";
+  c["max_position_embeddings"] = Get<int64_t>(args, "max_position_embeddings", Get<int64_t>(args, "seq_length", 2048));
+  c["layer_norm_eps"] = Get<double>(args, "norm_epsilon", 1e-5);
+  c["initializer_range"] = Get<double>(args, "init_method_std", 0.02);
+  c["vocab_size"] = vocab;
+  c["tie_word_embeddings"] = !Get<bool>(args, "untie_embeddings_and_output_weights", false);
+  c["use_parallel_residual"] = false;
+  c["attention_bias"] = true;
+  c["rotary_pct"] = pct;
+  c["rotary_emb_base"] = theta;
+  c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", theta}, {"partial_rotary_factor", pct}};
+  c["attention_dropout"] = 0.0;
+  c["hidden_dropout"] = 0.0;
+  c["use_cache"] = true;
+  c["ckptfs_source"] = "megatron";
+  return c;
+}
+
 json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   const std::string mt = a.model_type;
   const int64_t hidden = Get<int64_t>(args, "hidden_size", 0);
@@ -380,6 +491,7 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   // (make_vocab_size_divisible_by x TP), and those rows are left out.
   int64_t vocab = Get<int64_t>(args, "vocab_size", 0);
   if (vocab <= 0 || vocab > embedding_rows) vocab = embedding_rows;
+  if (a.neox) return MegatronNeoxConfig(args, a, vocab);
   const int64_t max_pos = Get<int64_t>(args, "max_position_embeddings", Get<int64_t>(args, "seq_length", 4096));
   const double theta = Get<double>(args, "rotary_base", 10000.0);
   json c;
@@ -838,6 +950,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   std::vector<const MapRule*> rules;
   if (arch != nullptr && conv == Convention::kTorchtitan) {
     for (const MapRule& r : kTorchtitanLlama) rules.push_back(&r);
+  } else if (arch != nullptr && arch->neox) {
+    for (const MapRule& r : kMegatronNeox) rules.push_back(&r);
   } else if (arch != nullptr) {
     for (const MapRule& r : kMegatronCommon) rules.push_back(&r);
     if (arch->moe) {

@@ -1,7 +1,7 @@
 """transformers loads a mount's hf/ and agrees with megatron-core's own forward.
 
 One gloo process: a megatron-core GPTModel at TP=1, PP=1 with the run's config
-(MNT/args.json: the fixture's Llama-family args) is loaded from
+(MNT/args.json: the fixture's Llama-family or GPT-NeoX args) is loaded from
 MNT/params/<fqn>/param.raw (every parameter; torch_dist's norm names are
 Transformer Engine's), and `AutoModelForCausalLM.from_pretrained(MNT/hf)`
 loads the Hugging Face view. Both run in float32 on the same tokens; the
@@ -29,7 +29,9 @@ def mcore_logits(mnt, args, tokens):
     from megatron.core.transformer.transformer_config import TransformerConfig
     ps.initialize_model_parallel(1, 1)
     tp_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    assert args["swiglu"] and args["position_embedding_type"] == "rope"
+    assert args["position_embedding_type"] == "rope"
+    # SwiGLU (the Llama family) or mcore's default exact GELU (GPT-NeoX).
+    act = torch.nn.functional.silu if args["swiglu"] else torch.nn.functional.gelu
     experts = args.get("num_experts")
     moe = dict(num_moe_experts=experts, moe_router_topk=args["moe_router_topk"], moe_grouped_gemm=False) if experts else {}
     cfg = TransformerConfig(
@@ -37,14 +39,15 @@ def mcore_logits(mnt, args, tokens):
         num_query_groups=args["num_query_groups"], kv_channels=args["kv_channels"],
         ffn_hidden_size=args["ffn_hidden_size"], gated_linear_unit=args["swiglu"], add_bias_linear=args["add_bias_linear"],
         add_qkv_bias=args["add_qkv_bias"], qk_layernorm=args["qk_layernorm"], normalization=args["normalization"],
-        layernorm_epsilon=args["norm_epsilon"], activation_func=torch.nn.functional.silu, use_cpu_initialization=True, params_dtype=torch.float32,
+        layernorm_epsilon=args["norm_epsilon"], activation_func=act, use_cpu_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, **moe)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=args["qk_layernorm"],
                                     normalization=args["normalization"])
     torch.manual_seed(999)  # every weight is loaded below
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],
                      max_sequence_length=args["max_position_embeddings"], position_embedding_type="rope",
-                     rotary_base=args["rotary_base"], share_embeddings_and_output_weights=False, parallel_output=False)
+                     rotary_base=args["rotary_base"], rotary_percent=args.get("rotary_percent", 1.0),
+                     share_embeddings_and_output_weights=False, parallel_output=False)
     sd = {}
     for k, v in model.state_dict().items():
         if not torch.is_tensor(v) or k.endswith("_extra_state"):

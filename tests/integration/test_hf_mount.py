@@ -31,6 +31,8 @@ HF_SCENARIOS = {
     "qwen3_dist_tp2": ["dist", "--tp", "2", "--bf16", "--arch", "qwen3"],
     "mixtral_legacy_tp2_pp2_ep2": ["legacy", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--bf16",
                                    "--arch", "mixtral"],
+    "neox_legacy_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--bf16", "--arch", "neox"],
+    "neox_dist_tp2": ["dist", "--tp", "2", "--bf16", "--arch", "neox"],
     "gpt_legacy_tp1": ["legacy", "--tp", "1", "--pp", "1"],
 }
 
@@ -117,6 +119,42 @@ def test_every_hf_tensor_is_its_megatron_slice(hf_fixtures, mounter, scenario):
         assert sorted(got) == sorted(want)
         for k, w in want.items():
             assert got[k].dtype == w.dtype and torch.equal(got[k], w.contiguous()), k
+
+
+# GPT-NeoX names of Megatron's (mcore) parameters; the fused QKV is copied whole.
+NEOX_NAMES = [("embedding.word_embeddings.", "gpt_neox.embed_in."), ("output_layer.", "embed_out."),
+              ("decoder.final_layernorm.", "gpt_neox.final_layer_norm."), ("decoder.layers.", "gpt_neox.layers."),
+              ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+              ("mlp.linear_fc1.layer_norm_", "post_attention_layernorm."),
+              ("self_attention.linear_qkv.", "attention.query_key_value."),
+              ("self_attention.linear_proj.", "attention.dense."), ("pre_mlp_layernorm.", "post_attention_layernorm."),
+              ("mlp.linear_fc1.", "mlp.dense_h_to_4h."), ("mlp.linear_fc2.", "mlp.dense_4h_to_h.")]
+
+
+@pytest.mark.parametrize("scenario", ["neox_legacy_tp2_pp2", "neox_dist_tp2"])
+def test_megatron_neox_is_gpt_neox_tensor_for_tensor(hf_fixtures, mounter, scenario):
+    """RoPE + LayerNorm + GELU MLP + biases, one key-value head per query head:
+    GPTNeoXForCausalLM (sequential residual, partial rotary), each tensor the
+    merged Megatron tensor under its NeoX name (the vocabulary padding cut),
+    the fused QKV as it is (per head [q | k | v] in both)."""
+    with mounter(hf_fixtures / scenario) as m:
+        args = json.loads((m.path / "args.json").read_text())
+        cfg = json.loads((m.path / "hf" / "config.json").read_text())
+        assert (m.path / "hf" / "ERRORS").read_text() == ""
+        assert cfg["architectures"] == ["GPTNeoXForCausalLM"] and cfg["use_parallel_residual"] is False
+        assert cfg["rotary_pct"] == args["rotary_percent"] == 0.5 and cfg["hidden_act"] == "gelu"
+        assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.5 and cfg["vocab_size"] == args["vocab_size"]
+        got = hf_tensors(m.path / "hf")
+        want = {}
+        for fqn in sorted(p.name for p in (m.path / "params").iterdir()):
+            name = fqn
+            for a, b in NEOX_NAMES:
+                name = name.replace(a, b)
+            w = full_tensor(m.path, fqn, "param")
+            want[name] = w[:args["vocab_size"]] if name in ("gpt_neox.embed_in.weight", "embed_out.weight") else w
+        assert sorted(got) == sorted(want)
+        for k, w in want.items():
+            assert got[k].dtype == w.dtype == torch.bfloat16 and torch.equal(got[k], w.contiguous()), k
 
 
 def test_hf_options(hf_fixtures, mounter, bin_path, tmp_path):

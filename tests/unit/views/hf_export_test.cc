@@ -210,6 +210,73 @@ TEST_F(HfExportTest, AMissingLayerTensorIsNamedNotRandomlyInitialised) {
   EXPECT_FALSE(Find(*p, "model.layers.0.self_attn.q_proj.weight"));
 }
 
+// RoPE + LayerNorm + a GELU MLP with biases and one key-value head per query
+// head: GPT-NeoX, whose query_key_value is Megatron's fused QKV as it is.
+TEST_F(HfExportTest, MegatronNeoxIsGptNeoxWithTheFusedQkvCopied) {
+  args_.update({{"swiglu", false}, {"normalization", "LayerNorm"}, {"add_bias_linear", true},
+                {"num_query_groups", 4}, {"group_query_attention", false}, {"rotary_percent", 0.5},
+                {"norm_epsilon", 1e-5}, {"ffn_hidden_size", 16}});
+  params_ = {{"embedding.word_embeddings.weight", {12, 8}},
+             {"decoder.layers.0.input_layernorm.weight", {8}},
+             {"decoder.layers.0.input_layernorm.bias", {8}},
+             {"decoder.layers.0.self_attention.linear_qkv.weight", {24, 8}},
+             {"decoder.layers.0.self_attention.linear_qkv.bias", {24}},
+             {"decoder.layers.0.self_attention.linear_proj.weight", {8, 8}},
+             {"decoder.layers.0.self_attention.linear_proj.bias", {8}},
+             {"decoder.layers.0.pre_mlp_layernorm.weight", {8}},
+             {"decoder.layers.0.pre_mlp_layernorm.bias", {8}},
+             {"decoder.layers.0.mlp.linear_fc1.weight", {16, 8}},
+             {"decoder.layers.0.mlp.linear_fc1.bias", {16}},
+             {"decoder.layers.0.mlp.linear_fc2.weight", {8, 16}},
+             {"decoder.layers.0.mlp.linear_fc2.bias", {8}},
+             {"decoder.final_layernorm.weight", {8}},
+             {"decoder.final_layernorm.bias", {8}},
+             {"output_layer.weight", {12, 8}}};
+  auto p = Plan();
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  EXPECT_EQ(p->architecture, "GPTNeoXForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+  EXPECT_EQ(p->tensors.size(), params_.size());
+  const HfTensor* qkv = Find(*p, "gpt_neox.layers.0.attention.query_key_value.weight");
+  ASSERT_TRUE(qkv);
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  EXPECT_EQ(Rows(*qkv), (R{{0, 24}}));
+  EXPECT_EQ(Rows(*Find(*p, "gpt_neox.embed_in.weight")), (R{{0, 10}}));  // the padding rows cut
+  EXPECT_TRUE(Find(*p, "embed_out.weight") && Find(*p, "gpt_neox.final_layer_norm.bias") &&
+              Find(*p, "gpt_neox.layers.0.post_attention_layernorm.bias") &&
+              Find(*p, "gpt_neox.layers.0.mlp.dense_4h_to_h.bias"));
+  const auto c = nlohmann::json::parse(p->config_json);
+  EXPECT_EQ(c["model_type"], "gpt_neox");
+  EXPECT_EQ(c["use_parallel_residual"], false);
+  EXPECT_EQ(c["hidden_act"], "gelu");
+  EXPECT_EQ(c["rotary_pct"], 0.5);
+  EXPECT_EQ(c["rope_parameters"]["partial_rotary_factor"], 0.5);
+  EXPECT_EQ(c["intermediate_size"], 16);
+  EXPECT_EQ(c["vocab_size"], 10);
+  EXPECT_EQ(c["tie_word_embeddings"], false);
+  // Megatron's openai_gelu is transformers' gelu_new.
+  args_["openai_gelu"] = true;
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(nlohmann::json::parse(p->config_json)["hidden_act"], "gelu_new");
+  // Grouped-query attention has no GPT-NeoX form: named, and no config.json.
+  args_.update({{"num_query_groups", 2}, {"group_query_attention", true}});
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_TRUE(p->config_json.empty());
+  EXPECT_NE(Errors(*p).find("grouped-query attention (2 key-value heads for 4 query heads"), std::string::npos)
+      << Errors(*p);
+  // --hf-arch gpt_neox on a Llama run says what does not fit.
+  SetUp();
+  TopoOptions o;
+  o.hf_arch = "gpt_neox";
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("normalization is 'RMSNorm' (GPT-NeoX uses 'LayerNorm')"), std::string::npos)
+      << Errors(*p);
+  EXPECT_NE(Errors(*p).find("the MLP is SwiGLU"), std::string::npos) << Errors(*p);
+}
+
 TEST_F(HfExportTest, DtypeChoices) {
   TopoOptions o;
   o.hf_dtype = "fp32";  // bf16 widened
