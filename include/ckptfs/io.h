@@ -85,6 +85,13 @@ class TensorReader {
   // The same over the sub-box `box` of the tensor (null: the whole tensor),
   // rendered in C order of the box's own shape: a resharded view's slice.
   Status ReadBox(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, char* dst);
+  // Bytes [offset, offset+len) of the transpose of a 2-D tensor's row boxes
+  // `rows` (whole rows, concatenated along dim 0 in order), in C order of
+  // that transpose: [columns, total rows]. Hugging Face Conv1D weights (GPT-2)
+  // are stored so. The engine reads each box's column slice (ReadBox: merges,
+  // conversions, checks as usual) into a bounded scratch, transposed here.
+  Status ReadTransposedRows(TensorId id, DType out, const std::vector<Box>& rows, uint64_t offset, uint64_t len,
+                            char* dst);
   // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.
   Result<uint64_t> Xxh3Raw(TensorId id);
   // CRC-32 (zlib polynomial) of the tensor rendered as `out` (kBytes: its

@@ -83,6 +83,9 @@ struct RankTensor {
   uint64_t zero_tail = 0;            // then this many zero elements (vocabulary padding rows)
   std::string rule;                  // "dim 0 (megatron)", "replicated (no rule)", ...
   DType out = DType::kInvalid;       // rendered as (kInvalid: the source dtype)
+  // The pieces (whole rows of a 2-D tensor) concatenated, then transposed:
+  // `shape` is [columns, rows] (hf/ GPT-2 Conv1D weights).
+  bool transposed = false;
 };
 struct RankPlan {
   int tp = 0, pp = 0, ep = 0;

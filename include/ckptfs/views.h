@@ -45,9 +45,13 @@ struct Segment {
   std::string literal;          // kLiteral
   TensorId tensor;              // kTensor, kHash, kCrc32
   DType out_dtype = DType::kInvalid;  // kTensor, kCrc32: element type written
-  // kTensor: at most one sub-box rendered; kCrc32: the boxes whose
-  // concatenated renderings the CRC covers (none: the whole tensor).
+  // kTensor: at most one sub-box rendered (or, `transposed`, the row boxes);
+  // kCrc32: the boxes whose concatenated renderings the CRC covers (none:
+  // the whole tensor).
   std::vector<Box> boxes;
+  // kTensor over a 2-D tensor: `boxes` (whole rows) concatenated along dim 0,
+  // rendered in C order of the transpose (TensorReader::ReadTransposedRows).
+  bool transposed = false;
   const Box* box_or_null() const { return boxes.empty() ? nullptr : &boxes[0]; }
 };
 

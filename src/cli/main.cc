@@ -63,9 +63,9 @@ topo/tp<T>-pp<P>[-dp<D>][-ep<E>]/ is made on first lookup; --rules FILE override
 split rules and stages (JSON, see README), --pp-layers sets layers per stage,
 --hf-shard-size the hf/ shard size (default 5000000000; K/M/G ok).
 hf/ is a transformers model directory (config.json, safetensors with Hugging Face names)
-when the architecture is known: Megatron Llama/Mistral/Qwen2/Qwen3/Mixtral/GPT-NeoX from
-its args, or a config.json beside the checkpoint. --hf-arch NAME (llama, mistral, qwen2,
-qwen3, mixtral, gpt_neox) picks one the args allow; --hf-config FILE supplies config.json; --hf-dtype
+when the architecture is known: Megatron Llama/Mistral/Qwen2/Qwen3/Mixtral/GPT-NeoX/GPT-2
+from its args, or a config.json beside the checkpoint. --hf-arch NAME (llama, mistral,
+qwen2, qwen3, mixtral, gpt_neox, gpt2) picks one the args allow; --hf-config FILE supplies config.json; --hf-dtype
 model (default), source, fp32 (widened), bf16/fp16 (float32 rounded to nearest even),
 master (the fp32 master weights). hf/ERRORS says what is left out or missing, and why.
 --gpu: where merges, padding strips and dtype casts run (same bytes either way).

@@ -326,7 +326,8 @@ Result<size_t> Filesystem::ReadData(uint64_t ino, uint64_t offset, size_t size, 
           std::memcpy(dst, s.literal.data() + in, n);
           break;
         case SegmentKind::kTensor:
-          st = reader_->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), in, n, dst);
+          st = s.transposed ? reader_->ReadTransposedRows(s.tensor, s.out_dtype, s.boxes, in, n, dst)
+                            : reader_->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), in, n, dst);
           break;
         case SegmentKind::kCrc32: {
           auto c = reader_->Crc32(s.tensor, s.out_dtype, s.boxes);

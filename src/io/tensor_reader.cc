@@ -388,6 +388,69 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
   return Status::Ok();
 }
 
+namespace {
+
+// dst[j][c0 + i] = src[i][j] for an [h, w] C-order block of `N`-byte
+// elements, into rows of `stride` elements.
+template <size_t N>
+void TransposeBlock(const char* src, uint64_t h, uint64_t w, char* dst, uint64_t stride, uint64_t c0) {
+  for (uint64_t i = 0; i < h; ++i) {
+    for (uint64_t j = 0; j < w; ++j) std::memcpy(dst + (j * stride + c0 + i) * N, src + (i * w + j) * N, N);
+  }
+}
+
+}  // namespace
+
+Status TensorReader::ReadTransposedRows(TensorId id, DType out, const std::vector<Box>& rows, uint64_t offset,
+                                        uint64_t len, char* dst) {
+  if (id.v >= index_.tensors().size()) return Internal("tensor id out of range");
+  const TensorRecord& t = index_.tensors()[id.v];
+  const uint64_t osz = DTypeSize(out);
+  if (t.shape.size() != 2 || rows.empty() || (osz != 1 && osz != 2 && osz != 4 && osz != 8)) {
+    return Internal("cannot transpose '" + t.key + "': not rows of a 2-D tensor of a 1-, 2-, 4- or 8-byte type");
+  }
+  const int64_t cols = t.shape[1];
+  uint64_t total = 0;  // rows of the concatenation: the transpose's row length
+  for (const Box& b : rows) {
+    if (b.offsets.size() != 2 || b.lengths.size() != 2 || b.offsets[1] != 0 || b.lengths[1] != cols ||
+        b.lengths[0] < 0 || b.offsets[0] < 0 || b.offsets[0] + b.lengths[0] > t.shape[0]) {
+      return Internal("box " + BoxString(b) + " is not whole rows of '" + t.key + "'");
+    }
+    total += static_cast<uint64_t>(b.lengths[0]);
+  }
+  if (len == 0) return Status::Ok();
+  const uint64_t row_bytes = total * osz;
+  if (row_bytes == 0 || offset + len > static_cast<uint64_t>(cols) * row_bytes) {
+    return Invalid("cannot read '" + t.key + "': range past the transposed tensor");
+  }
+  // Output rows (source columns) in slices whose scratch stays near 4 MiB.
+  const uint64_t step = std::max<uint64_t>(1, (4ull << 20) / row_bytes), end = offset + len;
+  std::vector<char> block, slice;
+  for (uint64_t r = offset / row_bytes; r * row_bytes < end;) {
+    const uint64_t r1 = std::min<uint64_t>(static_cast<uint64_t>(cols), r + step), w = r1 - r;
+    slice.resize(w * row_bytes);
+    uint64_t c0 = 0;
+    for (const Box& b : rows) {
+      const uint64_t h = static_cast<uint64_t>(b.lengths[0]);
+      if (h == 0) continue;
+      const Box sub{{b.offsets[0], static_cast<int64_t>(r)}, {b.lengths[0], static_cast<int64_t>(w)}};
+      block.resize(h * w * osz);
+      RETURN_IF_ERROR(ReadBox(id, out, &sub, 0, block.size(), block.data()));
+      switch (osz) {
+        case 1: TransposeBlock<1>(block.data(), h, w, slice.data(), total, c0); break;
+        case 2: TransposeBlock<2>(block.data(), h, w, slice.data(), total, c0); break;
+        case 4: TransposeBlock<4>(block.data(), h, w, slice.data(), total, c0); break;
+        default: TransposeBlock<8>(block.data(), h, w, slice.data(), total, c0); break;
+      }
+      c0 += h;
+    }
+    const uint64_t lo = std::max(offset, r * row_bytes), hi = std::min(end, r1 * row_bytes);
+    std::memcpy(dst + (lo - offset), slice.data() + (lo - r * row_bytes), hi - lo);
+    r = r1;
+  }
+  return Status::Ok();
+}
+
 Status TensorReader::ReadMean(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
                               uint64_t e0, uint64_t e1, char* base) {
   const uint32_t n = t.replicas;

@@ -21,20 +21,26 @@ using json = nlohmann::ordered_json;
 // ---------------------------------------------------------------------------
 // Target architectures (--hf-arch) and what each has.
 
+// The tensor layout family of an architecture: the Llama family (split q, k,
+// v and gate, up; kMegatronCommon), GPT-NeoX (kMegatronNeox), GPT-2
+// (kMegatronGpt2).
+enum class Layout : uint8_t { kLlama, kNeox, kGpt2 };
+
 struct Arch {
   const char* name;        // --hf-arch
   const char* model_type;  // config.json "model_type"
   const char* cls;         // config.json "architectures"
   bool moe;                // Mixtral-style sparse MLP (block_sparse_moe)
-  bool neox;               // GPT-NeoX layout (LayerNorm, fused per-head QKV, biases; kMegatronNeox)
+  Layout layout;
 };
 constexpr Arch kArchs[] = {
-    {"llama", "llama", "LlamaForCausalLM", false, false},
-    {"mistral", "mistral", "MistralForCausalLM", false, false},
-    {"qwen2", "qwen2", "Qwen2ForCausalLM", false, false},
-    {"qwen3", "qwen3", "Qwen3ForCausalLM", false, false},
-    {"mixtral", "mixtral", "MixtralForCausalLM", true, false},
-    {"gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", false, true},
+    {"llama", "llama", "LlamaForCausalLM", false, Layout::kLlama},
+    {"mistral", "mistral", "MistralForCausalLM", false, Layout::kLlama},
+    {"qwen2", "qwen2", "Qwen2ForCausalLM", false, Layout::kLlama},
+    {"qwen3", "qwen3", "Qwen3ForCausalLM", false, Layout::kLlama},
+    {"mixtral", "mixtral", "MixtralForCausalLM", true, Layout::kLlama},
+    {"gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", false, Layout::kNeox},
+    {"gpt2", "gpt2", "GPT2LMHeadModel", false, Layout::kGpt2},
 };
 
 std::string JoinNames(const std::vector<std::string>& names) {
@@ -71,6 +77,13 @@ enum class Op : uint8_t {
   // permute): query heads (kRopeQ) or key-value heads (kRopeK).
   kRopeQ,
   kRopeK,
+  // GPT-2: the fused QKV's rows regrouped into [all q | all k | all v] (the
+  // kQ, kK, kV boxes in turn), for c_attn's bias; kQkvT: the same rows then
+  // transposed, for c_attn's Conv1D weight; kT: the whole 2-D weight
+  // transposed (Conv1D stores [in, out]).
+  kQkv,
+  kQkvT,
+  kT,
 };
 enum class When : uint8_t { kAlways, kUntied, kQkvBias, kOBias, kMlpBias, kQkNorm };
 
@@ -182,6 +195,40 @@ constexpr MapRule kMegatronNeox[] = {
     {"decoder.layers.{L}.mlp.linear_fc2.weight", "gpt_neox.layers.{L}.mlp.dense_4h_to_h.weight", Op::kCopy,
      When::kAlways},
     {"decoder.layers.{L}.mlp.linear_fc2.bias", "gpt_neox.layers.{L}.mlp.dense_4h_to_h.bias", Op::kCopy, When::kAlways},
+};
+
+// Megatron GPT with learned absolute positions, LayerNorm, a GELU MLP and
+// linear biases -> GPT-2 (GPT2LMHeadModel). GPT-2's Conv1D layers store the
+// transpose of Megatron's [out, in] weights, and c_attn's output is
+// [all q | all k | all v] where Megatron's fused QKV is per head [q | k | v].
+constexpr MapRule kMegatronGpt2[] = {
+    {"embedding.word_embeddings.weight", "transformer.wte.weight", Op::kVocab, When::kAlways},
+    {"embedding.position_embeddings.weight", "transformer.wpe.weight", Op::kCopy, When::kAlways},
+    {"decoder.final_layernorm.weight", "transformer.ln_f.weight", Op::kCopy, When::kAlways},
+    {"decoder.final_layernorm.bias", "transformer.ln_f.bias", Op::kCopy, When::kAlways},
+    {"output_layer.weight", "lm_head.weight", Op::kVocab, When::kUntied},
+    {"decoder.layers.{L}.input_layernorm.weight", "transformer.h.{L}.ln_1.weight", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.input_layernorm.bias", "transformer.h.{L}.ln_1.bias", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.layer_norm_weight", "transformer.h.{L}.ln_1.weight", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.layer_norm_bias", "transformer.h.{L}.ln_1.bias", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.weight", "transformer.h.{L}.attn.c_attn.weight", Op::kQkvT,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_qkv.bias", "transformer.h.{L}.attn.c_attn.bias", Op::kQkv,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_proj.weight", "transformer.h.{L}.attn.c_proj.weight", Op::kT,
+     When::kAlways},
+    {"decoder.layers.{L}.self_attention.linear_proj.bias", "transformer.h.{L}.attn.c_proj.bias", Op::kCopy,
+     When::kAlways},
+    {"decoder.layers.{L}.pre_mlp_layernorm.weight", "transformer.h.{L}.ln_2.weight", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.pre_mlp_layernorm.bias", "transformer.h.{L}.ln_2.bias", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.layer_norm_weight", "transformer.h.{L}.ln_2.weight", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.layer_norm_bias", "transformer.h.{L}.ln_2.bias", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.weight", "transformer.h.{L}.mlp.c_fc.weight", Op::kT, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc1.bias", "transformer.h.{L}.mlp.c_fc.bias", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc2.weight", "transformer.h.{L}.mlp.c_proj.weight", Op::kT, When::kAlways},
+    {"decoder.layers.{L}.mlp.linear_fc2.bias", "transformer.h.{L}.mlp.c_proj.bias", Op::kCopy, When::kAlways},
 };
 
 // torchtitan's Llama 3 (torchtitan/models/llama3; 0.2 keeps the names of
@@ -306,10 +353,11 @@ struct Shape {
 
 Shape ShapeOf(const json& c, const Arch& a) {
   Shape s;
-  s.layers = Get<int64_t>(c, "num_hidden_layers", 0);
-  s.heads = Get<int64_t>(c, "num_attention_heads", 0);
+  const bool gpt2 = a.layout == Layout::kGpt2;  // GPT-2's own key names
+  s.layers = Get<int64_t>(c, gpt2 ? "n_layer" : "num_hidden_layers", 0);
+  s.heads = Get<int64_t>(c, gpt2 ? "n_head" : "num_attention_heads", 0);
   s.kv_heads = Get<int64_t>(c, "num_key_value_heads", s.heads);
-  const int64_t hidden = Get<int64_t>(c, "hidden_size", 0);
+  const int64_t hidden = Get<int64_t>(c, gpt2 ? "n_embd" : "hidden_size", 0);
   s.head_dim = Get<int64_t>(c, "head_dim", s.heads > 0 ? hidden / s.heads : 0);
   s.vocab = Get<int64_t>(c, "vocab_size", 0);
   s.experts = a.moe ? Get<int64_t>(c, "num_local_experts", 0) : 0;
@@ -339,50 +387,59 @@ bool Holds(When w, const Shape& s) {
   return false;
 }
 
-// Which architecture a Megatron run is, from its args (argparse defaults of
-// megatron/training/arguments.py where a field is absent). `forced`: the
-// --hf-arch choice. Returns null and fills `why` when none fits.
-// A run with RoPE, LayerNorm and a plain (not gated) MLP as GPT-NeoX.
-const Arch* RecogniseMegatronNeox(const json& args, std::vector<std::string>& why) {
+// A run with LayerNorm, a plain GELU MLP and linear biases: GPT-NeoX with
+// RoPE, GPT-2 with learned absolute positions. Both have one key-value head
+// per query head of hidden_size / heads channels.
+const Arch* RecogniseMegatronGelu(const json& args, const Arch& target, std::vector<std::string>& why) {
   auto need = [&](bool ok, const std::string& what) {
     if (!ok) why.push_back(what);
   };
+  const std::string cls = target.cls;
+  const bool neox = target.layout == Layout::kNeox;
   const std::string pos = Get<std::string>(args, "position_embedding_type", "learned_absolute");
-  need(pos == "rope", "position_embedding_type is '" + pos + "' (GPT-NeoX uses 'rope')");
+  const std::string want_pos = neox ? "rope" : "learned_absolute";
+  need(pos == want_pos, "position_embedding_type is '" + pos + "' (" + cls + " uses '" + want_pos + "')");
   const std::string norm = Get<std::string>(args, "normalization", "LayerNorm");
-  need(norm == "LayerNorm", "normalization is '" + norm + "' (GPT-NeoX uses 'LayerNorm')");
-  need(!Get<bool>(args, "swiglu", false), "the MLP is SwiGLU (GPT-NeoX's is a plain GELU MLP)");
-  need(!Get<bool>(args, "squared_relu", false), "the activation is squared ReLU (GPT-NeoX uses GELU)");
-  need(Get<bool>(args, "add_bias_linear", true), "add_bias_linear is false (GPT-NeoX's MLP always has biases)");
+  need(norm == "LayerNorm", "normalization is '" + norm + "' (" + cls + " uses 'LayerNorm')");
+  need(!Get<bool>(args, "swiglu", false), "the MLP is SwiGLU (" + cls + "'s is a plain GELU MLP)");
+  need(!Get<bool>(args, "squared_relu", false), "the activation is squared ReLU (" + cls + " uses GELU)");
+  need(Get<bool>(args, "add_bias_linear", true), "add_bias_linear is false (" + cls + "'s linear layers have biases)");
   const int64_t hidden = Get<int64_t>(args, "hidden_size", 0), heads = Get<int64_t>(args, "num_attention_heads", 0);
   const int64_t head_size = heads > 0 ? hidden / heads : 0;
   const int64_t groups =
       Get<bool>(args, "group_query_attention", false) ? Get<int64_t>(args, "num_query_groups", heads) : heads;
   need(groups == heads, "grouped-query attention (" + std::to_string(groups) + " key-value heads for " +
-                            std::to_string(heads) + " query heads; GPT-NeoX has one per query head)");
+                            std::to_string(heads) + " query heads; " + cls + " has one per query head)");
   need(head_size > 0 && hidden % heads == 0 && Get<int64_t>(args, "kv_channels", head_size) == head_size,
-       "kv_channels is not hidden_size / num_attention_heads (GPT-NeoX's head size)");
-  const double pct = Get<double>(args, "rotary_percent", 1.0);
-  need(pct > 0.0 && pct <= 1.0, "rotary_percent " + std::to_string(pct) + " is not in (0, 1]");
-  need(!Get<bool>(args, "rotary_interleaved", false), "rotary_interleaved is set (GPT-NeoX rotates halves)");
+       "kv_channels is not hidden_size / num_attention_heads (" + cls + "'s head size)");
+  if (neox) {
+    const double pct = Get<double>(args, "rotary_percent", 1.0);
+    need(pct > 0.0 && pct <= 1.0, "rotary_percent " + std::to_string(pct) + " is not in (0, 1]");
+    need(!Get<bool>(args, "rotary_interleaved", false), "rotary_interleaved is set (GPT-NeoX rotates halves)");
+    need(!Get<bool>(args, "use_rope_scaling", false), "use_rope_scaling (Llama 3.1 RoPE scaling) on a GPT-NeoX model");
+  }
   need(!Get<bool>(args, "apply_layernorm_1p", false), "apply_layernorm_1p is set (zero-centered norm weights)");
-  need(!Get<bool>(args, "qk_layernorm", false), "QK layer norms (GPT-NeoX has none)");
+  need(!Get<bool>(args, "qk_layernorm", false), "QK layer norms (" + cls + " has none)");
   need(!Get<bool>(args, "multi_latent_attention", false), "multi-latent attention has no mapping here");
-  need(Get<int64_t>(args, "num_experts", 0) == 0, "an MoE model (GPT-NeoX is dense)");
-  need(!Get<bool>(args, "use_rope_scaling", false), "use_rope_scaling (Llama 3.1 RoPE scaling) on a GPT-NeoX model");
-  return why.empty() ? ArchByName("gpt_neox") : nullptr;
+  need(Get<int64_t>(args, "num_experts", 0) == 0, "an MoE model (" + cls + " is dense)");
+  return why.empty() ? &target : nullptr;
 }
 
+// Which architecture a Megatron run is, from its args (argparse defaults of
+// megatron/training/arguments.py where a field is absent). `forced`: the
+// --hf-arch choice. Returns null and fills `why` when none fits.
 const Arch* RecogniseMegatron(const json& args, const Arch* forced, std::vector<std::string>& why) {
   auto need = [&](bool ok, const std::string& what) {
     if (!ok) why.push_back(what);
   };
   const std::string pos = Get<std::string>(args, "position_embedding_type", "learned_absolute");
   const std::string norm = Get<std::string>(args, "normalization", "LayerNorm");
-  // RoPE with LayerNorm and no SwiGLU is the GPT-NeoX family; the rest is
-  // judged as the Llama family.
-  if (forced != nullptr ? forced->neox : (pos == "rope" && norm == "LayerNorm" && !Get<bool>(args, "swiglu", false))) {
-    return RecogniseMegatronNeox(args, why);
+  // LayerNorm without SwiGLU is GPT-NeoX (RoPE) or GPT-2 (learned positions);
+  // the rest is judged as the Llama family.
+  const bool gelu = norm == "LayerNorm" && !Get<bool>(args, "swiglu", false);
+  if (forced != nullptr ? forced->layout != Layout::kLlama : gelu && (pos == "rope" || pos == "learned_absolute")) {
+    return RecogniseMegatronGelu(args, forced != nullptr ? *forced : *ArchByName(pos == "rope" ? "gpt_neox" : "gpt2"),
+                                 why);
   }
   need(pos == "rope", "position_embedding_type is '" + pos + "' (the Llama family uses 'rope')");
   need(norm == "RMSNorm", "normalization is '" + norm + "' (the Llama family uses 'RMSNorm')");
@@ -447,7 +504,7 @@ void SetRope(json& c, double theta, std::optional<double> llama3_factor) {
   c["rope_parameters"] = rope;
 }
 
-// GPT-NeoX's config.json from a Megatron run (RecogniseMegatronNeox held).
+// GPT-NeoX's config.json from a Megatron run (RecogniseMegatronGelu held).
 // RoPE in both spellings: rotary_pct / rotary_emb_base (4.x) and
 // rope_parameters' partial_rotary_factor (5.x). Megatron's openai_gelu is the
 // tanh approximation transformers calls gelu_new; its default is the exact GELU.
@@ -479,6 +536,33 @@ json MegatronNeoxConfig(const json& args, const Arch& a, int64_t vocab) {
   return c;
 }
 
+// GPT-2's config.json from a Megatron run (RecogniseMegatronGelu held).
+json MegatronGpt2Config(const json& args, const Arch& a, int64_t vocab) {
+  const int64_t hidden = Get<int64_t>(args, "hidden_size", 0);
+  json c;
+  c["architectures"] = json::array({a.cls});
+  c["model_type"] = a.model_type;
+  c["n_embd"] = hidden;
+  c["n_inner"] = Get<int64_t>(args, "ffn_hidden_size", 4 * hidden);
+  c["n_layer"] = Get<int64_t>(args, "num_layers", 0);
+  c["n_head"] = Get<int64_t>(args, "num_attention_heads", 0);
+  c["n_positions"] = Get<int64_t>(args, "max_position_embeddings", Get<int64_t>(args, "seq_length", 1024));
+  c["activation_function"] = Get<bool>(args, "openai_gelu", false) ? "gelu_new" : "gelu";
+  c["layer_norm_epsilon"] = Get<double>(args, "norm_epsilon", 1e-5);
+  c["initializer_range"] = Get<double>(args, "init_method_std", 0.02);
+  c["vocab_size"] = vocab;
+  c["tie_word_embeddings"] = !Get<bool>(args, "untie_embeddings_and_output_weights", false);
+  c["scale_attn_weights"] = true;
+  c["resid_pdrop"] = 0.0;
+  c["embd_pdrop"] = 0.0;
+  c["attn_pdrop"] = 0.0;
+  c["bos_token_id"] = nullptr;  // GPT-2's tokenizer's 50256 means nothing to another vocabulary
+  c["eos_token_id"] = nullptr;
+  c["use_cache"] = true;
+  c["ckptfs_source"] = "megatron";
+  return c;
+}
+
 json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   const std::string mt = a.model_type;
   const int64_t hidden = Get<int64_t>(args, "hidden_size", 0);
@@ -491,7 +575,8 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   // (make_vocab_size_divisible_by x TP), and those rows are left out.
   int64_t vocab = Get<int64_t>(args, "vocab_size", 0);
   if (vocab <= 0 || vocab > embedding_rows) vocab = embedding_rows;
-  if (a.neox) return MegatronNeoxConfig(args, a, vocab);
+  if (a.layout == Layout::kNeox) return MegatronNeoxConfig(args, a, vocab);
+  if (a.layout == Layout::kGpt2) return MegatronGpt2Config(args, a, vocab);
   const int64_t max_pos = Get<int64_t>(args, "max_position_embeddings", Get<int64_t>(args, "seq_length", 4096));
   const double theta = Get<double>(args, "rotary_base", 10000.0);
   json c;
@@ -671,7 +756,19 @@ Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const
     return x;
   };
   out = shape;
-  if (op == Op::kCopy) return std::vector<Box>{Box{std::vector<int64_t>(shape.size(), 0), shape}};
+  if (op == Op::kCopy || op == Op::kT) return std::vector<Box>{Box{std::vector<int64_t>(shape.size(), 0), shape}};
+  if (op == Op::kQkv || op == Op::kQkvT) {
+    std::vector<Box> all;
+    int64_t rows = 0;
+    for (Op part : {Op::kQ, Op::kK, Op::kV}) {
+      ASSIGN_OR_RETURN(std::vector<Box> b, OpBoxes(part, shape, s, out));
+      rows += out[0];
+      all.insert(all.end(), b.begin(), b.end());
+    }
+    out = shape;
+    out[0] = rows;
+    return all;
+  }
   if (shape.empty()) return Invalid("a 0-d tensor cannot be split");
   const int64_t rows = shape[0];
   switch (op) {
@@ -723,7 +820,10 @@ Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const
       }
       return boxes;
     }
-    case Op::kCopy: break;
+    case Op::kCopy:
+    case Op::kT:
+    case Op::kQkv:
+    case Op::kQkvT: break;
   }
   return Invalid("unknown op");
 }
@@ -938,6 +1038,16 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       return;
     }
     h.pieces = std::move(*boxes);
+    if (op == Op::kT || op == Op::kQkvT) {  // the pieces' rows, transposed
+      if (h.shape.size() != 2) {
+        plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn + "' is not 2-D (" +
+                              ShapeStr(t.shape) + "), so it has no Conv1D transpose");
+        plan.not_included.push_back(fqn);
+        return;
+      }
+      h.shape = {h.shape[1], h.shape[0]};
+      h.transposed = true;
+    }
     if (!produced.insert(hf_name).second) {
       plan.errors.push_back("hf/: '" + hf_name + "' would come from two source tensors; the second, '" + fqn +
                             "', is left out");
@@ -950,8 +1060,10 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   std::vector<const MapRule*> rules;
   if (arch != nullptr && conv == Convention::kTorchtitan) {
     for (const MapRule& r : kTorchtitanLlama) rules.push_back(&r);
-  } else if (arch != nullptr && arch->neox) {
+  } else if (arch != nullptr && arch->layout == Layout::kNeox) {
     for (const MapRule& r : kMegatronNeox) rules.push_back(&r);
+  } else if (arch != nullptr && arch->layout == Layout::kGpt2) {
+    for (const MapRule& r : kMegatronGpt2) rules.push_back(&r);
   } else if (arch != nullptr) {
     for (const MapRule& r : kMegatronCommon) rules.push_back(&r);
     if (arch->moe) {

@@ -21,13 +21,15 @@
 namespace ckptfs::hf {
 
 // A Hugging Face tensor: `pieces` of source tensor `id`, concatenated along
-// dim 0, rendered as `out`.
+// dim 0, rendered as `out`; `transposed`: then transposed (GPT-2's Conv1D
+// stores [in, out], the transpose of Megatron's Linear [out, in]).
 struct HfTensor {
   std::string name;
   TensorId id;
   std::vector<int64_t> shape;
   std::vector<Box> pieces;
   DType out = DType::kInvalid;
+  bool transposed = false;
 };
 
 struct HfPlan {

@@ -350,6 +350,14 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
       return Invalid("two tensors are both named '" + rt.name + "'");
     }
     off += n;
+    if (rt.transposed) {
+      Segment seg = BoxSeg(t, rt.id, rt.pieces.front(), out);
+      seg.boxes = rt.pieces;
+      seg.size = n;
+      seg.transposed = true;
+      body.push_back(std::move(seg));
+      continue;
+    }
     for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, out));
     if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(out), '\0')));
   }
@@ -455,6 +463,7 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& 
     rt.shape = std::move(h.shape);
     rt.pieces = std::move(h.pieces);
     rt.out = h.out;
+    rt.transposed = h.transposed;
     shards.back().push_back(std::move(rt));
     cur += bytes;
     total += bytes;

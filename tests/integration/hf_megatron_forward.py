@@ -1,7 +1,7 @@
 """transformers loads a mount's hf/ and agrees with megatron-core's own forward.
 
 One gloo process: a megatron-core GPTModel at TP=1, PP=1 with the run's config
-(MNT/args.json: the fixture's Llama-family or GPT-NeoX args) is loaded from
+(MNT/args.json: the fixture's Llama-family, GPT-NeoX or GPT-2 args) is loaded from
 MNT/params/<fqn>/param.raw (every parameter; torch_dist's norm names are
 Transformer Engine's), and `AutoModelForCausalLM.from_pretrained(MNT/hf)`
 loads the Hugging Face view. Both run in float32 on the same tokens; the
@@ -29,8 +29,9 @@ def mcore_logits(mnt, args, tokens):
     from megatron.core.transformer.transformer_config import TransformerConfig
     ps.initialize_model_parallel(1, 1)
     tp_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    assert args["position_embedding_type"] == "rope"
-    # SwiGLU (the Llama family) or mcore's default exact GELU (GPT-NeoX).
+    pos_type = args["position_embedding_type"]  # rope, or learned_absolute (GPT-2)
+    rope = dict(rotary_base=args["rotary_base"], rotary_percent=args.get("rotary_percent", 1.0)) if pos_type == "rope" else {}
+    # SwiGLU (the Llama family) or mcore's default exact GELU (GPT-NeoX, GPT-2).
     act = torch.nn.functional.silu if args["swiglu"] else torch.nn.functional.gelu
     experts = args.get("num_experts")
     moe = dict(num_moe_experts=experts, moe_router_topk=args["moe_router_topk"], moe_grouped_gemm=False) if experts else {}
@@ -45,8 +46,7 @@ def mcore_logits(mnt, args, tokens):
                                     normalization=args["normalization"])
     torch.manual_seed(999)  # every weight is loaded below
     model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args["padded_vocab_size"],
-                     max_sequence_length=args["max_position_embeddings"], position_embedding_type="rope",
-                     rotary_base=args["rotary_base"], rotary_percent=args.get("rotary_percent", 1.0),
+                     max_sequence_length=args["max_position_embeddings"], position_embedding_type=pos_type, **rope,
                      share_embeddings_and_output_weights=False, parallel_output=False)
     sd = {}
     for k, v in model.state_dict().items():

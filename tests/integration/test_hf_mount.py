@@ -33,8 +33,11 @@ HF_SCENARIOS = {
                                    "--arch", "mixtral"],
     "neox_legacy_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--bf16", "--arch", "neox"],
     "neox_dist_tp2": ["dist", "--tp", "2", "--bf16", "--arch", "neox"],
+    "gpt2_legacy_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--bf16", "--arch", "gpt2"],
+    "gpt2_dist_tp2": ["dist", "--tp", "2", "--bf16", "--arch", "gpt2"],
     "gpt_legacy_tp1": ["legacy", "--tp", "1", "--pp", "1"],
 }
+UNMAPPED = {"gpt_legacy_tp1"}  # LayerNorm + learned positions + GeGLU: no transformers architecture
 
 
 @pytest.fixture(scope="session")
@@ -55,7 +58,7 @@ def hf_tensors(hf):
     return out
 
 
-@pytest.mark.parametrize("scenario", [s for s in HF_SCENARIOS if not s.startswith("gpt")])
+@pytest.mark.parametrize("scenario", [s for s in HF_SCENARIOS if s not in UNMAPPED])
 def test_transformers_loads_hf_like_megatron_core(hf_fixtures, mounter, tmp_path, scenario):
     with mounter(hf_fixtures / scenario) as m:
         assert (m.path / "hf" / "ERRORS").read_text() == ""
@@ -155,6 +158,62 @@ def test_megatron_neox_is_gpt_neox_tensor_for_tensor(hf_fixtures, mounter, scena
         assert sorted(got) == sorted(want)
         for k, w in want.items():
             assert got[k].dtype == w.dtype == torch.bfloat16 and torch.equal(got[k], w.contiguous()), k
+
+
+@pytest.mark.parametrize("scenario", ["gpt2_legacy_tp2_pp2", "gpt2_dist_tp2"])
+def test_megatron_gpt2_is_gpt2_with_conv1d_transposes(hf_fixtures, mounter, scenario):
+    """Learned absolute positions + LayerNorm + GELU MLP + biases: GPT2LMHeadModel.
+    Conv1D weights are the transposes of Megatron's; c_attn regroups the
+    fused per-head [q | k | v] rows into [all q | all k | all v] first (its
+    bias too). Read through the mount in odd-sized pieces, the transposed
+    bytes equal torch's .t() of the merged Megatron tensors."""
+    with mounter(hf_fixtures / scenario) as m:
+        args = json.loads((m.path / "args.json").read_text())
+        cfg = json.loads((m.path / "hf" / "config.json").read_text())
+        assert (m.path / "hf" / "ERRORS").read_text() == ""
+        assert cfg["architectures"] == ["GPT2LMHeadModel"] and cfg["activation_function"] == "gelu"
+        assert (cfg["n_embd"], cfg["n_head"], cfg["n_layer"], cfg["n_inner"]) == (
+            args["hidden_size"], args["num_attention_heads"], args["num_layers"], args["ffn_hidden_size"])
+        heads, hd = args["num_attention_heads"], args["kv_channels"]
+        got = hf_tensors(m.path / "hf")
+        want = {}
+        for fqn in sorted(p.name for p in (m.path / "params").iterdir()):
+            w = full_tensor(m.path, fqn, "param")
+            name = fqn.replace("decoder.layers.", "transformer.h.")
+            for a, b in [("self_attention.linear_qkv.layer_norm_", "ln_1."), ("mlp.linear_fc1.layer_norm_", "ln_2."),
+                         ("input_layernorm.", "ln_1."), ("pre_mlp_layernorm.", "ln_2."),
+                         ("self_attention.linear_qkv.", "attn.c_attn."), ("self_attention.linear_proj.", "attn.c_proj."),
+                         ("mlp.linear_fc1.", "mlp.c_fc."), ("mlp.linear_fc2.", "mlp.c_proj."),
+                         ("decoder.final_layernorm.", "transformer.ln_f."),
+                         ("embedding.position_embeddings.", "transformer.wpe.")]:
+                name = name.replace(a, b)
+            if fqn == "embedding.word_embeddings.weight":
+                want["transformer.wte.weight"] = w[:args["vocab_size"]]
+            elif fqn == "output_layer.weight":
+                want["lm_head.weight"] = w[:args["vocab_size"]]
+            elif ".linear_qkv.weight" in fqn or ".linear_qkv.bias" in fqn:
+                q, k, v = split_qkv(w, heads, heads, hd)
+                fused = torch.cat([q, k, v])
+                want[name] = fused.t() if w.dim() == 2 else fused
+            elif w.dim() == 2 and fqn.startswith("decoder.layers."):
+                want[name] = w.t()
+            else:
+                want[name] = w
+        assert sorted(got) == sorted(want)
+        for k, w in want.items():
+            assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], w.contiguous()), k
+        # The transposed bytes at odd offsets and lengths, straight from the file.
+        idx = json.loads((m.path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+        key = "transformer.h.1.attn.c_attn.weight"
+        f = m.path / "hf" / idx[key]
+        raw = f.read_bytes()
+        hlen = int.from_bytes(raw[:8], "little")
+        start, end = json.loads(raw[8:8 + hlen])[key]["data_offsets"]
+        body = want[key].contiguous().view(torch.uint8).numpy().tobytes()
+        with open(f, "rb") as fh:
+            for a, n in [(0, 1), (3, 77), (191, 2), (100, 333), (len(body) - 7, 7)]:
+                fh.seek(8 + hlen + start + a)
+                assert fh.read(n) == body[a:a + n], (a, n)
 
 
 def test_hf_options(hf_fixtures, mounter, bin_path, tmp_path):

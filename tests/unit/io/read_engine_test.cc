@@ -239,6 +239,62 @@ TEST_P(ReadEngineConformance, RandomRangesEqualTheTensor) {
   }
 }
 
+// Row boxes of every 2-D tensor (fragments split and stored transposed at
+// random), concatenated out of order and transposed: every range of the
+// result equals the transpose computed here, at any byte offset.
+TEST_P(ReadEngineConformance, TransposedRowBoxesEqualTheTranspose) {
+  TempDir t;
+  Synthetic s = MakeSynthetic(t.path(), 17, 80);
+  ASSERT_TRUE(Index::Build(s.ck, t.path() + "/index").ok());
+  auto ix = Index::Open(t.path() + "/index", t.path());
+  ASSERT_TRUE(ix.ok()) << ix.status().message();
+  auto reader = TensorReader::Open(**ix, GetParam());
+  if (!reader.ok() && GetParam() == EngineKind::kUring) GTEST_SKIP() << reader.status().message();
+  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  std::mt19937 rng(5);
+  int checked = 0;
+  for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
+    const TensorRecord& tr = s.ck.tensors[i];
+    if (tr.shape.size() != 2 || tr.shape[0] < 2) continue;
+    const int64_t rows = tr.shape[0], cols = tr.shape[1];
+    const uint64_t esz = DTypeSize(tr.dtype);
+    // The second half of the rows, then the first (GPT-2's q|k|v regrouping is such a reorder).
+    const int64_t half = rows / 2;
+    const std::vector<Box> boxes = {Box{{half, 0}, {rows - half, cols}}, Box{{0, 0}, {half, cols}}};
+    std::vector<int64_t> order;
+    for (int64_t r = half; r < rows; ++r) order.push_back(r);
+    for (int64_t r = 0; r < half; ++r) order.push_back(r);
+    std::vector<char> want(s.full[i].size());
+    for (int64_t c = 0; c < cols; ++c) {
+      for (int64_t k = 0; k < rows; ++k) {
+        std::memcpy(want.data() + static_cast<size_t>(c * rows + k) * esz,
+                    s.full[i].data() + static_cast<size_t>(order[static_cast<size_t>(k)] * cols + c) * esz, esz);
+      }
+    }
+    std::vector<char> got(want.size());
+    Status st = (*reader)->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, 0, got.size(), got.data());
+    ASSERT_TRUE(st.ok()) << st.message();
+    EXPECT_EQ(got, want) << "tensor " << i;
+    for (int k = 0; k < 10 && !want.empty(); ++k) {
+      uint64_t a = rng() % want.size(), b = rng() % (want.size() + 1);
+      if (a > b) std::swap(a, b);
+      std::vector<char> part(b - a);
+      st = (*reader)->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, a, b - a, part.data());
+      ASSERT_TRUE(st.ok()) << st.message();
+      EXPECT_TRUE(std::equal(part.begin(), part.end(), want.begin() + static_cast<ptrdiff_t>(a)))
+          << "tensor " << i << " range " << a << "-" << b;
+    }
+    ++checked;
+    // Boxes that are not whole rows are refused.
+    if (cols > 1) {
+      const std::vector<Box> partial = {Box{{0, 0}, {1, cols - 1}}};
+      std::vector<char> one(esz);
+      EXPECT_FALSE((*reader)->ReadTransposedRows(TensorId{i}, tr.dtype, partial, 0, esz, one.data()).ok());
+    }
+  }
+  EXPECT_GT(checked, 5);
+}
+
 TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
   TempDir t;
   Synthetic s = MakeSynthetic(t.path(), 5, 20);

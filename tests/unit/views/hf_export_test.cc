@@ -211,8 +211,9 @@ TEST_F(HfExportTest, AMissingLayerTensorIsNamedNotRandomlyInitialised) {
 }
 
 // RoPE + LayerNorm + a GELU MLP with biases and one key-value head per query
-// head: GPT-NeoX, whose query_key_value is Megatron's fused QKV as it is.
-TEST_F(HfExportTest, MegatronNeoxIsGptNeoxWithTheFusedQkvCopied) {
+// head: GPT-NeoX, whose query_key_value is Megatron's fused QKV as it is; with
+// learned positions, GPT-2.
+TEST_F(HfExportTest, MegatronGeluRunsAreGptNeoxOrGpt2) {
   args_.update({{"swiglu", false}, {"normalization", "LayerNorm"}, {"add_bias_linear", true},
                 {"num_query_groups", 4}, {"group_query_attention", false}, {"rotary_percent", 0.5},
                 {"norm_epsilon", 1e-5}, {"ffn_hidden_size", 16}});
@@ -266,13 +267,42 @@ TEST_F(HfExportTest, MegatronNeoxIsGptNeoxWithTheFusedQkvCopied) {
   EXPECT_TRUE(p->config_json.empty());
   EXPECT_NE(Errors(*p).find("grouped-query attention (2 key-value heads for 4 query heads"), std::string::npos)
       << Errors(*p);
+  // Learned absolute positions instead of RoPE: GPT-2, whose Conv1D weights
+  // are transposes, and c_attn the per-head [q | k | v] rows regrouped.
+  args_.update({{"num_query_groups", 4}, {"group_query_attention", false}, {"openai_gelu", false},
+                {"position_embedding_type", "learned_absolute"}, {"max_position_embeddings", 16}});
+  params_["embedding.position_embeddings.weight"] = {16, 8};
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "GPT2LMHeadModel");
+  EXPECT_EQ(Errors(*p), "");
+  const HfTensor* attn = Find(*p, "transformer.h.0.attn.c_attn.weight");
+  ASSERT_TRUE(attn);
+  EXPECT_TRUE(attn->transposed);
+  EXPECT_EQ(attn->shape, (std::vector<int64_t>{8, 24}));
+  // 4 heads of 2 rows, per head [q | k | v]: q rows 0-1, 6-7, 12-13, 18-19 first.
+  EXPECT_EQ(Rows(*attn), (R{{0, 2}, {6, 8}, {12, 14}, {18, 20}, {2, 4}, {8, 10}, {14, 16}, {20, 22}, {4, 6},
+                            {10, 12}, {16, 18}, {22, 24}}));
+  const HfTensor* attn_b = Find(*p, "transformer.h.0.attn.c_attn.bias");
+  ASSERT_TRUE(attn_b);
+  EXPECT_FALSE(attn_b->transposed);
+  EXPECT_EQ(Rows(*attn_b), Rows(*attn));
+  const HfTensor* fc = Find(*p, "transformer.h.0.mlp.c_fc.weight");
+  ASSERT_TRUE(fc && fc->transposed);
+  EXPECT_EQ(fc->shape, (std::vector<int64_t>{8, 16}));
+  EXPECT_FALSE(Find(*p, "transformer.wpe.weight")->transposed);
+  const auto g = nlohmann::json::parse(p->config_json);
+  EXPECT_EQ(g["model_type"], "gpt2");
+  EXPECT_EQ(g["n_head"], 4);
+  EXPECT_EQ(g["n_inner"], 16);
+  EXPECT_EQ(g["n_positions"], 16);
   // --hf-arch gpt_neox on a Llama run says what does not fit.
   SetUp();
   TopoOptions o;
   o.hf_arch = "gpt_neox";
   p = Plan(o);
   ASSERT_TRUE(p.ok());
-  EXPECT_NE(Errors(*p).find("normalization is 'RMSNorm' (GPT-NeoX uses 'LayerNorm')"), std::string::npos)
+  EXPECT_NE(Errors(*p).find("normalization is 'RMSNorm' (GPTNeoXForCausalLM uses 'LayerNorm')"), std::string::npos)
       << Errors(*p);
   EXPECT_NE(Errors(*p).find("the MLP is SwiGLU"), std::string::npos) << Errors(*p);
 }
