@@ -201,35 +201,55 @@ Synthetic MakeSynthetic(const std::string& dir, uint32_t seed, int n_tensors) {
   return s;
 }
 
-class ReadEngineConformance : public ::testing::TestWithParam<EngineKind> {};
+class ReadEngineConformance : public ::testing::TestWithParam<EngineKind> {
+ protected:
+  // Indexes `s` (written under t_) and opens a reader with the engine under
+  // test. An io_uring the machine refuses leaves reader_ null and says why in
+  // skip_ (the test skips).
+  void Open(const Synthetic& s) {
+    ASSERT_TRUE(Index::Build(s.ck, t_.path() + "/index").ok());
+    auto ix = Index::Open(t_.path() + "/index", t_.path());
+    ASSERT_TRUE(ix.ok()) << ix.status().message();
+    ix_ = std::move(*ix);
+    auto reader = TensorReader::Open(*ix_, GetParam());
+    if (!reader.ok() && GetParam() == EngineKind::kUring) {
+      skip_ = reader.status().message();
+      return;
+    }
+    ASSERT_TRUE(reader.ok()) << reader.status().message();
+    reader_ = std::move(*reader);
+  }
+  TempDir t_;
+  std::unique_ptr<Index> ix_;
+  std::unique_ptr<TensorReader> reader_;
+  std::string skip_;
+};
+
+#define OPEN_OR_SKIP(s)               \
+  ASSERT_NO_FATAL_FAILURE(Open(s));   \
+  if (!reader_) GTEST_SKIP() << skip_
 
 TEST_P(ReadEngineConformance, RandomRangesEqualTheTensor) {
-  TempDir t;
-  Synthetic s = MakeSynthetic(t.path(), 11, 60);
-  ASSERT_TRUE(Index::Build(s.ck, t.path() + "/index").ok());
-  auto ix = Index::Open(t.path() + "/index", t.path());
-  ASSERT_TRUE(ix.ok()) << ix.status().message();
-  auto reader = TensorReader::Open(**ix, GetParam());
-  if (!reader.ok() && GetParam() == EngineKind::kUring) GTEST_SKIP() << reader.status().message();
-  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  Synthetic s = MakeSynthetic(t_.path(), 11, 60);
+  OPEN_OR_SKIP(s);
   std::mt19937 rng(3);
   for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
     const auto& full = s.full[i];
     std::vector<char> out(full.size());
-    ASSERT_TRUE((*reader)->Read(TensorId{i}, s.ck.tensors[i].dtype, 0, full.size(), out.data()).ok());
+    ASSERT_TRUE(reader_->Read(TensorId{i}, s.ck.tensors[i].dtype, 0, full.size(), out.data()).ok());
     EXPECT_EQ(out, full) << "tensor " << i;
     for (int k = 0; k < 20 && !full.empty(); ++k) {
       uint64_t a = rng() % full.size(), b = rng() % (full.size() + 1);
       if (a > b) std::swap(a, b);
       std::vector<char> part(b - a);
-      Status st = (*reader)->Read(TensorId{i}, s.ck.tensors[i].dtype, a, b - a, part.data());
+      Status st = reader_->Read(TensorId{i}, s.ck.tensors[i].dtype, a, b - a, part.data());
       ASSERT_TRUE(st.ok()) << st.message();
       EXPECT_TRUE(std::equal(part.begin(), part.end(), full.begin() + static_cast<ptrdiff_t>(a)))
           << "tensor " << i << " range " << a << "-" << b;
     }
     if (s.ck.tensors[i].dtype == DType::kBF16 && !full.empty()) {  // widened read
       std::vector<char> wide(full.size() * 2);
-      ASSERT_TRUE((*reader)->Read(TensorId{i}, DType::kF32, 0, wide.size(), wide.data()).ok());
+      ASSERT_TRUE(reader_->Read(TensorId{i}, DType::kF32, 0, wide.size(), wide.data()).ok());
       for (size_t e = 0; e < full.size() / 2; ++e) {
         EXPECT_EQ(wide[4 * e + 2], full[2 * e]);
         EXPECT_EQ(wide[4 * e + 3], full[2 * e + 1]);
@@ -243,14 +263,8 @@ TEST_P(ReadEngineConformance, RandomRangesEqualTheTensor) {
 // random), concatenated out of order and transposed: every range of the
 // result equals the transpose computed here, at any byte offset.
 TEST_P(ReadEngineConformance, TransposedRowBoxesEqualTheTranspose) {
-  TempDir t;
-  Synthetic s = MakeSynthetic(t.path(), 17, 80);
-  ASSERT_TRUE(Index::Build(s.ck, t.path() + "/index").ok());
-  auto ix = Index::Open(t.path() + "/index", t.path());
-  ASSERT_TRUE(ix.ok()) << ix.status().message();
-  auto reader = TensorReader::Open(**ix, GetParam());
-  if (!reader.ok() && GetParam() == EngineKind::kUring) GTEST_SKIP() << reader.status().message();
-  ASSERT_TRUE(reader.ok()) << reader.status().message();
+  Synthetic s = MakeSynthetic(t_.path(), 17, 80);
+  OPEN_OR_SKIP(s);
   std::mt19937 rng(5);
   int checked = 0;
   for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
@@ -272,14 +286,14 @@ TEST_P(ReadEngineConformance, TransposedRowBoxesEqualTheTranspose) {
       }
     }
     std::vector<char> got(want.size());
-    Status st = (*reader)->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, 0, got.size(), got.data());
+    Status st = reader_->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, 0, got.size(), got.data());
     ASSERT_TRUE(st.ok()) << st.message();
     EXPECT_EQ(got, want) << "tensor " << i;
     for (int k = 0; k < 10 && !want.empty(); ++k) {
       uint64_t a = rng() % want.size(), b = rng() % (want.size() + 1);
       if (a > b) std::swap(a, b);
       std::vector<char> part(b - a);
-      st = (*reader)->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, a, b - a, part.data());
+      st = reader_->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, a, b - a, part.data());
       ASSERT_TRUE(st.ok()) << st.message();
       EXPECT_TRUE(std::equal(part.begin(), part.end(), want.begin() + static_cast<ptrdiff_t>(a)))
           << "tensor " << i << " range " << a << "-" << b;
@@ -289,15 +303,14 @@ TEST_P(ReadEngineConformance, TransposedRowBoxesEqualTheTranspose) {
     if (cols > 1) {
       const std::vector<Box> partial = {Box{{0, 0}, {1, cols - 1}}};
       std::vector<char> one(esz);
-      EXPECT_FALSE((*reader)->ReadTransposedRows(TensorId{i}, tr.dtype, partial, 0, esz, one.data()).ok());
+      EXPECT_FALSE(reader_->ReadTransposedRows(TensorId{i}, tr.dtype, partial, 0, esz, one.data()).ok());
     }
   }
   EXPECT_GT(checked, 5);
 }
 
 TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
-  TempDir t;
-  Synthetic s = MakeSynthetic(t.path(), 5, 20);
+  Synthetic s = MakeSynthetic(t_.path(), 5, 20);
   size_t victim = SIZE_MAX;
   for (size_t i = 0; i < s.ck.tensors.size(); ++i) {
     std::vector<Fragment> frags = s.ck.fragments.Get(i);
@@ -318,34 +331,25 @@ TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
     }
   }
   ASSERT_NE(victim, SIZE_MAX);
-  ASSERT_TRUE(Index::Build(s.ck, t.path() + "/index").ok());
-  auto ix = Index::Open(t.path() + "/index", t.path());
-  ASSERT_TRUE(ix.ok());
-  auto reader = TensorReader::Open(**ix, GetParam());
-  if (!reader.ok()) GTEST_SKIP() << reader.status().message();
+  OPEN_OR_SKIP(s);
   std::vector<char> out(s.full[victim].size());
-  Status st = (*reader)->Read(TensorId{static_cast<uint32_t>(victim)}, s.ck.tensors[victim].dtype, 0, out.size(), out.data());
+  Status st = reader_->Read(TensorId{static_cast<uint32_t>(victim)}, s.ck.tensors[victim].dtype, 0, out.size(), out.data());
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("hole"), std::string::npos) << st.message();
 }
 
 TEST_P(ReadEngineConformance, ModifiedSourceIsStale) {
-  TempDir t;
-  Synthetic s = MakeSynthetic(t.path(), 9, 5);
-  ASSERT_TRUE(Index::Build(s.ck, t.path() + "/index").ok());
-  auto ix = Index::Open(t.path() + "/index", t.path());
-  ASSERT_TRUE(ix.ok());
-  auto reader = TensorReader::Open(**ix, GetParam());
-  if (!reader.ok()) GTEST_SKIP() << reader.status().message();
-  std::string data = ckptfs::testing::ReadFile(t.path() + "/data.bin");
-  ckptfs::testing::WriteFile(t.path() + "/data.bin", data + "x");
+  Synthetic s = MakeSynthetic(t_.path(), 9, 5);
+  OPEN_OR_SKIP(s);
+  std::string data = ckptfs::testing::ReadFile(t_.path() + "/data.bin");
+  ckptfs::testing::WriteFile(t_.path() + "/data.bin", data + "x");
   uint32_t id = 0;
   while (id < s.ck.tensors.size() && s.full[id].empty()) ++id;
   ASSERT_LT(id, s.ck.tensors.size());
   std::vector<char> out(s.full[id].size());
-  Status st = (*reader)->Read(TensorId{id}, s.ck.tensors[id].dtype, 0, out.size(), out.data());
+  Status st = reader_->Read(TensorId{id}, s.ck.tensors[id].dtype, 0, out.size(), out.data());
   EXPECT_EQ(st.code(), Code::kStale) << st.message();
-  EXPECT_EQ((*reader)->CheckFresh(TensorId{id}).code(), Code::kStale);
+  EXPECT_EQ(reader_->CheckFresh(TensorId{id}).code(), Code::kStale);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, ReadEngineConformance, ::testing::Values(EngineKind::kPread, EngineKind::kUring),
