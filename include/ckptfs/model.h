@@ -49,6 +49,9 @@ size_t DTypeSize(DType d);
 bool WidensToF32(DType d);
 // The narrowing it renders: float32 to bf16 or f16, round to nearest even.
 bool NarrowsFromF32(DType d);
+// Every element conversion the read engine renders: identity, the widening
+// and the narrowing above (io.h CanConvert is this; views plan with it).
+bool Renders(DType from, DType to);
 std::string_view DTypeName(DType d);          // torch spelling: "float32", "bfloat16"
 DType DTypeFromTorchName(std::string_view n);  // "float32" / "FloatStorage" ...
 // torch's typed-storage class ("FloatStorage"); empty when there is none.

@@ -57,6 +57,12 @@ bool WidensToF32(DType d) {
 
 bool NarrowsFromF32(DType d) { return d == DType::kBF16 || d == DType::kF16; }
 
+bool Renders(DType from, DType to) {
+  if (from == to) return DTypeSize(from) > 0;
+  if (from == DType::kF32) return NarrowsFromF32(to);
+  return to == DType::kF32 && WidensToF32(from);
+}
+
 size_t DTypeSize(DType d) {
   const DTypeInfo* i = Find(d);
   return i ? i->size : 0;

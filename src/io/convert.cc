@@ -81,11 +81,7 @@ const float* Fp8DecodeTable(DType d) {
   return t != nullptr ? t->data() : nullptr;
 }
 
-bool CanConvert(DType from, DType to) {
-  if (from == to) return DTypeSize(from) > 0;
-  if (from == DType::kF32) return NarrowsFromF32(to);
-  return to == DType::kF32 && WidensToF32(from);
-}
+bool CanConvert(DType from, DType to) { return Renders(from, to); }
 
 Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd, uint64_t n) {
   const size_t ss = DTypeSize(sd);

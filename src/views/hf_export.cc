@@ -1012,11 +1012,9 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     h.name = hf_name;
     h.id = TensorId{read};
     h.out = out_dtype(t.dtype);
-    // The read engine's conversions (io.h CanConvert): widening to float32,
-    // float32 narrowed to bf16 / f16 with round to nearest even.
-    const bool widen = h.out == DType::kF32 && WidensToF32(t.dtype);
-    const bool narrow = t.dtype == DType::kF32 && NarrowsFromF32(h.out);
-    if (h.out != t.dtype && !widen && !narrow) {
+    // The read engine's conversions: widening to float32, float32 narrowed
+    // to bf16 / f16 with round to nearest even.
+    if (!Renders(t.dtype, h.out)) {
       plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn + "' is " +
                             std::string(DTypeName(t.dtype)) + ", and ckptfs converts only floats to float32 and "
                             "float32 to bfloat16 / float16, not to " + std::string(DTypeName(h.out)) +
