@@ -26,21 +26,27 @@ using json = nlohmann::ordered_json;
 // (kMegatronGpt2).
 enum class Layout : uint8_t { kLlama, kNeox, kGpt2 };
 
+// The sparse MLP of an MoE architecture: none (dense), Mixtral's
+// (block_sparse_moe.experts.E.w1/w3/w2, num_local_experts) or Qwen3-MoE's
+// (mlp.experts.E.gate_proj/up_proj/down_proj, num_experts).
+enum class Moe : uint8_t { kNone, kMixtral, kQwen3 };
+
 struct Arch {
   const char* name;        // --hf-arch
   const char* model_type;  // config.json "model_type"
   const char* cls;         // config.json "architectures"
-  bool moe;                // Mixtral-style sparse MLP (block_sparse_moe)
+  Moe moe;
   Layout layout;
 };
 constexpr Arch kArchs[] = {
-    {"llama", "llama", "LlamaForCausalLM", false, Layout::kLlama},
-    {"mistral", "mistral", "MistralForCausalLM", false, Layout::kLlama},
-    {"qwen2", "qwen2", "Qwen2ForCausalLM", false, Layout::kLlama},
-    {"qwen3", "qwen3", "Qwen3ForCausalLM", false, Layout::kLlama},
-    {"mixtral", "mixtral", "MixtralForCausalLM", true, Layout::kLlama},
-    {"gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", false, Layout::kNeox},
-    {"gpt2", "gpt2", "GPT2LMHeadModel", false, Layout::kGpt2},
+    {"llama", "llama", "LlamaForCausalLM", Moe::kNone, Layout::kLlama},
+    {"mistral", "mistral", "MistralForCausalLM", Moe::kNone, Layout::kLlama},
+    {"qwen2", "qwen2", "Qwen2ForCausalLM", Moe::kNone, Layout::kLlama},
+    {"qwen3", "qwen3", "Qwen3ForCausalLM", Moe::kNone, Layout::kLlama},
+    {"mixtral", "mixtral", "MixtralForCausalLM", Moe::kMixtral, Layout::kLlama},
+    {"qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", Moe::kQwen3, Layout::kLlama},
+    {"gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", Moe::kNone, Layout::kNeox},
+    {"gpt2", "gpt2", "GPT2LMHeadModel", Moe::kNone, Layout::kGpt2},
 };
 
 std::string JoinNames(const std::vector<std::string>& names) {
@@ -84,6 +90,9 @@ enum class Op : uint8_t {
   kQkv,
   kQkvT,
   kT,
+  // torchtitan's grouped experts [E, out, in]: expert E's [out, in] slice
+  // (one source tensor gives every {E} of the rule's dst).
+  kExpert,
 };
 enum class When : uint8_t { kAlways, kUntied, kQkvBias, kOBias, kMlpBias, kQkNorm };
 
@@ -153,6 +162,24 @@ constexpr MapRule kMegatronMixtralMlp[] = {
     {"decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}", "model.layers.{L}.block_sparse_moe.experts.{E}.w3.weight",
      Op::kUp, When::kAlways},
     {"decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}", "model.layers.{L}.block_sparse_moe.experts.{E}.w2.weight",
+     Op::kCopy, When::kAlways},
+};
+
+// Qwen3-MoE as its Hub checkpoints name it (mlp.gate is the router; no
+// shared experts): Megatron's Qwen3-MoE runs (qk_layernorm with experts).
+constexpr MapRule kMegatronQwen3MoeMlp[] = {
+    {"decoder.layers.{L}.mlp.router.weight", "model.layers.{L}.mlp.gate.weight", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
+     "model.layers.{L}.mlp.experts.{E}.gate_proj.weight", Op::kGate, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
+     "model.layers.{L}.mlp.experts.{E}.up_proj.weight", Op::kUp, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc2.weight",
+     "model.layers.{L}.mlp.experts.{E}.down_proj.weight", Op::kCopy, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}", "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+     Op::kGate, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}", "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+     Op::kUp, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}", "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
      Op::kCopy, When::kAlways},
 };
 
@@ -252,9 +279,56 @@ constexpr MapRule kTorchtitanLlama[] = {
     {"layers.{L}.attention.wv.weight", "model.layers.{L}.self_attn.v_proj.weight", Op::kCopy, When::kAlways},
     {"layers.{L}.attention.wo.weight", "model.layers.{L}.self_attn.o_proj.weight", Op::kCopy, When::kAlways},
     {"layers.{L}.ffn_norm.weight", "model.layers.{L}.post_attention_layernorm.weight", Op::kCopy, When::kAlways},
+};
+
+// torchtitan's Qwen3 (torchtitan/models/qwen3): Llama's names plus the QK
+// norms. Its CosSinRoPE rotates halves as Hugging Face does, so wq and wk are
+// copied as they are (Qwen3StateDictAdapter.to_hf permutes nothing).
+constexpr MapRule kTorchtitanQwen3[] = {
+    {"tok_embeddings.weight", "model.embed_tokens.weight", Op::kVocab, When::kAlways},
+    {"norm.weight", "model.norm.weight", Op::kCopy, When::kAlways},
+    {"lm_head.weight", "lm_head.weight", Op::kVocab, When::kUntied},
+    {"layers.{L}.attention.qkv_linear.wq.weight", "model.layers.{L}.self_attn.q_proj.weight", Op::kCopy,
+     When::kAlways},
+    {"layers.{L}.attention.qkv_linear.wk.weight", "model.layers.{L}.self_attn.k_proj.weight", Op::kCopy,
+     When::kAlways},
+    {"layers.{L}.attention.qkv_linear.wv.weight", "model.layers.{L}.self_attn.v_proj.weight", Op::kCopy,
+     When::kAlways},
+    {"layers.{L}.attention.wo.weight", "model.layers.{L}.self_attn.o_proj.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.attention.q_norm.weight", "model.layers.{L}.self_attn.q_norm.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.attention.k_norm.weight", "model.layers.{L}.self_attn.k_norm.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.attention_norm.weight", "model.layers.{L}.input_layernorm.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.ffn_norm.weight", "model.layers.{L}.post_attention_layernorm.weight", Op::kCopy, When::kAlways},
+};
+
+// torchtitan's dense SwiGLU feed-forward (Llama 3 and Qwen3).
+constexpr MapRule kTorchtitanDenseMlp[] = {
     {"layers.{L}.feed_forward.w1.weight", "model.layers.{L}.mlp.gate_proj.weight", Op::kCopy, When::kAlways},
     {"layers.{L}.feed_forward.w3.weight", "model.layers.{L}.mlp.up_proj.weight", Op::kCopy, When::kAlways},
     {"layers.{L}.feed_forward.w2.weight", "model.layers.{L}.mlp.down_proj.weight", Op::kCopy, When::kAlways},
+};
+
+// torchtitan's Qwen3 MoE layer: the router and GroupedExperts, whose weights
+// hold every expert ([E, ffn, dim] for w1 / w3, [E, dim, ffn] for w2), split
+// per expert with no transpose as Qwen3StateDictAdapter.to_hf splits them.
+constexpr MapRule kTorchtitanQwen3MoeMlp[] = {
+    {"layers.{L}.moe.router.gate.weight", "model.layers.{L}.mlp.gate.weight", Op::kCopy, When::kAlways},
+    {"layers.{L}.moe.routed_experts.inner_experts.w1_EFD", "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+     Op::kExpert, When::kAlways},
+    {"layers.{L}.moe.routed_experts.inner_experts.w3_EFD", "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
+     Op::kExpert, When::kAlways},
+    {"layers.{L}.moe.routed_experts.inner_experts.w2_EDF", "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
+     Op::kExpert, When::kAlways},
+};
+
+// Source tensors a target has no place for, with the reason ERRORS gives.
+constexpr char kExpertBiasWhy[] =
+    "torchtitan's load-balancing bias (load_balance_coeff) only chooses the experts; Hugging Face's router has no "
+    "such bias, so once training moved it from zero transformers routes tokens differently (torchtitan's own to_hf "
+    "drops it too)";
+constexpr std::pair<const char*, const char*> kKnownUnmapped[] = {
+    {"layers.{L}.moe.expert_bias_E", kExpertBiasWhy},  // torchtitan 0.3
+    {"layers.{L}.moe.expert_bias", kExpertBiasWhy},    // torchtitan 0.1 / 0.2
 };
 
 // Where the parameter names come from.
@@ -360,7 +434,9 @@ Shape ShapeOf(const json& c, const Arch& a) {
   const int64_t hidden = Get<int64_t>(c, gpt2 ? "n_embd" : "hidden_size", 0);
   s.head_dim = Get<int64_t>(c, "head_dim", s.heads > 0 ? hidden / s.heads : 0);
   s.vocab = Get<int64_t>(c, "vocab_size", 0);
-  s.experts = a.moe ? Get<int64_t>(c, "num_local_experts", 0) : 0;
+  s.experts = a.moe == Moe::kMixtral ? Get<int64_t>(c, "num_local_experts", 0)
+              : a.moe == Moe::kQwen3  ? Get<int64_t>(c, "num_experts", 0)
+                                      : 0;
   s.tied = Get<bool>(c, "tie_word_embeddings", false);
   const std::string mt = a.model_type;
   if (mt == "llama") {
@@ -368,7 +444,7 @@ Shape ShapeOf(const json& c, const Arch& a) {
     s.mlp_bias = Get<bool>(c, "mlp_bias", false);
   } else if (mt == "qwen2") {
     s.qkv_bias = true;
-  } else if (mt == "qwen3") {
+  } else if (mt == "qwen3" || mt == "qwen3_moe") {
     s.qkv_bias = s.o_bias = Get<bool>(c, "attention_bias", false);
     s.qk_norm = true;
   }
@@ -454,19 +530,22 @@ const Arch* RecogniseMegatron(const json& args, const Arch* forced, std::vector<
   const bool qk_norm = Get<bool>(args, "qk_layernorm", false);
   const int64_t experts = Get<int64_t>(args, "num_experts", 0);
   if (experts > 0) {
-    need(Get<int64_t>(args, "moe_shared_expert_intermediate_size", 0) == 0, "MoE shared experts (no Mixtral equivalent)");
-    need(!Get<bool>(args, "moe_router_pre_softmax", false), "moe_router_pre_softmax is set (Mixtral renormalizes the top-k)");
+    // Mixtral and Qwen3-MoE route alike: softmax over the experts, the top-k
+    // renormalised (Qwen3-MoE's norm_topk_prob), no shared experts.
+    need(Get<int64_t>(args, "moe_shared_expert_intermediate_size", 0) == 0,
+         "MoE shared experts (no Mixtral or Qwen3-MoE equivalent)");
+    need(!Get<bool>(args, "moe_router_pre_softmax", false), "moe_router_pre_softmax is set (Mixtral and Qwen3-MoE "
+                                                            "renormalize the top-k)");
     const std::string score = Get<std::string>(args, "moe_router_score_function", "softmax");
-    need(score == "softmax", "moe_router_score_function is '" + score + "' (Mixtral uses softmax)");
+    need(score == "softmax", "moe_router_score_function is '" + score + "' (Mixtral and Qwen3-MoE use softmax)");
     need(Get<double>(args, "moe_router_topk_scaling_factor", 1.0) == 1.0, "moe_router_topk_scaling_factor is set");
-    need(!linear_bias && !qkv_bias, "an MoE model with linear biases (Mixtral has none)");
-    need(!qk_norm, "an MoE model with QK layer norms");
+    need(!linear_bias && !qkv_bias, "an MoE model with linear biases (Mixtral and Qwen3-MoE have none)");
     const auto lf = args.find("moe_layer_freq");
     need(lf == args.end() || lf->is_null() || (lf->is_number() && lf->get<double>() == 1.0), "moe_layer_freq: not every layer is MoE");
   }
   const Arch* a = ArchByName("llama");
   if (experts > 0) {
-    a = ArchByName("mixtral");
+    a = ArchByName(qk_norm ? "qwen3_moe" : "mixtral");
   } else if (qk_norm) {
     need(!qkv_bias, "both QKV biases and QK layer norms");
     a = ArchByName("qwen3");
@@ -583,7 +662,8 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   c["architectures"] = json::array({a.cls});
   c["model_type"] = a.model_type;
   c["hidden_size"] = hidden;
-  c["intermediate_size"] = a.moe ? Get<int64_t>(args, "moe_ffn_hidden_size", ffn) : ffn;
+  const int64_t moe_ffn = Get<int64_t>(args, "moe_ffn_hidden_size", ffn);
+  c["intermediate_size"] = a.moe == Moe::kMixtral ? moe_ffn : ffn;
   c["num_hidden_layers"] = Get<int64_t>(args, "num_layers", 0);
   c["num_attention_heads"] = heads;
   c["num_key_value_heads"] = groups;
@@ -603,10 +683,10 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
     const bool bias = Get<bool>(args, "add_bias_linear", true);
     c["attention_bias"] = bias;
     c["mlp_bias"] = bias;
-  } else if (mt == "qwen3") {
+  } else if (mt == "qwen3" || mt == "qwen3_moe") {
     c["attention_bias"] = false;
   }
-  if (mt == "mistral" || mt == "mixtral" || mt == "qwen2" || mt == "qwen3") {
+  if (mt == "mistral" || mt == "mixtral" || mt == "qwen2" || mt == "qwen3" || mt == "qwen3_moe") {
     const auto ws = args.find("window_size");
     json window = nullptr;
     if (ws != args.end() && ws->is_array() && !ws->empty() && (*ws)[0].is_number() && (*ws)[0].get<int64_t>() >= 0) {
@@ -615,8 +695,15 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
     c["sliding_window"] = window;
     if (mt != "mistral" && mt != "mixtral") c["use_sliding_window"] = !window.is_null();
   }
-  if (a.moe) {
-    c["num_local_experts"] = Get<int64_t>(args, "num_experts", 0);
+  if (a.moe == Moe::kMixtral) c["num_local_experts"] = Get<int64_t>(args, "num_experts", 0);
+  if (a.moe == Moe::kQwen3) {
+    c["num_experts"] = Get<int64_t>(args, "num_experts", 0);
+    c["moe_intermediate_size"] = moe_ffn;
+    c["norm_topk_prob"] = true;  // mcore's softmax over the top-k scores
+    c["decoder_sparse_step"] = 1;
+    c["mlp_only_layers"] = json::array();
+  }
+  if (a.moe != Moe::kNone) {
     c["num_experts_per_tok"] = Get<int64_t>(args, "moe_router_topk", 2);
     c["router_aux_loss_coef"] = Get<double>(args, "moe_aux_loss_coeff", 0.0);
     c["output_router_logits"] = false;
@@ -746,9 +833,10 @@ Sources CollectSources(const Index& index) {
   return s;
 }
 
-// The boxes of op `op` over a source tensor of `shape`; an error names what
-// does not fit.
-Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const Shape& s, std::vector<int64_t>& out) {
+// The boxes of op `op` over a source tensor of `shape` (`expert`: kExpert's
+// slice); an error names what does not fit.
+Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const Shape& s, std::vector<int64_t>& out,
+                                 int64_t expert = -1) {
   auto whole_rows = [&](int64_t a, int64_t b) {
     Box x{std::vector<int64_t>(shape.size(), 0), shape};
     x.offsets[0] = a;
@@ -803,6 +891,16 @@ Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const
       for (int64_t g = 0; g < s.kv_heads; ++g) boxes.push_back(whole_rows(g * group + first, g * group + first + len));
       out[0] = s.kv_heads * len;
       return boxes;
+    }
+    case Op::kExpert: {
+      if (shape.size() != 3 || rows != s.experts || expert < 0 || expert >= rows) {
+        return Invalid(ShapeStr(shape) + " is not " + std::to_string(s.experts) + " experts' 2-D weights");
+      }
+      Box b{std::vector<int64_t>(shape.size(), 0), shape};
+      b.offsets[0] = expert;
+      b.lengths[0] = 1;
+      out = {shape[1], shape[2]};
+      return std::vector<Box>{b};
     }
     case Op::kRopeQ:
     case Op::kRopeK: {
@@ -941,21 +1039,46 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
         why.push_back(params_text ? config_dir + "/params.json: not a Meta params.json (an object with dim and n_heads)"
                                   : "torchtitan names (tok_embeddings, layers.N.attention.wq), and no config beside "
                                     "them (torchtitan records none in its checkpoint; Meta's params.json is absent); "
-                                    "pass --hf-config FILE (a Llama config.json: its heads and key-value heads decide "
-                                    "the RoPE row permutation of wq and wk)");
+                                    "pass --hf-config FILE (the model's config.json: Llama's heads and key-value heads "
+                                    "decide the RoPE row permutation of wq and wk; Qwen3 and Qwen3-MoE rotate halves "
+                                    "and are copied as they are)");
       }
     } else {
       why.push_back("the checkpoint records no model architecture (no Megatron args, no config.json beside it); "
                     "pass --hf-config FILE (a config.json) and, if needed, --hf-arch NAME");
     }
   }
+  // torchtitan's Llama 3 and Qwen3 differ in their RoPE (interleaved pairs,
+  // permuted for Hugging Face, vs halves, copied): the config must name the
+  // model the checkpoint's tensors are (Qwen3 has QK norms).
   if (arch != nullptr && conv == Convention::kTorchtitan) {
     const std::string mt = arch->model_type;
-    if (mt != "llama" && mt != "mistral") {
-      why.push_back("torchtitan's Llama names map to llama or mistral, not " + mt);
+    bool qk_norms = false;
+    for (const auto& [fqn, id] : src.param) {
+      int64_t l = -1, e = -1;
+      qk_norms = qk_norms || MatchTemplate("layers.{L}.attention.q_norm.weight", fqn, l, e);
+    }
+    if (mt != "llama" && mt != "mistral" && mt != "qwen3" && mt != "qwen3_moe") {
+      why.push_back("torchtitan's names map to llama, mistral, qwen3 or qwen3_moe, not " + mt);
       arch = nullptr;
     } else if (Get<bool>(config, "attention_bias", false) || Get<bool>(config, "mlp_bias", false)) {
-      why.push_back("the config has linear biases, which torchtitan's Llama has not");
+      why.push_back("the config has linear biases, which torchtitan's Llama 3 and Qwen3 have not");
+      arch = nullptr;
+    } else if (qk_norms && (mt == "llama" || mt == "mistral")) {
+      why.push_back("the checkpoint has QK norms (torchtitan's Qwen3), and the config is " + mt +
+                    ": Qwen3's RoPE rotates halves, Llama's is permuted; pass Qwen3's config.json");
+      arch = nullptr;
+    }
+  }
+  // Qwen3-MoE's dense layers (mlp_only_layers, decoder_sparse_step) are not
+  // mapped: every layer is taken to be sparse.
+  if (arch != nullptr && arch->moe == Moe::kQwen3) {
+    const auto only = config.find("mlp_only_layers");
+    const bool mixed = (only != config.end() && only->is_array() && !only->empty()) ||
+                       Get<int64_t>(config, "decoder_sparse_step", 1) != 1;
+    if (mixed) {
+      why.push_back("the config mixes dense and MoE layers (mlp_only_layers, decoder_sparse_step), which hf/ does "
+                    "not map");
       arch = nullptr;
     }
   }
@@ -989,8 +1112,11 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     return d;
   };
 
+  // A config's counts are untrusted: at most one expected name per layer and
+  // expert can exist for each source tensor, so more is refused, not looped.
+  const int64_t bound = 4 * static_cast<int64_t>(src.param.size()) + 16;
   std::set<std::string> produced;
-  auto add = [&](const std::string& hf_name, const std::string& fqn, uint32_t id, Op op) {
+  auto add = [&](const std::string& hf_name, const std::string& fqn, uint32_t id, Op op, int64_t expert) {
     uint32_t read = id;
     if (choice == DtypeChoice::kMaster) {
       auto m = src.master.find(fqn);
@@ -1028,7 +1154,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       plan.not_included.push_back(fqn);
       return;
     }
-    auto boxes = OpBoxes(op, t.shape, shape, h.shape);
+    auto boxes = OpBoxes(op, t.shape, shape, h.shape, expert);
     if (!boxes.ok()) {
       plan.errors.push_back("hf/: '" + hf_name + "' is not included: cannot split '" + fqn + "': " +
                             boxes.status().message());
@@ -1055,52 +1181,84 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     plan.tensors.push_back(std::move(h));
   };
 
+  // The tables of the source convention and target architecture.
   std::vector<const MapRule*> rules;
+  auto use = [&](const auto& table) {
+    for (const MapRule& r : table) rules.push_back(&r);
+  };
   if (arch != nullptr && conv == Convention::kTorchtitan) {
-    for (const MapRule& r : kTorchtitanLlama) rules.push_back(&r);
-  } else if (arch != nullptr && arch->layout == Layout::kNeox) {
-    for (const MapRule& r : kMegatronNeox) rules.push_back(&r);
-  } else if (arch != nullptr && arch->layout == Layout::kGpt2) {
-    for (const MapRule& r : kMegatronGpt2) rules.push_back(&r);
-  } else if (arch != nullptr) {
-    for (const MapRule& r : kMegatronCommon) rules.push_back(&r);
-    if (arch->moe) {
-      for (const MapRule& r : kMegatronMixtralMlp) rules.push_back(&r);
+    const bool qwen3 = arch->moe == Moe::kQwen3 || std::string_view(arch->model_type) == "qwen3";
+    if (qwen3) {
+      use(kTorchtitanQwen3);
     } else {
-      for (const MapRule& r : kMegatronDenseMlp) rules.push_back(&r);
+      use(kTorchtitanLlama);
+    }
+    if (arch->moe == Moe::kQwen3) {
+      use(kTorchtitanQwen3MoeMlp);
+    } else {
+      use(kTorchtitanDenseMlp);
+    }
+  } else if (arch != nullptr && arch->layout == Layout::kNeox) {
+    use(kMegatronNeox);
+  } else if (arch != nullptr && arch->layout == Layout::kGpt2) {
+    use(kMegatronGpt2);
+  } else if (arch != nullptr) {
+    use(kMegatronCommon);
+    switch (arch->moe) {
+      case Moe::kNone: use(kMegatronDenseMlp); break;
+      case Moe::kMixtral: use(kMegatronMixtralMlp); break;
+      case Moe::kQwen3: use(kMegatronQwen3MoeMlp); break;
     }
   }
   for (const auto& [key, id] : src.param) {
     const std::string& fqn = index.tensors()[id].fqn;
     if (!mapped) {
-      add(fqn, fqn, id, Op::kCopy);
+      add(fqn, fqn, id, Op::kCopy, -1);
       continue;
     }
     const std::string name = McoreName(fqn);
-    bool any = false, skipped = false;
+    bool any = false, skipped = false, tied = false;
     for (const MapRule* r : rules) {
       int64_t layer = -1, expert = -1;
       if (!MatchTemplate(r->src, name, layer, expert)) continue;
       if (!Holds(r->when, shape)) {
-        skipped = true;
+        (r->when == When::kUntied ? tied : skipped) = true;
         continue;
       }
       any = true;
-      add(Expand(r->dst, layer, expert), fqn, id, r->op);
+      if (r->op != Op::kExpert) {
+        add(Expand(r->dst, layer, expert), fqn, id, r->op, -1);
+        continue;
+      }
+      // Grouped experts: one tensor holds them all, [E, ...] with E the
+      // config's expert count (checked before looping over it).
+      const std::vector<int64_t>& sh = index.tensors()[id].shape;
+      if (sh.size() != 3 || sh[0] != shape.experts || shape.experts > bound) {
+        plan.not_included.push_back(fqn);
+        plan.errors.push_back("hf/: '" + fqn + "' is not included: its shape " + ShapeStr(sh) + " is not the " +
+                              std::to_string(shape.experts) + " experts the config has");
+        continue;
+      }
+      for (int64_t e = 0; e < shape.experts; ++e) add(Expand(r->dst, layer, e), fqn, id, r->op, e);
     }
-    if (!any) {
+    if (!any && tied && !skipped) {
+      // An output head the config ties to the embedding (torchtitan saves
+      // both): transformers uses the embedding, as the source model did.
       plan.not_included.push_back(fqn);
-      plan.errors.push_back("hf/: '" + fqn + "' is not included: " +
-                            (skipped ? std::string("the config has no such tensor (") + arch->cls + ", tied or no bias)"
-                                     : std::string("no ") + arch->cls + " tensor is mapped from it"));
+    } else if (!any) {
+      std::string why_not = skipped ? std::string("the config has no such tensor (") + arch->cls + ", no bias)"
+                                     : std::string("no ") + arch->cls + " tensor is mapped from it";
+      for (const auto& [tmpl, reason] : kKnownUnmapped) {
+        int64_t l = -1, e = -1;
+        if (MatchTemplate(tmpl, name, l, e)) why_not = reason;
+      }
+      plan.not_included.push_back(fqn);
+      plan.errors.push_back("hf/: '" + fqn + "' is not included: " + why_not);
     }
   }
 
   // Every tensor the target architecture has must be there: a pipeline stage
   // that was not saved shows here, not as a model with random layers.
-  // (A config's counts are untrusted: at most one expected name per layer and
-  // expert can exist for each source tensor, so more is refused, not looped.)
-  const int64_t bound = 4 * static_cast<int64_t>(src.param.size()) + 16;
   if (arch != nullptr && (shape.layers > bound || shape.experts > bound ||
                           shape.layers * std::max<int64_t>(shape.experts, 1) > bound)) {
     plan.errors.push_back("hf/: the config's num_hidden_layers (" + std::to_string(shape.layers) + ") and experts (" +
@@ -1110,9 +1268,9 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     std::set<std::string> expected;
     for (const MapRule* r : rules) {
       if (!Holds(r->when, shape)) continue;
-      const std::string_view src_tmpl = r->src;
-      const bool per_layer = src_tmpl.find("{L}") != std::string_view::npos;
-      const bool per_expert = src_tmpl.find("{E}") != std::string_view::npos;
+      const std::string_view dst_tmpl = r->dst;
+      const bool per_layer = dst_tmpl.find("{L}") != std::string_view::npos;
+      const bool per_expert = dst_tmpl.find("{E}") != std::string_view::npos;
       for (int64_t l = 0; l < (per_layer ? shape.layers : 1); ++l) {
         for (int64_t e = 0; e < (per_expert ? shape.experts : 1); ++e) expected.insert(Expand(r->dst, l, e));
       }

@@ -338,6 +338,53 @@ def test_torchtitan_checkpoint_equals_torchtitans_own_to_hf(torchtitan_ck, mount
 
 
 
+@pytest.fixture(scope="session", params=["qwen3", "qwen3_moe"])
+def torchtitan_qwen3_ck(request, tmp_path_factory):
+    pytest.importorskip("torchtitan")
+    return request.param, produced(tmp_path_factory, f"torchtitan_{request.param}", "make_torchtitan.py",
+                                   ["--model", request.param, "--no-verify"])
+
+
+def test_torchtitan_qwen3_and_its_moe_equal_torchtitans_own_to_hf(torchtitan_qwen3_ck, mounter):
+    """torchtitan's Qwen3 (tied embeddings) and Qwen3-MoE (4 experts, top 2):
+    hf/ under Qwen3's config equals Qwen3StateDictAdapter.to_hf tensor by
+    tensor: wq / wk copied (Qwen3's RoPE rotates halves; Llama 3's is
+    permuted), each GroupedExperts weight [E, ...] split into E expert
+    tensors; the load-balancing expert_bias_E is named in ERRORS, not
+    silently dropped. transformers loads it with no missing or unexpected
+    keys, and its logits are torchtitan's (MoE: within the bf16 rounding of
+    torchtitan's grouped experts)."""
+    model_name, out = torchtitan_qwen3_ck
+    moe = model_name == "qwen3_moe"
+    step = out / "checkpoint" / "step-10"
+    with mounter(step, name=model_name, extra=["--hf-config", str(out / "reference" / "config.json")]) as m:
+        hf = m.path / "hf"
+        errors = (hf / "ERRORS").read_text()
+        if moe:
+            lines = errors.splitlines()
+            assert len(lines) == 2 and all("moe.expert_bias_E' is not included: torchtitan's load-balancing bias"
+                                           in e for e in lines), errors
+        else:
+            assert errors == ""
+        cfg = json.loads((hf / "config.json").read_text())
+        assert cfg["architectures"] == ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"]
+        got, want = hf_tensors(hf), load_file(str(out / "reference" / "hf_state_dict.safetensors"))
+        assert sorted(got) == sorted(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        if moe:
+            assert "model.layers.1.mlp.experts.3.down_proj.weight" in got
+        from transformers import AutoModelForCausalLM
+        model, info = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, output_loading_info=True)
+        assert not any(v for k, v in info.items() if k != "error_msgs"), info
+        tokens = (torch.arange(32).reshape(2, 16) * 7 + 3) % 96
+        with torch.no_grad():
+            logits = model(tokens).logits
+    ref = torch.load(out / "reference" / "logits.pt")
+    # make_torchtitan.py: torchtitan's grouped experts run in bfloat16.
+    assert torch.allclose(logits, ref, atol=2e-4 if moe else 1e-5, rtol=0), (logits - ref).abs().max()
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_torchtitan_fp32_narrowed_like_torchtitans_export_dtype(torchtitan_ck, mounter, dtype):
     """torchtitan trains and saves float32; its convert_to_hf --export_dtype

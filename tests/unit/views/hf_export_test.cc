@@ -416,5 +416,162 @@ TEST_F(HfExportTest, TorchtitanNamesWithTheirRopePermutation) {
   EXPECT_NE(Errors(*p).find("8 rows are not 2 heads of an even head_dim 3"), std::string::npos) << Errors(*p);
 }
 
+
+TEST_F(HfExportTest, TorchtitanQwen3IsCopiedAndItsGroupedExpertsSplitPerExpert) {
+  family_ = "pytorch-dcp";
+  args_ = nullptr;
+  // dim 8, 2 query heads and 1 key-value head of head_dim 4, QK norms, one
+  // MoE layer of 3 experts with ffn 6, vocabulary 10, tied.
+  params_ = {{"tok_embeddings.weight", {10, 8}},
+             {"norm.weight", {8}},
+             {"lm_head.weight", {10, 8}},
+             {"layers.0.attention_norm.weight", {8}},
+             {"layers.0.attention.qkv_linear.wq.weight", {8, 8}},
+             {"layers.0.attention.qkv_linear.wk.weight", {4, 8}},
+             {"layers.0.attention.qkv_linear.wv.weight", {4, 8}},
+             {"layers.0.attention.wo.weight", {8, 8}},
+             {"layers.0.attention.q_norm.weight", {4}},
+             {"layers.0.attention.k_norm.weight", {4}},
+             {"layers.0.ffn_norm.weight", {8}},
+             {"layers.0.moe.router.gate.weight", {3, 8}},
+             {"layers.0.moe.expert_bias_E", {3}},
+             {"layers.0.moe.routed_experts.inner_experts.w1_EFD", {3, 6, 8}},
+             {"layers.0.moe.routed_experts.inner_experts.w3_EFD", {3, 6, 8}},
+             {"layers.0.moe.routed_experts.inner_experts.w2_EDF", {3, 8, 6}}};
+  const std::string cfg = dir_.path() + "/qwen3_moe.json";
+  const char* kConfig = R"({"model_type": "qwen3_moe", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "moe_intermediate_size": 6,
+      "num_experts": 3, "num_experts_per_tok": 2, "vocab_size": 10, "tie_word_embeddings": true})";
+  ckptfs::testing::WriteFile(cfg, kConfig);
+  TopoOptions o;
+  o.hf_config = cfg;
+  auto p = Plan(o);
+  ASSERT_TRUE(p.ok()) << p.status().message();
+  EXPECT_EQ(p->architecture, "Qwen3MoeForCausalLM");
+  // wq / wk are copied (Qwen3 rotates halves), not permuted as Llama's are.
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  ASSERT_TRUE(Find(*p, "model.layers.0.self_attn.q_proj.weight"));
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.self_attn.q_proj.weight")), (R{{0, 8}}));
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.self_attn.k_proj.weight")), (R{{0, 4}}));
+  ASSERT_TRUE(Find(*p, "model.layers.0.self_attn.q_norm.weight"));
+  ASSERT_TRUE(Find(*p, "model.layers.0.mlp.gate.weight"));
+  // Expert e of w1 [E, F, D] is the box [e, 0, 0] + [1, F, D], an [F, D] tensor.
+  for (int64_t e = 0; e < 3; ++e) {
+    for (const auto& [hf, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+             {"gate_proj", {6, 8}}, {"up_proj", {6, 8}}, {"down_proj", {8, 6}}}) {
+      const HfTensor* t = Find(*p, "model.layers.0.mlp.experts." + std::to_string(e) + "." + hf + ".weight");
+      ASSERT_TRUE(t) << e << hf;
+      EXPECT_EQ(t->shape, shape);
+      ASSERT_EQ(t->pieces.size(), 1u);
+      EXPECT_EQ(t->pieces[0].offsets, (std::vector<int64_t>{e, 0, 0}));
+      EXPECT_EQ(t->pieces[0].lengths, (std::vector<int64_t>{1, shape[0], shape[1]}));
+    }
+  }
+  EXPECT_EQ(Find(*p, "model.layers.0.mlp.experts.0.up_proj.weight")->id.v,
+            Find(*p, "model.layers.0.mlp.experts.0.gate_proj.weight")->id.v + 2);  // w3 is up, w1 gate
+  // Tied: lm_head left out; the load-balancing bias left out with its reason.
+  EXPECT_FALSE(Find(*p, "lm_head.weight"));
+  const std::string e = Errors(*p);
+  EXPECT_NE(e.find("'layers.0.moe.expert_bias_E' is not included: torchtitan's load-balancing bias"),
+            std::string::npos) << e;
+  EXPECT_EQ(e.find("is missing"), std::string::npos) << e;
+  EXPECT_EQ(p->tensors.size(), 11u + 9u);
+
+  // The config's expert count must be the grouped weights' first dimension.
+  ckptfs::testing::WriteFile(cfg, std::string(kConfig).replace(std::string(kConfig).find("\"num_experts\": 3"), 16,
+                                                               "\"num_experts\": 4"));
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("its shape [3, 6, 8] is not the 4 experts the config has"), std::string::npos)
+      << Errors(*p);
+  EXPECT_NE(Errors(*p).find("'model.layers.0.mlp.experts.3.gate_proj.weight' is missing"), std::string::npos);
+
+  // A Llama config over Qwen3's tensors would permute wq / wk: refused.
+  ckptfs::testing::WriteFile(cfg, R"({"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10})");
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "");
+  EXPECT_NE(Errors(*p).find("the checkpoint has QK norms (torchtitan's Qwen3), and the config is llama"),
+            std::string::npos) << Errors(*p);
+  // Dense Qwen3-MoE layers are not mapped.
+  ckptfs::testing::WriteFile(cfg, R"({"model_type": "qwen3_moe", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts": 3, "vocab_size": 10,
+      "mlp_only_layers": [0]})");
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("mixes dense and MoE layers"), std::string::npos) << Errors(*p);
+
+  // Dense torchtitan Qwen3: feed_forward w1 / w3 / w2.
+  for (const char* k : {"layers.0.moe.router.gate.weight", "layers.0.moe.expert_bias_E",
+                        "layers.0.moe.routed_experts.inner_experts.w1_EFD",
+                        "layers.0.moe.routed_experts.inner_experts.w3_EFD",
+                        "layers.0.moe.routed_experts.inner_experts.w2_EDF"}) {
+    params_.erase(k);
+  }
+  params_["layers.0.feed_forward.w1.weight"] = {6, 8};
+  params_["layers.0.feed_forward.w3.weight"] = {6, 8};
+  params_["layers.0.feed_forward.w2.weight"] = {8, 6};
+  ckptfs::testing::WriteFile(cfg, R"({"model_type": "qwen3", "num_hidden_layers": 1, "hidden_size": 8,
+      "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4, "intermediate_size": 6,
+      "vocab_size": 10, "tie_word_embeddings": false})");
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "Qwen3ForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+  EXPECT_EQ(p->tensors.size(), 14u);
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.self_attn.q_proj.weight")), (R{{0, 8}}));
+}
+
+
+TEST_F(HfExportTest, MegatronMoeRunsAreMixtralOrQwen3MoeByTheirQkNorms) {
+  args_["num_experts"] = 2;
+  args_["moe_router_topk"] = 1;
+  args_["moe_ffn_hidden_size"] = 4;
+  params_.erase("decoder.layers.0.mlp.linear_fc1.weight");
+  params_.erase("decoder.layers.0.mlp.linear_fc2.weight");
+  params_["decoder.layers.0.mlp.router.weight"] = {2, 8};
+  for (int e = 0; e < 2; ++e) {
+    params_["decoder.layers.0.mlp.experts.local_experts." + std::to_string(e) + ".linear_fc1.weight"] = {8, 8};
+    params_["decoder.layers.0.mlp.experts.local_experts." + std::to_string(e) + ".linear_fc2.weight"] = {8, 4};
+  }
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "MixtralForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+  EXPECT_TRUE(Find(*p, "model.layers.0.block_sparse_moe.experts.1.w3.weight"));
+  auto c = nlohmann::json::parse(p->config_json);
+  EXPECT_EQ(c["num_local_experts"], 2);
+  EXPECT_EQ(c["intermediate_size"], 4);
+
+  // QK layer norms make it Qwen3-MoE: its names, its config keys.
+  args_["qk_layernorm"] = true;
+  params_["decoder.layers.0.self_attention.q_layernorm.weight"] = {2};
+  params_["decoder.layers.0.self_attention.k_layernorm.weight"] = {2};
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "Qwen3MoeForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+  using R = std::vector<std::pair<int64_t, int64_t>>;
+  ASSERT_TRUE(Find(*p, "model.layers.0.mlp.experts.1.up_proj.weight"));
+  EXPECT_EQ(Rows(*Find(*p, "model.layers.0.mlp.experts.1.up_proj.weight")), (R{{4, 8}}));
+  EXPECT_TRUE(Find(*p, "model.layers.0.mlp.experts.0.down_proj.weight"));
+  EXPECT_TRUE(Find(*p, "model.layers.0.mlp.gate.weight"));
+  EXPECT_TRUE(Find(*p, "model.layers.0.self_attn.k_norm.weight"));
+  c = nlohmann::json::parse(p->config_json);
+  EXPECT_EQ(c["model_type"], "qwen3_moe");
+  EXPECT_EQ(c["num_experts"], 2);
+  EXPECT_EQ(c["moe_intermediate_size"], 4);
+  EXPECT_EQ(c["intermediate_size"], 6);
+  EXPECT_EQ(c["norm_topk_prob"], true);
+  EXPECT_EQ(c["num_experts_per_tok"], 1);
+  TopoOptions o;
+  o.hf_arch = "mixtral";
+  p = Plan(o);
+  ASSERT_TRUE(p.ok());
+  EXPECT_NE(Errors(*p).find("--hf-arch mixtral does not fit: the run's args describe a qwen3_moe model"),
+            std::string::npos) << Errors(*p);
+}
+
 }  // namespace
 }  // namespace ckptfs::hf
