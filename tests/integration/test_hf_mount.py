@@ -31,6 +31,7 @@ HF_SCENARIOS = {
     "qwen3_dist_tp2": ["dist", "--tp", "2", "--bf16", "--arch", "qwen3"],
     "mixtral_legacy_tp2_pp2_ep2": ["legacy", "--tp", "2", "--pp", "2", "--dp", "2", "--ep", "2", "--bf16",
                                    "--arch", "mixtral"],
+    "qwen3_moe_dist_ep2": ["dist", "--tp", "1", "--dp", "2", "--ep", "2", "--bf16", "--arch", "qwen3_moe"],
     "neox_legacy_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--bf16", "--arch", "neox"],
     "neox_dist_tp2": ["dist", "--tp", "2", "--bf16", "--arch", "neox"],
     "gpt2_legacy_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--bf16", "--arch", "gpt2"],
@@ -73,11 +74,16 @@ def split_qkv(w, heads, groups, head_dim):
     return [x.reshape(-1, *w.shape[1:]) for x in (q, k, v)]
 
 
-@pytest.mark.parametrize("scenario", ["llama_legacy_tp2_pp2", "qwen2_legacy_tp2", "mixtral_legacy_tp2_pp2_ep2"])
+@pytest.mark.parametrize("scenario", ["llama_legacy_tp2_pp2", "qwen2_legacy_tp2", "mixtral_legacy_tp2_pp2_ep2",
+                                      "qwen3_moe_dist_ep2"])
 def test_every_hf_tensor_is_its_megatron_slice(hf_fixtures, mounter, scenario):
     with mounter(hf_fixtures / scenario) as m:
         args = json.loads((m.path / "args.json").read_text())
         cfg = json.loads((m.path / "hf" / "config.json").read_text())
+        # Mixtral's sparse MLP is block_sparse_moe.experts.E.w1/w3/w2, Qwen3-MoE's mlp.experts.E.*_proj.
+        qwen3_moe = cfg["model_type"] == "qwen3_moe"
+        moe_names = (("mlp", "gate_proj", "up_proj", "down_proj") if qwen3_moe else
+                     ("block_sparse_moe", "w1", "w3", "w2"))
         got = hf_tensors(m.path / "hf")
         heads, groups, hd = args["num_attention_heads"], args["num_query_groups"], args["kv_channels"]
         assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (heads, groups, hd)
@@ -93,6 +99,10 @@ def test_every_hf_tensor_is_its_megatron_slice(hf_fixtures, mounter, scenario):
                 want["lm_head.weight"] = w[:args["vocab_size"]]
             elif fqn == "decoder.final_layernorm.weight":
                 want["model.norm.weight"] = w
+            elif fqn.endswith(".linear_qkv.layer_norm_weight"):  # torch_dist: TE's fused names
+                want[name.replace("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight")] = w
+            elif fqn.endswith(".linear_fc1.layer_norm_weight"):
+                want[name.replace("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight")] = w
             elif ".linear_qkv." in fqn:
                 for proj, x in zip("qkv", split_qkv(w, heads, groups, hd)):
                     want[name.replace("self_attention.linear_qkv", f"self_attn.{proj}_proj")] = x
@@ -102,15 +112,18 @@ def test_every_hf_tensor_is_its_megatron_slice(hf_fixtures, mounter, scenario):
                 want[name] = w
             elif fqn.endswith("pre_mlp_layernorm.weight"):
                 want[name.replace("pre_mlp_layernorm", "post_attention_layernorm")] = w
+            elif "_layernorm." in fqn and ".self_attention." in fqn:  # QK norms
+                want[name.replace("self_attention.q_layernorm", "self_attn.q_norm")
+                     .replace("self_attention.k_layernorm", "self_attn.k_norm")] = w
             elif ".mlp.router." in fqn:
-                want[name.replace("mlp.router", "block_sparse_moe.gate")] = w
+                want[name.replace("mlp.router", f"{moe_names[0]}.gate")] = w
             elif ".local_experts." in fqn:
-                e = name.replace("mlp.experts.local_experts", "block_sparse_moe.experts")
+                e = name.replace("mlp.experts.local_experts", f"{moe_names[0]}.experts")
                 if ".linear_fc1." in fqn:
                     gate, up = w.chunk(2, 0)
-                    want[e.replace("linear_fc1", "w1")], want[e.replace("linear_fc1", "w3")] = gate, up
+                    want[e.replace("linear_fc1", moe_names[1])], want[e.replace("linear_fc1", moe_names[2])] = gate, up
                 else:
-                    want[e.replace("linear_fc2", "w2")] = w
+                    want[e.replace("linear_fc2", moe_names[3])] = w
             elif ".linear_fc1." in fqn:
                 gate, up = w.chunk(2, 0)
                 want[name.replace("mlp.linear_fc1", "mlp.gate_proj")] = gate
