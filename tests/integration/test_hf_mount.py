@@ -435,6 +435,41 @@ def test_torchtitan_fp32_narrowed_like_torchtitans_export_dtype(torchtitan_ck, m
     print(f"{dtype}: {ties} ties among the tensors, logits relative error {float(err):.2e}")
 
 
+@pytest.fixture(scope="session")
+def hf_fsdp_dcp_ck(tmp_path_factory):
+    pytest.importorskip("accelerate")
+    return produced(tmp_path_factory, "accelerate_hf_llama", "make_accelerate.py", ["--hf-llama"])
+
+
+def test_dcp_of_a_hugging_face_model_from_accelerate_fsdp2(hf_fsdp_dcp_ck, mounter, bin_path):
+    """A transformers Llama trained a step under FSDP2 and saved as the Trainer
+    saves it with SHARDED_STATE_DICT (accelerate's save_fsdp_model /
+    save_fsdp_optimizer: DCP at world 2, Hugging Face names): the Trainer keeps
+    no config.json in checkpoint-N/, so hf/ERRORS asks for one; with
+    --hf-config the model's own config.json, every hf/ tensor is the trained
+    model's (get_state_dict full), and transformers computes its logits."""
+    out = hf_fsdp_dcp_ck
+    ck = out / "checkpoint-1"
+    r = run([bin_path, "cat", str(ck), "hf/ERRORS"])
+    assert "pass --hf-config FILE" in r.stdout, r.stdout
+    with mounter(ck, extra=["--hf-config", str(out / "config.json")]) as m:
+        hf = m.path / "hf"
+        assert (hf / "ERRORS").read_text() == ""
+        assert json.loads((hf / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+        got, want = hf_tensors(hf), load_file(str(out / "reference" / "model.safetensors"))
+        assert sorted(got) == sorted(want)
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        # The optimizer states of the same save sit under their parameters.
+        assert (m.path / "params" / "model.layers.0.self_attn.q_proj.weight" / "exp_avg.raw").exists()
+        from transformers import AutoModelForCausalLM
+        model, info = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, output_loading_info=True)
+        assert not any(v for k, v in info.items() if k != "error_msgs"), info
+        with torch.no_grad():
+            logits = model((torch.arange(32).reshape(2, 16) * 7 + 3) % 96).logits
+    assert torch.equal(logits, torch.load(out / "reference" / "logits.pt"))
+
+
 def test_hf_trainer_deepspeed_checkpoint(hf_trainer_ck, mounter):
     """The HF Trainer with DeepSpeed ZeRO-2 (DP=2, CPU) saves checkpoint-N/:
     mounted, hf/ is its ZeRO shards under their own (Hugging Face) names with
