@@ -14,6 +14,7 @@ namespace ckptfs {
 // An N-d box of elements: offsets and lengths per dimension.
 struct Box {
   std::vector<int64_t> offsets, lengths;
+  bool operator==(const Box&) const = default;
 };
 
 // Row-major (C order) element strides of `shape`.

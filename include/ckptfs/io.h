@@ -89,7 +89,10 @@ class TensorReader {
   // `rows` (whole rows, concatenated along dim 0 in order), in C order of
   // that transpose: [columns, total rows]. Hugging Face Conv1D weights (GPT-2)
   // are stored so. The engine reads each box's column slice (ReadBox: merges,
-  // conversions, checks as usual) into a bounded scratch, transposed here.
+  // conversions, checks as usual) into a slab of about 4 MiB of output rows,
+  // transposed here; the last few slabs are kept (kTransposedSlabs), so the
+  // requests of a sequential read (FUSE's 128 KiB..1 MiB) read each source
+  // byte once. A kept slab is served after its source files are checked.
   Status ReadTransposedRows(TensorId id, DType out, const std::vector<Box>& rows, uint64_t offset, uint64_t len,
                             char* dst);
   // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.
@@ -158,6 +161,17 @@ class TensorReader {
   Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> ItemSpan(const Fragment& f, uint64_t off,
                                                                            uint64_t len);
   Status CheckFd(FileId file) const;
+  // Output rows [r0, r1) of a transposed read (ReadTransposedRows), rows_cols:
+  // the transpose's row length in elements.
+  struct TransposedSlab {
+    TensorId id;
+    DType out;
+    std::vector<Box> rows;
+    uint64_t r0 = 0, r1 = 0;
+    std::vector<char> bytes;
+  };
+  Result<std::shared_ptr<const TransposedSlab>> Slab(TensorId id, DType out, const std::vector<Box>& rows,
+                                                     uint64_t r0, uint64_t r1, uint64_t total);
   // The checksummed ranges `frags` overlap: failed ones are an error;
   // unchecked ones are checked when verify_on_read_.
   Status CheckRanges(const std::vector<Fragment>& frags);
@@ -191,6 +205,11 @@ class TensorReader {
   // is taken out while in use, so no lock is held while decompressing.
   std::mutex cursor_mu_;
   std::vector<std::pair<std::string, std::unique_ptr<formats::ZstdCursor>>> cursors_;
+  // The transposed slabs read last, most recent first (at most kTransposedSlabs).
+  static constexpr size_t kTransposedSlabs = 8;
+  std::mutex slab_mu_;
+  std::vector<std::shared_ptr<TransposedSlab>> slabs_;  // under slab_mu_
+  std::vector<char> spare_slab_bytes_;                  // under slab_mu_: an evicted slab's buffer
   // Checked source ranges by (file, offset); unchecked ones are in neither.
   std::atomic<bool> any_bad_range_{false};
   std::mutex range_mu_;

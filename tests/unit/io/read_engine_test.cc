@@ -309,6 +309,85 @@ TEST_P(ReadEngineConformance, TransposedRowBoxesEqualTheTranspose) {
   EXPECT_GT(checked, 5);
 }
 
+// A transpose larger than one slab (about 4 MiB of output rows): ranges
+// across slab borders, a second row plan of the same tensor, and a slab kept
+// from an earlier read is not served once its source changed.
+TEST_P(ReadEngineConformance, TransposedReadsAcrossSlabsAndStaleSlabs) {
+  Synthetic s;
+  s.ck.info.family = "synthetic";
+  s.ck.files.push_back(SourceFile{"data.bin", 0, 0, 0});
+  const int64_t rows = 6, cols = 400000, split = 123457;  // 6 rows of bf16: slabs of 349525 output rows
+  TensorRecord t;
+  t.key = t.fqn = "w";
+  t.state = "param";
+  t.role = Role::kParam;
+  t.dtype = DType::kBF16;
+  t.shape = {rows, cols};
+  t.byte_size = static_cast<uint64_t>(rows * cols) * 2;
+  std::mt19937 rng(9);
+  std::vector<char> full(t.byte_size);
+  for (char& c : full) c = static_cast<char>(rng());
+  // Two column blocks: [:, :split] row-major, [:, split:] column-major.
+  std::string data;
+  std::vector<Fragment> frags;
+  for (int part = 0; part < 2; ++part) {
+    Fragment f;
+    f.file = FileId{0};
+    f.dtype = t.dtype;
+    const int64_t c0 = part == 0 ? 0 : split, w = part == 0 ? split : cols - split;
+    f.offsets = {0, c0};
+    f.lengths = {rows, w};
+    f.strides = part == 0 ? std::vector<int64_t>{w, 1} : std::vector<int64_t>{1, rows};
+    f.data_offset = data.size();
+    f.data_length = static_cast<uint64_t>(rows * w) * 2;
+    for (int64_t k = 0; k < rows * w; ++k) {
+      const int64_t r = part == 0 ? k / w : k % rows, c = part == 0 ? k % w : k / rows;
+      data.append(full.data() + (r * cols + c0 + c) * 2, 2);
+    }
+    frags.push_back(f);
+  }
+  t.num_fragments = 2;
+  s.ck.tensors.push_back(t);
+  s.ck.fragments.Append(frags);
+  ckptfs::testing::WriteFile(t_.path() + "/data.bin", data);
+  ckptfs::testing::FillStat(t_.path(), &s.ck.files[0]);
+  OPEN_OR_SKIP(s);
+
+  auto transpose = [&](const std::vector<int64_t>& order) {
+    std::vector<char> want(full.size());
+    for (int64_t c = 0; c < cols; ++c) {
+      for (size_t k = 0; k < order.size(); ++k) {
+        std::memcpy(want.data() + (c * rows + static_cast<int64_t>(k)) * 2, full.data() + (order[k] * cols + c) * 2, 2);
+      }
+    }
+    return want;
+  };
+  const std::vector<Box> halves = {Box{{3, 0}, {3, cols}}, Box{{0, 0}, {3, cols}}};
+  const std::vector<char> want = transpose({3, 4, 5, 0, 1, 2});
+  std::vector<char> got(want.size());
+  ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, 0, got.size(), got.data()).ok());
+  EXPECT_TRUE(got == want);
+  const uint64_t border = 349525ull * rows * 2;
+  for (auto [a, b] : std::vector<std::pair<uint64_t, uint64_t>>{
+           {border - 1, border + 1}, {border - 7, border + 4096}, {0, 3}, {want.size() - 5, want.size()}}) {
+    std::vector<char> part(b - a);
+    ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, a, b - a, part.data()).ok());
+    EXPECT_TRUE(std::equal(part.begin(), part.end(), want.begin() + static_cast<ptrdiff_t>(a))) << a << "-" << b;
+  }
+  // Another plan of the same tensor (one row per box, reversed) is not served from the first plan's slabs.
+  std::vector<Box> reversed;
+  for (int64_t r = rows; r-- > 0;) reversed.push_back(Box{{r, 0}, {1, cols}});
+  const std::vector<char> want_rev = transpose({5, 4, 3, 2, 1, 0});
+  std::vector<char> part(4096);
+  ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{0}, t.dtype, reversed, border - 100, part.size(), part.data()).ok());
+  EXPECT_TRUE(std::equal(part.begin(), part.end(), want_rev.begin() + static_cast<ptrdiff_t>(border - 100)));
+  // The source changes: a range whose slab is kept is refused, not served.
+  ckptfs::testing::WriteFile(t_.path() + "/data.bin", data + "x");
+  Status st = reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, 0, 16, part.data());
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("remount"), std::string::npos) << st.message();
+}
+
 TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
   Synthetic s = MakeSynthetic(t_.path(), 5, 20);
   size_t victim = SIZE_MAX;
