@@ -583,6 +583,11 @@ void SetRope(json& c, double theta, std::optional<double> llama3_factor) {
   c["rope_parameters"] = rope;
 }
 
+// The run's dropouts (Megatron's argparse defaults: 0.1), as Megatron-Bridge
+// exports them; transformers applies them only in training mode.
+double AttentionDropout(const json& args) { return Get<double>(args, "attention_dropout", 0.1); }
+double HiddenDropout(const json& args) { return Get<double>(args, "hidden_dropout", 0.1); }
+
 // GPT-NeoX's config.json from a Megatron run (RecogniseMegatronGelu held).
 // RoPE in both spellings: rotary_pct / rotary_emb_base (4.x) and
 // rope_parameters' partial_rotary_factor (5.x). Megatron's openai_gelu is the
@@ -608,8 +613,8 @@ json MegatronNeoxConfig(const json& args, const Arch& a, int64_t vocab) {
   c["rotary_pct"] = pct;
   c["rotary_emb_base"] = theta;
   c["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", theta}, {"partial_rotary_factor", pct}};
-  c["attention_dropout"] = 0.0;
-  c["hidden_dropout"] = 0.0;
+  c["attention_dropout"] = AttentionDropout(args);
+  c["hidden_dropout"] = HiddenDropout(args);
   c["use_cache"] = true;
   c["ckptfs_source"] = "megatron";
   return c;
@@ -632,9 +637,9 @@ json MegatronGpt2Config(const json& args, const Arch& a, int64_t vocab) {
   c["vocab_size"] = vocab;
   c["tie_word_embeddings"] = !Get<bool>(args, "untie_embeddings_and_output_weights", false);
   c["scale_attn_weights"] = true;
-  c["resid_pdrop"] = 0.0;
-  c["embd_pdrop"] = 0.0;
-  c["attn_pdrop"] = 0.0;
+  c["resid_pdrop"] = HiddenDropout(args);
+  c["embd_pdrop"] = HiddenDropout(args);  // Megatron's embedding dropout is hidden_dropout
+  c["attn_pdrop"] = AttentionDropout(args);
   c["bos_token_id"] = nullptr;  // GPT-2's tokenizer's 50256 means nothing to another vocabulary
   c["eos_token_id"] = nullptr;
   c["use_cache"] = true;
@@ -677,7 +682,7 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   SetRope(c, theta, Get<bool>(args, "use_rope_scaling", false)
                         ? std::optional<double>(Get<double>(args, "rope_scaling_factor", 8.0))
                         : std::nullopt);
-  c["attention_dropout"] = 0.0;
+  c["attention_dropout"] = AttentionDropout(args);
   c["use_cache"] = true;
   if (mt == "llama") {
     const bool bias = Get<bool>(args, "add_bias_linear", true);

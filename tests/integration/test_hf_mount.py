@@ -137,6 +137,52 @@ def test_every_hf_tensor_is_its_megatron_slice(hf_fixtures, mounter, scenario):
             assert got[k].dtype == w.dtype and torch.equal(got[k], w.contiguous()), k
 
 
+BRIDGE = Path(__file__).resolve().parents[1] / "data" / "megatron_bridge"
+# config.json fields where ckptfs and Megatron-Bridge 0.3.1 differ, and why (README: "Compared with Megatron-Bridge").
+BRIDGE_ONLY = {
+    "bos_token_id", "eos_token_id",  # from the Hugging Face model Bridge is made from; Megatron records none
+    "transformers_version",  # save_pretrained's stamp
+    # LlamaBridge.megatron_to_hf_config copies TransformerConfig fields LlamaConfig has no use for
+    "hidden_dropout", "num_experts_per_tok", "aux_loss_alpha", "scoring_func", "pretraining_tp", "use_qk_norm",
+    "partial_rotary_factor", "rope_scaling",
+}
+CKPTFS_ONLY = {"rope_parameters", "torch_dtype", "ckptfs_source"}  # transformers 5 and 4 spellings; provenance
+
+
+def test_hf_matches_megatron_bridges_own_export(mounter):
+    """Megatron-Bridge 0.3.1's AutoBridge.save_hf_pretrained of a megatron-core
+    Llama at TP 2 (tests/data/megatron_bridge, written by
+    tests/fixtures/make_bridge_export.py; Bridge is not installed here): every
+    hf/ tensor equals Bridge's, except that ckptfs cuts the embedding and
+    output to the run's vocab_size where Bridge keeps Megatron's padding rows
+    (so transformers refuses Bridge's directory and loads ckptfs's); config.json
+    agrees on every field both write, and the fields only one of them writes
+    are the documented ones."""
+    from transformers import AutoModelForCausalLM
+    bridge = BRIDGE / "bridge"
+    with mounter(BRIDGE / "megatron") as m:
+        hf = m.path / "hf"
+        assert (hf / "ERRORS").read_text() == ""
+        ours, theirs = json.loads((hf / "config.json").read_text()), json.loads((bridge / "config.json").read_text())
+        got, want = hf_tensors(hf), load_file(str(bridge / "model.safetensors"))
+        model, info = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, output_loading_info=True)
+        assert not any(v for k, v in info.items() if k != "error_msgs"), info
+    vocab = ours["vocab_size"]
+    assert vocab == theirs["vocab_size"] == 50
+    assert sorted(got) == sorted(want)
+    for k, w in want.items():
+        if k in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert w.shape[0] == 64, k  # Megatron's padded vocabulary (divisible by 8 x TP)
+            w = w[:vocab]
+        assert got[k].dtype == w.dtype and torch.equal(got[k], w), k
+    both = set(ours) & set(theirs)
+    assert {k for k in both if ours[k] != theirs[k]} == set(), {k: (ours[k], theirs[k]) for k in both}
+    assert set(theirs) - set(ours) == BRIDGE_ONLY
+    assert set(ours) - set(theirs) == CKPTFS_ONLY
+    with pytest.raises(RuntimeError, match="size mismatch|ignore_mismatched_sizes"):
+        AutoModelForCausalLM.from_pretrained(str(bridge), dtype=torch.float32)
+
+
 # GPT-NeoX names of Megatron's (mcore) parameters; the fused QKV is copied whole.
 NEOX_NAMES = [("embedding.word_embeddings.", "gpt_neox.embed_in."), ("output_layer.", "embed_out."),
               ("decoder.final_layernorm.", "gpt_neox.final_layer_norm."), ("decoder.layers.", "gpt_neox.layers."),
