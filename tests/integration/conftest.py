@@ -46,15 +46,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 @contextlib.contextmanager
-def fixture_lock(path):
+def fixture_lock(path, wait=True):
     """Held while the cached fixture at `path` is checked and written: two
-    workers wanting the same one take turns, the second finds it made."""
+    workers wanting the same one take turns, the second finds it made.
+    wait=False: yields False at once when another worker holds it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
@@ -93,15 +98,25 @@ def run_producer(cmd, out, env, timeout=900):
 
 def make_megatron_fixtures(root, scenarios):
     """Writes each make_megatron.py scenario (name -> arguments) under `root`
-    unless a complete one is there (cached between runs)."""
-    for name, args in scenarios.items():
-        out = Path(root) / name
-        with fixture_lock(out):
-            if (out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists():
-                continue
-            shutil.rmtree(out, ignore_errors=True)
-            subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
-                           check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    unless a complete one is there (cached between runs). Workers share the
+    work: one that finds a scenario being written by another goes on to the
+    next, and waits only when every one left is being written."""
+    pending = list(scenarios)
+    while pending:
+        for name in list(pending):
+            out = Path(root) / name
+            with fixture_lock(out, wait=False) as mine:
+                if not mine:
+                    continue
+                if not ((out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists()):
+                    shutil.rmtree(out, ignore_errors=True)
+                    args = scenarios[name]
+                    subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
+                                   check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                pending.remove(name)
+        if pending:  # all being written elsewhere: wait for the first, then look again
+            with fixture_lock(Path(root) / pending[0]):
+                pass
     return Path(root)
 
 

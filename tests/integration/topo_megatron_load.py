@@ -69,4 +69,5 @@ def worker(rank, world, port, view, out, ep):
 if __name__ == "__main__":
     world, port, view, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     ep = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-    mp.spawn(worker, args=(world, port, view, out, ep), nprocs=world, join=True)
+    mk.preload_megatron()  # imported once; the forked ranks have it
+    mp.start_processes(worker, args=(world, port, view, out, ep), nprocs=world, join=True, start_method="fork")
