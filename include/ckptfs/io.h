@@ -161,8 +161,8 @@ class TensorReader {
   Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> ItemSpan(const Fragment& f, uint64_t off,
                                                                            uint64_t len);
   Status CheckFd(FileId file) const;
-  // Output rows [r0, r1) of a transposed read (ReadTransposedRows), rows_cols:
-  // the transpose's row length in elements.
+  // Output rows [r0, r1) of a transposed read (ReadTransposedRows); `total`:
+  // the transpose's row length in elements (the rows of `rows` together).
   struct TransposedSlab {
     TensorId id;
     DType out;

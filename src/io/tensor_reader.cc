@@ -452,7 +452,9 @@ Result<std::shared_ptr<const TensorReader::TransposedSlab>> TensorReader::Slab(T
   slab->r1 = r1;
   const uint64_t osz = DTypeSize(out), w = r1 - r0;
   slab->bytes.resize(w * total * osz);
-  thread_local std::vector<char> block;  // a FUSE worker's scratch, kept between reads
+  // A FUSE worker's scratch (at most one slab, ~4 MiB), kept between reads:
+  // a fresh one costs its page faults on every slab.
+  thread_local std::vector<char> block;
   uint64_t c0 = 0;
   for (const Box& b : rows) {
     const uint64_t h = static_cast<uint64_t>(b.lengths[0]);
