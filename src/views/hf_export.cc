@@ -261,7 +261,8 @@ constexpr MapRule kMegatronGpt2[] = {
 // torchtitan's Llama 3 (torchtitan/models/llama3; 0.2 keeps the names of
 // Meta's reference implementation, 0.3 puts wq/wk/wv under qkv_linear and
 // names the output lm_head) -> Hugging Face Llama, as its own
-// Llama3StateDictAdapter.to_hf maps them.
+// Llama3StateDictAdapter.to_hf maps them. Qwen3 shares these names (with
+// kTorchtitanQkNorm, and its wq / wk rows copied, not permuted).
 constexpr MapRule kTorchtitanLlama[] = {
     {"tok_embeddings.weight", "model.embed_tokens.weight", Op::kVocab, When::kAlways},
     {"norm.weight", "model.norm.weight", Op::kCopy, When::kAlways},
@@ -281,24 +282,13 @@ constexpr MapRule kTorchtitanLlama[] = {
     {"layers.{L}.ffn_norm.weight", "model.layers.{L}.post_attention_layernorm.weight", Op::kCopy, When::kAlways},
 };
 
-// torchtitan's Qwen3 (torchtitan/models/qwen3): Llama's names plus the QK
-// norms. Its CosSinRoPE rotates halves as Hugging Face does, so wq and wk are
-// copied as they are (Qwen3StateDictAdapter.to_hf permutes nothing).
-constexpr MapRule kTorchtitanQwen3[] = {
-    {"tok_embeddings.weight", "model.embed_tokens.weight", Op::kVocab, When::kAlways},
-    {"norm.weight", "model.norm.weight", Op::kCopy, When::kAlways},
-    {"lm_head.weight", "lm_head.weight", Op::kVocab, When::kUntied},
-    {"layers.{L}.attention.qkv_linear.wq.weight", "model.layers.{L}.self_attn.q_proj.weight", Op::kCopy,
-     When::kAlways},
-    {"layers.{L}.attention.qkv_linear.wk.weight", "model.layers.{L}.self_attn.k_proj.weight", Op::kCopy,
-     When::kAlways},
-    {"layers.{L}.attention.qkv_linear.wv.weight", "model.layers.{L}.self_attn.v_proj.weight", Op::kCopy,
-     When::kAlways},
-    {"layers.{L}.attention.wo.weight", "model.layers.{L}.self_attn.o_proj.weight", Op::kCopy, When::kAlways},
+// torchtitan's Qwen3 (torchtitan/models/qwen3): Llama 3's names (above) plus
+// the QK norms. Its CosSinRoPE rotates halves as Hugging Face does, so the
+// kRopeQ / kRopeK rows are copied as they are (Qwen3StateDictAdapter.to_hf
+// permutes nothing).
+constexpr MapRule kTorchtitanQkNorm[] = {
     {"layers.{L}.attention.q_norm.weight", "model.layers.{L}.self_attn.q_norm.weight", Op::kCopy, When::kAlways},
     {"layers.{L}.attention.k_norm.weight", "model.layers.{L}.self_attn.k_norm.weight", Op::kCopy, When::kAlways},
-    {"layers.{L}.attention_norm.weight", "model.layers.{L}.input_layernorm.weight", Op::kCopy, When::kAlways},
-    {"layers.{L}.ffn_norm.weight", "model.layers.{L}.post_attention_layernorm.weight", Op::kCopy, When::kAlways},
 };
 
 // torchtitan's dense SwiGLU feed-forward (Llama 3 and Qwen3).
@@ -1188,15 +1178,15 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
 
   // The tables of the source convention and target architecture.
   std::vector<const MapRule*> rules;
+  bool permute_rope = true;  // kRopeQ / kRopeK: Meta's interleaved pairs; false: copied
   auto use = [&](const auto& table) {
     for (const MapRule& r : table) rules.push_back(&r);
   };
   if (arch != nullptr && conv == Convention::kTorchtitan) {
-    const bool qwen3 = arch->moe == Moe::kQwen3 || std::string_view(arch->model_type) == "qwen3";
-    if (qwen3) {
-      use(kTorchtitanQwen3);
-    } else {
-      use(kTorchtitanLlama);
+    use(kTorchtitanLlama);
+    if (arch->moe == Moe::kQwen3 || std::string_view(arch->model_type) == "qwen3") {
+      use(kTorchtitanQkNorm);
+      permute_rope = false;
     }
     if (arch->moe == Moe::kQwen3) {
       use(kTorchtitanQwen3MoeMlp);
@@ -1232,7 +1222,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       }
       any = true;
       if (r->op != Op::kExpert) {
-        add(Expand(r->dst, layer, expert), fqn, id, r->op, -1);
+        const bool rope = r->op == Op::kRopeQ || r->op == Op::kRopeK;
+        add(Expand(r->dst, layer, expert), fqn, id, rope && !permute_rope ? Op::kCopy : r->op, -1);
         continue;
       }
       // Grouped experts: one tensor holds them all, [E, ...] with E the
