@@ -66,14 +66,20 @@ def fixture_lock(path, wait=True):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def run_fixture_script(cmd, timeout):
+    """Runs a fixture generator; when it fails, the assertion shows the end of
+    what it printed (its traceback), not only its exit status."""
+    r = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
+    assert r.returncode == 0, f"{' '.join(map(str, cmd))} exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-6000:]}"
+
+
 @pytest.fixture(scope="session")
 def dcp_fixtures(tmp_path_factory):
     """All DCP scenarios of make_dcp.py, written once per session by torch
     (or reused from $CKPTFS_FIXTURE_CACHE, a directory kept between runs)."""
     out = os.environ.get("CKPTFS_FIXTURE_CACHE") or str(tmp_path_factory.mktemp("dcp"))
     with fixture_lock(Path(out) / "make_dcp"):
-        subprocess.run([sys.executable, str(FIXTURES / "make_dcp.py"), out], check=True, timeout=900,
-                       stdout=subprocess.DEVNULL)
+        run_fixture_script([sys.executable, str(FIXTURES / "make_dcp.py"), out], timeout=900)
     return Path(out)
 
 
@@ -82,8 +88,7 @@ def accelerate_fixtures(tmp_path_factory):
     """make_accelerate.py's Accelerate FSDP2 checkpoint (cached like dcp_fixtures)."""
     out = os.environ.get("CKPTFS_FIXTURE_CACHE") or str(tmp_path_factory.mktemp("accelerate"))
     with fixture_lock(Path(out) / "make_accelerate"):
-        subprocess.run([sys.executable, str(FIXTURES / "make_accelerate.py"), out], check=True, timeout=900,
-                       stdout=subprocess.DEVNULL)
+        run_fixture_script([sys.executable, str(FIXTURES / "make_accelerate.py"), out], timeout=900)
     return Path(out) / "fsdp2_sharded_w2"
 
 
@@ -113,8 +118,8 @@ def make_megatron_fixtures(root, scenarios):
                 if not ((out / "reference").is_dir() and (out / "latest_checkpointed_iteration.txt").exists()):
                     shutil.rmtree(out, ignore_errors=True)
                     args = scenarios[name]
-                    subprocess.run([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
-                                   check=True, timeout=600, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    run_fixture_script([sys.executable, str(FIXTURES / "make_megatron.py"), args[0], str(out)] + args[1:],
+                                       timeout=600)
                 pending.remove(name)
         if pending:  # all being written elsewhere: wait for the first, then look again
             with fixture_lock(Path(root) / pending[0]):
