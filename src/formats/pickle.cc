@@ -195,7 +195,7 @@ const std::vector<KnownEnum>& KnownEnums() {
 const KnownEnum* FindEnum(const PyValue& cls) {
   if (cls.kind != PyKind::kGlobal) return nullptr;
   for (const KnownEnum& e : KnownEnums()) {
-    if (cls.s == e.module && cls.name == e.cls) return &e;
+    if (cls.s == e.module && cls.name() == e.cls) return &e;
   }
   return nullptr;
 }
@@ -241,7 +241,7 @@ class Vm {
       f(k);
       f(v);
     }
-    for (PyRef c : n.args) f(c);
+    for (PyRef c : n.args()) f(c);
     f(n.callable);
     f(n.state);
   }
@@ -280,6 +280,19 @@ class Vm {
     if (streaming_ && ints_.size() < kMaxSharedInts) {
       v->pinned = true;
       ints_.emplace(i, v);
+    }
+    return v;
+  }
+  // None, True and False. Streaming: shared and pinned like ints (a DCP
+  // chunk's TensorProperties hold two bools each).
+  PyRef MakeConst(PyKind k, bool b) {
+    PyRef& shared = k == PyKind::kNone ? none_ : bools_[b ? 1 : 0];
+    if (streaming_ && shared != nullptr) return shared;
+    PyRef v = Make(k);
+    v->b = b;
+    if (streaming_) {
+      v->pinned = true;
+      shared = v;
     }
     return v;
   }
@@ -349,10 +362,10 @@ class Vm {
     }
     auto v = Make(PyKind::kGlobal);
     v->s = std::move(module);
-    v->name = std::move(name);
+    v->X().name = std::move(name);
     if (!allowed) {
       v->placeholder = true;
-      std::string full = v->s + "." + v->name;
+      std::string full = v->s + "." + v->name();
       if (std::find(placeholders_.begin(), placeholders_.end(), full) == placeholders_.end()) {
         placeholders_.push_back(std::move(full));
       }
@@ -419,7 +432,7 @@ class Vm {
   PyRef EnumMember(const PyRef& cls, int64_t value) {
     auto o = Make(PyKind::kObject);
     o->callable = cls;
-    o->args = {MakeInt(value)};
+    o->X().args = {MakeInt(value)};
     o->depth = 1;
     return o;
   }
@@ -470,6 +483,8 @@ class Vm {
     for (PyRef r : stack_) mark(r);
     for (const auto& [k, v] : memo_) mark(v);
     for (const auto& [k, v] : ints_) mark(v);
+    mark(none_);
+    for (PyRef b : bools_) mark(b);
     while (!todo.empty()) {
       PyRef n = todo.back();
       todo.pop_back();
@@ -509,6 +524,8 @@ class Vm {
   std::vector<PyRef> free_;                 // streaming: freed nodes to reuse
   static constexpr size_t kMaxSharedInts = size_t{1} << 20;
   std::unordered_map<int64_t, PyRef> ints_;  // streaming: one pinned node per int value
+  PyRef none_ = nullptr;                      // streaming: the shared None
+  PyRef bools_[2] = {nullptr, nullptr};       // streaming: the shared False, True
   std::vector<std::string> placeholders_;  // unknown globals kept inert, in first-seen order
 };
 
@@ -522,14 +539,14 @@ Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
   auto v = Make(PyKind::kStorage);
   if (cls.kind == PyKind::kGlobal) {
     if (cls.placeholder || (cls.s != "torch" && !StartsWith(cls.s, "torch."))) {
-      return Err("storage class " + cls.s + "." + cls.name + " is not torch's");
+      return Err("storage class " + cls.s + "." + cls.name() + " is not torch's");
     }
-    if (cls.name == "UntypedStorage") {
+    if (cls.name() == "UntypedStorage") {
       v->Parts().untyped = true;
       v->Parts().storage_dtype = DType::kU8;
     } else {
-      v->Parts().storage_dtype = DTypeFromTorchName(cls.name);
-      if (v->Parts().storage_dtype == DType::kInvalid) return Err("unknown storage class torch." + cls.name);
+      v->Parts().storage_dtype = DTypeFromTorchName(cls.name());
+      if (v->Parts().storage_dtype == DType::kInvalid) return Err("unknown storage class torch." + cls.name());
     }
   } else if (cls.kind == PyKind::kObject) {
     return Err("quantized or custom storage types are not supported");
@@ -563,8 +580,8 @@ Result<PyRef> Vm::RebuildTensor(const std::string& fn, const std::vector<PyRef>&
   t.dtype = a[0]->Parts().storage_dtype;
   if (fn == "_rebuild_tensor_v3") {
     if (a[6]->kind != PyKind::kGlobal || a[6]->s != "torch") return Err("_rebuild_tensor_v3: dtype is not a torch dtype");
-    t.dtype = DTypeFromTorchName(a[6]->name);
-    if (t.dtype == DType::kInvalid) return Err("unsupported dtype torch." + a[6]->name);
+    t.dtype = DTypeFromTorchName(a[6]->name());
+    if (t.dtype == DType::kInvalid) return Err("unsupported dtype torch." + a[6]->name());
   } else if (a[0]->Parts().untyped) {
     return Err(fn + " on an UntypedStorage without a dtype");
   }
@@ -585,7 +602,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
   const auto& a = args->items;
   if (callable->kind == PyKind::kGlobal) {
     const std::string& m = callable->s;
-    const std::string& n = callable->name;
+    const std::string& n = callable->name();
     if (m == "torch._utils" &&
         (n == "_rebuild_tensor_v2" || n == "_rebuild_tensor_v3" || n == "_rebuild_tensor")) {
       return RebuildTensor(n, a);
@@ -597,7 +614,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
     if (m == "torch._tensor" && n == "_rebuild_from_type_v2") {
       // (func, type, args, state): the tensor comes from func(*args).
       if (a.size() < 3) return Err("_rebuild_from_type_v2 with too few arguments");
-      if (a[0]->kind == PyKind::kGlobal && a[0]->s == "torch._utils" && a[0]->name == "_rebuild_wrapper_subclass") {
+      if (a[0]->kind == PyKind::kGlobal && a[0]->s == "torch._utils" && a[0]->name() == "_rebuild_wrapper_subclass") {
         // A tensor subclass with no storage of its own (DTensor): kept as an
         // object of that class with its metadata (args: dtype, size, stride,
         // ...) and its state (DTensor: _local_tensor, _spec), for the reader
@@ -607,7 +624,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
         o->callable = a[1];
         RETURN_IF_ERROR(Adopt(o, a[1]));
         for (const auto& x : a[2]->items) RETURN_IF_ERROR(Adopt(o, x));
-        o->args = a[2]->items;
+        o->X().args = a[2]->items;
         if (a.size() > 3) {
           RETURN_IF_ERROR(Adopt(o, a[3]));
           o->state = a[3];
@@ -622,7 +639,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
         for (const auto& [member, value] : e->members) {
           if (a[1]->s == member) return EnumMember(a[0], value);
         }
-        return Err("unknown member '" + a[1]->s + "' of enum " + a[0]->s + "." + a[0]->name);
+        return Err("unknown member '" + a[1]->s + "' of enum " + a[0]->s + "." + a[0]->name());
       }
     }
     if (const KnownEnum* e = FindEnum(*callable)) {
@@ -687,7 +704,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
   auto o = Make(PyKind::kObject);
   o->callable = callable;
   for (const auto& x : a) RETURN_IF_ERROR(Adopt(o, x));
-  o->args = a;
+  if (!a.empty()) o->X().args = a;
   return o;
 }
 
@@ -798,15 +815,12 @@ Result<PyRef> Vm::Run() {
         break;
       }
       case 'N':
-        RETURN_IF_ERROR(Push(Make(PyKind::kNone)));
+        RETURN_IF_ERROR(Push(MakeConst(PyKind::kNone, false)));
         break;
       case 0x88:
-      case 0x89: {
-        auto v = Make(PyKind::kBool);
-        v->b = op == 0x88;
-        RETURN_IF_ERROR(Push(v));
+      case 0x89:
+        RETURN_IF_ERROR(Push(MakeConst(PyKind::kBool, op == 0x88)));
         break;
-      }
       case 'J': {
         ASSIGN_OR_RETURN(int32_t v, Num<int32_t>());
         RETURN_IF_ERROR(Push(MakeInt(v)));
@@ -850,9 +864,7 @@ Result<PyRef> Vm::Run() {
         std::string t(line);
         if (!t.empty() && t.back() == 'L') t.pop_back();
         if (op == 'I' && (t == "00" || t == "01")) {
-          auto v = Make(PyKind::kBool);
-          v->b = t == "01";
-          RETURN_IF_ERROR(Push(v));
+          RETURN_IF_ERROR(Push(MakeConst(PyKind::kBool, t == "01")));
           break;
         }
         char* end = nullptr;
@@ -1045,14 +1057,14 @@ Result<PyRef> Vm::Run() {
         ASSIGN_OR_RETURN(PyRef cls, Pop());
         if (args->kind != PyKind::kTuple) return Err("NEWOBJ arguments are not a tuple");
         PyRef o;
-        if (cls->kind == PyKind::kGlobal && cls->s == "collections" && cls->name == "OrderedDict") {
+        if (cls->kind == PyKind::kGlobal && cls->s == "collections" && cls->name() == "OrderedDict") {
           o = Make(PyKind::kDict);
         } else {
           o = Make(PyKind::kObject);
           o->callable = cls;
           o->newobj = true;
           for (const auto& x : args->items) RETURN_IF_ERROR(Adopt(o, x));
-          o->args = args->items;
+          if (!args->items.empty()) o->X().args = args->items;
         }
         Release(args);
         RETURN_IF_ERROR(Push(o));
@@ -1152,20 +1164,35 @@ const PyValue* PyValue::Get(std::string_view key) const {
   return nullptr;
 }
 
+const std::string& PyValue::name() const {
+  static const std::string kNone;
+  return ext ? ext->name : kNone;
+}
+
+const std::vector<PyRef>& PyValue::args() const {
+  static const std::vector<PyRef> kNone;
+  return ext ? ext->args : kNone;
+}
+
 const TensorRef& PyValue::tensor() const {
   static const TensorRef kNone;
-  return parts ? parts->tensor : kNone;
+  return ext && ext->parts ? ext->parts->tensor : kNone;
+}
+
+PyValue::Ext& PyValue::X() {
+  if (!ext) ext = std::make_unique<Ext>();
+  return *ext;
 }
 
 PyValue::TensorParts& PyValue::Parts() {
-  if (!parts) parts = std::make_unique<TensorParts>();
-  return *parts;
+  if (!X().parts) ext->parts = std::make_unique<TensorParts>();
+  return *ext->parts;
 }
 
 std::string PyValue::ClassName() const {
-  if (kind == PyKind::kGlobal) return name;
+  if (kind == PyKind::kGlobal) return name();
   if (kind == PyKind::kObject && callable) {
-    if (callable->kind == PyKind::kGlobal) return callable->name;
+    if (callable->kind == PyKind::kGlobal) return callable->name();
     return callable->ClassName();
   }
   return "";
@@ -1195,12 +1222,12 @@ Result<int64_t> AsInt(const PyValue* v, std::string_view what) {
 Result<int64_t> EnumValue(const PyValue* v, std::string_view what) {
   if (v == nullptr) return Invalid(std::string(what) + " is missing");
   if (v->kind == PyKind::kObject && v->callable != nullptr && FindEnum(*v->callable) != nullptr &&
-      v->args.size() == 1 && v->args[0]->kind == PyKind::kInt) {
-    return v->args[0]->i;
+      v->args().size() == 1 && v->args()[0]->kind == PyKind::kInt) {
+    return v->args()[0]->i;
   }
   if (v->kind == PyKind::kInt) return v->i;
   if (v->kind == PyKind::kObject && v->callable != nullptr && v->callable->kind == PyKind::kGlobal) {
-    return Invalid(std::string(what) + " is " + v->callable->s + "." + v->callable->name +
+    return Invalid(std::string(what) + " is " + v->callable->s + "." + v->callable->name() +
                    (v->callable->placeholder ? ", an enum ckptfs does not know" : ", not an enum member"));
   }
   return Invalid(std::string(what) + " is not an integer or enum member");
@@ -1210,7 +1237,7 @@ Result<std::vector<int64_t>> AsIntVector(const PyValue* v, std::string_view what
   if (v == nullptr) return Invalid(std::string(what) + " is missing");
   const PyValue* seq = v;
   // torch.Size that was not interpreted (e.g. via NEWOBJ) carries the tuple as arg 0.
-  if (v->kind == PyKind::kObject && v->ClassName() == "Size" && !v->args.empty()) seq = v->args[0];
+  if (v->kind == PyKind::kObject && v->ClassName() == "Size" && !v->args().empty()) seq = v->args()[0];
   if (!seq->IsSeq()) return Invalid(std::string(what) + " is not a tuple");
   std::vector<int64_t> out;
   out.reserve(seq->items.size());

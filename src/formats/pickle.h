@@ -44,8 +44,8 @@
 // each entry's reads: after its last one the memo lets go of it, and a
 // mark-and-sweep from the stack and the memo (run whenever the live nodes
 // have doubled) returns what nothing reaches any more, pinned or not (the
-// arguments a REDUCE consumed, chunk offsets read back by storage_data). Ints
-// are one shared, pinned node per value.
+// arguments a REDUCE consumed, chunk offsets read back by storage_data). Ints,
+// None, True and False are one shared, pinned node per value.
 #ifndef CKPTFS_FORMATS_PICKLE_H_
 #define CKPTFS_FORMATS_PICKLE_H_
 
@@ -89,33 +89,45 @@ struct TensorRef {
 struct PyValue {
   PyKind kind = PyKind::kNone;
   bool b = false;
-  int64_t i = 0;
-  double f = 0;
-  std::string s;       // str, bytes, big-int bytes (LE two's complement), global module
-  std::string name;    // global name
-  std::vector<PyRef> items;                   // tuple, list, set; object's APPEND(S)
-  std::vector<std::pair<PyRef, PyRef>> dict;  // dict; object's SETITEM(S)
-  std::vector<PyRef> args;                    // object: call arguments
-  PyRef callable;      // object: the class / function
-  PyRef state;         // object: BUILD state
   bool newobj = false; // object: made by NEWOBJ (cls.__new__) rather than REDUCE
   bool placeholder = false;  // global: not on the allow list, kept inert (see the header note)
-  // What only a storage or a tensor carries, out of line: a DCP .metadata
-  // makes millions of values and none of these.
+  bool pinned = false;  // streaming: reachable from the memo or the stack twice, never freed
+  bool marked = false;  // streaming: reached in the current Collect (the VM's, always false after)
+  uint32_t depth = 0;  // nesting depth, bounded so that recursive consumers cannot overflow the stack
+  union {
+    int64_t i = 0;
+    double f;
+  };
+  std::string s;       // str, bytes, big-int bytes (LE two's complement), global module
+  std::vector<PyRef> items;                   // tuple, list, set; object's APPEND(S)
+  std::vector<std::pair<PyRef, PyRef>> dict;  // dict; object's SETITEM(S)
+  PyRef callable = nullptr;  // object: the class / function
+  PyRef state = nullptr;     // object: BUILD state
+  // What only a global (its name), a call with arguments, a storage or a
+  // tensor carries, out of line: a DCP .metadata holds millions of values
+  // (128 bytes each), nearly all tuples, dicts, strs and argument-less
+  // dataclass objects.
   struct TensorParts {
     DType storage_dtype = DType::kInvalid;  // storage
     bool untyped = false;                   // storage: UntypedStorage (numel counts bytes)
     uint64_t storage_numel = 0;             // storage
     TensorRef tensor;                       // tensor
   };
-  std::unique_ptr<TensorParts> parts;
-  uint32_t depth = 0;  // nesting depth, bounded so that recursive consumers cannot overflow the stack
-  bool pinned = false;  // streaming: reachable from the memo or the stack twice, never freed
-  bool marked = false;  // streaming: reached in the current Collect (the VM's, always false after)
+  struct Ext {
+    std::string name;                     // global
+    std::vector<PyRef> args;              // object: call arguments
+    std::unique_ptr<TensorParts> parts;   // storage / tensor
+  };
+  std::unique_ptr<Ext> ext;
 
+  // A global's name (empty for any other kind).
+  const std::string& name() const;
+  // An object's call arguments (empty when none, or for any other kind).
+  const std::vector<PyRef>& args() const;
   // A tensor's view of its storage (empty for any other kind).
   const TensorRef& tensor() const;
-  // The storage / tensor fields, made on first use.
+  // The out-of-line fields, made on first use.
+  Ext& X();
   TensorParts& Parts();
 
   // Convenience accessors (nullptr / empty when absent or of another kind).

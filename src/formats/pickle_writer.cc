@@ -181,11 +181,11 @@ Status PickleWriter::ValueAt(const PyValue& v, const TensorFn& tensor_fn, int de
       }
       EndDict();
       return Status::Ok();
-    case PyKind::kGlobal: Global(v.s, v.name); return Status::Ok();
+    case PyKind::kGlobal: Global(v.s, v.name()); return Status::Ok();
     case PyKind::kObject:
       RETURN_IF_ERROR(sub(v.callable));
       BeginTuple();
-      for (PyRef x : v.args) RETURN_IF_ERROR(sub(x));
+      for (PyRef x : v.args()) RETURN_IF_ERROR(sub(x));
       EndTuple();
       if (v.newobj) {
         NewObj();

@@ -84,8 +84,8 @@ Result<DType> PropertiesDType(const PyValue* props) {
     dt = props->Attr("dtype");
   }
   if (dt == nullptr || dt->kind != PyKind::kGlobal) return Invalid("tensor properties carry no dtype");
-  DType d = DTypeFromTorchName(dt->name);
-  if (d == DType::kInvalid) return Unsupported("unsupported dtype torch." + dt->name);
+  DType d = DTypeFromTorchName(dt->name());
+  if (d == DType::kInvalid) return Unsupported("unsupported dtype torch." + dt->name());
   return d;
 }
 

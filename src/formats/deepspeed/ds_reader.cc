@@ -1035,9 +1035,9 @@ void Reader::CheckSliceMappings(const OptimRank& o, size_t g,
     if (!key->IsStr()) continue;
     const PyValue* numel = addr->Attr("numel");
     const PyValue* start = addr->Attr("start");
-    if ((numel == nullptr || start == nullptr) && addr->kind == PyKind::kObject && addr->args.size() == 2) {
-      numel = addr->args[0];
-      start = addr->args[1];
+    if ((numel == nullptr || start == nullptr) && addr->kind == PyKind::kObject && addr->args().size() == 2) {
+      numel = addr->args()[0];
+      start = addr->args()[1];
     }
     auto it = placed.find(key->s);
     if (numel == nullptr || start == nullptr || numel->kind != PyKind::kInt || start->kind != PyKind::kInt) {

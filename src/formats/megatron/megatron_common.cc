@@ -348,7 +348,7 @@ std::string ToJson(const PyValue* v, int indent) {
       }
       return o + end_pad + "}";
     }
-    case PyKind::kGlobal: return JsonStr(v->s + "." + v->name);
+    case PyKind::kGlobal: return JsonStr(v->s + "." + v->name());
     case PyKind::kObject:
       if (v->state != nullptr && v->state->kind == PyKind::kDict && v->ClassName() == "Namespace") {
         return ToJson(v->state, indent);

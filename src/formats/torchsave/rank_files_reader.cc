@@ -64,11 +64,11 @@ std::vector<int64_t> MeshOffsets(const std::vector<int64_t>& global, const std::
 // The dtype and global size a _rebuild_wrapper_subclass object was rebuilt
 // with: args (cls, dtype, size, stride, ...).
 Status WrapperDTypeAndSize(const PyValue* v, const char* cls, Piece& p) {
-  size_t a0 = !v->args.empty() && v->args[0]->kind == PyKind::kGlobal && v->args[0]->name == cls ? 1 : 0;
-  if (v->args.size() < a0 + 2 || v->args[a0]->kind != PyKind::kGlobal) return Invalid("no dtype and size");
-  p.dtype = DTypeFromTorchName(v->args[a0]->name);
-  if (p.dtype == DType::kInvalid) return Invalid("unsupported dtype torch." + v->args[a0]->name);
-  ASSIGN_OR_RETURN(p.global, AsIntVector(v->args[a0 + 1], "size"));
+  size_t a0 = !v->args().empty() && v->args()[0]->kind == PyKind::kGlobal && v->args()[0]->name() == cls ? 1 : 0;
+  if (v->args().size() < a0 + 2 || v->args()[a0]->kind != PyKind::kGlobal) return Invalid("no dtype and size");
+  p.dtype = DTypeFromTorchName(v->args()[a0]->name());
+  if (p.dtype == DType::kInvalid) return Invalid("unsupported dtype torch." + v->args()[a0]->name());
+  ASSIGN_OR_RETURN(p.global, AsIntVector(v->args()[a0 + 1], "size"));
   uint64_t numel = 1;
   for (int64_t d : p.global) {
     if (d < 0) return Invalid("negative size");

@@ -8,7 +8,7 @@ constexpr size_t kMaxDepth = 32;
 
 bool IsTorchDistributedObject(const PyValue* v, std::string_view cls) {
   return v != nullptr && v->kind == PyKind::kObject && v->callable && v->callable->kind == PyKind::kGlobal &&
-         v->callable->name == cls && v->callable->s.rfind("torch.distributed", 0) == 0;
+         v->callable->name() == cls && v->callable->s.rfind("torch.distributed", 0) == 0;
 }
 
 }  // namespace

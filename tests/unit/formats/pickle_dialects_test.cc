@@ -52,14 +52,14 @@ Result<json> Mirror(const PyValue* v, const json& enums) {
       if (auto e = EnumValue(v, "enum"); e.ok()) return json(*e);
       // A placeholder enum member in either form.
       const PyValue* cls = v->callable;
-      if (cls != nullptr && cls->kind == PyKind::kGlobal && cls->name == "getattr" && v->args.size() == 2 &&
-          v->args[0]->placeholder && v->args[1]->IsStr()) {
-        const std::string full = v->args[0]->s + "." + v->args[0]->name;
-        if (!enums.contains(full) || !enums[full].contains(v->args[1]->s)) return Invalid("unknown member " + full);
-        return enums[full][v->args[1]->s];
+      if (cls != nullptr && cls->kind == PyKind::kGlobal && cls->name() == "getattr" && v->args().size() == 2 &&
+          v->args()[0]->placeholder && v->args()[1]->IsStr()) {
+        const std::string full = v->args()[0]->s + "." + v->args()[0]->name();
+        if (!enums.contains(full) || !enums[full].contains(v->args()[1]->s)) return Invalid("unknown member " + full);
+        return enums[full][v->args()[1]->s];
       }
-      if (cls != nullptr && cls->placeholder && v->args.size() == 1 && v->args[0]->kind == PyKind::kInt) {
-        return json(v->args[0]->i);
+      if (cls != nullptr && cls->placeholder && v->args().size() == 1 && v->args()[0]->kind == PyKind::kInt) {
+        return json(v->args()[0]->i);
       }
       return Invalid("an object of " + v->ClassName());
     }

@@ -144,10 +144,10 @@ TEST(PickleTest, UnknownGlobalInMetadataIsAnInertPlaceholder) {
   const PyValue* a = (*r)->Get("args");
   ASSERT_NE(a, nullptr);
   ASSERT_EQ(a->kind, PyKind::kObject);  // the recorded call getattr(cls, 'alibi')
-  ASSERT_EQ(a->args.size(), 2u);
-  EXPECT_TRUE(a->args[0]->placeholder);
-  EXPECT_EQ(a->args[0]->name, "PositionEmbeddingType");
-  EXPECT_EQ(a->args[1]->s, "alibi");
+  ASSERT_EQ(a->args().size(), 2u);
+  EXPECT_TRUE(a->args()[0]->placeholder);
+  EXPECT_EQ(a->args()[0]->name(), "PositionEmbeddingType");
+  EXPECT_EQ(a->args()[1]->s, "alibi");
   EXPECT_EQ(placeholders, std::vector<std::string>{"megatron.enums.PositionEmbeddingType"});
   auto v = EnumValue(a, "position_embedding_type");
   EXPECT_FALSE(v.ok());
@@ -437,17 +437,17 @@ TEST(PickleTest, StreamingReleasesOnlyArgumentTuplesNothingElseHolds) {
   ASSERT_EQ(l.size(), 7u);
   for (size_t k : {0, 3}) {
     ASSERT_EQ(l[k]->ClassName(), "Namespace") << k;
-    ASSERT_EQ(l[k]->args.size(), 2u) << k;
-    EXPECT_EQ(l[k]->args[0]->i, 1);
-    EXPECT_EQ(l[k]->args[1]->i, 2);
+    ASSERT_EQ(l[k]->args().size(), 2u) << k;
+    EXPECT_EQ(l[k]->args()[0]->i, 1);
+    EXPECT_EQ(l[k]->args()[1]->i, 2);
   }
   EXPECT_EQ(l[1]->s, "x");
   EXPECT_EQ(l[2]->s, "y");
   ASSERT_EQ(l[4]->kind, PyKind::kTuple);
   ASSERT_EQ(l[4]->items.size(), 2u);
   EXPECT_EQ(l[4]->items[1]->i, 2);
-  ASSERT_EQ(l[5]->args.size(), 1u);
-  EXPECT_EQ(l[5]->args[0]->i, 3);
+  ASSERT_EQ(l[5]->args().size(), 1u);
+  EXPECT_EQ(l[5]->args()[0]->i, 3);
   EXPECT_EQ(l[6]->s, "z");
 }
 
