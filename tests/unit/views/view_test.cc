@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "../test_util.h"
 
@@ -184,6 +185,86 @@ TEST(ViewTest, ExportPathComponentsAreEscaped) {
     ++n;
   }
   EXPECT_EQ(n, 4u);
+}
+
+
+// hf/'s safetensors headers and model.safetensors.index.json are written as
+// text, not through a JSON tree (a 100k-tensor mount spent seconds in it): the
+// bytes must stay what nlohmann's dump gives (compact / indent 2), escaping
+// included, across shards and with no tensor at all.
+TEST(ViewTest, HfHeadersAndIndexJsonAreNlohmannsText) {
+  using ojson = nlohmann::ordered_json;
+  auto literal = [](const View& v, const std::string& path) {
+    auto ino = v.Resolve(path);
+    EXPECT_TRUE(ino.ok()) << path;
+    if (!ino.ok()) return std::string();
+    auto l = v.Layout(*ino);
+    EXPECT_TRUE(l.ok() && !(*l)->segments.empty()) << path;
+    if (!l.ok() || (*l)->segments.empty()) return std::string();
+    return (*l)->segments[0].literal;
+  };
+  for (bool with_params : {true, false}) {
+    TempDir t;
+    Checkpoint ck;
+    ck.info.family = "synthetic";
+    ck.files.push_back(SourceFile{"d", 0, 0, 0});
+    ckptfs::testing::WriteFile(t.path() + "/d", std::string(64, 'a'));
+    ckptfs::testing::FillStat(t.path(), &ck.files[0]);
+    const std::vector<std::string> names = {"a.w", "b\"q\\.w", "\xc3\xbc.w", "c\n.w"};
+    for (size_t i = 0; i < names.size(); ++i) {
+      TensorRecord r;
+      r.key = names[i];
+      r.role = with_params ? Role::kParam : Role::kOptimState;
+      r.fqn = names[i];
+      r.state = with_params ? "param" : "exp_avg";
+      r.dtype = DType::kF32;
+      r.shape = {2, 2};
+      r.byte_size = 16;
+      r.num_fragments = 1;
+      ck.tensors.push_back(r);
+      Fragment f;
+      f.offsets = {0, 0};
+      f.lengths = {2, 2};
+      f.strides = {2, 1};
+      f.dtype = DType::kF32;
+      f.data_length = 16;
+      ck.fragments.Append({f});
+    }
+    ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+    auto ix = Index::Open(t.path() + "/ix", t.path());
+    ASSERT_TRUE(ix.ok());
+    TopoOptions topo;
+    topo.hf_shard_bytes = 40;  // two tensors per shard
+    auto v = View::Build(**ix, topo);
+    ASSERT_TRUE(v.ok()) << v.status().message();
+    const std::string index_json = literal(**v, "hf/model.safetensors.index.json");
+    const ojson parsed = ojson::parse(index_json);
+    EXPECT_EQ(index_json, parsed.dump(2) + "\n");
+    if (!with_params) {
+      EXPECT_EQ(parsed["weight_map"], ojson::object());
+      EXPECT_EQ(parsed["metadata"]["total_size"], 0);
+      continue;
+    }
+    ASSERT_EQ(parsed["weight_map"].size(), names.size());
+    std::vector<std::string> order;  // the view's tensor order
+    for (const auto& [name, shard] : parsed["weight_map"].items()) {
+      EXPECT_EQ(shard, order.size() < 2 ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors");
+      order.push_back(name);
+    }
+    EXPECT_EQ(std::set<std::string>(order.begin(), order.end()), std::set<std::string>(names.begin(), names.end()));
+    for (int k = 1; k <= 2; ++k) {
+      const std::string st = literal(**v, "hf/model-0000" + std::to_string(k) + "-of-00002.safetensors");
+      ASSERT_GT(st.size(), 8u);
+      std::string header = st.substr(8);
+      while (!header.empty() && header.back() == ' ') header.pop_back();
+      const ojson h = ojson::parse(header);
+      EXPECT_EQ(header, h.dump());
+      EXPECT_EQ(h.begin().key(), "__metadata__");
+      EXPECT_EQ(h.size(), 3u);
+      EXPECT_EQ(h[order[2 * (k - 1) + 1]]["data_offsets"], ojson::array({16, 32}));
+      EXPECT_EQ(h[order[2 * (k - 1)]]["shape"], ojson::array({2, 2}));
+    }
+  }
 }
 
 }  // namespace
