@@ -21,6 +21,7 @@
 #ifndef CKPTFS_VIEWS_H_
 #define CKPTFS_VIEWS_H_
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -137,7 +138,8 @@ class View {
   // Under tree_mu_ (exclusive) or before the view is shared.
   uint64_t AddDir(uint64_t parent, const std::string& name);
   Status AddTopo(const Topology& t);  // topo/<t.Name()>/ and its files
-  Status AddHf(uint64_t root);
+  // hf/'s files, planned on first use (a failure is logged and becomes hf/ERRORS).
+  void EnsureHf() const;
   const Node* GetLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor, bool lazy);
   // info.json of a parameter directory. With `unrendered`, the fragment
@@ -152,6 +154,8 @@ class View {
   mutable std::shared_mutex tree_mu_;
   std::vector<std::unique_ptr<Node>> nodes_;  // ino - 1
   uint64_t topo_dir_ = 0;
+  uint64_t hf_dir_ = 0;
+  mutable std::atomic<bool> hf_made_{false};
   std::map<std::string, std::string> topo_errors_;  // failed topo/ names -> why
   // Guards lazy layouts. Leaf lock: nothing else is taken while it is held.
   mutable std::mutex lazy_mu_;

@@ -198,8 +198,9 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
 
   for (const ExportFile& x : index.exports()) RETURN_IF_ERROR(v->AddExport(root, x));
   {
-    Status st = v->AddHf(root);
-    if (!st.ok()) v->problems_.push_back("hf/ is not available: " + st.message());
+    // hf/ is planned at its first lookup or listing (EnsureHf): for a model of
+    // 100k tensors that is most of a mount's time and memory.
+    v->hf_dir_ = v->AddDir(root, "hf");
     v->topo_dir_ = v->AddDir(root, "topo");
     uint64_t errors = v->AddFile(v->topo_dir_, "ERRORS", FileLayout{}, TensorId{}, false);
     v->nodes_[errors - 1]->topo_errors = true;
@@ -237,11 +238,24 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   return v;
 }
 
-Status View::AddHf(uint64_t root) {
-  ASSIGN_OR_RETURN(auto files, topo_files::HfFiles(index_, topo_));
-  uint64_t dir = AddDir(root, "hf");
-  for (auto& [name, layout] : files) AddFile(dir, name, std::move(layout), TensorId{}, false);
-  return Status::Ok();
+void View::EnsureHf() const {
+  if (hf_made_.load(std::memory_order_acquire)) return;
+  std::unique_lock lock(tree_mu_);
+  if (hf_made_.load(std::memory_order_relaxed)) return;  // made by another thread meanwhile
+  // The view grows like a cache (nodes are only added), hence the const_cast.
+  View* self = const_cast<View*>(this);
+  LogInfo("planning hf/");
+  auto files = topo_files::HfFiles(index_, topo_);
+  if (files.ok()) {
+    for (auto& [name, layout] : *files) self->AddFile(hf_dir_, name, std::move(layout), TensorId{}, false);
+  } else {
+    const std::string why = "hf/ is not available: " + files.status().message();
+    LogError(why);
+    FileLayout l;
+    l.Add(LiteralSegment(why + "\n"));
+    self->AddFile(hf_dir_, "ERRORS", std::move(l), TensorId{}, false);
+  }
+  hf_made_.store(true, std::memory_order_release);
 }
 
 Status View::AddTopo(const Topology& t) {
@@ -306,6 +320,7 @@ const Node* View::Get(uint64_t ino) const {
 }
 
 const Node* View::Lookup(uint64_t parent, std::string_view name) const {
+  if (parent == hf_dir_) EnsureHf();
   {
     std::shared_lock lock(tree_mu_);
     const Node* p = GetLocked(parent);
@@ -343,6 +358,7 @@ std::vector<std::tuple<std::string, uint64_t, bool>> View::List(uint64_t ino) co
   // The source's own layout is listed in topo/ from the first listing on: it
   // is planned then (not at mount time, which `ckptfs cat` pays too).
   if (ino == topo_dir_ && !index_.info().topology.empty()) Lookup(topo_dir_, index_.info().topology);
+  if (ino == hf_dir_) EnsureHf();
   std::shared_lock lock(tree_mu_);
   std::vector<std::tuple<std::string, uint64_t, bool>> out;
   const Node* n = GetLocked(ino);

@@ -71,6 +71,23 @@ TEST(ViewTest, LayoutsAndCollisions) {
   auto cj = (*v)->Layout(*(*v)->Resolve("checkpoint.json"));
   EXPECT_NE((*cj)->segments[0].literal.find("two entries map to"), std::string::npos);
   EXPECT_EQ((*v)->PathOf(*npy), "/params/w/param.npy");
+  // hf/ is planned at its first lookup or listing. When it cannot be (here an
+  // --hf-arch that the command line would have refused), hf/ holds only
+  // ERRORS, saying why.
+  EXPECT_TRUE((*v)->Resolve("hf/model.safetensors.index.json").ok());
+  TopoOptions bad;
+  bad.hf_arch = "bogus";
+  auto w = View::Build(**ix, bad);
+  ASSERT_TRUE(w.ok());
+  auto hf = (*w)->Resolve("hf");
+  ASSERT_TRUE(hf.ok());
+  auto listed = (*w)->List(*hf);
+  ASSERT_EQ(listed.size(), 1u);
+  EXPECT_EQ(std::get<0>(listed[0]), "ERRORS");
+  auto errors = (*w)->Layout(*(*w)->Resolve("hf/ERRORS"));
+  ASSERT_TRUE(errors.ok());
+  EXPECT_EQ((*errors)->segments[0].literal.rfind("hf/ is not available: --hf-arch 'bogus': expected one of ", 0), 0u)
+      << (*errors)->segments[0].literal;
 }
 
 TEST(ViewTest, InfoJsonSizeComesFromTheRecordsAndMatchesItsBytes) {
