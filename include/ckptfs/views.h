@@ -27,6 +27,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <tuple>
+#include <unordered_map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -78,21 +79,22 @@ struct FileLayout {
 
 inline constexpr uint64_t kRootIno = 1;
 
+// A node is ~100 bytes plus its name: a mount of a 100k-tensor checkpoint has
+// 400k of them. Files whose bytes follow from one tensor record (params/ and
+// other/ .npy / .raw, info.json) keep no layout until first used.
 struct Node {
+  enum class Lazy : uint8_t {
+    kNo,    // the layout was made with the node
+    kInfo,  // params/<fqn>/info.json (View::InfoJson)
+    kNpy,   // <stem>.npy of `tensor`: the .npy header, then the tensor in its numpy dtype
+    kRaw,   // <stem>.raw of `tensor`: its source bytes
+  };
   uint64_t ino = 0;
   uint64_t parent = 0;
   std::string name;
   bool is_dir = false;
-  std::map<std::string, uint64_t, std::less<>> children;  // directories
-  uint32_t subdirs = 0;                                      // directories: for st_nlink
-  // Files: the layout; when `lazy`, made on first use under View::lazy_mu_
-  // (`made` says it is done; both only change under that lock).
-  FileLayout layout;
-  bool lazy = false;
-  bool made = false;
-  // Lazy files: the size the layout will have, once asked (View::Size).
-  uint64_t lazy_size = UINT64_MAX;
-  TensorId tensor;  // the tensor behind a file, for error reports
+  Lazy lazy = Lazy::kNo;
+  bool made = false;  // lazy: `layout` is made (under View::lazy_mu_)
   // .ckptfs/report.json: its bytes come from `ckptfs verify`, which the
   // filesystem core runs on first use (the layout stays empty).
   bool report = false;
@@ -103,6 +105,12 @@ struct Node {
   bool stats = false;
   // topo/ERRORS: its bytes are View::TopoErrors() at the time of the read.
   bool topo_errors = false;
+  uint32_t subdirs = 0;  // directories: for st_nlink
+  TensorId tensor;       // the tensor behind a file, for error reports
+  // Lazy info.json: the size its layout will have, once asked (View::Size).
+  uint64_t lazy_size = UINT64_MAX;
+  std::vector<uint64_t> children;     // directories: child inodes, sorted by name
+  std::unique_ptr<FileLayout> layout;  // files (lazy ones: once made)
 };
 
 class View {
@@ -141,7 +149,13 @@ class View {
   // hf/'s files, planned on first use (a failure is logged and becomes hf/ERRORS).
   void EnsureHf() const;
   const Node* GetLocked(uint64_t ino) const;
-  uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor, bool lazy);
+  uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,
+                   Node::Lazy lazy = Node::Lazy::kNo);
+  uint64_t AddNode(uint64_t parent, std::string name, bool is_dir);
+  // The child of `dir` named `name`, or 0. Under tree_mu_ or while building.
+  uint64_t FindChild(const Node& dir, std::string_view name) const;
+  // A lazy .npy / .raw layout, from the tensor record alone.
+  FileLayout TensorFileLayout(const Node& n) const;
   // info.json of a parameter directory. With `unrendered`, the fragment
   // lists are left out and their recorded lengths summed there instead.
   Status InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) const;
@@ -153,6 +167,20 @@ class View {
   // topo_errors_. Taken before lazy_mu_, never after it.
   mutable std::shared_mutex tree_mu_;
   std::vector<std::unique_ptr<Node>> nodes_;  // ino - 1
+  // While Build runs, children are appended unsorted and found here; Build
+  // sorts them once at the end. Later additions (topo/, hf/) insert in order.
+  struct ChildKey {
+    uint64_t parent;
+    std::string_view name;  // the child's own Node::name (nodes never move)
+    bool operator==(const ChildKey&) const = default;
+  };
+  struct ChildKeyHash {
+    size_t operator()(const ChildKey& k) const {
+      return std::hash<std::string_view>{}(k.name) ^ (k.parent * 0x9e3779b97f4a7c15ull);
+    }
+  };
+  std::unique_ptr<std::unordered_map<ChildKey, uint64_t, ChildKeyHash>> building_;
+  static constexpr size_t kScanChildren = 8;
   uint64_t topo_dir_ = 0;
   uint64_t hf_dir_ = 0;
   mutable std::atomic<bool> hf_made_{false};

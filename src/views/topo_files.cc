@@ -46,6 +46,8 @@ FileLayout SafetensorsFile(std::string h, std::vector<Segment> body) {
   std::string prefix(8, '\0');
   StoreLE<uint64_t>(prefix.data(), h.size());
   FileLayout l;
+  l.segments.reserve(body.size() + 1);
+  l.starts.reserve(body.size() + 1);
   l.Add(LiteralSegment(prefix + h));
   for (Segment& s : body) l.Add(std::move(s));
   return l;

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -282,6 +284,96 @@ TEST(ViewTest, HfHeadersAndIndexJsonAreNlohmannsText) {
       EXPECT_EQ(h[order[2 * (k - 1)]]["shape"], ojson::array({2, 2}));
     }
   }
+}
+
+
+// The tree of a big checkpoint: a directory past the scan limit is found by
+// hash while building, every listing is in name order (hf/ added later
+// included), a collision in a big directory is still renamed, and the lazy
+// .npy / .raw / info.json sizes equal their layouts' once made.
+TEST(ViewTest, BigDirectoriesLazyFilesAndLateChildren) {
+  TempDir t;
+  Checkpoint ck;
+  ck.info.family = "synthetic";
+  ck.files.push_back(SourceFile{"d", 0, 0, 0});
+  ckptfs::testing::WriteFile(t.path() + "/d", std::string(64, 'a'));
+  ckptfs::testing::FillStat(t.path(), &ck.files[0]);
+  auto add = [&](const std::string& key, Role role, const std::string& fqn, const std::string& state, DType dt) {
+    TensorRecord r;
+    r.key = key;
+    r.role = role;
+    r.fqn = fqn;
+    r.state = state;
+    r.dtype = dt;
+    r.shape = {2, 3};
+    r.byte_size = 6 * DTypeSize(dt);
+    r.num_fragments = 1;
+    ck.tensors.push_back(r);
+    Fragment f;
+    f.offsets = {0, 0};
+    f.lengths = {2, 3};
+    f.strides = {3, 1};
+    f.dtype = dt;
+    f.data_length = r.byte_size;
+    ck.fragments.Append({f});
+  };
+  std::vector<std::string> fqns;
+  for (int i = 29; i >= 0; --i) {  // added in reverse name order
+    const std::string fqn = "layers." + std::string(i < 10 ? "0" : "") + std::to_string(i) + ".w";
+    fqns.push_back(fqn);
+    add("model." + fqn, Role::kParam, fqn, "param", DType::kBF16);
+    add("optim." + fqn + ".exp_avg", Role::kOptimState, fqn, "exp_avg", DType::kF32);
+  }
+  for (int i = 0; i < 12; ++i) add("x" + std::to_string(i), Role::kOther, "", "", DType::kF32);
+  add("x3", Role::kOther, "", "", DType::kI64);  // collides with other/x3.npy in a hashed directory
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_TRUE(ix.ok());
+  auto v = View::Build(**ix);
+  ASSERT_TRUE(v.ok()) << v.status().message();
+  auto names = [&](const std::string& dir) {
+    std::vector<std::string> out;
+    for (const auto& [name, ino, is_dir] : (*v)->List(*(*v)->Resolve(dir))) out.push_back(name);
+    return out;
+  };
+  std::vector<std::string> params = names("params");
+  std::sort(fqns.begin(), fqns.end());
+  EXPECT_EQ(params, fqns);
+  std::vector<std::string> other = names("other");
+  EXPECT_TRUE(std::is_sorted(other.begin(), other.end()));
+  EXPECT_EQ(other.size(), 26u);  // 13 x (.npy, .raw)
+  auto renamed = std::find_if(other.begin(), other.end(), [](const std::string& n) { return n.rfind("x3.npy~", 0) == 0; });
+  ASSERT_NE(renamed, other.end());
+  EXPECT_TRUE((*v)->Resolve("other/" + *renamed).ok());
+  EXPECT_TRUE((*v)->Resolve("other/x11.raw").ok());
+  for (const std::string& fqn : {std::string("layers.00.w"), std::string("layers.29.w")}) {
+    EXPECT_EQ(names("params/" + fqn), (std::vector<std::string>{"exp_avg.npy", "exp_avg.raw", "info.json", "param.npy",
+                                                                "param.raw"}));
+    for (const char* f : {"param.npy", "param.raw", "exp_avg.npy", "info.json"}) {
+      auto ino = (*v)->Resolve("params/" + fqn + "/" + f);
+      ASSERT_TRUE(ino.ok()) << f;
+      auto size = (*v)->Size(*ino);
+      auto layout = (*v)->Layout(*ino);
+      ASSERT_TRUE(size.ok() && layout.ok()) << f;
+      EXPECT_EQ(*size, (*layout)->size) << f;
+      EXPECT_EQ((*v)->Size(*ino).value(), *size) << f;  // and again once made
+    }
+  }
+  // param.npy: a bf16 tensor widened to f32 behind its .npy header.
+  auto npy = (*v)->Layout(*(*v)->Resolve("params/layers.07.w/param.npy"));
+  ASSERT_EQ((*npy)->segments.size(), 2u);
+  EXPECT_EQ((*npy)->segments[1].out_dtype, DType::kF32);
+  EXPECT_EQ((*npy)->segments[1].size, 24u);
+  auto raw = (*v)->Layout(*(*v)->Resolve("params/layers.07.w/param.raw"));
+  ASSERT_EQ((*raw)->segments.size(), 1u);
+  EXPECT_EQ((*raw)->segments[0].out_dtype, DType::kBF16);
+  // The root, with hf/'s files made after the build, in name order.
+  std::vector<std::string> root = names("");
+  EXPECT_TRUE(std::is_sorted(root.begin(), root.end()));
+  std::vector<std::string> hf = names("hf");
+  EXPECT_TRUE(std::is_sorted(hf.begin(), hf.end()));
+  EXPECT_TRUE((*v)->Resolve("hf/model.safetensors.index.json").ok());
+  EXPECT_TRUE((*v)->Resolve("hf/ERRORS").ok());
 }
 
 }  // namespace
