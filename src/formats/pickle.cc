@@ -200,6 +200,58 @@ const KnownEnum* FindEnum(const PyValue& cls) {
   return nullptr;
 }
 
+// Memo indices are small and dense (MEMOIZE numbers entries 0, 1, 2, ...;
+// picklers PUT the same numbers), so they index a vector; an index far past
+// the entries there are (a PUT of 4294967295) goes to a hash map instead, so
+// memory follows the entries, not the indices. T{} means absent. The two
+// memo maps were an eighth of a 250k-fragment Megatron index build as hash
+// tables.
+template <typename T>
+class IndexMap {
+ public:
+  T* Find(uint64_t i) {
+    if (i < dense_.size() && dense_[i] != T{}) return &dense_[i];
+    if (sparse_.empty()) return nullptr;
+    auto it = sparse_.find(i);
+    return it == sparse_.end() ? nullptr : &it->second;
+  }
+  bool Contains(uint64_t i) { return Find(i) != nullptr; }
+  // The entry at i, made (as T{}) if absent; the caller sets it to non-T{}.
+  // `memo_ops`: the memo-making opcodes read so far, which bound every
+  // index a well-formed pickle uses (it numbers entries len(memo)).
+  T& At(uint64_t i, uint64_t memo_ops) {
+    if (T* v = Find(i)) return *v;
+    ++count_;
+    if (i >= dense_.size() && i < std::max(2 * count_, memo_ops) + kSlack) {
+      dense_.resize(std::max<uint64_t>(i + 1, 2 * dense_.size()));
+    }
+    if (i < dense_.size()) return dense_[i];
+    return sparse_[i];
+  }
+  void Erase(uint64_t i) {
+    if (i < dense_.size() && dense_[i] != T{}) {
+      dense_[i] = T{};
+      --count_;
+    } else if (!sparse_.empty() && sparse_.erase(i) > 0) {
+      --count_;
+    }
+  }
+  size_t size() const { return count_; }
+  template <typename F>
+  void ForEach(F&& f) const {
+    for (const T& v : dense_) {
+      if (v != T{}) f(v);
+    }
+    for (const auto& [k, v] : sparse_) f(v);
+  }
+
+ private:
+  static constexpr uint64_t kSlack = uint64_t{1} << 16;
+  std::vector<T> dense_;
+  std::unordered_map<uint64_t, T> sparse_;
+  size_t count_ = 0;
+};
+
 class Vm {
  public:
   // `in` is unread: ScanMemoReads reads a copy of it from the start.
@@ -443,10 +495,10 @@ class Vm {
     // bounds the memo; a fixed cap broke DCP .metadata of ~100k tensors.
     if (memo_.size() > std::max<uint64_t>(kMaxStack, in_.size())) return Err("memo too large");
     if (streaming_) {
-      if (!memo_reads_.contains(idx)) return Status::Ok();  // never read back: not kept
+      if (!memo_reads_.Contains(idx)) return Status::Ok();  // never read back: not kept
       Pin(v);
     }
-    memo_[idx] = v;
+    memo_.At(idx, memo_ops_) = v;
     return Status::Ok();
   }
   // Streaming: the first pass. Finds the memo indices some GET reads. MEMOIZE
@@ -456,14 +508,14 @@ class Vm {
   void ScanMemoReads();
   static constexpr PyKind kFreed = static_cast<PyKind>(0xff);
   Result<PyRef> MemoGet(uint64_t idx) {
-    auto it = memo_.find(idx);
-    if (it == memo_.end()) return Err("memo key " + std::to_string(idx) + " missing");
-    PyRef v = it->second;
+    PyRef* found = memo_.Find(idx);
+    if (found == nullptr) return Err("memo key " + std::to_string(idx) + " missing");
+    PyRef v = *found;
     if (streaming_) {
       // After its last read the memo lets go of it (Collect may take it back).
-      if (auto r = memo_reads_.find(idx); r != memo_reads_.end() && --r->second == 0) {
-        memo_reads_.erase(r);
-        memo_.erase(it);
+      if (uint64_t* r = memo_reads_.Find(idx); r != nullptr && --*r == 0) {
+        memo_reads_.Erase(idx);
+        memo_.Erase(idx);
       }
     }
     return v;
@@ -481,7 +533,7 @@ class Vm {
       }
     };
     for (PyRef r : stack_) mark(r);
-    for (const auto& [k, v] : memo_) mark(v);
+    memo_.ForEach(mark);
     for (const auto& [k, v] : ints_) mark(v);
     mark(none_);
     for (PyRef b : bools_) mark(b);
@@ -515,10 +567,11 @@ class Vm {
   uint64_t op_pos_ = 0;
   std::vector<PyRef> stack_;
   std::vector<size_t> marks_;
-  std::unordered_map<uint64_t, PyRef> memo_;
+  IndexMap<PyRef> memo_;
   std::shared_ptr<Arena> arena_;
   bool streaming_ = false;
-  std::unordered_map<uint64_t, uint64_t> memo_reads_;  // streaming: GETs still to come, by memo index
+  IndexMap<uint64_t> memo_reads_;  // streaming: GETs still to come, by memo index
+  uint64_t memo_ops_ = 0;          // MEMOIZE / PUT opcodes run
   size_t next_collect_ = kMinCollect;                 // streaming: live nodes that trigger Collect
   uint64_t memoized_ = 0;                   // MEMOIZE ops so far (the next index)
   std::vector<PyRef> free_;                 // streaming: freed nodes to reuse
@@ -714,9 +767,10 @@ void Vm::ScanMemoReads() {
     auto n = c.Le(len_bytes);
     return n.ok() && c.Skip(*n).ok();
   };
+  uint64_t puts = 0;  // MEMOIZE / PUT opcodes so far
   auto count = [&](Result<uint64_t> idx) {
     if (!idx.ok()) return false;
-    ++memo_reads_[*idx];
+    ++memo_reads_.At(*idx, puts);
     return true;
   };
   // A malformed stream stops the scan; the VM reports the error where it is.
@@ -727,13 +781,24 @@ void Vm::ScanMemoReads() {
     switch (static_cast<unsigned char>(*opr)) {
       case '.':
         return;
-      case 0x80: case 'K': case 'q':
+      case 0x94:
+        ++puts;
+        break;
+      case 'q':
+        ++puts;
+        ok = c.Skip(1).ok();
+        break;
+      case 0x80: case 'K':
         ok = c.Skip(1).ok();
         break;
       case 'M':
         ok = c.Skip(2).ok();
         break;
-      case 'J': case 'r':
+      case 'r':
+        ++puts;
+        ok = c.Skip(4).ok();
+        break;
+      case 'J':
         ok = c.Skip(4).ok();
         break;
       case 0x95: case 'G':
@@ -748,7 +813,11 @@ void Vm::ScanMemoReads() {
       case 0x8d: case 0x8e: case 0x96:
         ok = skip_sized(8);
         break;
-      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'p':
+      case 'p':
+        ++puts;
+        ok = c.Line().ok();
+        break;
+      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P':
         ok = c.Line().ok();
         break;
       case 'c': case 'i':
@@ -1111,6 +1180,7 @@ Result<PyRef> Vm::Run() {
           idx = streaming_ ? memoized_++ : memo_.size();
         }
         ASSIGN_OR_RETURN(PyRef v, Top());
+        ++memo_ops_;
         RETURN_IF_ERROR(Memoize(idx, v));
         break;
       }

@@ -203,6 +203,32 @@ TEST(PickleTest, TruncatedAndGarbageAreErrors) {
   EXPECT_FALSE(Unpickle(B({0x80, 0x02, 0xff, '.'}), "t").ok());    // bad opcode
 }
 
+// Memo indices far past the entries there are (LONG_BINPUT 4000000000, as a
+// hostile or odd pickler may write) are kept apart from the dense ones: read
+// back correctly, streaming or not, next to small indices and a PUT that
+// reuses an index.
+TEST(PickleTest, FarMemoIndicesAreReadBack) {
+  // [s, s, t, u] with s = 'a' at memo 4000000000 (LONG_BINPUT, LONG_BINGET),
+  // t = 'b' PUT at 1, then 'c' PUT at 1 too, popped, and memo 1 read back:
+  // u is 'c' (the later PUT wins).
+  const std::string p = B({0x80, 0x02, ']', '(', 'X', 1, 0, 0, 0, 'a', 'r', 0x00, 0x28, 0x6b, 0xee,
+                           'j', 0x00, 0x28, 0x6b, 0xee, 'X', 1, 0, 0, 0, 'b', 'q', 1,
+                           'X', 1, 0, 0, 0, 'c', 'q', 1, '0', 'h', 1, 'e', '.'});
+  for (bool streaming : {false, true}) {
+    PickleOptions opts;
+    if (streaming) opts.consume_item = [](const PyValue&, const PyValue&) -> Result<bool> { return false; };
+    auto r = Unpickle(p, "t", opts);
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    const PyValue& l = **r;
+    ASSERT_EQ(l.kind, PyKind::kList);
+    ASSERT_EQ(l.items.size(), 4u) << streaming;
+    EXPECT_EQ(l.items[0]->s, "a");
+    EXPECT_EQ(l.items[1]->s, "a");
+    EXPECT_EQ(l.items[2]->s, "b");
+    EXPECT_EQ(l.items[3]->s, "c");
+  }
+}
+
 TEST(PickleTest, SelfReferenceDoesNotLeak) {
   // l = []; l.append(l) -- a memo cycle; found by fuzz_pickle as a leak when
   // values owned each other. The ASan build of this test checks for leaks.
