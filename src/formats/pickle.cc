@@ -202,10 +202,10 @@ const KnownEnum* FindEnum(const PyValue& cls) {
 
 // Memo indices are small and dense (MEMOIZE numbers entries 0, 1, 2, ...;
 // picklers PUT the same numbers), so they index a vector; an index far past
-// the entries there are (a PUT of 4294967295) goes to a hash map instead, so
-// memory follows the entries, not the indices. T{} means absent. The two
-// memo maps were an eighth of a 250k-fragment Megatron index build as hash
-// tables.
+// the entries there are (a PUT of 4294967295, or the few entries a DCP
+// .metadata reads back) goes to a hash map instead, so memory follows the
+// entries, not the indices. T{} means absent. As hash maps alone, the two
+// memo maps were an eighth of a 250k-fragment Megatron index build.
 template <typename T>
 class IndexMap {
  public:
@@ -217,13 +217,15 @@ class IndexMap {
   }
   bool Contains(uint64_t i) { return Find(i) != nullptr; }
   // The entry at i, made (as T{}) if absent; the caller sets it to non-T{}.
-  // `memo_ops`: the memo-making opcodes read so far, which bound every
-  // index a well-formed pickle uses (it numbers entries len(memo)).
-  T& At(uint64_t i, uint64_t memo_ops) {
+  T& At(uint64_t i) {
     if (T* v = Find(i)) return *v;
     ++count_;
-    if (i >= dense_.size() && i < std::max(2 * count_, memo_ops) + kSlack) {
-      dense_.resize(std::max<uint64_t>(i + 1, 2 * dense_.size()));
+    // The vector grows while at least one index in kDensity below it is
+    // used: then it costs no more than a hash map's nodes would. A DCP
+    // .metadata reads back a few of its millions of memo entries (sparse);
+    // Megatron's reads back most of them (dense).
+    if (i >= dense_.size() && i < kDensity * count_ + kSlack) {
+      dense_.resize(std::max<uint64_t>(i + 1, dense_.size() + dense_.size() / 2));
     }
     if (i < dense_.size()) return dense_[i];
     return sparse_[i];
@@ -246,6 +248,7 @@ class IndexMap {
   }
 
  private:
+  static constexpr uint64_t kDensity = 8;
   static constexpr uint64_t kSlack = uint64_t{1} << 16;
   std::vector<T> dense_;
   std::unordered_map<uint64_t, T> sparse_;
@@ -498,7 +501,7 @@ class Vm {
       if (!memo_reads_.Contains(idx)) return Status::Ok();  // never read back: not kept
       Pin(v);
     }
-    memo_.At(idx, memo_ops_) = v;
+    memo_.At(idx) = v;
     return Status::Ok();
   }
   // Streaming: the first pass. Finds the memo indices some GET reads. MEMOIZE
@@ -571,7 +574,6 @@ class Vm {
   std::shared_ptr<Arena> arena_;
   bool streaming_ = false;
   IndexMap<uint64_t> memo_reads_;  // streaming: GETs still to come, by memo index
-  uint64_t memo_ops_ = 0;          // MEMOIZE / PUT opcodes run
   size_t next_collect_ = kMinCollect;                 // streaming: live nodes that trigger Collect
   uint64_t memoized_ = 0;                   // MEMOIZE ops so far (the next index)
   std::vector<PyRef> free_;                 // streaming: freed nodes to reuse
@@ -767,10 +769,9 @@ void Vm::ScanMemoReads() {
     auto n = c.Le(len_bytes);
     return n.ok() && c.Skip(*n).ok();
   };
-  uint64_t puts = 0;  // MEMOIZE / PUT opcodes so far
   auto count = [&](Result<uint64_t> idx) {
     if (!idx.ok()) return false;
-    ++memo_reads_.At(*idx, puts);
+    ++memo_reads_.At(*idx);
     return true;
   };
   // A malformed stream stops the scan; the VM reports the error where it is.
@@ -781,24 +782,13 @@ void Vm::ScanMemoReads() {
     switch (static_cast<unsigned char>(*opr)) {
       case '.':
         return;
-      case 0x94:
-        ++puts;
-        break;
-      case 'q':
-        ++puts;
-        ok = c.Skip(1).ok();
-        break;
-      case 0x80: case 'K':
+      case 0x80: case 'K': case 'q':
         ok = c.Skip(1).ok();
         break;
       case 'M':
         ok = c.Skip(2).ok();
         break;
-      case 'r':
-        ++puts;
-        ok = c.Skip(4).ok();
-        break;
-      case 'J':
+      case 'J': case 'r':
         ok = c.Skip(4).ok();
         break;
       case 0x95: case 'G':
@@ -813,11 +803,7 @@ void Vm::ScanMemoReads() {
       case 0x8d: case 0x8e: case 0x96:
         ok = skip_sized(8);
         break;
-      case 'p':
-        ++puts;
-        ok = c.Line().ok();
-        break;
-      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P':
+      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'p':
         ok = c.Line().ok();
         break;
       case 'c': case 'i':
@@ -1180,7 +1166,6 @@ Result<PyRef> Vm::Run() {
           idx = streaming_ ? memoized_++ : memo_.size();
         }
         ASSIGN_OR_RETURN(PyRef v, Top());
-        ++memo_ops_;
         RETURN_IF_ERROR(Memoize(idx, v));
         break;
       }
