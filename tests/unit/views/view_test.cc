@@ -14,6 +14,39 @@ namespace {
 
 using ckptfs::testing::TempDir;
 
+// A "synthetic" checkpoint of one source file `d` of `bytes` bytes in `t`.
+Checkpoint SyntheticCheckpoint(const TempDir& t, size_t bytes) {
+  Checkpoint ck;
+  ck.info.family = "synthetic";
+  ck.files.push_back(SourceFile{"d", 0, 0, 0});
+  ckptfs::testing::WriteFile(t.path() + "/d", std::string(bytes, 'a'));
+  ckptfs::testing::FillStat(t.path(), &ck.files[0]);
+  return ck;
+}
+
+// One tensor of `shape` in one C-order fragment at the start of file 0.
+void AddTensor(Checkpoint& ck, const std::string& key, Role role, const std::string& fqn, const std::string& state,
+               DType dt, std::vector<int64_t> shape) {
+  TensorRecord r;
+  r.key = key;
+  r.role = role;
+  r.fqn = fqn;
+  r.state = state;
+  r.dtype = dt;
+  r.shape = shape;
+  r.byte_size = r.Numel() * DTypeSize(dt);
+  r.num_fragments = 1;
+  ck.tensors.push_back(r);
+  Fragment f;
+  f.offsets.assign(shape.size(), 0);
+  f.lengths = shape;
+  f.strides.assign(shape.size(), 1);
+  for (size_t d = shape.size(); d-- > 1;) f.strides[d - 1] = f.strides[d] * shape[d];
+  f.dtype = dt;
+  f.data_length = r.byte_size;
+  ck.fragments.Append({f});
+}
+
 TEST(PathComponentTest, SanitizesKeys) {
   EXPECT_EQ(PathComponent("a/b"), "a%2Fb");
   EXPECT_EQ(PathComponent(""), "_");
@@ -23,32 +56,9 @@ TEST(PathComponentTest, SanitizesKeys) {
 
 TEST(ViewTest, LayoutsAndCollisions) {
   TempDir t;
-  Checkpoint ck;
-  ck.info.family = "synthetic";
-  ck.files.push_back(SourceFile{"d", 0, 0, 0});
-  ckptfs::testing::WriteFile(t.path() + "/d", std::string(100, 'a'));
-  ckptfs::testing::FillStat(t.path(), &ck.files[0]);
+  Checkpoint ck = SyntheticCheckpoint(t, 100);
   auto add = [&](const std::string& key, Role role, const std::string& fqn, const std::string& state, DType dt,
-                 std::vector<int64_t> shape) {
-    TensorRecord r;
-    r.key = key;
-    r.role = role;
-    r.fqn = fqn;
-    r.state = state;
-    r.dtype = dt;
-    r.shape = shape;
-    r.byte_size = r.Numel() * DTypeSize(dt);
-    r.num_fragments = 1;
-    ck.tensors.push_back(r);
-    Fragment f;
-    f.offsets.assign(shape.size(), 0);
-    f.lengths = shape;
-    f.strides.assign(shape.size(), 1);
-    for (size_t d = shape.size(); d-- > 1;) f.strides[d - 1] = f.strides[d] * shape[d];
-    f.dtype = dt;
-    f.data_length = r.byte_size;
-    ck.fragments.Append({f});
-  };
+                 std::vector<int64_t> shape) { AddTensor(ck, key, role, fqn, state, dt, shape); };
   add("model.w", Role::kParam, "w", "param", DType::kBF16, {3, 2});
   add("opt.w.exp_avg", Role::kOptimState, "w", "exp_avg", DType::kF32, {3, 2});
   add("x", Role::kOther, "x", "", DType::kI64, {2});
@@ -224,30 +234,11 @@ TEST(ViewTest, HfHeadersAndIndexJsonAreNlohmannsText) {
   };
   for (bool with_params : {true, false}) {
     TempDir t;
-    Checkpoint ck;
-    ck.info.family = "synthetic";
-    ck.files.push_back(SourceFile{"d", 0, 0, 0});
-    ckptfs::testing::WriteFile(t.path() + "/d", std::string(64, 'a'));
-    ckptfs::testing::FillStat(t.path(), &ck.files[0]);
+    Checkpoint ck = SyntheticCheckpoint(t, 64);
     const std::vector<std::string> names = {"a.w", "b\"q\\.w", "\xc3\xbc.w", "c\n.w"};
-    for (size_t i = 0; i < names.size(); ++i) {
-      TensorRecord r;
-      r.key = names[i];
-      r.role = with_params ? Role::kParam : Role::kOptimState;
-      r.fqn = names[i];
-      r.state = with_params ? "param" : "exp_avg";
-      r.dtype = DType::kF32;
-      r.shape = {2, 2};
-      r.byte_size = 16;
-      r.num_fragments = 1;
-      ck.tensors.push_back(r);
-      Fragment f;
-      f.offsets = {0, 0};
-      f.lengths = {2, 2};
-      f.strides = {2, 1};
-      f.dtype = DType::kF32;
-      f.data_length = 16;
-      ck.fragments.Append({f});
+    for (const std::string& name : names) {
+      AddTensor(ck, name, with_params ? Role::kParam : Role::kOptimState, name, with_params ? "param" : "exp_avg",
+                DType::kF32, {2, 2});
     }
     ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
     auto ix = Index::Open(t.path() + "/ix", t.path());
@@ -286,36 +277,15 @@ TEST(ViewTest, HfHeadersAndIndexJsonAreNlohmannsText) {
   }
 }
 
-
 // The tree of a big checkpoint: a directory past the scan limit is found by
 // hash while building, every listing is in name order (hf/ added later
 // included), a collision in a big directory is still renamed, and the lazy
 // .npy / .raw / info.json sizes equal their layouts' once made.
 TEST(ViewTest, BigDirectoriesLazyFilesAndLateChildren) {
   TempDir t;
-  Checkpoint ck;
-  ck.info.family = "synthetic";
-  ck.files.push_back(SourceFile{"d", 0, 0, 0});
-  ckptfs::testing::WriteFile(t.path() + "/d", std::string(64, 'a'));
-  ckptfs::testing::FillStat(t.path(), &ck.files[0]);
+  Checkpoint ck = SyntheticCheckpoint(t, 64);
   auto add = [&](const std::string& key, Role role, const std::string& fqn, const std::string& state, DType dt) {
-    TensorRecord r;
-    r.key = key;
-    r.role = role;
-    r.fqn = fqn;
-    r.state = state;
-    r.dtype = dt;
-    r.shape = {2, 3};
-    r.byte_size = 6 * DTypeSize(dt);
-    r.num_fragments = 1;
-    ck.tensors.push_back(r);
-    Fragment f;
-    f.offsets = {0, 0};
-    f.lengths = {2, 3};
-    f.strides = {3, 1};
-    f.dtype = dt;
-    f.data_length = r.byte_size;
-    ck.fragments.Append({f});
+    AddTensor(ck, key, role, fqn, state, dt, {2, 3});
   };
   std::vector<std::string> fqns;
   for (int i = 29; i >= 0; --i) {  // added in reverse name order
