@@ -149,6 +149,7 @@ class View {
   // hf/'s files, planned on first use (a failure is logged and becomes hf/ERRORS).
   void EnsureHf() const;
   const Node* GetLocked(uint64_t ino) const;
+  std::string PathOfLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,
                    Node::Lazy lazy = Node::Lazy::kNo);
   uint64_t AddNode(uint64_t parent, std::string name, bool is_dir);

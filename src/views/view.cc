@@ -157,7 +157,8 @@ uint64_t View::AddFile(uint64_t parent, const std::string& name, FileLayout layo
   std::string unique = name;
   if (FindChild(*nodes_[parent - 1], unique) != 0) {
     unique = name + "~" + std::to_string(tensor.v);
-    problems_.push_back("two entries map to " + PathOf(parent) + "/" + name + "; the second is named " + unique);
+    // Under tree_mu_ (hf/ and topo/ are added while mounted): PathOfLocked.
+    problems_.push_back("two entries map to " + PathOfLocked(parent) + "/" + name + "; the second is named " + unique);
   }
   const uint64_t ino = AddNode(parent, std::move(unique), false);
   Node& n = *nodes_[ino - 1];
@@ -461,8 +462,13 @@ Result<uint64_t> View::Resolve(std::string_view path) const {
 }
 
 std::string View::PathOf(uint64_t ino) const {
+  std::shared_lock lock(tree_mu_);
+  return PathOfLocked(ino);
+}
+
+std::string View::PathOfLocked(uint64_t ino) const {
   std::string out;
-  for (const Node* n = Get(ino); n != nullptr && n->ino != kRootIno; n = Get(n->parent)) {
+  for (const Node* n = GetLocked(ino); n != nullptr && n->ino != kRootIno; n = GetLocked(n->parent)) {
     out = "/" + n->name + out;
   }
   return out.empty() ? "/" : out;
