@@ -5,6 +5,7 @@
 
 #include "ckptfs/common.h"
 #include "common/float_bits.h"
+#include "common/json_text.h"
 #include "common/varint.h"
 
 namespace ckptfs {
@@ -295,18 +296,6 @@ uint32_t Checkpoint::AddFileBytes(FileId file, TensorRecord t) {
   return AddTensor(std::move(t), {std::move(f)});
 }
 
-namespace {
-
-void AppendInts(std::string& out, const std::vector<int64_t>& v) {
-  out += '[';
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (i > 0) out += ',';
-    out += std::to_string(v[i]);
-  }
-  out += ']';
-}
-
-}  // namespace
 
 void AppendFragmentsJson(std::string& out, const std::vector<Fragment>& frags, const std::vector<SourceFile>& files,
                          uint32_t replicas) {
@@ -315,11 +304,11 @@ void AppendFragmentsJson(std::string& out, const std::vector<Fragment>& frags, c
     if (k > 0) out += ',';
     out += "{\"file\":" + JsonEscape(f.file.v < files.size() ? files[f.file.v].rel_path : std::string("?")) +
            ",\"offsets\":";
-    AppendInts(out, f.offsets);
+    AppendJsonInts(out, f.offsets);
     out += ",\"lengths\":";
-    AppendInts(out, f.lengths);
+    AppendJsonInts(out, f.lengths);
     out += ",\"strides\":";
-    AppendInts(out, f.strides);
+    AppendJsonInts(out, f.strides);
     out += ",\"byte_offset\":" + std::to_string(f.data_offset);
     if (f.compression == Compression::kZstd) {
       out += ",\"zstd_item\":[" + std::to_string(f.item_offset) + "," + std::to_string(f.item_length) + "]";

@@ -4,7 +4,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -317,14 +316,6 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
   names.reserve(tensors.size() + 1);
   std::vector<Segment> body;
   uint64_t off = 0;
-  auto ints = [&h](const auto& v) {
-    h += '[';
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (i > 0) h += ',';
-      h += std::to_string(v[i]);
-    }
-    h += ']';
-  };
   for (const RankTensor& rt : tensors) {
     const TensorRecord& t = index.tensors()[rt.id.v];
     const DType out = rt.out != DType::kInvalid ? rt.out : t.dtype;
@@ -333,14 +324,12 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
     const uint64_t n = static_cast<uint64_t>(NumelOf(rt.shape)) * DTypeSize(out);
     if (!names.insert(rt.name).second) return Invalid("two tensors are both named '" + rt.name + "'");
     h += ',';
-    h += JsonText(json(rt.name));
+    h += JsonEscape(rt.name);
     h += ":{\"dtype\":\"";
     h += dt;
     h += "\",\"shape\":";
-    ints(rt.shape);
-    h += ",\"data_offsets\":";
-    ints(std::array<uint64_t, 2>{off, off + n});
-    h += '}';
+    AppendJsonInts(h, rt.shape);
+    h += ",\"data_offsets\":[" + std::to_string(off) + "," + std::to_string(off + n) + "]}";
     off += n;
     if (rt.transposed) {
       Segment seg = BoxSeg(t, rt.id, rt.pieces.front(), out);
@@ -494,7 +483,7 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& 
   text += ",\n  \"weight_map\": {";
   for (size_t i = 0; i < weights.size(); ++i) {
     text += i == 0 ? "\n    " : ",\n    ";
-    text += JsonText(json(weights[i].first));
+    text += JsonEscape(weights[i].first);
     text += ": \"" + shard_names[weights[i].second] + "\"";
   }
   text += weights.empty() ? "}\n}\n" : "\n  }\n}\n";

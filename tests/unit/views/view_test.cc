@@ -235,7 +235,7 @@ TEST(ViewTest, HfHeadersAndIndexJsonAreNlohmannsText) {
   for (bool with_params : {true, false}) {
     TempDir t;
     Checkpoint ck = SyntheticCheckpoint(t, 64);
-    const std::vector<std::string> names = {"a.w", "b\"q\\.w", "\xc3\xbc.w", "c\n.w"};
+    const std::vector<std::string> names = {"a.w", "b\"q\\.w", "\xc3\xbc.w", "c\n\b\f\x01.w"};
     for (const std::string& name : names) {
       AddTensor(ck, name, with_params ? Role::kParam : Role::kOptimState, name, with_params ? "param" : "exp_avg",
                 DType::kF32, {2, 2});
