@@ -27,14 +27,16 @@
 //
 //   ckptfs_null_fuse MOUNTPOINT [--threads N] [--file NAME:BYTES]...
 //                    [--files N --size BYTES] [--stats FILE] [--no-raise-readahead]
-//                    [--source PATH --mode pread|splice]
+//                    [--source PATH --mode pread|splice|map]
 //
 // --source serves the bytes of a real file instead (offsets wrap at its size),
 // to price what a copy costs on this kernel: `pread` reads them into a per-thread
 // buffer and replies with fuse_reply_buf (one copy more than the static buffer,
 // as ckptfs's direct path), `splice` replies with fuse_reply_data over an
 // fd-backed fuse_bufvec, which libfuse splices from the source's page cache
-// into /dev/fuse (SPLICE_WRITE is negotiated, as in ckptfs).
+// into /dev/fuse (SPLICE_WRITE is negotiated, as in ckptfs), and `map` replies
+// with fuse_reply_iov over a read-only mapping of the source (the kernel's
+// writev copies from the source's page cache: ckptfs's mapped replies).
 //
 // Serves until unmounted (fusermount3 -u / umount) or signalled, in the
 // foreground. With --stats, writes a JSON summary of the read requests (count,
@@ -43,6 +45,7 @@
 #include <fuse3/fuse_lowlevel.h>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <sys/sysmacros.h>
@@ -71,6 +74,8 @@ std::vector<NullFile> g_files;
 int g_src_fd = -1;
 uint64_t g_src_size = 0;
 bool g_splice = false;
+bool g_map = false;
+const char* g_src_map = nullptr;
 // The bytes every read returns (a repeating pattern, never touched by a read).
 alignas(4096) char g_data[kMaxRequest];
 
@@ -201,6 +206,11 @@ void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_in
     fuse_reply_data(req, &bv, FUSE_BUF_SPLICE_MOVE);
     return;
   }
+  if (g_map) {
+    iovec iov{const_cast<char*>(g_src_map + so), n};
+    fuse_reply_iov(req, &iov, 1);
+    return;
+  }
   thread_local std::vector<char> buf;
   if (buf.size() < n) buf.resize(n);
   ssize_t got = ::pread(g_src_fd, buf.data(), n, static_cast<off_t>(so));
@@ -306,6 +316,7 @@ int main(int argc, char** argv) {
       g_src_size = static_cast<uint64_t>(st.st_size);
     } else if (a == "--mode" && (v = next())) {
       g_splice = std::string(v) == "splice";
+      g_map = std::string(v) == "map";
     } else if (a == "--no-raise-readahead") {
       raise = false;
     } else if (a == "-d") {
@@ -320,6 +331,14 @@ int main(int argc, char** argv) {
     g_files.push_back({name, size});
   }
   if (g_files.empty()) g_files.push_back({"f0", 1ull << 30});
+  if (g_map) {
+    void* m = ::mmap(nullptr, g_src_size, PROT_READ, MAP_SHARED, g_src_fd, 0);
+    if (m == MAP_FAILED) {
+      std::fprintf(stderr, "null_fuse: cannot map the source: %s\n", std::strerror(errno));
+      return 1;
+    }
+    g_src_map = static_cast<const char*>(m);
+  }
   for (size_t i = 0; i < sizeof(g_data); ++i) g_data[i] = static_cast<char>(i * 131u);
 
   fuse_lowlevel_ops ops{};

@@ -35,6 +35,17 @@ struct Attr {
   bool dynamic = false;
 };
 
+// A read answered as pieces for one writev (Filesystem::ReadMapped): mapped
+// source bytes and the literal bytes (headers, CRCs) copied into `scratch`.
+struct MappedRead {
+  MappedBytes bytes;
+  std::string scratch;
+  void Clear() {
+    bytes.Clear();
+    scratch.clear();
+  }
+};
+
 struct DirEntry {
   std::string name;
   uint64_t ino = 0;
@@ -71,6 +82,9 @@ struct FsOptions {
   // Check the CRC-32 of every source range (ZIP entry) before serving the
   // first byte over it; a failed range is EIO for the tensors over it (false).
   bool verify_on_read = false;
+  // Reads that are plain copies of source bytes are answered from read-only
+  // mappings of the sources (ReadMapped; --mapped-reads=off: always copied).
+  bool mapped_reads = true;
   TopoOptions topo;  // --rules, --pp-layers, --hf-shard-size
 };
 
@@ -88,6 +102,14 @@ class Filesystem {
   Status OpenFile(uint64_t ino);
   // Reads up to `size` bytes at `offset`; short only at end of file.
   Result<size_t> Read(uint64_t ino, uint64_t offset, size_t size, char* buf);
+  // The same bytes as Read, as at most `max_pieces` pieces of mapped source
+  // bytes and literals (see io.h, "Mapped replies") when every tensor byte in
+  // the range is a plain copy of source bytes and the sources check fresh.
+  // false: not so, or anything failed; Read then serves (and reports) it.
+  bool ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t max_pieces, MappedRead* r);
+  // The kernel could not copy a mapped reply (errno `err`; the request got
+  // EIO): a source file shrank after its check. Logged and counted.
+  void MappedReplyFailed(uint64_t ino, uint64_t offset, int err);
   // The sub-box `box` (null: the whole tensor) of tensor `id` rendered as
   // `out` in C order of the box's shape, `len` bytes exactly: the bytes its
   // params/ file serves, without a path (the Python package's read). Checks
@@ -132,6 +154,7 @@ class Filesystem {
   std::unique_ptr<View> view_;
   std::unique_ptr<TensorReader> reader_;
   int64_t mtime_ns_ = 0;
+  bool mapped_reads_ = true;
   // Counters for .ckptfs/stats: relaxed atomics, no lock on any FUSE path.
   std::atomic<uint64_t> reads_{0}, bytes_{0}, errors_{0}, opens_{0};
   mutable std::atomic<uint64_t> lookups_{0}, getattrs_{0};

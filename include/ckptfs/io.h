@@ -15,6 +15,14 @@
 // Elements not covered by any fragment are a hole: an error, never zeros.
 // Every read checks the source files are unchanged since indexing (fstat), so a
 // running mount answers ESTALE instead of serving bytes of another checkpoint.
+//
+// Mapped replies. A read whose output is a plain copy of source bytes (same
+// dtype, uncompressed, no average; TP merges and ZeRO partitions included) is
+// planned as source spans (PlanCopy) and handed to the kernel as pointers into
+// read-only mappings of the source files (MapSpans): the FUSE reply's writev
+// is then the only copy of each byte, as in a daemon replying from memory. The
+// daemon never touches mapped bytes itself; a source truncated after its check
+// makes the kernel's copy fail (EFAULT, the request EIO), never a SIGBUS.
 #ifndef CKPTFS_IO_H_
 #define CKPTFS_IO_H_
 
@@ -40,6 +48,27 @@ namespace ckptfs {
 namespace formats {
 class ZstdCursor;
 }  // namespace formats
+
+// `length` bytes of source file `file` at `offset`.
+struct SourceSpan {
+  uint32_t file = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// Where mapped bytes lie, and the mapping windows they need kept (MapSpans).
+struct MappedBytes {
+  struct Piece {
+    const char* data = nullptr;
+    uint64_t length = 0;
+  };
+  std::vector<Piece> pieces;
+  std::vector<std::shared_ptr<const void>> pins;
+  void Clear() {
+    pieces.clear();
+    pins.clear();
+  }
+};
 
 struct IoRequest {
   int fd = -1;
@@ -95,6 +124,19 @@ class TensorReader {
   // byte once. A kept slab is served after its source files are checked.
   Status ReadTransposedRows(TensorId id, DType out, const std::vector<Box>& rows, uint64_t offset, uint64_t len,
                             char* dst);
+  // The source spans whose bytes, concatenated, are bytes [offset, offset+len)
+  // of ReadBox(id, out, box, ...) when that rendering is a plain copy of
+  // source bytes (the tensor's dtype, uncompressed, not a mean of copies) in
+  // at most `max_spans` spans; adjacent spans are merged. Returns false when it
+  // is not (the caller reads through ReadBox, which also reports any error:
+  // a damaged record or a hole makes this false, not an error).
+  bool PlanCopy(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,
+                std::vector<SourceSpan>* spans);
+  // Appends the spans' bytes as pieces of read-only mappings of the source
+  // files, after checking each file is still the indexed one (CheckFd) and
+  // the ranges it covers are not known bad. For the kernel only (a writev):
+  // reading them here would fault if a file shrank since the check.
+  Status MapSpans(std::span<const SourceSpan> spans, MappedBytes* out);
   // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.
   Result<uint64_t> Xxh3Raw(TensorId id);
   // CRC-32 (zlib polynomial) of the tensor rendered as `out` (kBytes: its
@@ -178,6 +220,13 @@ class TensorReader {
   // Renders the whole tensor as `out` in chunks, handing each to `fn`.
   Status Stream(TensorId id, DType out, const Box* box, const std::function<void(const char*, size_t)>& fn);
   ReadEngine& Engine();
+  // A read-only mapping of source bytes [start, start + length) (MapSpans).
+  struct MapWindow {
+    const char* base = nullptr;
+    uint64_t start = 0, length = 0;
+    ~MapWindow();
+  };
+  Result<std::shared_ptr<const MapWindow>> Window(uint32_t file, uint64_t index);
   // Engine().ReadBatch, counted in source_bytes_read().
   Status ReadSource(std::span<IoRequest> reqs);
 
@@ -210,6 +259,13 @@ class TensorReader {
   std::mutex slab_mu_;
   std::vector<std::shared_ptr<TransposedSlab>> slabs_;  // under slab_mu_
   std::vector<char> spare_slab_bytes_;                  // under slab_mu_: an evicted slab's buffer
+  // Mapping windows of 64 MiB starting every 32 MiB, so a span of up to
+  // 32 MiB lies in one; the most recently used kMapWindows are kept, keyed by
+  // (file, window index), most recent last.
+  static constexpr uint64_t kMapStep = 32ull << 20, kMapWindow = 64ull << 20;
+  static constexpr size_t kMapWindows = 64;
+  std::mutex map_mu_;
+  std::vector<std::pair<uint64_t, std::shared_ptr<const MapWindow>>> windows_;  // under map_mu_
   // Checked source ranges by (file, offset); unchecked ones are in neither.
   std::atomic<bool> any_bad_range_{false};
   std::mutex range_mu_;

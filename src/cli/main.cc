@@ -54,7 +54,7 @@ the command that cleans it; --nonempty mounts over it anyway.
 -o OPT[,OPT..] takes the options of mount(8) / fstab (also through mount.ckptfs and
 `mount -t fuse.ckptfs SRC MNT -o ...`): allow_other, uid=N, gid=N, index=DIR, log=FILE,
 engine=, gpu=, threads=N, rules=FILE, pp_layers=, hf_shard_size=, hf_arch=, hf_config=,
-hf_dtype=, verify_on_read,
+hf_dtype=, mapped_reads=, verify_on_read,
 nonempty, strict, debug; ro, defaults, noauto, auto, nofail, _netdev, users, noatime,
 nosuid, nodev, noexec, x-* and comment= are accepted and have nothing to do here;
 rw is refused. The mount shows SRC as its source (findmnt, df) with type fuse.ckptfs.
@@ -73,6 +73,10 @@ auto (default): on a CUDA GPU for plans a calibration measured faster there, els
 the CPU; on: every plan with such work on the GPU (an error without one); off: the CPU.
 --verify-on-read: check the CRC-32 a source records for each range (ZIP entry)
 before serving the first byte over it; a range that fails is EIO for its tensors.
+--mapped-reads: on (default): a read that is a plain copy of source bytes (same
+dtype, uncompressed: merged shards, ZeRO partitions) is answered from read-only
+mappings of the sources, one copy per byte; off: every read is copied through
+the read engine.
 )";
 
 constexpr const char* kIndexFooter = R"(
@@ -135,6 +139,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   if (!o.index_dir.empty()) o.index_dir = std::filesystem::absolute(o.index_dir, ec).string();
   o.force_rebuild = a.Has("--force");
   o.verify_on_read = a.Has("--verify-on-read");
+  o.mapped_reads = a.Get("--mapped-reads", "on") == "on";
   ASSIGN_OR_RETURN(o.engine, ParseEngineKind(a.Get("--engine", "auto")));
   ASSIGN_OR_RETURN(o.gpu, ParseGpuMode(a.Get("--gpu", "auto")));
   if (a.Has("--rules")) {
@@ -584,6 +589,7 @@ Result<std::vector<std::string>> MountOptionFlags(const std::string& opts) {
       {"pp-layers", "--pp-layers"}, {"hf_shard_size", "--hf-shard-size"}, {"hf-shard-size", "--hf-shard-size"},
       {"hf_arch", "--hf-arch"}, {"hf-arch", "--hf-arch"}, {"hf_config", "--hf-config"}, {"hf-config", "--hf-config"},
       {"hf_dtype", "--hf-dtype"}, {"hf-dtype", "--hf-dtype"},
+      {"mapped_reads", "--mapped-reads"}, {"mapped-reads", "--mapped-reads"},
       {"max_metadata_bytes", "--max-metadata-bytes"}, {"max_item_bytes", "--max-item-bytes"}};
   static const std::map<std::string, std::string> kFlags = {
       {"allow_other", "--allow-other"}, {"verify_on_read", "--verify-on-read"}, {"nonempty", "--nonempty"},
@@ -757,6 +763,8 @@ int Main(std::vector<std::string> raw) {
   add_flag(mount, "--debug", "--debug", "trace every FUSE request (implies -f)");
   add_view(mount);
   add_flag(mount, "--verify-on-read", "--verify-on-read", "check source CRCs before serving");
+  mount->add_option("--mapped-reads", str["--mapped-reads"], "answer plain copies from mapped sources (default on)")
+      ->check(CLI::IsMember({"on", "off"}));
   add_flag(mount, "--nonempty", "--nonempty", "mount even over an existing mount");
   add_flag(mount, "--strict", "--strict", "refuse to mount when any tensor cannot be read");
   mount->footer(std::string(kMountFooter) + kIndexFooter);

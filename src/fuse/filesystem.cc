@@ -70,6 +70,7 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   ASSIGN_OR_RETURN(auto policy, TransformPolicy::Make(opts.gpu, ec ? "" : cache_dir + "/gpu-calibration.json"));
   ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine, std::move(policy)));
   fs->reader_->set_verify_on_read(opts.verify_on_read);
+  fs->mapped_reads_ = opts.mapped_reads;
   if (!fs->index_->files().empty()) fs->mtime_ns_ = fs->index_->files()[0].mtime_ns;
   return fs;
 }
@@ -243,6 +244,76 @@ Result<size_t> Filesystem::Read(uint64_t ino, uint64_t offset, size_t size, char
     bytes_.fetch_add(*n, std::memory_order_relaxed);
   }
   return n;
+}
+
+bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t max_pieces, MappedRead* r) {
+  r->Clear();
+  if (!mapped_reads_) return false;
+  const Node* node = view_->Get(ino);
+  if (node == nullptr || node->is_dir || node->stats || node->report || node->topo_errors) return false;
+  const int64_t t0 = SteadyNs();
+  auto layout_or = view_->Layout(ino);
+  if (!layout_or.ok()) return false;
+  const FileLayout& layout = **layout_or;
+  if (offset >= layout.size) return false;
+  size = static_cast<size_t>(std::min<uint64_t>(size, layout.size - offset));
+  // Literal pieces point into `scratch`, which never grows past `size`.
+  r->scratch.reserve(size);
+  auto literal = [&](const char* p, uint64_t n) {
+    if (r->scratch.size() + n > r->scratch.capacity()) return false;
+    r->bytes.pieces.push_back(MappedBytes::Piece{r->scratch.data() + r->scratch.size(), n});
+    r->scratch.append(p, n);
+    return true;
+  };
+  thread_local std::vector<SourceSpan> spans;
+  size_t first = static_cast<size_t>(std::upper_bound(layout.starts.begin(), layout.starts.end(), offset) -
+                                     layout.starts.begin());
+  first = first == 0 ? 0 : first - 1;
+  for (size_t si = first; si < layout.segments.size(); ++si) {
+    const Segment& s = layout.segments[si];
+    const uint64_t seg_start = layout.starts[si], seg_end = seg_start + s.size;
+    const uint64_t lo = std::max(offset, seg_start), hi = std::min<uint64_t>(offset + size, seg_end);
+    if (lo < hi) {
+      const uint64_t in = lo - seg_start, n = hi - lo;
+      const size_t room = max_pieces - std::min(max_pieces, r->bytes.pieces.size());
+      switch (s.kind) {
+        case SegmentKind::kLiteral:
+          if (room == 0 || !literal(s.literal.data() + in, n)) return false;
+          break;
+        case SegmentKind::kTensor:
+          if (s.transposed || !reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans) ||
+              !reader_->MapSpans(spans, &r->bytes).ok()) {
+            return false;
+          }
+          break;
+        case SegmentKind::kCrc32: {
+          auto c = reader_->Crc32(s.tensor, s.out_dtype, s.boxes);
+          char le[4];
+          if (!c.ok()) return false;
+          StoreLE<uint32_t>(le, *c);
+          if (room == 0 || !literal(le + in, n)) return false;
+          break;
+        }
+        case SegmentKind::kHash: {
+          auto h = reader_->Xxh3Raw(s.tensor);
+          if (!h.ok() || room == 0 || !literal(Hex64(*h).data() + in, n)) return false;
+          break;
+        }
+      }
+    }
+    if (seg_end >= offset + size) break;
+  }
+  if (r->bytes.pieces.size() > max_pieces) return false;
+  latency_.Record(static_cast<uint64_t>(SteadyNs() - t0));
+  reads_.fetch_add(1, std::memory_order_relaxed);
+  bytes_.fetch_add(size, std::memory_order_relaxed);
+  return true;
+}
+
+void Filesystem::MappedReplyFailed(uint64_t ino, uint64_t offset, int err) {
+  errors_.fetch_add(1, std::memory_order_relaxed);
+  LogError(view_->PathOf(ino) + " @ " + std::to_string(offset) + ": the kernel could not copy the mapped source bytes (" +
+           std::strerror(err) + "): a source file changed during the read; remount to rebuild the index");
 }
 
 Result<size_t> Filesystem::ReadStats(uint64_t offset, size_t size, char* buf) {

@@ -1,4 +1,5 @@
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -552,20 +553,33 @@ Status TensorReader::ReadMean(const TensorRecord& t, const std::vector<Fragment>
   return Status::Ok();
 }
 
-// Elements [c0, c1) of the view's C order (output offsets relative to
-// element `e0`). `direct`: contiguous same-dtype pieces read straight into
-// `base` instead of through staging and an op (the CPU's fast path; the GPU
-// writes whole output ranges back and so stages everything).
-Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
-                               uint64_t e0, uint64_t c0, uint64_t c1, bool direct, char* base, Chunk* plan) {
+namespace {
+
+// One intersection of a fragment with a box of the view, dims of length 1
+// dropped and dims that step over each other merged: `len` elements per
+// dim, `sstr` / `dstr` their strides in the fragment's storage and in the
+// output (elements), from source byte `src_byte` of the fragment (relative to
+// its data_offset) and output element `dst_elem` (relative to element e0).
+struct Piece {
+  const Fragment* f = nullptr;
+  uint64_t src_byte = 0, span_bytes = 0, dst_elem = 0;
+  std::vector<int64_t> len, sstr, dstr;
+};
+
+// Calls fn(piece) for each intersection of the view's elements [c0, c1)
+// with a fragment; checks each piece lies in its fragment's storage and that
+// the fragments cover every element (a hole is an error, never zeros).
+template <typename Fn>
+Status VisitPieces(const Index& index, const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view,
+                   uint64_t e0, uint64_t c0, uint64_t c1, Fn&& fn) {
   const size_t rank = t.shape.size();
-  const uint64_t osz = DTypeSize(out);
   const std::vector<int64_t> gstr = ContiguousStrides(view.lengths);
   uint64_t covered = 0;
+  Piece p;
+  std::vector<int64_t> lo(rank), hi(rank);
   for (Box b : DecomposeRange(view.lengths, c0, c1)) {
     for (size_t d = 0; d < rank; ++d) b.offsets[d] += view.offsets[d];
     for (const Fragment& f : frags) {
-      std::vector<int64_t> lo(rank), hi(rank);
       bool empty = false;
       uint64_t count = 1;
       for (size_t d = 0; d < rank; ++d) {
@@ -577,61 +591,240 @@ Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment
       if (empty) continue;
       covered += count;
       int64_t src_elem = 0, dst_elem = -static_cast<int64_t>(e0);
-      std::vector<int64_t> len, sstr, dstr;  // coalesced dims
+      p.len.clear();
+      p.sstr.clear();
+      p.dstr.clear();
       for (size_t d = 0; d < rank; ++d) {
         src_elem += (lo[d] - f.offsets[d]) * f.strides[d];
         dst_elem += (lo[d] - view.offsets[d]) * gstr[d];
         if (hi[d] - lo[d] == 1) continue;
         int64_t l = hi[d] - lo[d];
         // Merge into the previous dim when it steps exactly over this one.
-        if (!len.empty() && sstr.back() == f.strides[d] * l && dstr.back() == gstr[d] * l) {
-          len.back() *= l;
-          sstr.back() = f.strides[d];
-          dstr.back() = gstr[d];
+        if (!p.len.empty() && p.sstr.back() == f.strides[d] * l && p.dstr.back() == gstr[d] * l) {
+          p.len.back() *= l;
+          p.sstr.back() = f.strides[d];
+          p.dstr.back() = gstr[d];
         } else {
-          len.push_back(l);
-          sstr.push_back(f.strides[d]);
-          dstr.push_back(gstr[d]);
+          p.len.push_back(l);
+          p.sstr.push_back(f.strides[d]);
+          p.dstr.push_back(gstr[d]);
         }
       }
       const uint64_t esz = DTypeSize(f.dtype);
       uint64_t span = 1;
-      for (size_t d = 0; d < len.size(); ++d) span += static_cast<uint64_t>((len[d] - 1) * sstr[d]);
-      const uint64_t src_byte = static_cast<uint64_t>(src_elem) * esz, span_bytes = span * esz;
-      if (src_byte + span_bytes > f.data_length) {
-        return Invalid("cannot read '" + t.key + "': fragment in " + index_.files()[f.file.v].rel_path +
+      for (size_t d = 0; d < p.len.size(); ++d) span += static_cast<uint64_t>((p.len[d] - 1) * p.sstr[d]);
+      p.f = &f;
+      p.src_byte = static_cast<uint64_t>(src_elem) * esz;
+      p.span_bytes = span * esz;
+      p.dst_elem = static_cast<uint64_t>(dst_elem);
+      if (p.src_byte + p.span_bytes > f.data_length) {
+        return Invalid("cannot read '" + t.key + "': fragment in " + index.files()[f.file.v].rel_path +
                        " is shorter than its shape (index corrupt?)");
       }
-      const uint64_t dst_off = static_cast<uint64_t>(dst_elem) * osz;
-      const bool contiguous = len.size() <= 1 && (len.empty() || (sstr[0] == 1 && dstr[0] == 1));
-      if (direct && contiguous && f.dtype == out && f.compression == Compression::kNone) {
-        plan->files.insert(f.file.v);
-        plan->reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + src_byte, span_bytes, base + dst_off});
-        continue;
-      }
-      // Staged: 16-byte aligned, so the GPU can use typed loads.
-      plan->staging = (plan->staging + 15) & ~15ull;
-      GatherOp op;
-      op.src_off = plan->staging;
-      op.dst_off = dst_off;
-      op.sdtype = f.dtype;
-      PushOp(op, len, sstr, dstr, 0, esz, osz, plan->ops);
-      if (f.compression == Compression::kZstd) {
-        auto span = ItemSpan(f, f.data_offset + src_byte, span_bytes);
-        if (!span.ok()) return span.status().Annotate("cannot read '" + t.key + "'");
-        plan->items.push_back(Chunk::ItemCopy{span->first, span->second, span_bytes, plan->staging});
-      } else {
-        plan->files.insert(f.file.v);
-        plan->staged.emplace_back(plan->reqs.size(), plan->staging);
-        plan->reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + src_byte, span_bytes, nullptr});
-      }
-      plan->staging += span_bytes;
+      RETURN_IF_ERROR(fn(p));
     }
   }
   if (covered != c1 - c0) {
     return Invalid("cannot read '" + t.key + "': " + std::to_string(c1 - c0 - covered) +
                    " requested elements are in no fragment (a hole in the checkpoint)");
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// Elements [c0, c1) of the view's C order (output offsets relative to
+// element `e0`). `direct`: contiguous same-dtype pieces read straight into
+// `base` instead of through staging and an op (the CPU's fast path; the GPU
+// writes whole output ranges back and so stages everything).
+Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
+                               uint64_t e0, uint64_t c0, uint64_t c1, bool direct, char* base, Chunk* plan) {
+  const uint64_t osz = DTypeSize(out);
+  return VisitPieces(index_, t, frags, view, e0, c0, c1, [&](const Piece& p) -> Status {
+    const Fragment& f = *p.f;
+    const uint64_t dst_off = p.dst_elem * osz;
+    const bool contiguous = p.len.size() <= 1 && (p.len.empty() || (p.sstr[0] == 1 && p.dstr[0] == 1));
+    if (direct && contiguous && f.dtype == out && f.compression == Compression::kNone) {
+      plan->files.insert(f.file.v);
+      plan->reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + p.src_byte, p.span_bytes, base + dst_off});
+      return Status::Ok();
+    }
+    // Staged: 16-byte aligned, so the GPU can use typed loads.
+    plan->staging = (plan->staging + 15) & ~15ull;
+    GatherOp op;
+    op.src_off = plan->staging;
+    op.dst_off = dst_off;
+    op.sdtype = f.dtype;
+    PushOp(op, p.len, p.sstr, p.dstr, 0, DTypeSize(f.dtype), osz, plan->ops);
+    if (f.compression == Compression::kZstd) {
+      auto span = ItemSpan(f, f.data_offset + p.src_byte, p.span_bytes);
+      if (!span.ok()) return span.status().Annotate("cannot read '" + t.key + "'");
+      plan->items.push_back(Chunk::ItemCopy{span->first, span->second, p.span_bytes, plan->staging});
+    } else {
+      plan->files.insert(f.file.v);
+      plan->staged.emplace_back(plan->reqs.size(), plan->staging);
+      plan->reqs.push_back(IoRequest{fds_[f.file.v], f.data_offset + p.src_byte, p.span_bytes, nullptr});
+    }
+    plan->staging += p.span_bytes;
+    return Status::Ok();
+  });
+}
+
+bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,
+                            std::vector<SourceSpan>* spans) {
+  spans->clear();
+  if (id.v >= index_.tensors().size()) return false;
+  const TensorRecord& t = index_.tensors()[id.v];
+  if (!t.error.empty() || t.replicas > 1) return false;
+  if (len == 0) return true;
+  auto frags_or = FragmentsOf(id);
+  if (!frags_or.ok()) return false;
+  const std::vector<Fragment>& frags = **frags_or;
+  if ((verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) && !CheckRanges(frags).ok()) return false;
+  if (t.encoding == Encoding::kBytes) {
+    if (frags.size() != 1 || frags[0].compression != Compression::kNone || offset + len > frags[0].data_length ||
+        max_spans == 0) {
+      return false;
+    }
+    spans->push_back(SourceSpan{frags[0].file.v, frags[0].data_offset + offset, len});
+    return true;
+  }
+  const uint64_t osz = DTypeSize(out);
+  if (osz == 0 || out != t.dtype) return false;
+  const size_t rank = t.shape.size();
+  Box whole{std::vector<int64_t>(rank, 0), t.shape};
+  const Box& view = box != nullptr ? *box : whole;
+  if (view.offsets.size() != rank || view.lengths.size() != rank) return false;
+  for (size_t d = 0; d < rank; ++d) {
+    if (view.offsets[d] < 0 || view.lengths[d] < 0 || view.offsets[d] + view.lengths[d] > t.shape[d]) return false;
+  }
+  const uint64_t numel = static_cast<uint64_t>(NumelOf(view.lengths));
+  if (offset + len > numel * osz) return false;
+  const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
+  // (output byte relative to e0, span), in the order the pieces are visited.
+  thread_local std::vector<std::pair<uint64_t, SourceSpan>> runs;
+  runs.clear();
+  std::vector<int64_t> idx;
+  Status s = VisitPieces(index_, t, frags, view, e0, e0, e1, [&](const Piece& p) -> Status {
+    const Fragment& f = *p.f;
+    const bool inner = p.len.empty() || (p.sstr.back() == 1 && p.dstr.back() == 1);
+    if (f.dtype != out || f.compression != Compression::kNone || !inner) return Unsupported("not a copy");
+    const size_t outer = p.len.empty() ? 0 : p.len.size() - 1;
+    uint64_t rows = 1;
+    for (size_t d = 0; d < outer; ++d) rows *= static_cast<uint64_t>(p.len[d]);
+    if (runs.size() + rows > max_spans) return Unsupported("too many spans");
+    const uint64_t run = (p.len.empty() ? 1 : static_cast<uint64_t>(p.len.back())) * osz;
+    idx.assign(outer, 0);
+    int64_t so = 0, dso = 0;  // element offsets of the current row
+    for (uint64_t r = 0; r < rows; ++r) {
+      runs.emplace_back((p.dst_elem + static_cast<uint64_t>(dso)) * osz,
+                        SourceSpan{f.file.v, f.data_offset + p.src_byte + static_cast<uint64_t>(so) * osz, run});
+      for (size_t d = outer; d-- > 0;) {  // next row: odometer over the outer dims
+        so += p.sstr[d];
+        dso += p.dstr[d];
+        if (++idx[d] < p.len[d]) break;
+        so -= p.sstr[d] * p.len[d];
+        dso -= p.dstr[d] * p.len[d];
+        idx[d] = 0;
+      }
+    }
+    return Status::Ok();
+  });
+  if (!s.ok()) return false;
+  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  // The runs tile [0, (e1 - e0) * osz); keep [offset - e0 * osz, + len).
+  uint64_t at = 0;
+  const uint64_t head = offset - e0 * osz, tail = head + len;
+  for (auto& [dst, sp] : runs) {
+    if (dst != at) return false;  // overlapping fragments: not a plain tiling
+    at += sp.length;
+    uint64_t lo = std::max(dst, head), hi = std::min(dst + sp.length, tail);
+    if (lo >= hi) continue;
+    SourceSpan piece{sp.file, sp.offset + (lo - dst), hi - lo};
+    if (!spans->empty() && spans->back().file == piece.file &&
+        spans->back().offset + spans->back().length == piece.offset) {
+      spans->back().length += piece.length;
+    } else {
+      spans->push_back(piece);
+    }
+  }
+  return at == (e1 - e0) * osz;
+}
+
+TensorReader::MapWindow::~MapWindow() {
+  if (base != nullptr) ::munmap(const_cast<char*>(base), length);
+}
+
+Result<std::shared_ptr<const TensorReader::MapWindow>> TensorReader::Window(uint32_t file, uint64_t index) {
+  const uint64_t key = (uint64_t{file} << 32) | index;
+  {
+    std::lock_guard<std::mutex> lock(map_mu_);
+    for (size_t i = windows_.size(); i-- > 0;) {
+      if (windows_[i].first != key) continue;
+      auto w = windows_[i].second;
+      std::rotate(windows_.begin() + static_cast<std::ptrdiff_t>(i),
+                  windows_.begin() + static_cast<std::ptrdiff_t>(i) + 1, windows_.end());
+      return w;
+    }
+  }
+  // Mapped outside the lock; two threads may map the same window, and the
+  // later one replaces the earlier in the cache (both stay valid while used).
+  const SourceFile& sf = index_.files()[file];
+  auto w = std::make_shared<MapWindow>();
+  w->start = index * kMapStep;
+  if (w->start >= sf.size) return Internal("mapping past the end of " + sf.rel_path);
+  w->length = std::min(kMapWindow, sf.size - w->start);
+  void* m = ::mmap(nullptr, w->length, PROT_READ, MAP_SHARED, fds_[file], static_cast<off_t>(w->start));
+  if (m == MAP_FAILED) return ErrnoStatus("mmap", index_.src_dir() + "/" + sf.rel_path, errno);
+  w->base = static_cast<const char*>(m);
+  std::lock_guard<std::mutex> lock(map_mu_);
+  std::erase_if(windows_, [&](const auto& e) { return e.first == key; });
+  windows_.emplace_back(key, w);
+  if (windows_.size() > kMapWindows) windows_.erase(windows_.begin());
+  return std::shared_ptr<const MapWindow>(w);
+}
+
+Status TensorReader::MapSpans(std::span<const SourceSpan> spans, MappedBytes* out) {
+  // The files checked and the windows used by this call: a TP merge
+  // alternates between a few files row by row.
+  struct Used {
+    uint32_t file;
+    uint64_t index;
+    const MapWindow* w;
+  };
+  Used used[16];
+  size_t n_used = 0;
+  uint32_t checked[16];
+  size_t n_checked = 0;
+  uint64_t bytes = 0;
+  for (const SourceSpan& sp : spans) {
+    if (sp.file >= index_.files().size()) return Internal("a span names an unknown file");
+    const SourceFile& sf = index_.files()[sp.file];
+    if (sp.length == 0) continue;
+    if (sp.length > kMapWindow - kMapStep || sp.offset > sf.size || sp.length > sf.size - sp.offset) {
+      return Internal("span " + std::to_string(sp.offset) + "+" + std::to_string(sp.length) + " cannot be mapped from " +
+                      sf.rel_path);
+    }
+    if (std::find(checked, checked + n_checked, sp.file) == checked + n_checked) {
+      RETURN_IF_ERROR(CheckFd(FileId{sp.file}));
+      if (n_checked < std::size(checked)) checked[n_checked++] = sp.file;
+    }
+    const uint64_t index = sp.offset / kMapStep;
+    const MapWindow* w = nullptr;
+    for (size_t i = 0; i < n_used && w == nullptr; ++i) {
+      if (used[i].file == sp.file && used[i].index == index) w = used[i].w;
+    }
+    if (w == nullptr) {
+      ASSIGN_OR_RETURN(auto pin, Window(sp.file, index));
+      w = pin.get();
+      if (n_used < std::size(used)) used[n_used++] = Used{sp.file, index, w};
+      out->pins.push_back(std::move(pin));
+    }
+    out->pieces.push_back(MappedBytes::Piece{w->base + (sp.offset - w->start), sp.length});
+    bytes += sp.length;
+  }
+  source_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+  source_reads_.fetch_add(1, std::memory_order_relaxed);
   return Status::Ok();
 }
 

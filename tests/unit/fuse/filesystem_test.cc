@@ -144,6 +144,49 @@ TEST_F(FilesystemTest, ReadTensorServesTheFileBytesAndChecksItsArguments) {
   EXPECT_EQ(code(TensorId{static_cast<uint32_t>(ts.size())}, DType::kF32, nullptr, 4).code(), Code::kNotFound);
 }
 
+// Every file of the tree, read as mapped pieces (what a FUSE reply sends)
+// where the core offers them: the same bytes as Read, at odd offsets and
+// sizes; params/ tensors are offered, and `mapped_reads = false` offers none.
+TEST_F(FilesystemTest, MappedReadsServeTheSameBytes) {
+  std::vector<std::pair<std::string, uint64_t>> files;
+  std::vector<std::pair<std::string, uint64_t>> dirs = {{"", kRootIno}};
+  while (!dirs.empty()) {
+    auto [path, ino] = dirs.back();
+    dirs.pop_back();
+    for (auto& [name, child, is_dir] : fs_->view().List(ino)) {
+      if (path.empty() && name == ".ckptfs") continue;  // report.json runs verify; stats change
+      (is_dir ? dirs : files).emplace_back(path + (path.empty() ? "" : "/") + name, child);
+    }
+  }
+  MappedRead r;
+  int mapped_files = 0;
+  for (const auto& [path, ino] : files) {
+    const std::string want = ReadAll(path);
+    bool any = false;
+    for (uint64_t step : {uint64_t{37}, uint64_t{4096}, uint64_t{1} << 20}) {
+      for (uint64_t off = 0; off < want.size(); off += step) {
+        if (!fs_->ReadMapped(ino, off, step, 1000, &r)) continue;
+        any = true;
+        std::string got;
+        for (const auto& p : r.bytes.pieces) got.append(p.data, p.length);
+        ASSERT_EQ(got, want.substr(off, step)) << path << " @ " << off;
+      }
+    }
+    if (any) ++mapped_files;
+    if (path.starts_with("params/") && path.ends_with(".npy") && !want.empty()) {
+      EXPECT_TRUE(any) << path;
+    }
+  }
+  EXPECT_GT(mapped_files, 10);
+  FsOptions o;
+  o.src = src_;
+  o.index_dir = tmp_.path() + "/index";
+  o.mapped_reads = false;
+  auto off = Filesystem::Open(o);
+  ASSERT_TRUE(off.ok()) << off.status().message();
+  EXPECT_FALSE((*off)->ReadMapped(*fs_->view().Resolve("params/proj.weight/param.npy"), 0, 4096, 1000, &r));
+}
+
 TEST_F(FilesystemTest, InfoJsonCarriesFragmentsAndHash) {
   std::string j = ReadAll("params/proj.weight/info.json");
   EXPECT_NE(j.find("\"fragments\""), std::string::npos);

@@ -388,6 +388,89 @@ TEST_P(ReadEngineConformance, TransposedReadsAcrossSlabsAndStaleSlabs) {
   EXPECT_NE(st.message().find("remount"), std::string::npos) << st.message();
 }
 
+// The mapped-reply plan: where PlanCopy accepts a range, the mapped spans'
+// bytes are exactly ReadBox's, at any byte offset and over sub-boxes; it
+// declines conversions, storage that is not row-contiguous, too many spans,
+// holes, and a source that changed.
+TEST_P(ReadEngineConformance, MappedCopiesEqualReadsOrAreDeclined) {
+  Synthetic s = MakeSynthetic(t_.path(), 23, 80);
+  OPEN_OR_SKIP(s);
+  std::mt19937 rng(7);
+  std::vector<SourceSpan> spans;
+  MappedBytes mapped;
+  auto gather = [&](std::vector<char>* got) {
+    mapped.Clear();
+    Status st = reader_->MapSpans(spans, &mapped);
+    ASSERT_TRUE(st.ok()) << st.message();
+    got->clear();
+    for (const auto& p : mapped.pieces) got->insert(got->end(), p.data, p.data + p.length);
+  };
+  int accepted = 0, declined = 0;
+  for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
+    const TensorRecord& tr = s.ck.tensors[i];
+    const auto& full = s.full[i];
+    const size_t rank = tr.shape.size();
+    for (int k = 0; k < 12 && !full.empty(); ++k) {
+      // A random sub-box (every other try) and a random byte range of it.
+      Box box{std::vector<int64_t>(rank, 0), tr.shape};
+      if (k % 2 == 1) {
+        for (size_t d = 0; d < rank; ++d) {
+          box.offsets[d] = static_cast<int64_t>(rng() % static_cast<uint64_t>(tr.shape[d] + 1));
+          box.lengths[d] = static_cast<int64_t>(rng() % static_cast<uint64_t>(tr.shape[d] - box.offsets[d] + 1));
+        }
+      }
+      const uint64_t size = static_cast<uint64_t>(NumelOf(box.lengths)) * DTypeSize(tr.dtype);
+      if (size == 0) continue;
+      uint64_t a = rng() % size, b = rng() % (size + 1);
+      if (a > b) std::swap(a, b);
+      if (k == 0) a = 0, b = size;
+      std::vector<char> want(b - a), got;
+      ASSERT_TRUE(reader_->ReadBox(TensorId{i}, tr.dtype, &box, a, b - a, want.data()).ok());
+      if (!reader_->PlanCopy(TensorId{i}, tr.dtype, &box, a, b - a, 1000, &spans)) {
+        ++declined;
+        continue;
+      }
+      ++accepted;
+      ASSERT_NO_FATAL_FAILURE(gather(&got));
+      EXPECT_EQ(got, want) << "tensor " << i << " box " << BoxString(box) << " bytes " << a << "-" << b;
+      for (size_t j = 1; j < spans.size(); ++j) {  // adjacent runs are merged
+        EXPECT_FALSE(spans[j - 1].file == spans[j].file &&
+                     spans[j - 1].offset + spans[j - 1].length == spans[j].offset);
+      }
+      if (spans.size() > 1) {  // a budget below the spans needed declines
+        std::vector<SourceSpan> few;
+        EXPECT_FALSE(reader_->PlanCopy(TensorId{i}, tr.dtype, &box, a, b - a, 0, &few));
+      }
+    }
+    // A rendering in another dtype is never a copy.
+    if (tr.dtype == DType::kBF16 && !full.empty()) {
+      EXPECT_FALSE(reader_->PlanCopy(TensorId{i}, DType::kF32, nullptr, 0, full.size() * 2, 1000, &spans));
+    }
+  }
+  // Both outcomes occur (column-major fragments decline), and most ranges map.
+  EXPECT_GT(accepted, 200);
+  EXPECT_GT(declined, 10);
+  // A whole tensor in one C-order fragment is one span.
+  for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
+    std::vector<Fragment> frags = s.ck.fragments.Get(i);
+    if (frags.size() != 1 || s.full[i].empty()) continue;
+    ASSERT_TRUE(reader_->PlanCopy(TensorId{i}, s.ck.tensors[i].dtype, nullptr, 0, s.full[i].size(), 1, &spans) ||
+                s.ck.tensors[i].shape.size() >= 2);
+  }
+  // The source changes: mapping is refused (stale), as a read is.
+  uint32_t id = 0;
+  while (id < s.ck.tensors.size() &&
+         (s.full[id].empty() || !reader_->PlanCopy(TensorId{id}, s.ck.tensors[id].dtype, nullptr, 0,
+                                                   s.full[id].size(), 1000, &spans))) {
+    ++id;
+  }
+  ASSERT_LT(id, s.ck.tensors.size());
+  std::string data = ckptfs::testing::ReadFile(t_.path() + "/data.bin");
+  ckptfs::testing::WriteFile(t_.path() + "/data.bin", data + "x");
+  mapped.Clear();
+  EXPECT_EQ(reader_->MapSpans(spans, &mapped).code(), Code::kStale);
+}
+
 TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
   Synthetic s = MakeSynthetic(t_.path(), 5, 20);
   size_t victim = SIZE_MAX;
@@ -415,6 +498,9 @@ TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
   Status st = reader_->Read(TensorId{static_cast<uint32_t>(victim)}, s.ck.tensors[victim].dtype, 0, out.size(), out.data());
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("hole"), std::string::npos) << st.message();
+  std::vector<SourceSpan> spans;
+  EXPECT_FALSE(reader_->PlanCopy(TensorId{static_cast<uint32_t>(victim)}, s.ck.tensors[victim].dtype, nullptr, 0,
+                                 out.size(), 1000, &spans));
 }
 
 TEST_P(ReadEngineConformance, ModifiedSourceIsStale) {
