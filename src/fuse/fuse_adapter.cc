@@ -49,7 +49,12 @@ void FillStat(const Attr& a, struct stat* st) {
   st->st_mode = a.is_dir ? (S_IFDIR | 0555) : (S_IFREG | 0444);
   st->st_nlink = a.nlink;
   st->st_size = static_cast<off_t>(a.size);
-  st->st_blksize = 1 << 20;
+  // Files: the 1 MiB request size (cp and dd read that much at a time).
+  // Directories: glibc's readdir sizes its getdents buffer by st_blksize,
+  // and the kernel allocates and maps a buffer that large for every
+  // getdents of a FUSE directory (two per directory, the second finding
+  // the end): 1 MiB made a fresh mount's `ls -lR` mostly page allocation.
+  st->st_blksize = a.is_dir ? 4096 : 1 << 20;
   // Every file is computed from the sources and occupies no storage of its
   // own: `du` shows 0 (as for /proc), `du --apparent-size` the bytes a read
   // returns. Copy tools that see st_blocks < size probe for holes with
