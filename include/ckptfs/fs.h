@@ -156,7 +156,7 @@ class Filesystem {
   int64_t mtime_ns_ = 0;
   bool mapped_reads_ = true;
   // Counters for .ckptfs/stats: relaxed atomics, no lock on any FUSE path.
-  std::atomic<uint64_t> reads_{0}, bytes_{0}, errors_{0}, opens_{0};
+  std::atomic<uint64_t> reads_{0}, bytes_{0}, errors_{0}, opens_{0}, mapped_reads_count_{0};
   mutable std::atomic<uint64_t> lookups_{0}, getattrs_{0};
   LatencyHistogram latency_;
   int64_t start_ns_ = 0;  // steady clock at Open, for uptime_s

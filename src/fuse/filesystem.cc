@@ -306,6 +306,7 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
   if (r->bytes.pieces.size() > max_pieces) return false;
   latency_.Record(static_cast<uint64_t>(SteadyNs() - t0));
   reads_.fetch_add(1, std::memory_order_relaxed);
+  mapped_reads_count_.fetch_add(1, std::memory_order_relaxed);
   bytes_.fetch_add(size, std::memory_order_relaxed);
   return true;
 }
@@ -342,6 +343,7 @@ std::string Filesystem::StatsJson() const {
   j += "  \"uptime_s\": " + std::string(uptime) + ",\n";
   j += "  \"reads\": " + u(reads_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"bytes\": " + u(bytes_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"mapped_reads\": " + u(mapped_reads_count_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"errors\": " + u(errors_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"opens\": " + u(opens_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"lookups\": " + u(lookups_.load(std::memory_order_relaxed)) + ",\n";

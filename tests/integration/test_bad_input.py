@@ -124,6 +124,31 @@ def test_source_changed_under_a_running_mount(ck, mounter, tmp_path):
         assert "rebuilding index" in m2.log_text() or "built" in m2.log_text()
 
 
+@pytest.mark.parametrize("mapped", ["on", "off"])
+def test_source_truncated_under_a_running_mount(ck, mounter, tmp_path, mapped):
+    """A shard cut short while mounted, after the mount has read from it (with
+    mapped replies its window is mapped: a page past the new end must never
+    reach the daemon as SIGBUS): the other files of that shard are ESTALE / EIO
+    with a log line naming it, and the daemon keeps answering."""
+    shard = ck / "__1_0.distcp"
+    with mounter(ck, index=tmp_path / "ix", extra=["--mapped-reads", mapped]) as m:
+        files = sorted(p for p in (m.path / "params").rglob("*.raw"))
+        assert len(files) >= 4
+        read_all(files[0])  # maps (or reads) the shard's first window
+        os.truncate(shard, os.path.getsize(shard) // 3)
+        for f in files[1:]:
+            assert errno_of(f) in (errno.ESTALE, errno.EIO), f
+        assert "__1_0.distcp changed size after indexing" in m.log_text()
+        assert m.proc.poll() is None, m.log_text()[-2000:]
+        assert json_ok(m.path / "checkpoint.json")
+
+
+def json_ok(p):
+    import json
+    with open(p) as f:
+        return bool(json.load(f))
+
+
 @pytest.mark.parametrize("kind", ["symlink_out", "fifo"])
 def test_item_leading_outside_or_special_is_refused(ck, mounter, tmp_path, kind):
     """A data file that is a symlink out of the checkpoint (to /etc/passwd) or a

@@ -178,6 +178,27 @@ def test_cp_r_and_diff_of_two_mounts(dcp_fixtures, mounter, tmp_path):
         assert r.returncode == 0 and r.stdout == "", r.stdout
 
 
+@pytest.mark.parametrize("scenario", ["dtensor_dim1_w4", "fsdp2_bf16_w2"])
+def test_mapped_and_copied_replies_are_the_same_bytes(scenario, dcp_fixtures, mounter, tmp_path):
+    """Reads that are plain copies of source bytes (here rows merged from 4
+    dim-1 shards, and FSDP2 dim-0 shards) are answered from mappings of the
+    shards by default and through the read engine with --mapped-reads off:
+    diff -r of the two trees finds nothing; .npy files of the bf16 run, which
+    are widened, take the engine either way."""
+    src = dcp_fixtures / scenario
+    with mounter(src, name="mapped", index=tmp_path / "index") as a, \
+            mounter(src, name="copied", index=tmp_path / "index", extra=["--mapped-reads", "off"]) as b:
+        r = run(["diff", "-r", str(a.path / "params"), str(b.path / "params")], timeout=300)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        stats = [json.loads((m.path / ".ckptfs" / "stats").read_text()) for m in (a, b)]
+        for st in stats:
+            assert st["bytes"] > 0 and st["source_bytes_read"] > 0 and st["errors"] == 0, st
+        assert stats[0]["mapped_reads"] > 0 and stats[1]["mapped_reads"] == 0, stats
+        # Directories advertise a 4 KiB block (readdir buffers), files 1 MiB (reads).
+        assert os.stat(a.path / "params").st_blksize == 4096
+        assert os.stat(next((a.path / "params").rglob("*.raw"))).st_blksize == 1 << 20
+
+
 def test_diff_of_two_steps_lists_exactly_the_changed_tensors(dcp_fixtures, mounter, tmp_path):
     ra = reference(dcp_fixtures / "steps_a", tmp_path / "a_") if (tmp_path / "a_").mkdir() is None else None
     rb = reference(dcp_fixtures / "steps_b", tmp_path / "b_") if (tmp_path / "b_").mkdir() is None else None

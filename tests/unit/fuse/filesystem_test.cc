@@ -178,6 +178,7 @@ TEST_F(FilesystemTest, MappedReadsServeTheSameBytes) {
     }
   }
   EXPECT_GT(mapped_files, 10);
+  EXPECT_GT(nlohmann::json::parse(fs_->StatsJson())["mapped_reads"].get<uint64_t>(), 10u);
   FsOptions o;
   o.src = src_;
   o.index_dir = tmp_.path() + "/index";
