@@ -5,6 +5,9 @@ ceiling and ckptfs side by side; it asserts nothing, it prints a table and write
             settings whose read handler only replies from a static buffer. For each case it
             serves files of exactly the sizes ckptfs serves, read in the same order by the
             same reader, on a fresh mount (its page cache empty).
+  map       the same null daemon replying with the bytes of a warm source file from a read-only
+            mapping (fuse_reply_iov; `--mode map`): the floor for replies of real bytes, one copy
+            out of the page cache, which ckptfs's mapped replies also take (warm/map ratio)
   reader    Python, one thread per file stream, readinto() of a preallocated 1 MiB buffer on an
             unbuffered fd (one read(2) of 1 MiB per call), for null FUSE, ckptfs and sources.
   cases     merged    DCP 2 GiB benchmark checkpoint: params/model.layers.*.w/param.raw (fp32,
@@ -180,10 +183,12 @@ def wait_readahead(mnt):
 
 
 class NullMount:
-    def __init__(self, binary, sizes, threads=16, ra_kb=None):
+    def __init__(self, binary, sizes, threads=16, ra_kb=None, source=None):
         self.mnt = tempfile.mkdtemp(prefix="null-fuse-mnt-")
         self.stats_path = self.mnt + ".stats.json"
         args = [binary, self.mnt, "--threads", str(threads), "--stats", self.stats_path]
+        if source:  # its bytes from a mapping of `source` (one copy out of the page cache)
+            args += ["--source", source, "--mode", "map"]
         for i, s in enumerate(sizes):
             args += ["--file", f"f{i:05d}:{s}"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -297,7 +302,7 @@ def measure_case(a, name, src, index, select, sources, src_factor, reps):
           f"{src_bytes / 2**20:.0f} MiB source", flush=True)
 
     # (a) warm: ceiling and ckptfs, alternating.
-    ceil, warm_r, warm_stats, null_cpu, ck_cpu = [], [], [], [], []
+    ceil, ceil_map, warm_r, warm_stats, null_cpu, ck_cpu = [], [], [], [], [], []
     null_ra = ck_ra = None
     for _ in range(reps):
         nm = NullMount(a.null_fuse, sizes)
@@ -312,6 +317,13 @@ def measure_case(a, name, src, index, select, sources, src_factor, reps):
         ceil.append(n / t / 1e9)
         null_stats = nm.stats
         warm(sources)
+        # The same files from a mapping of the (warm) first source: the price
+        # of one copy out of the page cache, which a reply of real bytes pays.
+        nm = NullMount(a.null_fuse, sizes, source=sources[0])
+        n, t = read_files(nm.paths)
+        nm.close()
+        assert n == out_bytes, (n, out_bytes)
+        ceil_map.append(n / t / 1e9)
         m = CkptfsMount(a.ckptfs, src, index)
         ck_ra = m.readahead_kb
         try:
@@ -344,7 +356,7 @@ def measure_case(a, name, src, index, select, sources, src_factor, reps):
     res = {
         "case": name, "files": len(files), "out_bytes": out_bytes, "source_bytes_needed": need_src,
         "source_files_bytes": src_bytes, "example": rels[0],
-        "ceiling_gbs": ceil, "warm_gbs": warm_r, "cat_cold_gbs": cat,
+        "ceiling_gbs": ceil, "ceiling_map_gbs": ceil_map, "warm_gbs": warm_r, "cat_cold_gbs": cat,
         "cold_out_gbs": [x[0] for x in cold_r], "cold_src_gbs": [x[1] for x in cold_r],
         "readahead_kb": {"null": null_ra, "ckptfs": ck_ra},
         # CPU seconds per GiB of output, warm (medians): insensitive to other load on the machine
@@ -353,6 +365,7 @@ def measure_case(a, name, src, index, select, sources, src_factor, reps):
         "null_requests": null_stats, "ckptfs_warm_stats": warm_stats[-1], "ckptfs_cold_stats": cold_stats[-1],
     }
     res["warm_ratio"] = med(warm_r) / med(ceil)
+    res["warm_ratio_map"] = med(warm_r) / med(ceil_map)
     res["cold_ratio"] = med(res["cold_src_gbs"]) / med(cat)
     res["cold_ratio_pairs"] = sorted(s / c for s, c in zip(res["cold_src_gbs"], cat))
     return res
@@ -550,19 +563,23 @@ def main():
     print()
     print(f"ckptfs read benchmark: {results['host']}, {results['cores']} cores, kernel {results['kernel']}, "
           f"reader {results['reader']}, medians of {a.reps}")
-    print(f"{'case':<10} {'MiB':>6} {'files':>5} | {'ceiling':>8} {'warm':>6} {'ratio':>6} {'/0.90':>6} | "
+    print(f"{'case':<10} {'MiB':>6} {'files':>5} | {'ceiling':>8} {'warm':>6} {'ratio':>6} {'/0.90':>6} "
+          f"{'map':>5} {'ratio':>6} | "
           f"{'cat':>6} {'cold':>6} {'ratio':>6} {'/1.0':>6} | {'req KiB':>7} | {'CPU s/GiB null':>14} {'ckptfs':>11}")
     for c in results["cases"]:
         st = c["ckptfs_warm_stats"]
         req = st["bytes"] / max(1, st["reads"]) / 1024
         cu = c["cpu_s_per_gib"]
         print(f"{c['case']:<10} {c['out_bytes'] / 2**20:6.0f} {c['files']:5d} | {med(c['ceiling_gbs']):8.2f} "
-              f"{med(c['warm_gbs']):6.2f} {c['warm_ratio']:6.2f} {c['warm_ratio'] / WARM_TARGET:6.2f} | "
+              f"{med(c['warm_gbs']):6.2f} {c['warm_ratio']:6.2f} {c['warm_ratio'] / WARM_TARGET:6.2f} "
+              f"{med(c['ceiling_map_gbs']):5.2f} {c['warm_ratio_map']:6.2f} | "
               f"{med(c['cat_cold_gbs']):6.2f} {med(c['cold_src_gbs']):6.2f} {c['cold_ratio']:6.2f} "
               f"{c['cold_ratio'] / COLD_TARGET:6.2f} | {req:7.0f} | "
               f"{cu['null']['reader_s']:.2f}+{cu['null']['daemon_s']:.2f} {cu['ckptfs']['reader_s']:5.2f}+"
               f"{cu['ckptfs']['daemon_s']:.2f}")
-    print("  GB/s: ceiling/warm = output bytes of the mount; cat = source files cold; cold = source bytes needed "
+    print("  map = the null daemon replying from a mapping of a warm source file (one copy, as a real reply "
+          "pays; ratio = warm/map)\n"
+          "  GB/s: ceiling/warm = output bytes of the mount; cat = source files cold; cold = source bytes needed "
           "/ ckptfs time (ratio = cold/cat); req KiB = mean FUSE read request ckptfs served;\n"
           "  CPU s/GiB = reader thread + daemon process CPU seconds per GiB read, warm")
     if "topo" in results:

@@ -304,6 +304,7 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
     if (seg_end >= offset + size) break;
   }
   if (r->bytes.pieces.size() > max_pieces) return false;
+  // The latency of planning and mapping: the kernel's copy comes after.
   latency_.Record(static_cast<uint64_t>(SteadyNs() - t0));
   reads_.fetch_add(1, std::memory_order_relaxed);
   mapped_reads_count_.fetch_add(1, std::memory_order_relaxed);
