@@ -146,6 +146,8 @@ class Filesystem {
   Result<Attr> AttrOfIno(uint64_t ino) const;  // GetAttr, uncounted
   Result<size_t> ReadData(uint64_t ino, uint64_t offset, size_t size, char* buf);
   Result<size_t> ReadStats(uint64_t offset, size_t size, char* buf);
+  // A kCrc32 segment's 4 little-endian bytes, a kHash segment's 16 hex digits.
+  Result<std::string> DigestBytes(const Segment& s);
   // .ckptfs/report.json, made by the first caller; later callers wait for it.
   Result<std::shared_ptr<const std::string>> ReportBytes() const;
 

@@ -26,6 +26,8 @@
 #ifndef CKPTFS_IO_H_
 #define CKPTFS_IO_H_
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -56,13 +58,10 @@ struct SourceSpan {
   uint64_t length = 0;
 };
 
-// Where mapped bytes lie, and the mapping windows they need kept (MapSpans).
+// Where mapped bytes lie, as the iovecs of a writev, and the mapping windows
+// they need kept (MapSpans).
 struct MappedBytes {
-  struct Piece {
-    const char* data = nullptr;
-    uint64_t length = 0;
-  };
-  std::vector<Piece> pieces;
+  std::vector<iovec> pieces;
   std::vector<std::shared_ptr<const void>> pins;
   void Clear() {
     pieces.clear();
@@ -133,8 +132,8 @@ class TensorReader {
   bool PlanCopy(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,
                 std::vector<SourceSpan>* spans);
   // Appends the spans' bytes as pieces of read-only mappings of the source
-  // files, after checking each file is still the indexed one (CheckFd) and
-  // the ranges it covers are not known bad. For the kernel only (a writev):
+  // files, after checking each file is still the indexed one (CheckFd;
+  // PlanCopy declined ranges known bad). For the kernel only (a writev):
   // reading them here would fault if a file shrank since the check.
   Status MapSpans(std::span<const SourceSpan> spans, MappedBytes* out);
   // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.

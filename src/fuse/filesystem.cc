@@ -23,7 +23,36 @@ std::string Micros(uint64_t ns) {
   return b;
 }
 
+// Calls fn(segment, offset in it, byte count, offset in the request) for
+// each segment of `layout` that bytes [offset, offset + size) overlap, in
+// order, while fn returns true; false if fn stopped it.
+template <typename Fn>
+bool ForEachSegment(const FileLayout& layout, uint64_t offset, uint64_t size, Fn&& fn) {
+  // The first segment that ends after `offset`.
+  size_t first = static_cast<size_t>(std::upper_bound(layout.starts.begin(), layout.starts.end(), offset) -
+                                     layout.starts.begin());
+  first = first == 0 ? 0 : first - 1;
+  for (size_t si = first; si < layout.segments.size(); ++si) {
+    const uint64_t seg_start = layout.starts[si], seg_end = seg_start + layout.segments[si].size;
+    const uint64_t lo = std::max(offset, seg_start), hi = std::min<uint64_t>(offset + size, seg_end);
+    if (lo < hi && !fn(layout.segments[si], lo - seg_start, hi - lo, lo - offset)) return false;
+    if (seg_end >= offset + size) break;
+  }
+  return true;
+}
+
 }  // namespace
+
+Result<std::string> Filesystem::DigestBytes(const Segment& s) {
+  if (s.kind == SegmentKind::kCrc32) {
+    ASSIGN_OR_RETURN(uint32_t c, reader_->Crc32(s.tensor, s.out_dtype, s.boxes));
+    std::string le(4, '\0');
+    StoreLE<uint32_t>(le.data(), c);
+    return le;
+  }
+  ASSIGN_OR_RETURN(uint64_t h, reader_->Xxh3Raw(s.tensor));
+  return Hex64(h);
+}
 
 void LatencyHistogram::Record(uint64_t ns) {
   const int b = ns == 0 ? 0 : std::bit_width(ns) - 1;
@@ -261,48 +290,28 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
   r->scratch.reserve(size);
   auto literal = [&](const char* p, uint64_t n) {
     if (r->scratch.size() + n > r->scratch.capacity()) return false;
-    r->bytes.pieces.push_back(MappedBytes::Piece{r->scratch.data() + r->scratch.size(), n});
+    r->bytes.pieces.push_back(iovec{r->scratch.data() + r->scratch.size(), n});
     r->scratch.append(p, n);
     return true;
   };
   thread_local std::vector<SourceSpan> spans;
-  size_t first = static_cast<size_t>(std::upper_bound(layout.starts.begin(), layout.starts.end(), offset) -
-                                     layout.starts.begin());
-  first = first == 0 ? 0 : first - 1;
-  for (size_t si = first; si < layout.segments.size(); ++si) {
-    const Segment& s = layout.segments[si];
-    const uint64_t seg_start = layout.starts[si], seg_end = seg_start + s.size;
-    const uint64_t lo = std::max(offset, seg_start), hi = std::min<uint64_t>(offset + size, seg_end);
-    if (lo < hi) {
-      const uint64_t in = lo - seg_start, n = hi - lo;
-      const size_t room = max_pieces - std::min(max_pieces, r->bytes.pieces.size());
-      switch (s.kind) {
-        case SegmentKind::kLiteral:
-          if (room == 0 || !literal(s.literal.data() + in, n)) return false;
-          break;
-        case SegmentKind::kTensor:
-          if (s.transposed || !reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans) ||
-              !reader_->MapSpans(spans, &r->bytes).ok()) {
-            return false;
-          }
-          break;
-        case SegmentKind::kCrc32: {
-          auto c = reader_->Crc32(s.tensor, s.out_dtype, s.boxes);
-          char le[4];
-          if (!c.ok()) return false;
-          StoreLE<uint32_t>(le, *c);
-          if (room == 0 || !literal(le + in, n)) return false;
-          break;
-        }
-        case SegmentKind::kHash: {
-          auto h = reader_->Xxh3Raw(s.tensor);
-          if (!h.ok() || room == 0 || !literal(Hex64(*h).data() + in, n)) return false;
-          break;
-        }
+  const bool all = ForEachSegment(layout, offset, size, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t) {
+    const size_t room = max_pieces - std::min(max_pieces, r->bytes.pieces.size());
+    switch (s.kind) {
+      case SegmentKind::kLiteral:
+        return room > 0 && literal(s.literal.data() + in, n);
+      case SegmentKind::kTensor:
+        return !s.transposed && reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans) &&
+               reader_->MapSpans(spans, &r->bytes).ok();
+      case SegmentKind::kCrc32:
+      case SegmentKind::kHash: {
+        auto d = DigestBytes(s);
+        return d.ok() && room > 0 && literal(d->data() + in, n);
       }
     }
-    if (seg_end >= offset + size) break;
-  }
+    return false;
+  });
+  if (!all) return false;
   if (r->bytes.pieces.size() > max_pieces) return false;
   // The latency of planning and mapping: the kernel's copy comes after.
   latency_.Record(static_cast<uint64_t>(SteadyNs() - t0));
@@ -382,54 +391,30 @@ Result<size_t> Filesystem::ReadData(uint64_t ino, uint64_t offset, size_t size, 
   const FileLayout& layout = **layout_or;
   if (offset >= layout.size) return size_t{0};
   size = static_cast<size_t>(std::min<uint64_t>(size, layout.size - offset));
-  // The first segment that ends after `offset`.
-  size_t first = static_cast<size_t>(std::upper_bound(layout.starts.begin(), layout.starts.end(), offset) -
-                                     layout.starts.begin());
-  first = first == 0 ? 0 : first - 1;
-  for (size_t si = first; si < layout.segments.size(); ++si) {
-    const Segment& s = layout.segments[si];
-    const uint64_t seg_start = layout.starts[si];
-    uint64_t seg_end = seg_start + s.size;
-    uint64_t lo = std::max(offset, seg_start), hi = std::min<uint64_t>(offset + size, seg_end);
-    if (lo < hi) {
-      char* dst = buf + (lo - offset);
-      uint64_t in = lo - seg_start, n = hi - lo;
-      Status st;
-      switch (s.kind) {
-        case SegmentKind::kLiteral:
-          std::memcpy(dst, s.literal.data() + in, n);
-          break;
-        case SegmentKind::kTensor:
-          st = s.transposed ? reader_->ReadTransposedRows(s.tensor, s.out_dtype, s.boxes, in, n, dst)
-                            : reader_->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), in, n, dst);
-          break;
-        case SegmentKind::kCrc32: {
-          auto c = reader_->Crc32(s.tensor, s.out_dtype, s.boxes);
-          if (!c.ok()) {
-            st = c.status();
-          } else {
-            char le[4];
-            StoreLE<uint32_t>(le, *c);
-            std::memcpy(dst, le + in, n);
-          }
-          break;
-        }
-        case SegmentKind::kHash: {
-          auto h = reader_->Xxh3Raw(s.tensor);
-          if (!h.ok()) {
-            st = h.status();
-          } else {
-            std::memcpy(dst, Hex64(*h).data() + in, n);
-          }
-          break;
-        }
-      }
-      if (!st.ok()) {
-        LogError(view_->PathOf(ino) + " @ " + std::to_string(offset) + ": " + st.message());
-        return st;
+  Status st;
+  ForEachSegment(layout, offset, size, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t at) {
+    char* dst = buf + at;
+    switch (s.kind) {
+      case SegmentKind::kLiteral:
+        std::memcpy(dst, s.literal.data() + in, n);
+        break;
+      case SegmentKind::kTensor:
+        st = s.transposed ? reader_->ReadTransposedRows(s.tensor, s.out_dtype, s.boxes, in, n, dst)
+                          : reader_->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), in, n, dst);
+        break;
+      case SegmentKind::kCrc32:
+      case SegmentKind::kHash: {
+        auto d = DigestBytes(s);
+        if (d.ok()) std::memcpy(dst, d->data() + in, n);
+        st = d.status();
+        break;
       }
     }
-    if (seg_end >= offset + size) break;
+    return st.ok();
+  });
+  if (!st.ok()) {
+    LogError(view_->PathOf(ino) + " @ " + std::to_string(offset) + ": " + st.message());
+    return st;
   }
   return size;
 }

@@ -227,10 +227,8 @@ void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_in
   Guard(req, "read", [&] {
     // Plain copies of source bytes: one writev from the sources' mappings.
     thread_local MappedRead mapped;
-    thread_local std::vector<iovec> iov;
     if (Fs(req).ReadMapped(ino, static_cast<uint64_t>(off), size, kMaxReplyPieces, &mapped)) {
-      iov.clear();
-      for (const auto& p : mapped.bytes.pieces) iov.push_back(iovec{const_cast<char*>(p.data), p.length});
+      const auto& iov = mapped.bytes.pieces;
       const int rc = fuse_reply_iov(req, iov.data(), static_cast<int>(iov.size()));
       mapped.Clear();  // unpins the windows
       if (rc < 0 && rc != -ENOENT) Fs(req).MappedReplyFailed(ino, static_cast<uint64_t>(off), -rc);  // ENOENT: interrupted

@@ -43,6 +43,23 @@ void PushOp(GatherOp op, const std::vector<int64_t>& len, const std::vector<int6
   ops.push_back(op);
 }
 
+// The box a read renders: `box`, or the whole tensor (built in `whole`),
+// checked to lie in the tensor.
+Result<const Box*> ViewOf(const TensorRecord& t, const Box* box, Box* whole) {
+  const size_t rank = t.shape.size();
+  if (box == nullptr) {
+    *whole = Box{std::vector<int64_t>(rank, 0), t.shape};
+    return whole;
+  }
+  if (box->offsets.size() != rank || box->lengths.size() != rank) return Internal("box rank mismatch for '" + t.key + "'");
+  for (size_t d = 0; d < rank; ++d) {
+    if (box->offsets[d] < 0 || box->lengths[d] < 0 || box->offsets[d] + box->lengths[d] > t.shape[d]) {
+      return Internal("box " + BoxString(*box) + " is outside '" + t.key + "'");
+    }
+  }
+  return box;
+}
+
 }  // namespace
 
 TensorReader::~TensorReader() {
@@ -340,16 +357,10 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
 
   const uint64_t osz = DTypeSize(out);
   if (osz == 0 || !CanConvert(t.dtype, out)) return Internal("cannot render '" + t.key + "' as " + std::string(DTypeName(out)));
-  const size_t rank = t.shape.size();
   // The output is the C-order rendering of `view` (the whole tensor by default).
-  Box whole{std::vector<int64_t>(rank, 0), t.shape};
-  const Box& view = box != nullptr ? *box : whole;
-  if (view.offsets.size() != rank || view.lengths.size() != rank) return Internal("box rank mismatch for '" + t.key + "'");
-  for (size_t d = 0; d < rank; ++d) {
-    if (view.offsets[d] < 0 || view.lengths[d] < 0 || view.offsets[d] + view.lengths[d] > t.shape[d]) {
-      return Internal("box " + BoxString(view) + " is outside '" + t.key + "'");
-    }
-  }
+  Box whole;
+  ASSIGN_OR_RETURN(const Box* view_ptr, ViewOf(t, box, &whole));
+  const Box& view = *view_ptr;
   const uint64_t numel = static_cast<uint64_t>(NumelOf(view.lengths));
   if (offset + len > numel * osz) return Invalid("cannot read '" + t.key + "': range past the tensor");
   const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
@@ -675,13 +686,16 @@ bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t off
   spans->clear();
   if (id.v >= index_.tensors().size()) return false;
   const TensorRecord& t = index_.tensors()[id.v];
-  if (!t.error.empty() || t.replicas > 1) return false;
+  // What is never a copy is declined before the fragments are looked up:
+  // widened and narrowed reads ask first on every request.
+  const bool bytes = t.encoding == Encoding::kBytes;
+  if (!t.error.empty() || t.replicas > 1 || (!bytes && out != t.dtype)) return false;
   if (len == 0) return true;
   auto frags_or = FragmentsOf(id);
   if (!frags_or.ok()) return false;
   const std::vector<Fragment>& frags = **frags_or;
   if ((verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) && !CheckRanges(frags).ok()) return false;
-  if (t.encoding == Encoding::kBytes) {
+  if (bytes) {
     if (frags.size() != 1 || frags[0].compression != Compression::kNone || offset + len > frags[0].data_length ||
         max_spans == 0) {
       return false;
@@ -690,14 +704,10 @@ bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t off
     return true;
   }
   const uint64_t osz = DTypeSize(out);
-  if (osz == 0 || out != t.dtype) return false;
-  const size_t rank = t.shape.size();
-  Box whole{std::vector<int64_t>(rank, 0), t.shape};
-  const Box& view = box != nullptr ? *box : whole;
-  if (view.offsets.size() != rank || view.lengths.size() != rank) return false;
-  for (size_t d = 0; d < rank; ++d) {
-    if (view.offsets[d] < 0 || view.lengths[d] < 0 || view.offsets[d] + view.lengths[d] > t.shape[d]) return false;
-  }
+  Box whole;
+  auto view_or = ViewOf(t, box, &whole);
+  if (osz == 0 || !view_or.ok()) return false;
+  const Box& view = **view_or;
   const uint64_t numel = static_cast<uint64_t>(NumelOf(view.lengths));
   if (offset + len > numel * osz) return false;
   const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
@@ -820,7 +830,7 @@ Status TensorReader::MapSpans(std::span<const SourceSpan> spans, MappedBytes* ou
       if (n_used < std::size(used)) used[n_used++] = Used{sp.file, index, w};
       out->pins.push_back(std::move(pin));
     }
-    out->pieces.push_back(MappedBytes::Piece{w->base + (sp.offset - w->start), sp.length});
+    out->pieces.push_back(iovec{const_cast<char*>(w->base + (sp.offset - w->start)), sp.length});
     bytes += sp.length;
   }
   source_bytes_.fetch_add(bytes, std::memory_order_relaxed);

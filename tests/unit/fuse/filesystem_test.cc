@@ -168,7 +168,7 @@ TEST_F(FilesystemTest, MappedReadsServeTheSameBytes) {
         if (!fs_->ReadMapped(ino, off, step, 1000, &r)) continue;
         any = true;
         std::string got;
-        for (const auto& p : r.bytes.pieces) got.append(p.data, p.length);
+        for (const iovec& p : r.bytes.pieces) got.append(static_cast<const char*>(p.iov_base), p.iov_len);
         ASSERT_EQ(got, want.substr(off, step)) << path << " @ " << off;
       }
     }

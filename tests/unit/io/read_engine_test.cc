@@ -403,7 +403,10 @@ TEST_P(ReadEngineConformance, MappedCopiesEqualReadsOrAreDeclined) {
     Status st = reader_->MapSpans(spans, &mapped);
     ASSERT_TRUE(st.ok()) << st.message();
     got->clear();
-    for (const auto& p : mapped.pieces) got->insert(got->end(), p.data, p.data + p.length);
+    for (const iovec& p : mapped.pieces) {
+      const char* b = static_cast<const char*>(p.iov_base);
+      got->insert(got->end(), b, b + p.iov_len);
+    }
   };
   int accepted = 0, declined = 0;
   for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
