@@ -50,6 +50,7 @@ struct DirEntry {
   std::string name;
   uint64_t ino = 0;
   bool is_dir = false;
+  uint64_t next = 0;  // ReadDirPage: the offset that resumes after this entry
 };
 
 // Read latencies in log2 buckets of nanoseconds: bucket i holds [2^i, 2^(i+1))
@@ -95,8 +96,12 @@ class Filesystem {
   Result<Attr> Lookup(uint64_t parent, std::string_view name) const;
   Result<Attr> GetAttr(uint64_t ino) const;
   Result<std::vector<DirEntry>> ReadDir(uint64_t ino) const;
-  // topo/ and topo/ERRORS change while mounted: the adapter disables kernel
-  // caching for them.
+  // At most `max` entries of a directory from `offset` on (0: the start, then
+  // an entry's `next`), "." and ".." first: a FUSE listing, which resumes at
+  // an offset and holds no open handle. Counted as `listings` in the stats.
+  Result<std::vector<DirEntry>> ReadDirPage(uint64_t ino, uint64_t offset, size_t max) const;
+  // topo/ and topo/ERRORS change while mounted: the adapter gives them no
+  // attribute timeout (and topo/ERRORS no page cache).
   bool Dynamic(uint64_t ino) const { return view_->Dynamic(ino); }
   // Called on open(2): refuses files whose sources changed since indexing.
   Status OpenFile(uint64_t ino);
@@ -159,7 +164,7 @@ class Filesystem {
   bool mapped_reads_ = true;
   // Counters for .ckptfs/stats: relaxed atomics, no lock on any FUSE path.
   std::atomic<uint64_t> reads_{0}, bytes_{0}, errors_{0}, opens_{0}, mapped_reads_count_{0};
-  mutable std::atomic<uint64_t> lookups_{0}, getattrs_{0};
+  mutable std::atomic<uint64_t> lookups_{0}, getattrs_{0}, listings_{0};
   LatencyHistogram latency_;
   int64_t start_ns_ = 0;  // steady clock at Open, for uptime_s
   // Leaf lock: guards stats_, the latest .ckptfs/stats snapshot.

@@ -124,6 +124,23 @@ class View {
   const Node* Lookup(uint64_t parent, std::string_view name) const;
   // A directory's children (name, inode, is_dir), and its link count.
   std::vector<std::tuple<std::string, uint64_t, bool>> List(uint64_t ino) const;
+  // A page of a directory for FUSE listings, which resume at an offset
+  // without an open handle: children from position `from` on, at most `max`.
+  // Positions stay valid while the view lives. topo/, the one directory that
+  // gains entries after Build (in name order), is paged in the order its
+  // entries were made, so a new one comes last and never shifts a position.
+  struct Child {
+    std::string name;
+    uint64_t ino = 0;
+    bool is_dir = false;
+    uint64_t next = 0;  // the position after this child
+  };
+  std::vector<Child> ListFrom(uint64_t ino, uint64_t from, size_t max) const;
+  // When a directory last gained an entry after Build (ns since the epoch),
+  // or 0: its mtime then, so the kernel drops its cached listing.
+  uint64_t ChangedNs(uint64_t ino) const {
+    return ino == topo_dir_ ? topo_changed_ns_.load(std::memory_order_acquire) : 0;
+  }
   uint32_t NLink(uint64_t ino) const;
   // topo/ and topo/ERRORS change while mounted.
   bool Dynamic(uint64_t ino) const;
@@ -148,6 +165,8 @@ class View {
   Status AddTopo(const Topology& t);  // topo/<t.Name()>/ and its files
   // hf/'s files, planned on first use (a failure is logged and becomes hf/ERRORS).
   void EnsureHf() const;
+  // What a listing of `ino` needs made first (topo/'s own layout, hf/).
+  void PrepareListing(uint64_t ino) const;
   const Node* GetLocked(uint64_t ino) const;
   std::string PathOfLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,
@@ -183,6 +202,8 @@ class View {
   std::unique_ptr<std::unordered_map<ChildKey, uint64_t, ChildKeyHash>> building_;
   static constexpr size_t kScanChildren = 8;
   uint64_t topo_dir_ = 0;
+  mutable std::atomic<uint64_t> topo_changed_ns_{0};
+  mutable std::atomic<bool> topo_listed_{false};  // ListFrom has paged topo/
   uint64_t hf_dir_ = 0;
   mutable std::atomic<bool> hf_made_{false};
   std::map<std::string, std::string> topo_errors_;  // failed topo/ names -> why

@@ -110,6 +110,7 @@ Attr Filesystem::AttrOf(const Node& n, uint64_t size) const {
   a.is_dir = n.is_dir;
   a.size = size;
   a.mtime_ns = mtime_ns_;
+  if (uint64_t changed = view_->ChangedNs(n.ino)) a.mtime_ns = changed;  // topo/ once it grew
   a.nlink = view_->NLink(n.ino);
   a.dynamic = view_->Dynamic(n.ino);
   return a;
@@ -224,6 +225,22 @@ Result<std::vector<DirEntry>> Filesystem::ReadDir(uint64_t ino) const {
   out.push_back({".", n->ino, true});
   out.push_back({"..", n->parent, true});
   for (auto& [name, child, is_dir] : children) out.push_back({std::move(name), child, is_dir});
+  return out;
+}
+
+Result<std::vector<DirEntry>> Filesystem::ReadDirPage(uint64_t ino, uint64_t offset, size_t max) const {
+  listings_.fetch_add(1, std::memory_order_relaxed);
+  const Node* n = view_->Get(ino);
+  if (n == nullptr) return NotFound("no inode " + std::to_string(ino));
+  if (!n->is_dir) return Status(Code::kInvalid, "not a directory");
+  std::vector<DirEntry> out;
+  if (offset == 0 && out.size() < max) out.push_back({".", n->ino, true, 1});
+  if (offset <= 1 && out.size() < max) out.push_back({"..", n->parent, true, 2});
+  if (out.size() == max) return out;
+  const uint64_t from = offset < 2 ? 0 : offset - 2;
+  for (View::Child& c : view_->ListFrom(ino, from, max - out.size())) {
+    out.push_back({std::move(c.name), c.ino, c.is_dir, c.next + 2});
+  }
   return out;
 }
 
@@ -358,6 +375,7 @@ std::string Filesystem::StatsJson() const {
   j += "  \"opens\": " + u(opens_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"lookups\": " + u(lookups_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"getattrs\": " + u(getattrs_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"listings\": " + u(listings_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"read_latency_us\": {\"count\": " + u(latency_.count()) + ", \"p50\": " + Micros(latency_.PercentileNs(0.50)) +
        ", \"p90\": " + Micros(latency_.PercentileNs(0.90)) + ", \"p99\": " + Micros(latency_.PercentileNs(0.99)) +
        ", \"max\": " + Micros(latency_.max_ns()) + "},\n";

@@ -10,6 +10,7 @@
 #include <sys/sysmacros.h>
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -31,6 +32,8 @@ Filesystem& Fs(fuse_req_t req) { return *static_cast<Filesystem*>(fuse_req_userd
 // Set once before the session starts (a process serves one mount).
 uid_t g_uid = 0;
 gid_t g_gid = 0;
+// The kernel opens directories itself after an ENOSYS to OPENDIR (OnOpendir).
+std::atomic<bool> g_no_opendir{false};
 
 // fsname= is parsed by libfuse's option parser, where ',' separates options
 // and '\' escapes.
@@ -89,6 +92,8 @@ void OnInit(void*, fuse_conn_info* conn) {
   // without I/O, so the adaptive mode's plain READDIR + LOOKUPs never pays.
   if (conn->capable & FUSE_CAP_READDIRPLUS) conn->want |= FUSE_CAP_READDIRPLUS;
   conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
+  g_no_opendir.store((conn->capable & FUSE_CAP_NO_OPENDIR_SUPPORT) != 0);
+  if (conn->capable & FUSE_CAP_AUTO_INVAL_DATA) conn->want |= FUSE_CAP_AUTO_INVAL_DATA;  // see OnOpendir
   conn->want &= ~FUSE_CAP_ASYNC_READ;
   conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;
 }
@@ -128,14 +133,17 @@ void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
   });
 }
 
+// No OPENDIR round trips. The first is answered ENOSYS, and a kernel that
+// offers NO_OPENDIR_SUPPORT then opens directories itself, caching their
+// listings (FOPEN_CACHE_DIR is its default then): a fresh `ls -lR` costs two
+// READDIRPLUS round trips per directory instead of three and a RELEASEDIR,
+// and a later one none. topo/, which gains entries, moves its mtime on
+// (View::ChangedNs) and has no attribute timeout; with AUTO_INVAL_DATA the
+// kernel checks that mtime when a listing starts and drops the cached one.
+// An older kernel gets a reply that caches every listing but topo/'s.
 void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   Guard(req, "opendir", [&] {
-    auto entries = Fs(req).ReadDir(ino);
-    if (!entries.ok()) {
-      fuse_reply_err(req, entries.status().code() == Code::kInvalid ? ENOTDIR : ToErrno(entries.status()));
-      return;
-    }
-    fi->fh = reinterpret_cast<uint64_t>(new std::vector<DirEntry>(std::move(entries).value()));
+    if (g_no_opendir.load()) return static_cast<void>(fuse_reply_err(req, ENOSYS));
     const bool dynamic = Fs(req).Dynamic(ino);
     fi->cache_readdir = dynamic ? 0 : 1;
     fi->keep_cache = dynamic ? 0 : 1;
@@ -143,18 +151,31 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   });
 }
 
-void OnReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+// Listings hold no open handle: each request names its directory and the
+// offset it resumes at.
+Result<std::vector<DirEntry>> ListingPage(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+                                          size_t min_entry_bytes) {
+  if (off < 0) return Status(Code::kInvalid, "negative directory offset");
+  return Fs(req).ReadDirPage(ino, static_cast<uint64_t>(off), size / min_entry_bytes + 1);
+}
+
+void ReplyListingError(fuse_req_t req, const Status& s) {
+  fuse_reply_err(req, s.code() == Code::kInvalid ? ENOTDIR : ToErrno(s));
+}
+
+void OnReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info*) {
   Guard(req, "readdir", [&] {
-    const auto& entries = *reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
+    auto entries = ListingPage(req, ino, size, off, /*fuse_dirent + a name=*/32);
+    if (!entries.ok()) return ReplyListingError(req, entries.status());
     thread_local std::vector<char> buf;  // not zeroed per call: the kernel may ask for 1 MiB
     if (buf.size() < size) buf.resize(size);
     size_t used = 0;
-    for (size_t i = static_cast<size_t>(off); i < entries.size(); ++i) {
+    for (const DirEntry& d : *entries) {
       struct stat st{};
-      st.st_ino = entries[i].ino;
-      st.st_mode = entries[i].is_dir ? S_IFDIR : S_IFREG;
-      size_t n = fuse_add_direntry(req, buf.data() + used, size - used, entries[i].name.c_str(), &st,
-                                   static_cast<off_t>(i + 1));
+      st.st_ino = d.ino;
+      st.st_mode = d.is_dir ? S_IFDIR : S_IFREG;
+      size_t n = fuse_add_direntry(req, buf.data() + used, size - used, d.name.c_str(), &st,
+                                   static_cast<off_t>(d.next));
       if (n > size - used) break;
       used += n;
     }
@@ -167,14 +188,14 @@ void OnReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_inf
 // entries instead of a LOOKUP per name. "." and ".." carry no entry (no lookup
 // count), nor does a file whose attributes fail: the kernel then looks it up
 // and the error is answered there.
-void OnReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info* fi) {
+void OnReaddirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info*) {
   Guard(req, "readdirplus", [&] {
-    const auto& entries = *reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
+    auto entries = ListingPage(req, ino, size, off, /*fuse_direntplus + a name=*/160);
+    if (!entries.ok()) return ReplyListingError(req, entries.status());
     thread_local std::vector<char> buf;  // not zeroed per call: the kernel may ask for 1 MiB
     if (buf.size() < size) buf.resize(size);
     size_t used = 0;
-    for (size_t i = static_cast<size_t>(off); i < entries.size(); ++i) {
-      const DirEntry& d = entries[i];
+    for (const DirEntry& d : *entries) {
       fuse_entry_param e{};
       e.attr.st_ino = d.ino;
       e.attr.st_mode = d.is_dir ? S_IFDIR : S_IFREG;
@@ -188,17 +209,12 @@ void OnReaddirplus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file
         }
       }
       size_t n = fuse_add_direntry_plus(req, buf.data() + used, size - used, d.name.c_str(), &e,
-                                        static_cast<off_t>(i + 1));
+                                        static_cast<off_t>(d.next));
       if (n > size - used) break;
       used += n;
     }
     fuse_reply_buf(req, buf.data(), used);
   });
-}
-
-void OnReleasedir(fuse_req_t req, fuse_ino_t, fuse_file_info* fi) {
-  delete reinterpret_cast<std::vector<DirEntry>*>(fi->fh);
-  fuse_reply_err(req, 0);
 }
 
 void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
@@ -285,7 +301,6 @@ fuse_lowlevel_ops MakeOps() {
   ops.opendir = OnOpendir;
   ops.readdir = OnReaddir;
   ops.readdirplus = OnReaddirplus;
-  ops.releasedir = OnReleasedir;
   ops.open = OnOpen;
   ops.read = OnRead;
   ops.statfs = OnStatfs;

@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include <nlohmann/json.hpp>
 
@@ -405,14 +406,19 @@ const Node* View::Lookup(uint64_t parent, std::string_view name) const {
     LogError(st.message());
     return nullptr;
   }
+  // topo/'s mtime moves on, strictly, so a cached listing of it is dropped
+  // (none can be cached before its first listing; see ListFrom).
+  if (topo_listed_.load()) {
+    const auto now = std::chrono::system_clock::now().time_since_epoch();
+    const uint64_t ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count());
+    topo_changed_ns_.store(std::max(ns, topo_changed_ns_.load(std::memory_order_relaxed) + 1),
+                           std::memory_order_release);
+  }
   return GetLocked(FindChild(*nodes_[topo_dir_ - 1], name));
 }
 
 std::vector<std::tuple<std::string, uint64_t, bool>> View::List(uint64_t ino) const {
-  // The source's own layout is listed in topo/ from the first listing on: it
-  // is planned then (not at mount time, which `ckptfs cat` pays too).
-  if (ino == topo_dir_ && !index_.info().topology.empty()) Lookup(topo_dir_, index_.info().topology);
-  if (ino == hf_dir_) EnsureHf();
+  PrepareListing(ino);
   std::shared_lock lock(tree_mu_);
   std::vector<std::tuple<std::string, uint64_t, bool>> out;
   const Node* n = GetLocked(ino);
@@ -422,6 +428,37 @@ std::vector<std::tuple<std::string, uint64_t, bool>> View::List(uint64_t ino) co
     const Node* c = GetLocked(child);
     if (c->stats) continue;  // open by name only (see Node::stats)
     out.emplace_back(c->name, child, c->is_dir);
+  }
+  return out;
+}
+
+void View::PrepareListing(uint64_t ino) const {
+  // The source's own layout is listed in topo/ from the first listing on: it
+  // is planned then (not at mount time, which `ckptfs cat` pays too).
+  if (ino == topo_dir_ && !index_.info().topology.empty()) Lookup(topo_dir_, index_.info().topology);
+  if (ino == hf_dir_) EnsureHf();
+}
+
+std::vector<View::Child> View::ListFrom(uint64_t ino, uint64_t from, size_t max) const {
+  PrepareListing(ino);
+  // Before the children are read: an entry added after this moves the mtime
+  // (Lookup), one added before is in this listing.
+  if (ino == topo_dir_) topo_listed_.store(true);
+  std::shared_lock lock(tree_mu_);
+  std::vector<Child> out;
+  const Node* n = GetLocked(ino);
+  if (n == nullptr) return out;
+  const std::vector<uint64_t>* order = &n->children;
+  std::vector<uint64_t> made_order;
+  if (ino == topo_dir_) {  // inodes are handed out in creation order
+    made_order = n->children;
+    std::sort(made_order.begin(), made_order.end());
+    order = &made_order;
+  }
+  for (uint64_t i = from; i < order->size() && out.size() < max; ++i) {
+    const Node* c = GetLocked((*order)[i]);
+    if (c->stats) continue;  // open by name only (see Node::stats)
+    out.push_back(Child{c->name, c->ino, c->is_dir, i + 1});
   }
   return out;
 }

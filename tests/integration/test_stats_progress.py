@@ -75,6 +75,26 @@ def test_stats_after_du_find_ls_read_no_checkpoint_data(src, mounter):
         assert again["report_made"] is False
 
 
+def test_second_ls_lR_is_answered_by_the_kernel_and_topo_still_grows(src, mounter):
+    """Directories are listed without OPENDIR, and the kernel caches their
+    listings: a second `ls -lR` sends no listing request at all. topo/ gains
+    entries while mounted; a cached listing of it must not hide a new one."""
+    with mounter(src) as m:
+        first = run(["ls", "-lR", str(m.path)], timeout=60)
+        assert first.returncode == 0, first.stderr
+        listed = read_stats(m.path)["listings"]
+        assert listed > 0
+        second = run(["ls", "-lR", str(m.path)], timeout=60)
+        assert second.returncode == 0 and second.stdout == first.stdout
+        assert read_stats(m.path)["listings"] == listed  # served from the kernel's cache
+        topo = m.path / "topo"
+        assert "tp1-pp1" not in os.listdir(topo)
+        assert (topo / "tp1-pp1" / "layout.json").stat().st_size > 0  # planned on lookup
+        assert "tp1-pp1" in os.listdir(topo)
+        assert "tp1-pp1" in run(["ls", "-l", str(topo)], timeout=60).stdout
+        assert os.listdir(m.path / "params") == [p.name for p in os.scandir(m.path / "params")]
+
+
 def test_ls_lR_of_a_fresh_mount_needs_no_lookup_per_name(src, mounter):
     """Listings are READDIRPLUS answered from the tree: `ls -lR` gets every
     name with its attributes, so the kernel never looks a listed name up."""

@@ -317,6 +317,62 @@ TEST_F(FilesystemTest, StatsAreDocumentedAndOpenedByNameButNotListed) {
   EXPECT_EQ(names, (std::vector<std::string>{".", "..", "report.json"}));
 }
 
+// FUSE listings page through a directory by offset, with no open handle: any
+// page size walks the entries ReadDir lists. topo/, which grows while mounted,
+// adds an entry after every offset already handed out (a new name that sorts
+// first must not shift the next page onto an entry listed already), and its
+// mtime moves on so the kernel drops a cached listing.
+TEST_F(FilesystemTest, ListingPagesResumeAtOffsetsAndTopoGrowsAtTheEnd) {
+  for (const char* dir : {"", "params", "params/proj.weight", "other", ".ckptfs"}) {
+    auto ino = fs_->view().Resolve(dir);
+    ASSERT_TRUE(ino.ok()) << dir;
+    auto whole = fs_->ReadDir(*ino);
+    ASSERT_TRUE(whole.ok());
+    std::vector<std::string> want;
+    for (const DirEntry& e : *whole) want.push_back(e.name);
+    for (size_t max : {1, 2, 3, 7, 1000}) {
+      std::vector<std::string> got;
+      uint64_t off = 0;
+      for (size_t pages = 0; pages <= want.size(); ++pages) {
+        auto page = fs_->ReadDirPage(*ino, off, max);
+        ASSERT_TRUE(page.ok()) << page.status().message();
+        ASSERT_LE(page->size(), max);
+        if (page->empty()) break;
+        for (const DirEntry& e : *page) {
+          EXPECT_GT(e.next, off);
+          off = e.next;
+          got.push_back(e.name);
+        }
+      }
+      EXPECT_EQ(got, want) << "'" << dir << "' in pages of " << max;
+    }
+  }
+  auto file = fs_->view().Resolve("README.txt");
+  EXPECT_EQ(fs_->ReadDirPage(*file, 0, 10).status().code(), Code::kInvalid);
+  EXPECT_EQ(ToErrno(fs_->ReadDirPage(1u << 30, 0, 10).status()), ENOENT);
+
+  auto topo = fs_->view().Resolve("topo");
+  ASSERT_TRUE(topo.ok());
+  ASSERT_TRUE(fs_->Lookup(*topo, "tp2-pp1").ok());  // before any listing: the mtime stays
+  auto before = fs_->GetAttr(*topo);
+  EXPECT_EQ(before->mtime_ns, fs_->GetAttr(kRootIno)->mtime_ns);
+  auto first = fs_->ReadDirPage(*topo, 0, 4);
+  ASSERT_TRUE(first.ok());
+  std::vector<std::string> names;
+  for (const DirEntry& e : *first) names.push_back(e.name);
+  EXPECT_EQ(names, (std::vector<std::string>{".", "..", "ERRORS", "tp2-pp1"}));
+  ASSERT_TRUE(fs_->Lookup(*topo, "tp1-pp1").ok());  // sorts before tp2-pp1
+  EXPECT_GT(fs_->GetAttr(*topo)->mtime_ns, before->mtime_ns);
+  auto rest = fs_->ReadDirPage(*topo, first->back().next, 10);
+  ASSERT_TRUE(rest.ok());
+  ASSERT_EQ(rest->size(), 1u);
+  EXPECT_EQ((*rest)[0].name, "tp1-pp1");
+  auto sorted = fs_->ReadDir(*topo);
+  names.clear();
+  for (const DirEntry& e : *sorted) names.push_back(e.name);
+  EXPECT_EQ(names, (std::vector<std::string>{".", "..", "ERRORS", "tp1-pp1", "tp2-pp1"}));
+}
+
 TEST(LatencyHistogramTest, PercentilesAreBucketUpperEdgesCappedAtMax) {
   LatencyHistogram h;
   EXPECT_EQ(h.PercentileNs(0.5), 0u);
