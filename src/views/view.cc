@@ -31,12 +31,6 @@ Segment TensorSeg(TensorId id, const TensorRecord& t, DType out) {
   return seg;
 }
 
-json ShapeJson(const std::vector<int64_t>& s) {
-  json a = json::array();
-  for (int64_t x : s) a.push_back(x);
-  return a;
-}
-
 const char* RoleName(Role r) {
   switch (r) {
     case Role::kParam: return "param";
@@ -513,35 +507,33 @@ std::string View::PathOfLocked(uint64_t ino) const {
 
 Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) const {
   const Node* dir = Get(n.parent);
-  json j;
-  j["fqn"] = index_.tensors()[n.tensor.v].fqn;
-  json entries = json::object();
   std::vector<TensorId> ids;
   for (uint64_t ino : dir->children) {
     const Node* c = Get(ino);
     if (c->name.size() > 4 && c->name.compare(c->name.size() - 4, 4, ".raw") == 0) ids.push_back(c->tensor);
   }
   FileLayout l;
-  std::string text;
-  // The JSON is emitted by hand around the hash placeholders so that each
-  // hash lands at a known offset as a kHash segment.
-  text = "{\n  \"fqn\": " + JsonEscape(j["fqn"].get<std::string>()) + ",\n  \"tensors\": {";
+  // The JSON is written by hand: around the hash placeholders, so that each
+  // hash lands at a known offset as a kHash segment, and throughout, because
+  // `ls -l` sizes every info.json of a fresh mount (this runs once for each).
+  // Each tensor's object is the compact JSON nlohmann writes, fields in this
+  // order.
+  std::string text = "{\n  \"fqn\": " + JsonEscape(index_.tensors()[n.tensor.v].fqn) + ",\n  \"tensors\": {";
   bool first = true;
   for (TensorId id : ids) {
     const TensorRecord& t = index_.tensors()[id.v];
-    json e;
-    e["key"] = t.key;
-    e["role"] = RoleName(t.role);
-    e["dtype"] = std::string(DTypeName(t.dtype));
-    e["npy_dtype"] = std::string(DTypeName(NpyDType(t.dtype)));
-    e["shape"] = ShapeJson(t.shape);
-    e["bytes"] = t.byte_size;
-    if (!t.error.empty()) e["error"] = t.error;
-    if (t.replicas > 1) e["mean_of_copies"] = t.replicas;  // sum(copies) / n, as ds_to_universal.py averages
-    // Fragments are written by hand (a tensor may have thousands, and `ls -l`
-    // sizes every info.json): the same compact JSON nlohmann would write.
-    std::string body = JsonText(e);
-    body.pop_back();
+    std::string body = "{\"key\":" + JsonEscape(t.key);
+    body += ",\"role\":\"";
+    body += RoleName(t.role);
+    body += "\",\"dtype\":\"";
+    body += DTypeName(t.dtype);
+    body += "\",\"npy_dtype\":\"";
+    body += DTypeName(NpyDType(t.dtype));
+    body += "\",\"shape\":";
+    AppendJsonInts(body, t.shape);
+    body += ",\"bytes\":" + std::to_string(t.byte_size);
+    if (!t.error.empty()) body += ",\"error\":" + JsonEscape(t.error);
+    if (t.replicas > 1) body += ",\"mean_of_copies\":" + std::to_string(t.replicas);  // sum(copies) / n, as ds_to_universal.py averages
     body += ",\"fragments\":[";
     if (t.error.empty() && unrendered != nullptr) {
       *unrendered += t.fragments_json_bytes;
