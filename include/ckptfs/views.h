@@ -176,9 +176,9 @@ class View {
   uint64_t FindChild(const Node& dir, std::string_view name) const;
   // A lazy .npy / .raw layout, from the tensor record alone.
   FileLayout TensorFileLayout(const Node& n) const;
-  // info.json of a parameter directory. With `unrendered`, the fragment
-  // lists are left out and their recorded lengths summed there instead.
-  Status InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) const;
+  // info.json of a parameter directory. With `size_only`, nothing is made:
+  // its size is added there (the fragment lists' from their recorded lengths).
+  Status InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const;
   Status AddExport(uint64_t root, const ExportFile& x);
 
   const Index& index_;

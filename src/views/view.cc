@@ -505,7 +505,7 @@ std::string View::PathOfLocked(uint64_t ino) const {
   return out.empty() ? "/" : out;
 }
 
-Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) const {
+Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const {
   const Node* dir = Get(n.parent);
   std::vector<TensorId> ids;
   for (uint64_t ino : dir->children) {
@@ -513,6 +513,23 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) cons
     if (c->name.size() > 4 && c->name.compare(c->name.size() - 4, 4, ".raw") == 0) ids.push_back(c->tensor);
   }
   FileLayout l;
+  // Sizing only (`size_only` given): the bytes are counted there, and no
+  // layout is made.
+  auto emit = [&](std::string& literal, const TensorId* hash) {
+    if (size_only != nullptr) {
+      *size_only += literal.size() + (hash != nullptr ? 16 : 0);
+    } else {
+      l.Add(LiteralSegment(literal));
+      if (hash != nullptr) {
+        Segment h;
+        h.kind = SegmentKind::kHash;
+        h.size = 16;
+        h.tensor = *hash;
+        l.Add(h);
+      }
+    }
+    literal.clear();
+  };
   // The JSON is written by hand: around the hash placeholders, so that each
   // hash lands at a known offset as a kHash segment, and throughout, because
   // `ls -l` sizes every info.json of a fresh mount (this runs once for each).
@@ -535,8 +552,8 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) cons
     if (!t.error.empty()) body += ",\"error\":" + JsonEscape(t.error);
     if (t.replicas > 1) body += ",\"mean_of_copies\":" + std::to_string(t.replicas);  // sum(copies) / n, as ds_to_universal.py averages
     body += ",\"fragments\":[";
-    if (t.error.empty() && unrendered != nullptr) {
-      *unrendered += t.fragments_json_bytes;
+    if (t.error.empty() && size_only != nullptr) {
+      *size_only += t.fragments_json_bytes;
     } else if (t.error.empty()) {
       ASSIGN_OR_RETURN(std::vector<Fragment> fs, index_.Fragments(id));
       const size_t before = body.size();
@@ -556,17 +573,11 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* unrendered) cons
       continue;
     }
     text += "\"";
-    l.Add(LiteralSegment(text));
-    text.clear();
-    Segment h;
-    h.kind = SegmentKind::kHash;
-    h.size = 16;
-    h.tensor = id;
-    l.Add(h);
+    emit(text, &id);
     text = "\"}";
   }
   text += "\n  }\n}\n";
-  l.Add(LiteralSegment(text));
+  emit(text, nullptr);
   *out = std::move(l);
   return Status::Ok();
 }
@@ -608,10 +619,10 @@ Result<uint64_t> View::Size(uint64_t ino) const {
   Node* m = const_cast<Node*>(n);
   if (m->made) return m->layout->size;
   if (m->lazy_size == UINT64_MAX) {
-    FileLayout l;
-    uint64_t unrendered = 0;
-    RETURN_IF_ERROR(InfoJson(*m, &l, &unrendered));
-    m->lazy_size = l.size + unrendered;
+    FileLayout unused;
+    uint64_t size = 0;
+    RETURN_IF_ERROR(InfoJson(*m, &unused, &size));
+    m->lazy_size = size;
   }
   return m->lazy_size;
 }

@@ -40,6 +40,8 @@ TEST(DTypeTest, NamesSizesAndNumpy) {
   EXPECT_EQ(NpyDType(DType::kF16), DType::kF16);
   EXPECT_EQ(Hex64(0xabc), "0000000000000abc");
   EXPECT_EQ(JsonEscape("a\"b\n"), "\"a\\\"b\\n\"");
+  EXPECT_EQ(JsonEscape("layers.0.mlp.w"), "\"layers.0.mlp.w\"");  // nothing to escape
+  EXPECT_EQ(JsonEscape("a\\b\x7f\x01"), "\"a\\\\b\x7f\\u0001\"");
 }
 
 }  // namespace
