@@ -165,8 +165,6 @@ class View {
   Status AddTopo(const Topology& t);  // topo/<t.Name()>/ and its files
   // hf/'s files, planned on first use (a failure is logged and becomes hf/ERRORS).
   void EnsureHf() const;
-  // What a listing of `ino` needs made first (topo/'s own layout, hf/).
-  void PrepareListing(uint64_t ino) const;
   const Node* GetLocked(uint64_t ino) const;
   std::string PathOfLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,
@@ -176,8 +174,9 @@ class View {
   uint64_t FindChild(const Node& dir, std::string_view name) const;
   // A lazy .npy / .raw layout, from the tensor record alone.
   FileLayout TensorFileLayout(const Node& n) const;
-  // info.json of a parameter directory. With `size_only`, nothing is made:
-  // its size is added there (the fragment lists' from their recorded lengths).
+  // info.json of a parameter directory into `out`; or, with `size_only` (and
+  // `out` null), nothing is made: its size is added there (the fragment
+  // lists' from their recorded lengths).
   Status InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const;
   Status AddExport(uint64_t root, const ExportFile& x);
 

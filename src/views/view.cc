@@ -412,29 +412,21 @@ const Node* View::Lookup(uint64_t parent, std::string_view name) const {
 }
 
 std::vector<std::tuple<std::string, uint64_t, bool>> View::List(uint64_t ino) const {
-  PrepareListing(ino);
-  std::shared_lock lock(tree_mu_);
-  std::vector<std::tuple<std::string, uint64_t, bool>> out;
-  const Node* n = GetLocked(ino);
-  if (n == nullptr) return out;
-  out.reserve(n->children.size());
-  for (uint64_t child : n->children) {
-    const Node* c = GetLocked(child);
-    if (c->stats) continue;  // open by name only (see Node::stats)
-    out.emplace_back(c->name, child, c->is_dir);
+  std::vector<Child> children = ListFrom(ino, 0, SIZE_MAX);
+  if (ino == topo_dir_) {  // paged in creation order; listed whole in name order
+    std::sort(children.begin(), children.end(), [](const Child& x, const Child& y) { return x.name < y.name; });
   }
+  std::vector<std::tuple<std::string, uint64_t, bool>> out;
+  out.reserve(children.size());
+  for (Child& c : children) out.emplace_back(std::move(c.name), c.ino, c.is_dir);
   return out;
 }
 
-void View::PrepareListing(uint64_t ino) const {
+std::vector<View::Child> View::ListFrom(uint64_t ino, uint64_t from, size_t max) const {
   // The source's own layout is listed in topo/ from the first listing on: it
   // is planned then (not at mount time, which `ckptfs cat` pays too).
   if (ino == topo_dir_ && !index_.info().topology.empty()) Lookup(topo_dir_, index_.info().topology);
   if (ino == hf_dir_) EnsureHf();
-}
-
-std::vector<View::Child> View::ListFrom(uint64_t ino, uint64_t from, size_t max) const {
-  PrepareListing(ino);
   // Before the children are read: an entry added after this moves the mtime
   // (Lookup), one added before is in this listing.
   if (ino == topo_dir_) topo_listed_.store(true);
@@ -578,7 +570,7 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const
   }
   text += "\n  }\n}\n";
   emit(text, nullptr);
-  *out = std::move(l);
+  if (out != nullptr) *out = std::move(l);
   return Status::Ok();
 }
 
@@ -619,9 +611,8 @@ Result<uint64_t> View::Size(uint64_t ino) const {
   Node* m = const_cast<Node*>(n);
   if (m->made) return m->layout->size;
   if (m->lazy_size == UINT64_MAX) {
-    FileLayout unused;
     uint64_t size = 0;
-    RETURN_IF_ERROR(InfoJson(*m, &unused, &size));
+    RETURN_IF_ERROR(InfoJson(*m, nullptr, &size));
     m->lazy_size = size;
   }
   return m->lazy_size;
