@@ -1,9 +1,15 @@
-// ckptfs_null_fuse: the read ceiling of a FUSE daemon on this kernel, for
-// bench/read_bench.py (issue 18). A flat read-only tree of N regular files of
+// ckptfs_null_fuse: the ceilings of a FUSE daemon on this kernel (issue 18).
+//
+// Reads, for bench/read_bench.py: a flat read-only tree of N regular files of
 // given sizes whose read handler does no work at all: it answers every
 // request with fuse_reply_buf over a static, preallocated buffer. Whatever
 // GB/s a reader gets from it is what the kernel <-> /dev/fuse round trip
 // allows; ckptfs's reads are measured as a fraction of it.
+//
+// Listings, for bench/scale_bench.py: --tree FILE serves a tree of that shape
+// (lines "d<TAB>path<TAB>bytes" and "f<TAB>path<TAB>bytes", parents before children,
+// children in listing order) from attributes computed before mounting, so an
+// `ls -lR` of it costs the kernel's and the round trips' share only.
 //
 // Every connection and session setting is the one src/fuse/fuse_adapter.cc
 // uses, so the kernel treats both daemons alike (keep this list in sync):
@@ -20,13 +26,16 @@
 //   entries         entry/attr timeouts 86400 s, negative entries cached,
 //                   st_blksize 1 MiB, st_blocks 0
 //   open            keep_cache = 1, direct_io = 0
-//   opendir         keep_cache = 1, cache_readdir = 1; readdir only (no
-//                   readdirplus handler, as ckptfs)
+//   listings        READDIRPLUS wanted, READDIRPLUS_AUTO not; OPENDIR answered
+//                   ENOSYS when NO_OPENDIR_SUPPORT is capable (the kernel opens
+//                   and caches directories itself), else keep_cache and
+//                   cache_readdir; offsets 0 ".", 1 "..", child i at i + 2;
+//                   directories' st_blksize 4096
 //   read            reply through fuse_reply_buf (writev; the splice path is
 //                   not used for it, as in ckptfs)
 //
 //   ckptfs_null_fuse MOUNTPOINT [--threads N] [--file NAME:BYTES]...
-//                    [--files N --size BYTES] [--stats FILE] [--no-raise-readahead]
+//                    [--files N --size BYTES] [--tree FILE] [--stats FILE] [--no-raise-readahead]
 //                    [--source PATH --mode pread|splice|map]
 //
 // --source serves the bytes of a real file instead (offsets wrap at its size),
@@ -57,20 +66,28 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace {
 
 constexpr double kTimeout = 86400.0;       // fuse_adapter.cc kTimeout
 constexpr unsigned kMaxRequest = 1u << 20; // fuse_adapter.cc kMaxRequest
-constexpr fuse_ino_t kFirstFile = 2;       // inode 1 is the root
 
-struct NullFile {
+// Inode i + 1 is g_nodes[i]; inode 1 is the root.
+struct Node {
   std::string name;
+  fuse_ino_t parent = FUSE_ROOT_ID;
+  bool dir = false;
   uint64_t size = 0;
+  uint32_t subdirs = 0;
+  std::vector<fuse_ino_t> children;  // in listing order
 };
 
-std::vector<NullFile> g_files;
+std::vector<Node> g_nodes(1, Node{"", FUSE_ROOT_ID, true, 0, 0, {}});
+std::unordered_map<std::string, fuse_ino_t> g_by_path;  // "" is the root
+std::unordered_map<std::string, fuse_ino_t> g_by_entry;  // "<parent ino>/<name>"
+std::atomic<bool> g_no_opendir{false};
 int g_src_fd = -1;
 uint64_t g_src_size = 0;
 bool g_splice = false;
@@ -83,19 +100,65 @@ alignas(4096) char g_data[kMaxRequest];
 std::atomic<uint64_t> g_reads{0}, g_bytes{0};
 std::atomic<uint64_t> g_hist[32];
 
-const NullFile* FileOf(fuse_ino_t ino) {
-  if (ino < kFirstFile || ino - kFirstFile >= g_files.size()) return nullptr;
-  return &g_files[ino - kFirstFile];
+const Node* NodeOf(fuse_ino_t ino) { return ino >= 1 && ino <= g_nodes.size() ? &g_nodes[ino - 1] : nullptr; }
+
+const Node* FileOf(fuse_ino_t ino) {
+  const Node* n = NodeOf(ino);
+  return n != nullptr && !n->dir ? n : nullptr;
+}
+
+// Adds a node under the directory `parent`; false when parent is a file.
+bool AddNode(fuse_ino_t parent, std::string name, bool dir, uint64_t size) {
+  Node& p = g_nodes[parent - 1];
+  if (!p.dir) return false;
+  const fuse_ino_t ino = g_nodes.size() + 1;
+  p.children.push_back(ino);
+  if (dir) ++p.subdirs;
+  g_by_entry.emplace(std::to_string(parent) + "/" + name, ino);
+  g_nodes.push_back(Node{std::move(name), parent, dir, size, 0, {}});
+  return true;
+}
+
+// --tree FILE: "d\tpath\tbytes" / "f\tpath\tbytes", a parent before its children.
+bool LoadTree(const char* path) {
+  FILE* f = std::fopen(path, "re");
+  if (f == nullptr) return false;
+  g_by_path.emplace("", FUSE_ROOT_ID);
+  char* line = nullptr;
+  size_t cap = 0;
+  bool ok = true;
+  for (ssize_t len; ok && (len = ::getline(&line, &cap, f)) > 0;) {
+    std::string l(line, static_cast<size_t>(len));
+    if (l.back() == '\n') l.pop_back();
+    const size_t t1 = l.find('\t');
+    const size_t t2 = l.find('\t', t1 == std::string::npos ? t1 : t1 + 1);
+    if (l.size() < 3 || (l[0] != 'd' && l[0] != 'f') || t1 != 1) {
+      ok = false;
+      break;
+    }
+    const bool dir = l[0] == 'd';
+    const std::string rel = l.substr(2, t2 == std::string::npos ? std::string::npos : t2 - 2);
+    const uint64_t size = t2 == std::string::npos ? 0 : std::strtoull(l.c_str() + t2 + 1, nullptr, 10);
+    const size_t slash = rel.rfind('/');
+    auto parent = g_by_path.find(slash == std::string::npos ? std::string() : rel.substr(0, slash));
+    ok = parent != g_by_path.end() &&
+         AddNode(parent->second, slash == std::string::npos ? rel : rel.substr(slash + 1), dir, size);
+    if (ok && dir) g_by_path.emplace(rel, g_nodes.size());
+  }
+  std::free(line);
+  std::fclose(f);
+  g_by_path.clear();
+  return ok;
 }
 
 void FillStat(fuse_ino_t ino, struct stat* st) {
   std::memset(st, 0, sizeof(*st));
   st->st_ino = ino;
-  const NullFile* f = FileOf(ino);
-  st->st_mode = f == nullptr ? (S_IFDIR | 0555) : (S_IFREG | 0444);
-  st->st_nlink = f == nullptr ? 2 : 1;
-  st->st_size = f == nullptr ? 0 : static_cast<off_t>(f->size);
-  st->st_blksize = 1 << 20;
+  const Node& n = *NodeOf(ino);
+  st->st_mode = n.dir ? (S_IFDIR | 0555) : (S_IFREG | 0444);
+  st->st_nlink = n.dir ? 2 + n.subdirs : 1;
+  st->st_size = static_cast<off_t>(n.size);
+  st->st_blksize = n.dir ? 4096 : 1 << 20;
   st->st_blocks = 0;
   st->st_uid = ::getuid();
   st->st_gid = ::getgid();
@@ -105,6 +168,10 @@ void OnInit(void*, fuse_conn_info* conn) {
   conn->max_write = kMaxRequest;
   conn->max_readahead = kMaxRequest;
   if (conn->capable & FUSE_CAP_SPLICE_WRITE) conn->want |= FUSE_CAP_SPLICE_WRITE;
+  if (conn->capable & FUSE_CAP_READDIRPLUS) conn->want |= FUSE_CAP_READDIRPLUS;
+  conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
+  g_no_opendir.store((conn->capable & FUSE_CAP_NO_OPENDIR_SUPPORT) != 0);
+  if (conn->capable & FUSE_CAP_AUTO_INVAL_DATA) conn->want |= FUSE_CAP_AUTO_INVAL_DATA;
   conn->want &= ~FUSE_CAP_ASYNC_READ;
   conn->want |= conn->capable & FUSE_CAP_ASYNC_READ;
 }
@@ -113,22 +180,19 @@ void OnLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   fuse_entry_param e{};
   e.entry_timeout = kTimeout;
   e.attr_timeout = kTimeout;
-  if (parent == FUSE_ROOT_ID) {
-    for (size_t i = 0; i < g_files.size(); ++i) {
-      if (g_files[i].name == name) {
-        e.ino = kFirstFile + i;
-        FillStat(e.ino, &e.attr);
-        fuse_reply_entry(req, &e);
-        return;
-      }
-    }
+  auto it = g_by_entry.find(std::to_string(parent) + "/" + name);
+  if (it != g_by_entry.end()) {
+    e.ino = it->second;
+    FillStat(e.ino, &e.attr);
+    fuse_reply_entry(req, &e);
+    return;
   }
   e.ino = 0;  // negative entry, cached for entry_timeout
   fuse_reply_entry(req, &e);
 }
 
 void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
-  if (ino != FUSE_ROOT_ID && FileOf(ino) == nullptr) {
+  if (NodeOf(ino) == nullptr) {
     fuse_reply_err(req, ENOENT);
     return;
   }
@@ -138,7 +202,12 @@ void OnGetattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info*) {
 }
 
 void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
-  if (ino != FUSE_ROOT_ID) {
+  if (g_no_opendir.load()) {
+    fuse_reply_err(req, ENOSYS);
+    return;
+  }
+  const Node* n = NodeOf(ino);
+  if (n == nullptr || !n->dir) {
     fuse_reply_err(req, ENOTDIR);
     return;
   }
@@ -147,22 +216,48 @@ void OnOpendir(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   fuse_reply_open(req, fi);
 }
 
-void OnReaddir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, fuse_file_info*) {
-  std::vector<char> buf(size);
+// One page of a listing: "." at offset 0, ".." at 1, child i at i + 2, each
+// entry's `off` the offset of the next; `plus` adds its attributes.
+void ReplyListing(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, bool plus) {
+  const Node* n = NodeOf(ino);
+  if (n == nullptr || !n->dir) {
+    fuse_reply_err(req, ENOTDIR);
+    return;
+  }
+  thread_local std::vector<char> buf;
+  if (buf.size() < size) buf.resize(size);
   size_t used = 0;
-  for (size_t i = static_cast<size_t>(off); i < g_files.size(); ++i) {
-    struct stat st{};
-    st.st_ino = kFirstFile + i;
-    st.st_mode = S_IFREG;
-    size_t n = fuse_add_direntry(req, buf.data() + used, size - used, g_files[i].name.c_str(), &st,
-                                 static_cast<off_t>(i + 1));
-    if (n > size - used) break;
-    used += n;
+  for (size_t pos = static_cast<size_t>(off); pos < n->children.size() + 2; ++pos) {
+    const fuse_ino_t child = pos == 0 ? ino : pos == 1 ? n->parent : n->children[pos - 2];
+    const char* name = pos == 0 ? "." : pos == 1 ? ".." : g_nodes[child - 1].name.c_str();
+    fuse_entry_param e{};
+    e.attr.st_ino = child;
+    e.attr.st_mode = NodeOf(child)->dir ? S_IFDIR : S_IFREG;
+    size_t len;
+    if (plus) {
+      if (pos >= 2) {  // "." and ".." carry no entry (no lookup count), as in ckptfs
+        e.ino = child;
+        e.entry_timeout = kTimeout;
+        e.attr_timeout = kTimeout;
+        FillStat(child, &e.attr);
+      }
+      len = fuse_add_direntry_plus(req, buf.data() + used, size - used, name, &e, static_cast<off_t>(pos + 1));
+    } else {
+      len = fuse_add_direntry(req, buf.data() + used, size - used, name, &e.attr, static_cast<off_t>(pos + 1));
+    }
+    if (len > size - used) break;
+    used += len;
   }
   fuse_reply_buf(req, buf.data(), used);
 }
 
-void OnReleasedir(fuse_req_t req, fuse_ino_t, fuse_file_info*) { fuse_reply_err(req, 0); }
+void OnReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info*) {
+  ReplyListing(req, ino, size, off, false);
+}
+
+void OnReaddirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info*) {
+  ReplyListing(req, ino, size, off, true);
+}
 
 void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
   if (FileOf(ino) == nullptr) {
@@ -179,7 +274,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
 }
 
 void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info*) {
-  const NullFile* f = FileOf(ino);
+  const Node* f = FileOf(ino);
   if (f == nullptr) {
     fuse_reply_err(req, EISDIR);
     return;
@@ -225,7 +320,7 @@ void OnStatfs(fuse_req_t req, fuse_ino_t) {
   struct statvfs sv{};
   sv.f_bsize = 1 << 20;
   sv.f_frsize = 4096;
-  sv.f_files = g_files.size() + 1;
+  sv.f_files = g_nodes.size();
   sv.f_namemax = 255;
   sv.f_flag = ST_RDONLY;
   fuse_reply_statfs(req, &sv);
@@ -277,7 +372,7 @@ uint64_t ParseBytes(const char* s) {
 int Usage() {
   std::fprintf(stderr,
                "usage: ckptfs_null_fuse MOUNTPOINT [--threads N] [--file NAME:BYTES]... "
-               "[--files N --size BYTES] [--stats FILE] [--no-raise-readahead] [-d]\n");
+               "[--files N --size BYTES] [--tree FILE] [--stats FILE] [--no-raise-readahead] [-d]\n");
   return 2;
 }
 
@@ -299,11 +394,16 @@ int main(int argc, char** argv) {
     } else if (a == "--file" && (v = next())) {
       const char* colon = std::strrchr(v, ':');
       if (colon == nullptr || colon == v) return Usage();
-      g_files.push_back({std::string(v, colon), ParseBytes(colon + 1)});
+      AddNode(FUSE_ROOT_ID, std::string(v, colon), false, ParseBytes(colon + 1));
     } else if (a == "--files" && (v = next())) {
       n_files = std::strtoull(v, nullptr, 10);
     } else if (a == "--size" && (v = next())) {
       size = ParseBytes(v);
+    } else if (a == "--tree" && (v = next())) {
+      if (!LoadTree(v)) {
+        std::fprintf(stderr, "null_fuse: cannot read the tree %s (lines d|f<TAB>path<TAB>bytes)\n", v);
+        return 1;
+      }
     } else if (a == "--stats" && (v = next())) {
       stats = v;
     } else if (a == "--source" && (v = next())) {
@@ -328,9 +428,9 @@ int main(int argc, char** argv) {
   for (uint64_t i = 0; i < n_files; ++i) {
     char name[32];
     std::snprintf(name, sizeof(name), "f%llu", static_cast<unsigned long long>(i));
-    g_files.push_back({name, size});
+    AddNode(FUSE_ROOT_ID, name, false, size);
   }
-  if (g_files.empty()) g_files.push_back({"f0", 1ull << 30});
+  if (g_nodes.size() == 1) AddNode(FUSE_ROOT_ID, "f0", false, 1ull << 30);
   if (g_map) {
     void* m = ::mmap(nullptr, g_src_size, PROT_READ, MAP_SHARED, g_src_fd, 0);
     if (m == MAP_FAILED) {
@@ -347,7 +447,7 @@ int main(int argc, char** argv) {
   ops.getattr = OnGetattr;
   ops.opendir = OnOpendir;
   ops.readdir = OnReaddir;
-  ops.releasedir = OnReleasedir;
+  ops.readdirplus = OnReaddirplus;
   ops.open = OnOpen;
   ops.read = OnRead;
   ops.statfs = OnStatfs;

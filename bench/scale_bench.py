@@ -8,12 +8,15 @@ each measured in one run against the targets:
                built (target < 1 s), daemon RSS after the listing (<= 256 MiB);
   ls -lR       of the whole tree on a fresh mount (target < 1 s for 100k files),
                then again on the same mount (listings cached by the kernel);
+               its ceiling: the same tree served by bench/null_fuse.cc --tree,
+               a daemon with the adapter's settings and no work to do;
   reference    every sampled tensor (REF.npz, written by the generator from the
                values it saved) equals what the mount serves, bit for bit.
 
 Inputs are generated once into --out (default bench/out/scale) and reused:
 
-  dcp       bench/scale/make_dcp_scale.py: 96 ranks x 16384 tensors, 1.57M chunks
+  dcp       bench/scale/make_dcp_scale.py: 112 ranks x 16384 tensors, 1.84M chunks,
+            a 209 MiB .metadata
             (torch's SavePlan / FileSystemWriter)
   deepspeed bench/scale/make_deepspeed_scale.py: ZeRO-2 at DP=768, re-partitioned
             from a real engine save with DeepSpeed's own geometry
@@ -24,7 +27,7 @@ Inputs are generated once into --out (default bench/out/scale) and reused:
 Read throughput against the null-FUSE ceiling is bench/read_bench.py
 (`bash bench/run.sh scale` runs both).
 
-    python bench/scale_bench.py [--inputs dcp,deepspeed,bloom,megatron] [--dcp-ranks 96 --dcp-tensors 16384]
+    python bench/scale_bench.py [--inputs dcp,deepspeed,bloom,megatron] [--dcp-ranks 112 --dcp-tensors 16384]
 """
 import argparse
 import json
@@ -94,16 +97,23 @@ def inputs(a):
 
 
 def generate(name, a, out):
-    """Makes input `name` under out/ unless it is there; returns (ckpt dir, ref npz)."""
+    """Makes input `name` under out/ unless it is there, made with the same
+    generator arguments (out/<name>.args); returns (ckpt dir, ref npz)."""
     ckpt, ref = os.path.join(out, name), os.path.join(out, name + ".ref.npz")
-    if os.path.exists(ref):
-        return ckpt, ref
     script, args = inputs(a)[name]
-    script = os.path.join(HERE, "scale", script)
+    stamp = os.path.join(out, name + ".args")
+    made_with = open(stamp).read() if os.path.exists(stamp) else None
+    if os.path.exists(ref) and made_with == json.dumps([script] + args):
+        return ckpt, ref
     shutil.rmtree(ckpt, ignore_errors=True)
+    for old in (ref, stamp):
+        if os.path.exists(old):
+            os.remove(old)
     print(f"{name}: generating (once) ...", flush=True)
     t0 = time.time()
-    subprocess.run([sys.executable, script, ckpt, "--ref", ref] + args, check=True)
+    subprocess.run([sys.executable, os.path.join(HERE, "scale", script), ckpt, "--ref", ref] + args, check=True)
+    with open(stamp, "w") as f:
+        f.write(json.dumps([script] + args))
     print(f"{name}: generated in {time.time() - t0:.0f} s", flush=True)
     return ckpt, ref
 
@@ -113,23 +123,71 @@ def ratio(value, target, higher_is_better):
     return f"{r:5.2f}x {'ok' if r >= 1.0 else 'MISSED'}"
 
 
-def native_ls_lR(mnt, out):
+def tree_of(mnt):
+    """The mount's tree: [(relative path, is_dir, size)], a parent before its
+    children and each directory's children in the order it lists them."""
+    entries, todo = [], [""]
+    while todo:
+        rel = todo.pop(0)
+        with os.scandir(os.path.join(mnt, rel)) as it:
+            for e in it:
+                path = os.path.join(rel, e.name) if rel else e.name
+                st = e.stat(follow_symlinks=False)
+                is_dir = e.is_dir(follow_symlinks=False)
+                entries.append((path, is_dir, st.st_size))
+                if is_dir:
+                    todo.append(path)
+    return entries
+
+
+def timed_ls_lR(root):
+    t0 = time.perf_counter()
+    subprocess.run(["ls", "-lR", root], capture_output=True, check=True)
+    return time.perf_counter() - t0
+
+
+def native_ls_lR(tree, out):
     """`ls -lR` of the same tree shape (directories and empty files, made
     in `out`'s file system, caches warm): what the VM does without FUSE."""
-    tree = tempfile.mkdtemp(prefix="ckptfs-scale-lsref-", dir=out)
+    root = tempfile.mkdtemp(prefix="ckptfs-scale-lsref-", dir=out)
     try:
-        for d, dirs, files in os.walk(mnt):
-            rel = os.path.relpath(d, mnt)
-            for x in dirs:
-                os.makedirs(os.path.join(tree, rel, x), exist_ok=True)
-            for x in files:
-                open(os.path.join(tree, rel, x), "wb").close()
-        subprocess.run(["ls", "-lR", tree], capture_output=True, check=True)  # warm
-        t0 = time.perf_counter()
-        subprocess.run(["ls", "-lR", tree], capture_output=True, check=True)
-        return time.perf_counter() - t0
+        for path, is_dir, _ in tree:
+            if is_dir:
+                os.mkdir(os.path.join(root, path))
+            else:
+                open(os.path.join(root, path), "wb").close()
+        timed_ls_lR(root)  # warm
+        return timed_ls_lR(root)
     finally:
-        shutil.rmtree(tree, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def null_fuse_ls_lR(tree, null_fuse):
+    """`ls -lR` of the same tree (names, sizes, listing order) served by
+    ckptfs_null_fuse (bench/null_fuse.cc): the adapter's settings and replies
+    built before mounting, so no daemon can list faster on this kernel.
+    Returns (fresh mount s, again s)."""
+    mnt = tempfile.mkdtemp(prefix="ckptfs-scale-null-mnt-")
+    spec = mnt + ".tree"
+    with open(spec, "w") as f:
+        for path, is_dir, size in tree:
+            f.write(f"{'d' if is_dir else 'f'}\t{path}\t{size}\n")
+    proc = subprocess.Popen([null_fuse, mnt, "--tree", spec], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(1000):
+            if os.path.ismount(mnt):
+                break
+            if proc.poll() is not None:
+                sys.exit(f"null_fuse failed: {proc.stderr.read().decode()}")
+            time.sleep(0.01)
+        os.stat(os.path.join(mnt, "params"))
+        return timed_ls_lR(mnt), timed_ls_lR(mnt)
+    finally:
+        subprocess.run(["umount", mnt], capture_output=True)
+        proc.wait(timeout=30)
+        os.remove(spec)
+        if not os.path.ismount(mnt):
+            os.rmdir(mnt)
 
 
 def bench_one(name, ckpt, ref, a):
@@ -165,7 +223,9 @@ def bench_one(name, ckpt, ref, a):
         res["ls_lR_again_s"] = time.perf_counter() - t0
         pid = daemon_pid(mnt)
         res["daemon_rss"] = rss_of(pid) if pid else 0
-        res["ls_lR_native_s"] = native_ls_lR(mnt, a.out)
+        tree = tree_of(mnt)
+        res["ls_lR_native_s"] = native_ls_lR(tree, a.out)
+        res["ls_lR_null_s"], res["ls_lR_null_again_s"] = null_fuse_ls_lR(tree, a.null_fuse)
         bad = []
         with np.load(ref) as z:
             for key in z.files:
@@ -189,9 +249,10 @@ def bench_one(name, ckpt, ref, a):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "ckptfs"))
+    ap.add_argument("--null-fuse", default=os.path.join(ROOT, "build", "ckptfs_null_fuse"))
     ap.add_argument("--out", default=os.path.join(HERE, "out", "scale"))
     ap.add_argument("--inputs", default="dcp,deepspeed,bloom,megatron")
-    ap.add_argument("--dcp-ranks", type=int, default=96)
+    ap.add_argument("--dcp-ranks", type=int, default=112)
     ap.add_argument("--dcp-tensors", type=int, default=16384)
     ap.add_argument("--megatron-tensors", type=int, default=100000)
     a = ap.parse_args()
@@ -215,6 +276,8 @@ def main():
               f"{ratio(r['ls_lR_s'], max(r['files'], 1) / 100_000, False)}")
         print(f"    again on the same mount: {r['ls_lR_again_s']:.3f} s; the same tree on this machine's own "
               f"file system, warm: {r['ls_lR_native_s']:.3f} s")
+        print(f"    ceiling: the same tree from the null FUSE daemon {r['ls_lR_null_s']:.3f} s fresh "
+              f"({r['ls_lR_null_again_s']:.3f} s again); ckptfs at {r['ls_lR_null_s'] / r['ls_lR_s']:.2f}x of it")
         print(f"  reference        {r['reference_checked']} tensors, "
               f"{'all equal' if not r['reference_mismatches'] else 'MISMATCH: ' + ', '.join(r['reference_mismatches'])}")
     path = os.path.join(a.out, f"scale-{os.uname().nodename}.json")

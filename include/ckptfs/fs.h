@@ -36,13 +36,17 @@ struct Attr {
 };
 
 // A read answered as pieces for one writev (Filesystem::ReadMapped): mapped
-// source bytes and the literal bytes (headers, CRCs) copied into `scratch`.
+// source bytes, and the reply's own bytes (headers, CRCs, elements converted
+// from mappings) written into `scratch`, whose first `used` bytes are taken.
+// It never reallocates during a read (pieces point into it) and keeps its
+// size between reads (a FUSE worker's, like its reply buffer).
 struct MappedRead {
   MappedBytes bytes;
-  std::string scratch;
+  std::vector<char> scratch;
+  size_t used = 0;
   void Clear() {
     bytes.Clear();
-    scratch.clear();
+    used = 0;
   }
 };
 
@@ -161,9 +165,12 @@ class Filesystem {
   std::unique_ptr<View> view_;
   std::unique_ptr<TensorReader> reader_;
   int64_t mtime_ns_ = 0;
+  // Copies of source bytes are replied from the sources' mappings; so are
+  // conversions (bf16 -> f32 and the like) once the process's SIGBUS guard
+  // is installed (InstallSigbusGuard; the mount does it).
   bool mapped_reads_ = true;
   // Counters for .ckptfs/stats: relaxed atomics, no lock on any FUSE path.
-  std::atomic<uint64_t> reads_{0}, bytes_{0}, errors_{0}, opens_{0}, mapped_reads_count_{0};
+  std::atomic<uint64_t> reads_{0}, bytes_{0}, errors_{0}, opens_{0}, mapped_reads_count_{0}, mapped_conversions_{0};
   mutable std::atomic<uint64_t> lookups_{0}, getattrs_{0}, listings_{0};
   LatencyHistogram latency_;
   int64_t start_ns_ = 0;  // steady clock at Open, for uptime_s

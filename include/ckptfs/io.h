@@ -69,6 +69,24 @@ struct MappedBytes {
   }
 };
 
+// A read planned as a conversion of source spans (PlanConvert): the spans'
+// elements, of dtype `src`, rendered as `out`, are the request's bytes once
+// the first `skip` bytes are dropped, `len` bytes in all.
+struct ConvertPlan {
+  std::vector<SourceSpan> spans;
+  DType src = DType::kF32, out = DType::kF32;
+  uint64_t skip = 0, len = 0;
+};
+
+// Reading mapped source bytes in this process (TensorReader::ConvertMapped).
+// A source file cut short under a mapping raises SIGBUS in the reading
+// thread. Once InstallSigbusGuard has run (the mount calls it), RunGuarded
+// returns false when fn(arg) faulted so; any other SIGBUS keeps the
+// disposition it had. fn must neither lock nor allocate where it may fault.
+Status InstallSigbusGuard();
+bool SigbusGuardInstalled();
+bool RunGuarded(void (*fn)(void*), void* arg);
+
 struct IoRequest {
   int fd = -1;
   uint64_t offset = 0;
@@ -136,6 +154,15 @@ class TensorReader {
   // PlanCopy declined ranges known bad). For the kernel only (a writev):
   // reading them here would fault if a file shrank since the check.
   Status MapSpans(std::span<const SourceSpan> spans, MappedBytes* out);
+  // As PlanCopy, for a rendering that converts every element of one source
+  // dtype (bf16 -> f32 and the like): the spans cover whole elements.
+  bool PlanConvert(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,
+                   ConvertPlan* plan);
+  // Writes plan.len bytes to dst, converted straight from the sources'
+  // mappings (MapSpans' checks first): no read into a buffer, and the
+  // kernel's mmap read-around on a cold source. Needs InstallSigbusGuard(); a
+  // source cut short between the check and the conversion is kStale.
+  Status ConvertMapped(const ConvertPlan& plan, char* dst);
   // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.
   Result<uint64_t> Xxh3Raw(TensorId id);
   // CRC-32 (zlib polynomial) of the tensor rendered as `out` (kBytes: its
@@ -195,6 +222,11 @@ class TensorReader {
   Status ReadMean(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
                   uint64_t e1, char* base);
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
+  // FragmentsOf for PlanCopy / PlanConvert: null when a range they lie in
+  // failed its check (or is unchecked under verify_on_read_).
+  std::shared_ptr<const std::vector<Fragment>> SpanFragments(TensorId id);
+  bool CollectRuns(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType src, uint64_t e0,
+                   uint64_t e1, size_t max_spans, std::vector<std::pair<uint64_t, SourceSpan>>* runs) const;
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
   // Decompressed bytes [off, off + len) of f's item, as (bytes, where `off`
   // lies in them): the whole cached item when it is small (no copy), else

@@ -11,6 +11,10 @@
 namespace ckptfs {
 namespace {
 
+// Source spans one converted piece of a mapped read may take (a TP merge of
+// a widened tensor is a span per row): the daemon walks them, not the kernel.
+constexpr size_t kMaxConvertSpans = 1 << 16;
+
 int64_t SteadyNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
@@ -303,23 +307,55 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
   const FileLayout& layout = **layout_or;
   if (offset >= layout.size) return false;
   size = static_cast<size_t>(std::min<uint64_t>(size, layout.size - offset));
-  // Literal pieces point into `scratch`, which never grows past `size`.
-  r->scratch.reserve(size);
+  // The reply's own bytes go to `scratch`, which holds a whole request, so
+  // it never reallocates under the pieces that point into it.
+  if (r->scratch.size() < size) r->scratch.resize(size);
+  auto take = [&](uint64_t n) -> char* {
+    if (n > r->scratch.size() - r->used) return nullptr;
+    char* at = r->scratch.data() + r->used;
+    r->used += n;
+    return at;
+  };
+  auto own = [&](const char* at, uint64_t n) {  // a piece of scratch, joined to the previous one if adjacent
+    auto& pieces = r->bytes.pieces;
+    if (!pieces.empty() && static_cast<char*>(pieces.back().iov_base) + pieces.back().iov_len == at) {
+      pieces.back().iov_len += n;
+    } else {
+      pieces.push_back(iovec{const_cast<char*>(at), n});
+    }
+  };
   auto literal = [&](const char* p, uint64_t n) {
-    if (r->scratch.size() + n > r->scratch.capacity()) return false;
-    r->bytes.pieces.push_back(iovec{r->scratch.data() + r->scratch.size(), n});
-    r->scratch.append(p, n);
+    char* at = take(n);
+    if (at == nullptr) return false;
+    std::memcpy(at, p, n);
+    own(at, n);
     return true;
   };
   thread_local std::vector<SourceSpan> spans;
+  thread_local ConvertPlan convert;
+  bool converted = false;
   const bool all = ForEachSegment(layout, offset, size, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t) {
     const size_t room = max_pieces - std::min(max_pieces, r->bytes.pieces.size());
     switch (s.kind) {
       case SegmentKind::kLiteral:
         return room > 0 && literal(s.literal.data() + in, n);
-      case SegmentKind::kTensor:
-        return !s.transposed && reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans) &&
-               reader_->MapSpans(spans, &r->bytes).ok();
+      case SegmentKind::kTensor: {
+        if (s.transposed) return false;
+        if (reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans)) {
+          return reader_->MapSpans(spans, &r->bytes).ok();
+        }
+        // A conversion (not bounded by the reply's iovecs: it is converted
+        // here). Any failure falls back to the engine, which reports it.
+        if (!SigbusGuardInstalled() || room == 0 ||
+            !reader_->PlanConvert(s.tensor, s.out_dtype, s.box_or_null(), in, n, kMaxConvertSpans, &convert)) {
+          return false;
+        }
+        char* at = take(n);
+        if (at == nullptr || !reader_->ConvertMapped(convert, at).ok()) return false;
+        own(at, n);
+        converted = true;
+        return true;
+      }
       case SegmentKind::kCrc32:
       case SegmentKind::kHash: {
         auto d = DigestBytes(s);
@@ -334,6 +370,7 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
   latency_.Record(static_cast<uint64_t>(SteadyNs() - t0));
   reads_.fetch_add(1, std::memory_order_relaxed);
   mapped_reads_count_.fetch_add(1, std::memory_order_relaxed);
+  if (converted) mapped_conversions_.fetch_add(1, std::memory_order_relaxed);
   bytes_.fetch_add(size, std::memory_order_relaxed);
   return true;
 }
@@ -371,6 +408,7 @@ std::string Filesystem::StatsJson() const {
   j += "  \"reads\": " + u(reads_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"bytes\": " + u(bytes_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"mapped_reads\": " + u(mapped_reads_count_.load(std::memory_order_relaxed)) + ",\n";
+  j += "  \"mapped_conversions\": " + u(mapped_conversions_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"errors\": " + u(errors_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"opens\": " + u(opens_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"lookups\": " + u(lookups_.load(std::memory_order_relaxed)) + ",\n";

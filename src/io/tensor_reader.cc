@@ -681,54 +681,30 @@ Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment
   });
 }
 
-bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,
-                            std::vector<SourceSpan>* spans) {
-  spans->clear();
-  if (id.v >= index_.tensors().size()) return false;
-  const TensorRecord& t = index_.tensors()[id.v];
-  // What is never a copy is declined before the fragments are looked up:
-  // widened and narrowed reads ask first on every request.
-  const bool bytes = t.encoding == Encoding::kBytes;
-  if (!t.error.empty() || t.replicas > 1 || (!bytes && out != t.dtype)) return false;
-  if (len == 0) return true;
-  auto frags_or = FragmentsOf(id);
-  if (!frags_or.ok()) return false;
-  const std::vector<Fragment>& frags = **frags_or;
-  if ((verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) && !CheckRanges(frags).ok()) return false;
-  if (bytes) {
-    if (frags.size() != 1 || frags[0].compression != Compression::kNone || offset + len > frags[0].data_length ||
-        max_spans == 0) {
-      return false;
-    }
-    spans->push_back(SourceSpan{frags[0].file.v, frags[0].data_offset + offset, len});
-    return true;
-  }
-  const uint64_t osz = DTypeSize(out);
-  Box whole;
-  auto view_or = ViewOf(t, box, &whole);
-  if (osz == 0 || !view_or.ok()) return false;
-  const Box& view = **view_or;
-  const uint64_t numel = static_cast<uint64_t>(NumelOf(view.lengths));
-  if (offset + len > numel * osz) return false;
-  const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
-  // (output byte relative to e0, span), in the order the pieces are visited.
-  thread_local std::vector<std::pair<uint64_t, SourceSpan>> runs;
-  runs.clear();
+// The rows of elements [e0, e1) of `view` as (output element relative to
+// e0, source span), sorted by output element: false unless every piece is
+// an uncompressed run of dtype `src`, contiguous in its innermost dimension,
+// in at most `max_spans` rows, and the rows tile [e0, e1) exactly.
+bool TensorReader::CollectRuns(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType src,
+                               uint64_t e0, uint64_t e1, size_t max_spans,
+                               std::vector<std::pair<uint64_t, SourceSpan>>* runs) const {
+  runs->clear();
+  const uint64_t isz = DTypeSize(src);
   std::vector<int64_t> idx;
   Status s = VisitPieces(index_, t, frags, view, e0, e0, e1, [&](const Piece& p) -> Status {
     const Fragment& f = *p.f;
     const bool inner = p.len.empty() || (p.sstr.back() == 1 && p.dstr.back() == 1);
-    if (f.dtype != out || f.compression != Compression::kNone || !inner) return Unsupported("not a copy");
+    if (f.dtype != src || f.compression != Compression::kNone || !inner) return Unsupported("not a run of source bytes");
     const size_t outer = p.len.empty() ? 0 : p.len.size() - 1;
     uint64_t rows = 1;
     for (size_t d = 0; d < outer; ++d) rows *= static_cast<uint64_t>(p.len[d]);
-    if (runs.size() + rows > max_spans) return Unsupported("too many spans");
-    const uint64_t run = (p.len.empty() ? 1 : static_cast<uint64_t>(p.len.back())) * osz;
+    if (runs->size() + rows > max_spans) return Unsupported("too many spans");
+    const uint64_t run = p.len.empty() ? 1 : static_cast<uint64_t>(p.len.back());
     idx.assign(outer, 0);
     int64_t so = 0, dso = 0;  // element offsets of the current row
     for (uint64_t r = 0; r < rows; ++r) {
-      runs.emplace_back((p.dst_elem + static_cast<uint64_t>(dso)) * osz,
-                        SourceSpan{f.file.v, f.data_offset + p.src_byte + static_cast<uint64_t>(so) * osz, run});
+      runs->emplace_back(p.dst_elem + static_cast<uint64_t>(dso),
+                         SourceSpan{f.file.v, f.data_offset + p.src_byte + static_cast<uint64_t>(so) * isz, run * isz});
       for (size_t d = outer; d-- > 0;) {  // next row: odometer over the outer dims
         so += p.sstr[d];
         dso += p.dstr[d];
@@ -741,14 +717,59 @@ bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t off
     return Status::Ok();
   });
   if (!s.ok()) return false;
-  std::sort(runs.begin(), runs.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  // The runs tile [0, (e1 - e0) * osz); keep [offset - e0 * osz, + len).
+  std::sort(runs->begin(), runs->end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   uint64_t at = 0;
-  const uint64_t head = offset - e0 * osz, tail = head + len;
-  for (auto& [dst, sp] : runs) {
+  for (const auto& [dst, sp] : *runs) {
     if (dst != at) return false;  // overlapping fragments: not a plain tiling
-    at += sp.length;
-    uint64_t lo = std::max(dst, head), hi = std::min(dst + sp.length, tail);
+    at += sp.length / isz;
+  }
+  return at == e1 - e0;
+}
+
+// The tensor's fragments, when a read of `out` may be planned as source spans.
+std::shared_ptr<const std::vector<Fragment>> TensorReader::SpanFragments(TensorId id) {
+  auto frags_or = FragmentsOf(id);
+  if (!frags_or.ok()) return nullptr;
+  if ((verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) && !CheckRanges(**frags_or).ok()) {
+    return nullptr;
+  }
+  return *std::move(frags_or);
+}
+
+bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,
+                            std::vector<SourceSpan>* spans) {
+  spans->clear();
+  if (id.v >= index_.tensors().size()) return false;
+  const TensorRecord& t = index_.tensors()[id.v];
+  // What is never a copy is declined before the fragments are looked up:
+  // widened and narrowed reads ask first on every request.
+  const bool bytes = t.encoding == Encoding::kBytes;
+  if (!t.error.empty() || t.replicas > 1 || (!bytes && out != t.dtype)) return false;
+  if (len == 0) return true;
+  const auto frags = SpanFragments(id);
+  if (frags == nullptr) return false;
+  if (bytes) {
+    const Fragment& f = (*frags)[0];
+    if (frags->size() != 1 || f.compression != Compression::kNone || offset + len > f.data_length || max_spans == 0) {
+      return false;
+    }
+    spans->push_back(SourceSpan{f.file.v, f.data_offset + offset, len});
+    return true;
+  }
+  const uint64_t osz = DTypeSize(out);
+  Box whole;
+  auto view_or = ViewOf(t, box, &whole);
+  if (osz == 0 || !view_or.ok()) return false;
+  const uint64_t numel = static_cast<uint64_t>(NumelOf((*view_or)->lengths));
+  if (offset + len > numel * osz) return false;
+  const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
+  thread_local std::vector<std::pair<uint64_t, SourceSpan>> runs;
+  if (!CollectRuns(t, *frags, **view_or, out, e0, e1, max_spans, &runs)) return false;
+  // The runs tile [0, (e1 - e0) * osz); keep [offset - e0 * osz, + len).
+  const uint64_t head = offset - e0 * osz, tail = head + len;
+  for (const auto& [elem, sp] : runs) {
+    const uint64_t dst = elem * osz;
+    const uint64_t lo = std::max(dst, head), hi = std::min(dst + sp.length, tail);
     if (lo >= hi) continue;
     SourceSpan piece{sp.file, sp.offset + (lo - dst), hi - lo};
     if (!spans->empty() && spans->back().file == piece.file &&
@@ -758,7 +779,109 @@ bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t off
       spans->push_back(piece);
     }
   }
-  return at == (e1 - e0) * osz;
+  return true;
+}
+
+bool TensorReader::PlanConvert(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len,
+                               size_t max_spans, ConvertPlan* plan) {
+  plan->spans.clear();
+  if (id.v >= index_.tensors().size()) return false;
+  const TensorRecord& t = index_.tensors()[id.v];
+  if (!t.error.empty() || t.replicas > 1 || t.encoding == Encoding::kBytes || out == t.dtype ||
+      !CanConvert(t.dtype, out) || len == 0) {
+    return false;
+  }
+  const uint64_t osz = DTypeSize(out), isz = DTypeSize(t.dtype);
+  Box whole;
+  auto view_or = ViewOf(t, box, &whole);
+  if (osz == 0 || isz == 0 || !view_or.ok()) return false;
+  const uint64_t numel = static_cast<uint64_t>(NumelOf((*view_or)->lengths));
+  if (offset + len > numel * osz) return false;
+  const auto frags = SpanFragments(id);
+  if (frags == nullptr) return false;
+  const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
+  thread_local std::vector<std::pair<uint64_t, SourceSpan>> runs;
+  if (!CollectRuns(t, *frags, **view_or, t.dtype, e0, e1, max_spans, &runs)) return false;
+  for (const auto& [elem, sp] : runs) {
+    if (!plan->spans.empty() && plan->spans.back().file == sp.file &&
+        plan->spans.back().offset + plan->spans.back().length == sp.offset) {
+      plan->spans.back().length += sp.length;
+    } else {
+      plan->spans.push_back(sp);
+    }
+  }
+  plan->src = t.dtype;
+  plan->out = out;
+  plan->skip = offset - e0 * osz;
+  plan->len = len;
+  return true;
+}
+
+namespace {
+
+// ConvertMapped's work, run under RunGuarded: nothing here locks or
+// allocates, so a fault may leave it at any point.
+struct MappedConversion {
+  const std::vector<iovec>* pieces;
+  DType src, out;
+  uint64_t skip, len;
+  char* dst;
+
+  static void Run(void* self) { static_cast<MappedConversion*>(self)->Convert(); }
+
+  // Elements in order across the pieces; the first `skip` output bytes and
+  // everything past `len` are dropped (a request need not start or end on an
+  // element).
+  void Convert() {
+    const uint64_t isz = DTypeSize(src), osz = DTypeSize(out);
+    uint64_t skip_left = skip, left = len;
+    char* at = dst;
+    char one[16];
+    for (const iovec& p : *pieces) {
+      const char* s = static_cast<const char*>(p.iov_base);
+      uint64_t n = p.iov_len / isz;
+      while (n > 0 && left > 0) {
+        if (skip_left > 0 || left < osz) {  // a partial element: through `one`
+          (void)ConvertRun(s, src, 1, one, out, 1);
+          const uint64_t take = std::min(osz - skip_left, left);
+          std::memcpy(at, one + skip_left, take);
+          at += take;
+          left -= take;
+          skip_left = 0;
+          s += isz;
+          --n;
+          continue;
+        }
+        const uint64_t whole = std::min(n, left / osz);
+        (void)ConvertRun(s, src, 1, at, out, whole);
+        at += whole * osz;
+        left -= whole * osz;
+        s += whole * isz;
+        n -= whole;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+Status TensorReader::ConvertMapped(const ConvertPlan& plan, char* dst) {
+  if (!SigbusGuardInstalled()) return Internal("mapped conversions need InstallSigbusGuard()");
+  thread_local MappedBytes mapped;
+  mapped.Clear();
+  Status s = MapSpans(plan.spans, &mapped);
+  if (!s.ok()) {
+    mapped.Clear();
+    return s;
+  }
+  MappedConversion c{&mapped.pieces, plan.src, plan.out, plan.skip, plan.len, dst};
+  const bool done = RunGuarded(&MappedConversion::Run, &c);
+  mapped.Clear();  // unpins the windows
+  if (!done) {
+    return Stale(index_.src_dir() + ": a source file was cut short while its bytes were read from a mapping; remount to "
+                 "rebuild the index");
+  }
+  return Status::Ok();
 }
 
 TensorReader::MapWindow::~MapWindow() {

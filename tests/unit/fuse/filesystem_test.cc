@@ -146,8 +146,11 @@ TEST_F(FilesystemTest, ReadTensorServesTheFileBytesAndChecksItsArguments) {
 
 // Every file of the tree, read as mapped pieces (what a FUSE reply sends)
 // where the core offers them: the same bytes as Read, at odd offsets and
-// sizes; params/ tensors are offered, and `mapped_reads = false` offers none.
+// sizes (a 37-byte step starts and ends inside widened elements); params/
+// tensors are offered, and so is the bf16 tensor widened in its .npy
+// (converted from the mapping); `mapped_reads = false` offers none.
 TEST_F(FilesystemTest, MappedReadsServeTheSameBytes) {
+  ASSERT_TRUE(InstallSigbusGuard().ok());
   std::vector<std::pair<std::string, uint64_t>> files;
   std::vector<std::pair<std::string, uint64_t>> dirs = {{"", kRootIno}};
   while (!dirs.empty()) {
@@ -173,12 +176,14 @@ TEST_F(FilesystemTest, MappedReadsServeTheSameBytes) {
       }
     }
     if (any) ++mapped_files;
-    if (path.starts_with("params/") && path.ends_with(".npy") && !want.empty()) {
+    if ((path.starts_with("params/") || path == "other/extra.bf16.npy") && path.ends_with(".npy") && !want.empty()) {
       EXPECT_TRUE(any) << path;
     }
   }
   EXPECT_GT(mapped_files, 10);
-  EXPECT_GT(nlohmann::json::parse(fs_->StatsJson())["mapped_reads"].get<uint64_t>(), 10u);
+  const auto stats = nlohmann::json::parse(fs_->StatsJson());
+  EXPECT_GT(stats["mapped_reads"].get<uint64_t>(), 10u);
+  EXPECT_GT(stats["mapped_conversions"].get<uint64_t>(), 0u);
   FsOptions o;
   o.src = src_;
   o.index_dir = tmp_.path() + "/index";

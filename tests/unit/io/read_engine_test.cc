@@ -474,6 +474,67 @@ TEST_P(ReadEngineConformance, MappedCopiesEqualReadsOrAreDeclined) {
   EXPECT_EQ(reader_->MapSpans(spans, &mapped).code(), Code::kStale);
 }
 
+// Conversions planned as source spans and converted from the mappings
+// (what the daemon does for a widened .npy): the bytes are exactly ReadBox's,
+// at any byte offset (inside an element too) and over sub-boxes; a
+// same-dtype rendering is PlanCopy's, not a conversion; a changed source is
+// stale.
+TEST_P(ReadEngineConformance, MappedConversionsEqualReads) {
+  ASSERT_TRUE(InstallSigbusGuard().ok());
+  Synthetic s = MakeSynthetic(t_.path(), 29, 80);
+  OPEN_OR_SKIP(s);
+  std::mt19937 rng(11);
+  ConvertPlan plan;
+  int accepted = 0, declined = 0;
+  for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
+    const TensorRecord& tr = s.ck.tensors[i];
+    if (s.full[i].empty() || !CanConvert(tr.dtype, DType::kF32) || tr.dtype == DType::kF32) continue;
+    EXPECT_FALSE(reader_->PlanConvert(TensorId{i}, tr.dtype, nullptr, 0, s.full[i].size(), 1000, &plan));
+    const size_t rank = tr.shape.size();
+    for (int k = 0; k < 12; ++k) {
+      Box box{std::vector<int64_t>(rank, 0), tr.shape};
+      if (k % 2 == 1) {
+        for (size_t d = 0; d < rank; ++d) {
+          box.offsets[d] = static_cast<int64_t>(rng() % static_cast<uint64_t>(tr.shape[d] + 1));
+          box.lengths[d] = static_cast<int64_t>(rng() % static_cast<uint64_t>(tr.shape[d] - box.offsets[d] + 1));
+        }
+      }
+      const uint64_t size = static_cast<uint64_t>(NumelOf(box.lengths)) * 4;
+      if (size == 0) continue;
+      uint64_t a = rng() % size, b = rng() % (size + 1);
+      if (a > b) std::swap(a, b);
+      if (k == 0) a = 0, b = size;
+      if (a == b) continue;
+      std::vector<char> want(b - a), got(b - a, 'z');
+      ASSERT_TRUE(reader_->ReadBox(TensorId{i}, DType::kF32, &box, a, b - a, want.data()).ok());
+      if (!reader_->PlanConvert(TensorId{i}, DType::kF32, &box, a, b - a, 1000, &plan)) {
+        ++declined;
+        continue;
+      }
+      ++accepted;
+      EXPECT_EQ(plan.src, tr.dtype);
+      EXPECT_EQ(plan.skip, a % 4);
+      Status st = reader_->ConvertMapped(plan, got.data());
+      ASSERT_TRUE(st.ok()) << st.message();
+      EXPECT_EQ(got, want) << "tensor " << i << " box " << BoxString(box) << " bytes " << a << "-" << b;
+    }
+  }
+  EXPECT_GT(accepted, 20);
+  EXPECT_GT(declined, 0);  // column-major fragments
+  // The source changes: converting is refused (stale), as a read is.
+  uint32_t id = 0;
+  while (id < s.ck.tensors.size() &&
+         (s.full[id].empty() ||
+          !reader_->PlanConvert(TensorId{id}, DType::kF32, nullptr, 0, s.full[id].size() * 2, 1000, &plan))) {
+    ++id;
+  }
+  ASSERT_LT(id, s.ck.tensors.size());
+  std::string data = ckptfs::testing::ReadFile(t_.path() + "/data.bin");
+  ckptfs::testing::WriteFile(t_.path() + "/data.bin", data + "x");
+  std::vector<char> out(plan.len);
+  EXPECT_EQ(reader_->ConvertMapped(plan, out.data()).code(), Code::kStale);
+}
+
 TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
   Synthetic s = MakeSynthetic(t_.path(), 5, 20);
   size_t victim = SIZE_MAX;
