@@ -3,6 +3,7 @@
 only for what is damaged; a source changed under a running mount answers
 ESTALE, and the next mount rebuilds the index."""
 import errno
+import json
 import subprocess
 import sys
 import os
@@ -124,15 +125,21 @@ def test_source_changed_under_a_running_mount(ck, mounter, tmp_path):
         assert "rebuilding index" in m2.log_text() or "built" in m2.log_text()
 
 
-@pytest.mark.parametrize("mapped", ["on", "off"])
-def test_source_truncated_under_a_running_mount(ck, mounter, tmp_path, mapped):
+@pytest.mark.parametrize("mapped,widened", [("on", False), ("off", False), ("on", True)])
+def test_source_truncated_under_a_running_mount(dcp_fixtures, tmp_path, mounter, mapped, widened):
     """A shard cut short while mounted, after the mount has read from it (with
     mapped replies its window is mapped: a page past the new end must never
-    reach the daemon as SIGBUS): the other files of that shard are ESTALE / EIO
-    with a log line naming it, and the daemon keeps answering."""
+    reach the daemon as SIGBUS, and widened bf16 .npy files are converted from
+    that mapping by the daemon itself): the other files of that shard are
+    ESTALE / EIO with a log line naming it, and the daemon keeps answering."""
+    ck = tmp_path / "ck"
+    scenario = "fsdp2_bf16_w2" if widened else "dtensor_dim0_w2"
+    shutil.copytree(dcp_fixtures / scenario, ck, ignore=shutil.ignore_patterns(".ckptfs"))
     shard = ck / "__1_0.distcp"
     with mounter(ck, index=tmp_path / "ix", extra=["--mapped-reads", mapped]) as m:
-        files = sorted(p for p in (m.path / "params").rglob("*.raw"))
+        files = sorted(p for p in (m.path / "params").rglob("*.npy" if widened else "*.raw")
+                       if not widened or json.loads((p.parent / "info.json").read_text())["tensors"].get(
+                           p.stem, {}).get("dtype") == "bfloat16")
         assert len(files) >= 4
         read_all(files[0])  # maps (or reads) the shard's first window
         os.truncate(shard, os.path.getsize(shard) // 3)
@@ -141,6 +148,8 @@ def test_source_truncated_under_a_running_mount(ck, mounter, tmp_path, mapped):
         assert "__1_0.distcp changed size after indexing" in m.log_text()
         assert m.proc.poll() is None, m.log_text()[-2000:]
         assert json_ok(m.path / "checkpoint.json")
+        if widened:  # the first file was converted from the mapping
+            assert json.loads((m.path / ".ckptfs" / "stats").read_text())["mapped_conversions"] > 0
 
 
 def json_ok(p):

@@ -183,8 +183,9 @@ def test_mapped_and_copied_replies_are_the_same_bytes(scenario, dcp_fixtures, mo
     """Reads that are plain copies of source bytes (here rows merged from 4
     dim-1 shards, and FSDP2 dim-0 shards) are answered from mappings of the
     shards by default and through the read engine with --mapped-reads off:
-    diff -r of the two trees finds nothing; .npy files of the bf16 run, which
-    are widened, take the engine either way."""
+    diff -r of the two trees finds nothing. The .npy files of the bf16 run
+    are widened to float32: converted straight from the mappings by default,
+    through the engine with --mapped-reads off."""
     src = dcp_fixtures / scenario
     with mounter(src, name="mapped", index=tmp_path / "index") as a, \
             mounter(src, name="copied", index=tmp_path / "index", extra=["--mapped-reads", "off"]) as b:
@@ -194,6 +195,9 @@ def test_mapped_and_copied_replies_are_the_same_bytes(scenario, dcp_fixtures, mo
         for st in stats:
             assert st["bytes"] > 0 and st["source_bytes_read"] > 0 and st["errors"] == 0, st
         assert stats[0]["mapped_reads"] > 0 and stats[1]["mapped_reads"] == 0, stats
+        assert stats[1]["mapped_conversions"] == 0, stats
+        if scenario == "fsdp2_bf16_w2":
+            assert stats[0]["mapped_conversions"] > 0, stats
         # Directories advertise a 4 KiB block (readdir buffers), files 1 MiB (reads).
         assert os.stat(a.path / "params").st_blksize == 4096
         assert os.stat(next((a.path / "params").rglob("*.raw"))).st_blksize == 1 << 20
