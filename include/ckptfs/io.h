@@ -83,6 +83,7 @@ struct ConvertPlan {
 // thread. Once InstallSigbusGuard has run (the mount calls it), RunGuarded
 // returns false when fn(arg) faulted so; any other SIGBUS keeps the
 // disposition it had. fn must neither lock nor allocate where it may fault.
+// kUnsupported in a ThreadSanitizer build.
 Status InstallSigbusGuard();
 bool SigbusGuardInstalled();
 bool RunGuarded(void (*fn)(void*), void* arg);

@@ -150,7 +150,7 @@ TEST_F(FilesystemTest, ReadTensorServesTheFileBytesAndChecksItsArguments) {
 // tensors are offered, and so is the bf16 tensor widened in its .npy
 // (converted from the mapping); `mapped_reads = false` offers none.
 TEST_F(FilesystemTest, MappedReadsServeTheSameBytes) {
-  ASSERT_TRUE(InstallSigbusGuard().ok());
+  const bool guard = InstallSigbusGuard().ok();  // not in a ThreadSanitizer build: the engine converts
   std::vector<std::pair<std::string, uint64_t>> files;
   std::vector<std::pair<std::string, uint64_t>> dirs = {{"", kRootIno}};
   while (!dirs.empty()) {
@@ -176,14 +176,15 @@ TEST_F(FilesystemTest, MappedReadsServeTheSameBytes) {
       }
     }
     if (any) ++mapped_files;
-    if ((path.starts_with("params/") || path == "other/extra.bf16.npy") && path.ends_with(".npy") && !want.empty()) {
+    if ((path.starts_with("params/") || (guard && path == "other/extra.bf16.npy")) && path.ends_with(".npy") &&
+        !want.empty()) {
       EXPECT_TRUE(any) << path;
     }
   }
   EXPECT_GT(mapped_files, 10);
   const auto stats = nlohmann::json::parse(fs_->StatsJson());
   EXPECT_GT(stats["mapped_reads"].get<uint64_t>(), 10u);
-  EXPECT_GT(stats["mapped_conversions"].get<uint64_t>(), 0u);
+  EXPECT_EQ(stats["mapped_conversions"].get<uint64_t>() > 0, guard);
   FsOptions o;
   o.src = src_;
   o.index_dir = tmp_.path() + "/index";
