@@ -20,9 +20,12 @@
 // dtype, uncompressed, no average; TP merges and ZeRO partitions included) is
 // planned as source spans (PlanCopy) and handed to the kernel as pointers into
 // read-only mappings of the source files (MapSpans): the FUSE reply's writev
-// is then the only copy of each byte, as in a daemon replying from memory. The
-// daemon never touches mapped bytes itself; a source truncated after its check
-// makes the kernel's copy fail (EFAULT, the request EIO), never a SIGBUS.
+// is then the only copy of each byte, as in a daemon replying from memory. A
+// source truncated after its check makes the kernel's copy fail (EFAULT, the
+// request EIO), never a SIGBUS. A conversion of such spans (bf16 widened to
+// f32) is planned the same way (PlanConvert) and converted from the mappings
+// by the daemon (ConvertMapped): the one place it reads mapped bytes, only
+// under the SIGBUS guard (RunGuarded).
 #ifndef CKPTFS_IO_H_
 #define CKPTFS_IO_H_
 
@@ -152,8 +155,8 @@ class TensorReader {
                 std::vector<SourceSpan>* spans);
   // Appends the spans' bytes as pieces of read-only mappings of the source
   // files, after checking each file is still the indexed one (CheckFd;
-  // PlanCopy declined ranges known bad). For the kernel only (a writev):
-  // reading them here would fault if a file shrank since the check.
+  // PlanCopy declined ranges known bad). For the kernel (a writev), or read
+  // here under RunGuarded only: a file that shrank since the check faults.
   Status MapSpans(std::span<const SourceSpan> spans, MappedBytes* out);
   // As PlanCopy, for a rendering that converts every element of one source
   // dtype (bf16 -> f32 and the like): the spans cover whole elements.

@@ -726,7 +726,6 @@ bool TensorReader::CollectRuns(const TensorRecord& t, const std::vector<Fragment
   return at == e1 - e0;
 }
 
-// The tensor's fragments, when a read of `out` may be planned as source spans.
 std::shared_ptr<const std::vector<Fragment>> TensorReader::SpanFragments(TensorId id) {
   auto frags_or = FragmentsOf(id);
   if (!frags_or.ok()) return nullptr;
