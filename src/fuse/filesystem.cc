@@ -12,8 +12,10 @@ namespace ckptfs {
 namespace {
 
 // Source spans one converted piece of a mapped read may take (a TP merge of
-// a widened tensor is a span per row): the daemon walks them, not the kernel.
-constexpr size_t kMaxConvertSpans = 1 << 16;
+// a widened tensor is a span per row and shard: 2048 for a 1 MiB read of
+// 128-element rows). The daemon walks them, not the kernel; a read of
+// shorter runs goes through the engine, and each worker's plan stays small.
+constexpr size_t kMaxConvertSpans = 1 << 12;
 
 int64_t SteadyNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
