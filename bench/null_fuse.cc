@@ -7,9 +7,10 @@
 // allows; ckptfs's reads are measured as a fraction of it.
 //
 // Listings, for bench/scale_bench.py: --tree FILE serves a tree of that shape
-// (lines "d<TAB>path<TAB>bytes" and "f<TAB>path<TAB>bytes", parents before children,
-// children in listing order) from attributes computed before mounting, so an
-// `ls -lR` of it costs the kernel's and the round trips' share only.
+// (lines "d<TAB>path<TAB>bytes" and "f<TAB>path<TAB>bytes", parents before
+// children, children in listing order) from attributes computed before
+// mounting, so an `ls -lR` of it costs the kernel's and the round trips' share
+// only.
 //
 // Every connection and session setting is the one src/fuse/fuse_adapter.cc
 // uses, so the kernel treats both daemons alike (keep this list in sync):
@@ -130,15 +131,16 @@ bool LoadTree(const char* path) {
   for (ssize_t len; ok && (len = ::getline(&line, &cap, f)) > 0;) {
     std::string l(line, static_cast<size_t>(len));
     if (l.back() == '\n') l.pop_back();
+    // The size follows the last tab, so a name may hold tabs (not newlines).
     const size_t t1 = l.find('\t');
-    const size_t t2 = l.find('\t', t1 == std::string::npos ? t1 : t1 + 1);
-    if (l.size() < 3 || (l[0] != 'd' && l[0] != 'f') || t1 != 1) {
+    const size_t t2 = l.rfind('\t');
+    if (l.size() < 3 || (l[0] != 'd' && l[0] != 'f') || t1 != 1 || t2 <= t1) {
       ok = false;
       break;
     }
     const bool dir = l[0] == 'd';
-    const std::string rel = l.substr(2, t2 == std::string::npos ? std::string::npos : t2 - 2);
-    const uint64_t size = t2 == std::string::npos ? 0 : std::strtoull(l.c_str() + t2 + 1, nullptr, 10);
+    const std::string rel = l.substr(2, t2 - 2);
+    const uint64_t size = std::strtoull(l.c_str() + t2 + 1, nullptr, 10);
     const size_t slash = rel.rfind('/');
     auto parent = g_by_path.find(slash == std::string::npos ? std::string() : rel.substr(0, slash));
     ok = parent != g_by_path.end() &&

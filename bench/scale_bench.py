@@ -169,8 +169,10 @@ def null_fuse_ls_lR(tree, null_fuse):
     Returns (fresh mount s, again s)."""
     mnt = tempfile.mkdtemp(prefix="ckptfs-scale-null-mnt-")
     spec = mnt + ".tree"
-    with open(spec, "w") as f:
+    with open(spec, "w", encoding="utf-8", errors="surrogateescape") as f:
         for path, is_dir, size in tree:
+            if "\n" in path:
+                sys.exit(f"null_fuse --tree cannot serve a name with a newline: {path!r}")
             f.write(f"{'d' if is_dir else 'f'}\t{path}\t{size}\n")
     proc = subprocess.Popen([null_fuse, mnt, "--tree", spec], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -256,6 +258,9 @@ def main():
     ap.add_argument("--dcp-tensors", type=int, default=16384)
     ap.add_argument("--megatron-tensors", type=int, default=100000)
     a = ap.parse_args()
+    for b in (a.bin, a.null_fuse):
+        if not os.path.exists(b):
+            sys.exit(f"{b}: not built (scripts/build.sh, or bash bench/run.sh scale)")
     os.makedirs(a.out, exist_ok=True)
     results = []
     for name in a.inputs.split(","):
