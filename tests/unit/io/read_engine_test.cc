@@ -475,10 +475,10 @@ TEST_P(ReadEngineConformance, MappedCopiesEqualReadsOrAreDeclined) {
 }
 
 // Conversions planned as source spans and converted from the mappings
-// (what the daemon does for a widened .npy): the bytes are exactly ReadBox's,
-// at any byte offset (inside an element too) and over sub-boxes; a
-// same-dtype rendering is PlanCopy's, not a conversion; a changed source is
-// stale.
+// (what the daemon does for a widened .npy, and for float32 narrowed to
+// bfloat16): the bytes are exactly ReadBox's, at any byte offset (inside an
+// element too) and over sub-boxes; a same-dtype rendering is PlanCopy's, not
+// a conversion; a changed source is stale.
 TEST_P(ReadEngineConformance, MappedConversionsEqualReads) {
   if (Status g = InstallSigbusGuard(); g.code() == Code::kUnsupported) GTEST_SKIP() << g.message();
   ASSERT_TRUE(SigbusGuardInstalled());
@@ -486,11 +486,13 @@ TEST_P(ReadEngineConformance, MappedConversionsEqualReads) {
   OPEN_OR_SKIP(s);
   std::mt19937 rng(11);
   ConvertPlan plan;
-  int accepted = 0, declined = 0;
+  int accepted = 0, declined = 0, narrowed = 0;
   for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
     const TensorRecord& tr = s.ck.tensors[i];
-    if (s.full[i].empty() || !CanConvert(tr.dtype, DType::kF32) || tr.dtype == DType::kF32) continue;
+    const DType out = tr.dtype == DType::kF32 ? DType::kBF16 : DType::kF32;
+    if (s.full[i].empty() || !CanConvert(tr.dtype, out)) continue;
     EXPECT_FALSE(reader_->PlanConvert(TensorId{i}, tr.dtype, nullptr, 0, s.full[i].size(), 1000, &plan));
+    const uint64_t osz = DTypeSize(out);
     const size_t rank = tr.shape.size();
     for (int k = 0; k < 12; ++k) {
       Box box{std::vector<int64_t>(rank, 0), tr.shape};
@@ -500,27 +502,30 @@ TEST_P(ReadEngineConformance, MappedConversionsEqualReads) {
           box.lengths[d] = static_cast<int64_t>(rng() % static_cast<uint64_t>(tr.shape[d] - box.offsets[d] + 1));
         }
       }
-      const uint64_t size = static_cast<uint64_t>(NumelOf(box.lengths)) * 4;
+      const uint64_t size = static_cast<uint64_t>(NumelOf(box.lengths)) * osz;
       if (size == 0) continue;
       uint64_t a = rng() % size, b = rng() % (size + 1);
       if (a > b) std::swap(a, b);
       if (k == 0) a = 0, b = size;
       if (a == b) continue;
       std::vector<char> want(b - a), got(b - a, 'z');
-      ASSERT_TRUE(reader_->ReadBox(TensorId{i}, DType::kF32, &box, a, b - a, want.data()).ok());
-      if (!reader_->PlanConvert(TensorId{i}, DType::kF32, &box, a, b - a, 1000, &plan)) {
+      ASSERT_TRUE(reader_->ReadBox(TensorId{i}, out, &box, a, b - a, want.data()).ok());
+      if (!reader_->PlanConvert(TensorId{i}, out, &box, a, b - a, 1000, &plan)) {
         ++declined;
         continue;
       }
       ++accepted;
+      if (out == DType::kBF16) ++narrowed;
       EXPECT_EQ(plan.src, tr.dtype);
-      EXPECT_EQ(plan.skip, a % 4);
+      EXPECT_EQ(plan.skip, a % osz);
       Status st = reader_->ConvertMapped(plan, got.data());
       ASSERT_TRUE(st.ok()) << st.message();
-      EXPECT_EQ(got, want) << "tensor " << i << " box " << BoxString(box) << " bytes " << a << "-" << b;
+      EXPECT_EQ(got, want) << "tensor " << i << " as " << DTypeName(out) << " box " << BoxString(box) << " bytes "
+                           << a << "-" << b;
     }
   }
   EXPECT_GT(accepted, 20);
+  EXPECT_GT(narrowed, 5);
   EXPECT_GT(declined, 0);  // column-major fragments
   // The source changes: converting is refused (stale), as a read is.
   uint32_t id = 0;
