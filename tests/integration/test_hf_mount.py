@@ -448,9 +448,10 @@ def test_torchtitan_qwen3_and_its_moe_equal_torchtitans_own_to_hf(torchtitan_qwe
 def test_torchtitan_fp32_narrowed_like_torchtitans_export_dtype(torchtitan_ck, mounter, dtype):
     """torchtitan trains and saves float32; its convert_to_hf --export_dtype
     bfloat16 / float16 casts every to_hf tensor with torch's .to(). hf/ with
-    --hf-dtype bf16 / fp16 serves the same bytes, rounded in the read engine
-    (round to nearest even, ties to even), and transformers loads it in that
-    dtype with the float32 model's logits to within that dtype's rounding."""
+    --hf-dtype bf16 / fp16 serves the same bytes, rounded by the daemon
+    straight from the mapped shards (round to nearest even, ties to even),
+    and transformers loads it in that dtype with the float32 model's logits
+    to within that dtype's rounding."""
     out = torchtitan_ck
     step = out / "checkpoint" / "step-10"
     td = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -469,6 +470,8 @@ def test_torchtitan_fp32_narrowed_like_torchtitans_export_dtype(torchtitan_ck, m
             # Values whose dropped bits are exactly half an ulp: the tie rule decides them.
             drop = 16 if dtype == "bf16" else 13
             ties += int(((w.view(torch.int32) & ((1 << drop) - 1)) == (1 << (drop - 1))).sum())
+        # Narrowed by the daemon straight from the mapped shards.
+        assert json.loads((m.path / ".ckptfs" / "stats").read_text())["mapped_conversions"] > 0
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=td)
         assert next(model.parameters()).dtype == td
