@@ -30,6 +30,7 @@ Read throughput against the null-FUSE ceiling is bench/read_bench.py
     python bench/scale_bench.py [--inputs dcp,deepspeed,bloom,megatron] [--dcp-ranks 112 --dcp-tensors 16384]
 """
 import argparse
+import collections
 import json
 import os
 import resource
@@ -126,9 +127,9 @@ def ratio(value, target, higher_is_better):
 def tree_of(mnt):
     """The mount's tree: [(relative path, is_dir, size)], a parent before its
     children and each directory's children in the order it lists them."""
-    entries, todo = [], [""]
+    entries, todo = [], collections.deque([""])
     while todo:
-        rel = todo.pop(0)
+        rel = todo.popleft()
         with os.scandir(os.path.join(mnt, rel)) as it:
             for e in it:
                 path = os.path.join(rel, e.name) if rel else e.name
@@ -167,12 +168,13 @@ def null_fuse_ls_lR(tree, null_fuse):
     ckptfs_null_fuse (bench/null_fuse.cc): the adapter's settings and replies
     built before mounting, so no daemon can list faster on this kernel.
     Returns (fresh mount s, again s)."""
+    bad = next((path for path, _, _ in tree if "\n" in path), None)
+    if bad is not None:
+        sys.exit(f"null_fuse --tree cannot serve a name with a newline: {bad!r}")
     mnt = tempfile.mkdtemp(prefix="ckptfs-scale-null-mnt-")
     spec = mnt + ".tree"
     with open(spec, "w", encoding="utf-8", errors="surrogateescape") as f:
         for path, is_dir, size in tree:
-            if "\n" in path:
-                sys.exit(f"null_fuse --tree cannot serve a name with a newline: {path!r}")
             f.write(f"{'d' if is_dir else 'f'}\t{path}\t{size}\n")
     proc = subprocess.Popen([null_fuse, mnt, "--tree", spec], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
