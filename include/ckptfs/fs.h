@@ -136,6 +136,7 @@ class Filesystem {
   Result<Report> Verify(const VerifyOptions& opts) const;
 
   const Index& index() const { return *index_; }
+  bool mapped_reads() const { return mapped_reads_; }
   const View& view() const { return *view_; }
   const OpenResult& open_result() const { return opened_; }
   const char* engine_name() const { return reader_->engine_name(); }

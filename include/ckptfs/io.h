@@ -229,8 +229,8 @@ class TensorReader {
   // FragmentsOf for PlanCopy / PlanConvert: null when a range they lie in
   // failed its check (or is unchecked under verify_on_read_).
   std::shared_ptr<const std::vector<Fragment>> SpanFragments(TensorId id);
-  bool CollectRuns(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType src, uint64_t e0,
-                   uint64_t e1, size_t max_spans, std::vector<std::pair<uint64_t, SourceSpan>>* runs) const;
+  bool CollectRuns(TensorId id, DType src, uint64_t osz, const Box* box, uint64_t offset, uint64_t len,
+                   size_t max_spans, std::vector<std::pair<uint64_t, SourceSpan>>* runs, uint64_t* e0);
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
   // Decompressed bytes [off, off + len) of f's item, as (bytes, where `off`
   // lies in them): the whole cached item when it is small (no copy), else

@@ -477,12 +477,6 @@ int CmdMount(const Args& a) {
   const bool foreground = a.Has("-f") || mo.debug;
   const bool strict = a.Has("--strict");
   SetLogTag(mnt);
-  // The daemon converts widened reads straight from the sources' mappings
-  // (Filesystem::ReadMapped); the guard turns a source cut short under a
-  // mapping into an error for that read. Kept across the fork below.
-  if (o->mapped_reads) {
-    if (Status g = InstallSigbusGuard(); !g.ok()) LogWarn(g.message() + ": conversions are read through the engine");
-  }
 
   if (foreground) {
     if (a.Has("--log")) SetLogFile(a.Get("--log"));

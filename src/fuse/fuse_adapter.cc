@@ -351,6 +351,13 @@ int MountAndServe(Filesystem& fs, const std::string& mountpoint, const MountOpti
     ready(IoError("cannot mount at " + mountpoint + " (is /dev/fuse available and the directory empty?)"));
     return 1;
   }
+  // The daemon converts widened reads straight from the sources' mappings
+  // (Filesystem::ReadMapped); the guard turns a source cut short under a
+  // mapping into an error for that read. Only the daemon installs it (the
+  // Python package opens a Filesystem inside someone else's process).
+  if (fs.mapped_reads()) {
+    if (Status g = InstallSigbusGuard(); !g.ok()) LogWarn(g.message() + ": conversions are read through the engine");
+  }
   ready(Status::Ok());
   std::thread(RaiseReadahead, mountpoint).detach();
   fuse_loop_config* cfg = fuse_loop_cfg_create();

@@ -681,13 +681,25 @@ Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment
   });
 }
 
-// The rows of elements [e0, e1) of `view` as (output element relative to
-// e0, source span), sorted by output element: false unless every piece is
-// an uncompressed run of dtype `src`, contiguous in its innermost dimension,
-// in at most `max_spans` rows, and the rows tile [e0, e1) exactly.
-bool TensorReader::CollectRuns(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType src,
-                               uint64_t e0, uint64_t e1, size_t max_spans,
-                               std::vector<std::pair<uint64_t, SourceSpan>>* runs) const {
+// The rows of the elements that output bytes [offset, offset + len) of the
+// view (`box`, null: the whole tensor) rendered at `osz` bytes each fall in,
+// [*e0, e1), as (output element relative to *e0, source span), sorted by
+// output element: false unless every piece is an uncompressed run of dtype
+// `src`, contiguous in its innermost dimension, in at most `max_spans` rows,
+// and the rows tile [*e0, e1) exactly (PlanCopy, PlanConvert).
+bool TensorReader::CollectRuns(TensorId id, DType src, uint64_t osz, const Box* box, uint64_t offset, uint64_t len,
+                               size_t max_spans, std::vector<std::pair<uint64_t, SourceSpan>>* runs, uint64_t* e0_out) {
+  const TensorRecord& t = index_.tensors()[id.v];
+  Box whole;
+  auto view_or = ViewOf(t, box, &whole);
+  if (osz == 0 || !view_or.ok()) return false;
+  const Box& view = **view_or;
+  if (offset + len > static_cast<uint64_t>(NumelOf(view.lengths)) * osz) return false;
+  const auto frags_ptr = SpanFragments(id);
+  if (frags_ptr == nullptr) return false;
+  const std::vector<Fragment>& frags = *frags_ptr;
+  const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
+  *e0_out = e0;
   runs->clear();
   const uint64_t isz = DTypeSize(src);
   std::vector<int64_t> idx;
@@ -735,6 +747,19 @@ std::shared_ptr<const std::vector<Fragment>> TensorReader::SpanFragments(TensorI
   return *std::move(frags_or);
 }
 
+namespace {
+
+// Appends `sp`, joined to the last span when it continues it in the same file.
+void AppendSpan(std::vector<SourceSpan>* spans, const SourceSpan& sp) {
+  if (!spans->empty() && spans->back().file == sp.file && spans->back().offset + spans->back().length == sp.offset) {
+    spans->back().length += sp.length;
+  } else {
+    spans->push_back(sp);
+  }
+}
+
+}  // namespace
+
 bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,
                             std::vector<SourceSpan>* spans) {
   spans->clear();
@@ -745,9 +770,9 @@ bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t off
   const bool bytes = t.encoding == Encoding::kBytes;
   if (!t.error.empty() || t.replicas > 1 || (!bytes && out != t.dtype)) return false;
   if (len == 0) return true;
-  const auto frags = SpanFragments(id);
-  if (frags == nullptr) return false;
   if (bytes) {
+    const auto frags = SpanFragments(id);
+    if (frags == nullptr) return false;
     const Fragment& f = (*frags)[0];
     if (frags->size() != 1 || f.compression != Compression::kNone || offset + len > f.data_length || max_spans == 0) {
       return false;
@@ -756,27 +781,15 @@ bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t off
     return true;
   }
   const uint64_t osz = DTypeSize(out);
-  Box whole;
-  auto view_or = ViewOf(t, box, &whole);
-  if (osz == 0 || !view_or.ok()) return false;
-  const uint64_t numel = static_cast<uint64_t>(NumelOf((*view_or)->lengths));
-  if (offset + len > numel * osz) return false;
-  const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
   thread_local std::vector<std::pair<uint64_t, SourceSpan>> runs;
-  if (!CollectRuns(t, *frags, **view_or, out, e0, e1, max_spans, &runs)) return false;
+  uint64_t e0 = 0;
+  if (!CollectRuns(id, out, osz, box, offset, len, max_spans, &runs, &e0)) return false;
   // The runs tile [0, (e1 - e0) * osz); keep [offset - e0 * osz, + len).
   const uint64_t head = offset - e0 * osz, tail = head + len;
   for (const auto& [elem, sp] : runs) {
     const uint64_t dst = elem * osz;
     const uint64_t lo = std::max(dst, head), hi = std::min(dst + sp.length, tail);
-    if (lo >= hi) continue;
-    SourceSpan piece{sp.file, sp.offset + (lo - dst), hi - lo};
-    if (!spans->empty() && spans->back().file == piece.file &&
-        spans->back().offset + spans->back().length == piece.offset) {
-      spans->back().length += piece.length;
-    } else {
-      spans->push_back(piece);
-    }
+    if (lo < hi) AppendSpan(spans, SourceSpan{sp.file, sp.offset + (lo - dst), hi - lo});
   }
   return true;
 }
@@ -787,28 +800,14 @@ bool TensorReader::PlanConvert(TensorId id, DType out, const Box* box, uint64_t 
   if (id.v >= index_.tensors().size()) return false;
   const TensorRecord& t = index_.tensors()[id.v];
   if (!t.error.empty() || t.replicas > 1 || t.encoding == Encoding::kBytes || out == t.dtype ||
-      !CanConvert(t.dtype, out) || len == 0) {
+      !CanConvert(t.dtype, out) || len == 0 || DTypeSize(t.dtype) == 0) {
     return false;
   }
-  const uint64_t osz = DTypeSize(out), isz = DTypeSize(t.dtype);
-  Box whole;
-  auto view_or = ViewOf(t, box, &whole);
-  if (osz == 0 || isz == 0 || !view_or.ok()) return false;
-  const uint64_t numel = static_cast<uint64_t>(NumelOf((*view_or)->lengths));
-  if (offset + len > numel * osz) return false;
-  const auto frags = SpanFragments(id);
-  if (frags == nullptr) return false;
-  const uint64_t e0 = offset / osz, e1 = (offset + len + osz - 1) / osz;
+  const uint64_t osz = DTypeSize(out);
   thread_local std::vector<std::pair<uint64_t, SourceSpan>> runs;
-  if (!CollectRuns(t, *frags, **view_or, t.dtype, e0, e1, max_spans, &runs)) return false;
-  for (const auto& [elem, sp] : runs) {
-    if (!plan->spans.empty() && plan->spans.back().file == sp.file &&
-        plan->spans.back().offset + plan->spans.back().length == sp.offset) {
-      plan->spans.back().length += sp.length;
-    } else {
-      plan->spans.push_back(sp);
-    }
-  }
+  uint64_t e0 = 0;
+  if (!CollectRuns(id, t.dtype, osz, box, offset, len, max_spans, &runs, &e0)) return false;
+  for (const auto& [elem, sp] : runs) AppendSpan(&plan->spans, sp);
   plan->src = t.dtype;
   plan->out = out;
   plan->skip = offset - e0 * osz;
