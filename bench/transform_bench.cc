@@ -13,7 +13,9 @@
 // memory (H2D + kernel + D2H + copy out); pipe = the read engine's two-slot
 // pipeline (source already in pinned staging, as the io_uring reads leave it;
 // H2D, kernel, D2H and the copy to the caller's buffer included, chunks of
-// 16 MiB of output); auto = the backend the calibrated policy picks, and its
+// 16 MiB of output); dev = the same pipeline writing into device memory
+// (BeginDevice: the Python package's device= reads; H2D and kernel, no D2H);
+// auto = the backend the calibrated policy picks, and its
 // time over cpu's (target: at most 1.05). Every GPU output is compared with
 // the CPU's bytes. Best of 3 runs. Writes the table to stdout and JSON to
 // argv[1] when given.
@@ -88,8 +90,8 @@ double Best(const std::function<bool()>& f, int reps = 3) {
 }
 
 // The read engine's use: 16 MiB output chunks through two slots.
-bool RunPipeline(Transforms& t, const Plan& p, std::vector<char>& dst) {
-  auto pipe = t.Begin();
+bool RunPipeline(Transforms& t, const Plan& p, char* dst, uint64_t dst_len, bool device) {
+  auto pipe = device ? t.BeginDevice(nullptr) : t.Begin();
   if (!pipe.ok()) return false;
   // Chunks of 16 MiB of output, as the read engine plans them: each op cut
   // to the rows (rank 2) or elements (rank 1) whose output lies in the chunk.
@@ -128,7 +130,7 @@ bool RunPipeline(Transforms& t, const Plan& p, std::vector<char>& dst) {
     if (!st.ok()) return false;
     std::vector<GatherOp> ops = chunks[c];
     for (GatherOp& op : ops) op.src_off -= lo;  // the staging holds [lo, hi), filled by the I/O in real reads
-    if (!(*pipe)->Submit(slot, hi - lo, ops, p.out, dst.data(), dst.size()).ok()) return false;
+    if (!(*pipe)->Submit(slot, hi - lo, ops, p.out, dst, dst_len).ok()) return false;
     pending[slot] = true;
   }
   for (int s = 0; s < 2; ++s) {
@@ -165,8 +167,8 @@ int main(int argc, char** argv) {
     auto p = TransformPolicy::Make(GpuMode::kAuto, "");
     if (p.ok()) policy = std::move(*p);
   }
-  std::printf("\n%-12s %9s %10s %10s %10s %-6s %8s\n", "plan", "out MiB", "cpu GB/s", "gpu GB/s", "pipe GB/s",
-              "auto", "auto/cpu");
+  std::printf("\n%-12s %9s %10s %10s %10s %10s %-6s %8s\n", "plan", "out MiB", "cpu GB/s", "gpu GB/s", "pipe GB/s",
+              "dev GB/s", "auto", "auto/cpu");
   int bad = 0;
   for (uint64_t mib : {1, 4, 16, 64, 256}) {
     const uint64_t bytes = mib << 20;
@@ -188,7 +190,7 @@ int main(int argc, char** argv) {
         return t.Gather(p.src.data(), p.src.size(), p.ops, p.out, dst.data(), dst.size()).ok();
       };
       const double tc = Best([&] { return run(CpuTransforms(), ref, &c0); });
-      double tg = -1, tp = -1, ta = tc;
+      double tg = -1, tp = -1, td = -1, ta = tc;
       std::string auto_name = "cpu";
       if (gpu) {
         tg = Best([&] { return run(*gpu, got, &c1); });
@@ -198,10 +200,19 @@ int main(int argc, char** argv) {
         }
         if (!p.crc) {
           std::fill(got.begin(), got.end(), 0);
-          tp = Best([&] { return RunPipeline(*gpu, p, got); });
+          tp = Best([&] { return RunPipeline(*gpu, p, got.data(), got.size(), false); });
           if (got != ref) {
             std::printf("MISMATCH: %s %llu MiB through the pipeline\n", p.name.c_str(), static_cast<unsigned long long>(mib));
             ++bad;
+          }
+          auto mem = AllocDeviceBytes(gpu->device(), p.out_bytes);
+          if (mem.ok()) {
+            td = Best([&] { return RunPipeline(*gpu, p, mem->get(), p.out_bytes, true); });
+            std::fill(got.begin(), got.end(), 0);
+            if (td < 0 || !DownloadDeviceBytes(gpu->device(), mem->get(), p.out_bytes, got.data()).ok() || got != ref) {
+              std::printf("MISMATCH: %s %llu MiB into device memory\n", p.name.c_str(), static_cast<unsigned long long>(mib));
+              ++bad;
+            }
           }
         }
         if (policy) {
@@ -211,11 +222,12 @@ int main(int argc, char** argv) {
         }
       }
       auto gbps = [&](double t) { return t > 0 ? static_cast<double>(p.out_bytes) / t / 1e9 : 0.0; };
-      std::printf("%-12s %9llu %10.2f %10s %10s %-6s %8.2f\n", p.name.c_str(), static_cast<unsigned long long>(mib),
-                  gbps(tc), tg > 0 ? std::to_string(gbps(tg)).substr(0, 6).c_str() : "-",
-                  tp > 0 ? std::to_string(gbps(tp)).substr(0, 6).c_str() : "-", auto_name.c_str(), ta / tc);
+      auto col = [&](double t) { return t > 0 ? std::to_string(gbps(t)).substr(0, 6) : std::string("-"); };
+      std::printf("%-12s %9llu %10.2f %10s %10s %10s %-6s %8.2f\n", p.name.c_str(), static_cast<unsigned long long>(mib),
+                  gbps(tc), col(tg).c_str(), col(tp).c_str(), col(td).c_str(), auto_name.c_str(), ta / tc);
       out["rows"].push_back({{"plan", p.name}, {"out_mib", mib}, {"cpu_gbps", gbps(tc)}, {"gpu_gbps", gbps(tg)},
-                             {"pipeline_gbps", gbps(tp)}, {"auto", auto_name}, {"auto_over_cpu", ta / tc}});
+                             {"pipeline_gbps", gbps(tp)}, {"device_out_gbps", gbps(td)}, {"auto", auto_name},
+                             {"auto_over_cpu", ta / tc}});
     }
   }
   if (!gpu) std::printf("\nGPU figures pending: no CUDA device on this machine.\n");

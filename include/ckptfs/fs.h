@@ -91,6 +91,9 @@ struct FsOptions {
   // mappings of the sources (ReadMapped; --mapped-reads=off: always copied).
   bool mapped_reads = true;
   TopoOptions topo;  // --rules, --pp-layers, --hf-shard-size
+  // The GPU backend's settings (device, idle release; the Python package
+  // keeps the context it shares with torch: reset_when_idle = false).
+  CudaOptions cuda;
 };
 
 class Filesystem {
@@ -124,7 +127,11 @@ class Filesystem {
   // params/ file serves, without a path (the Python package's read). Checks
   // the box against the shape and the sources' freshness first; a failure is
   // logged like a failed read of the file.
-  Status ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len);
+  // With `device`, `dst` is device memory of device->backend and the bytes
+  // are rendered there (TensorReader::ReadToDevice): the Python package's
+  // device= reads.
+  Status ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len,
+                    const DeviceTarget* device = nullptr);
   // .ckptfs/stats: the counters below as one JSON object (no checkpoint I/O,
   // never a verify). A read at offset 0 takes a fresh snapshot; reads past 0
   // continue the latest one (the adapter passes no file handle), so a reader

@@ -121,6 +121,17 @@ Status ConvertRun(const char* src, DType src_dtype, int64_t src_stride, char* ds
 bool CanConvert(DType from, DType to);
 
 
+// A read whose output is device memory (TensorReader::ReadToDevice):
+// `backend` runs the kernels (its BeginDevice), `after` is the caller's
+// stream (a cudaStream_t; null: none) the writes must follow.
+struct DeviceTarget {
+  Transforms* backend = nullptr;
+  void* after = nullptr;
+  // false: the backend's kernels differed from the CPU's (CheckAgainstCpu),
+  // so every read takes the host path and only uploads run on the device.
+  bool kernels_trusted = true;
+};
+
 class TensorReader {
  public:
   // `policy` picks the transforms backend per plan; null: always the CPU.
@@ -135,6 +146,15 @@ class TensorReader {
   // The same over the sub-box `box` of the tensor (null: the whole tensor),
   // rendered in C order of the box's own shape: a resharded view's slice.
   Status ReadBox(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, char* dst);
+  // The whole rendering ReadBox(id, out, box, 0, len, ...) into device
+  // memory `dst` (device-resident output): every chunk's source spans are
+  // read into the target's pinned staging (the same plans, no direct reads),
+  // go up once, and the merge / strip / widen kernels write into `dst`; a
+  // mean of replicas is averaged on the device from its staged copies. No
+  // output byte passes through host memory. A failure of the device (not of
+  // the checkpoint) is logged and the read done again on the host, in
+  // bounded pieces uploaded to `dst` (counted in gpu_fallbacks).
+  Status ReadToDevice(TensorId id, DType out, const Box* box, const DeviceTarget& target, char* dst, uint64_t len);
   // Bytes [offset, offset+len) of the transpose of a 2-D tensor's row boxes
   // `rows` (whole rows, concatenated along dim 0 in order), in C order of
   // that transpose: [columns, total rows]. Hugging Face Conv1D weights (GPT-2)
@@ -219,8 +239,13 @@ class TensorReader {
   };
   Status PlanChunk(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
                    uint64_t c0, uint64_t c1, bool direct, char* base, Chunk* plan);
+  // `device`: `base` is device memory of tf (its BeginDevice pipeline).
   Status RunChunks(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
-                   uint64_t e1, uint64_t chunk, Transforms& tf, char* base, const Chunk* first, bool* gpu_failed);
+                   uint64_t e1, uint64_t chunk, Transforms& tf, char* base, const Chunk* first, bool* gpu_failed,
+                   const DeviceTarget* device = nullptr);
+  // ReadMean's work with the average on the device, into device memory.
+  Status MeanToDevice(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
+                      uint64_t numel, const DeviceTarget& target, char* dst, bool* gpu_failed);
   // Elements [e0, e1) of the view of a mean-of-copies tensor (replicas > 1):
   // each copy read as the source dtype, Transforms::Mean, then rendered as `out`.
   Status ReadMean(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,

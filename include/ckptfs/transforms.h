@@ -106,8 +106,39 @@ class Transforms {
     virtual Status Submit(int slot, uint64_t src_len, std::span<const GatherOp> ops, DType out, char* dst,
                           uint64_t dst_len) = 0;
     virtual Status Wait(int slot) = 0;
+    // Device pipelines only (BeginDevice): dst[i] = the mean of the `copies`
+    // staged arrays of `numel` elements of `dt` (copy k at k * numel * size
+    // in the slot's staging; Mean's arithmetic), rendered as `out` into the
+    // device memory `dst`. Wait(slot) finishes it.
+    virtual Status SubmitMean(int slot, uint32_t copies, uint64_t numel, DType dt, DType out, char* dst) {
+      (void)slot, (void)copies, (void)numel, (void)dt, (void)out, (void)dst;
+      return Unsupported("a mean into device memory needs a device pipeline");
+    }
   };
   virtual Result<std::unique_ptr<Pipeline>> Begin() = 0;
+
+  // Device-resident output (the Python package's device= reads). A pipeline
+  // whose Submit's `dst` is memory of this backend's device (a CUDA pointer):
+  // the source spans staged on the host go up once, the kernels write the
+  // ops' output straight into `dst`, and nothing comes back to the host;
+  // bytes of `dst` no op writes keep their values. `after` is the caller's
+  // cudaStream_t (null: the legacy default stream, torch's default): the
+  // first upload waits for the work queued on it (whatever last used the
+  // memory of `dst`), and Wait returns once the bytes are in place. The
+  // pipeline runs in the calling thread and gives it back its current device
+  // when it ends. Unsupported on the CPU.
+  virtual Result<std::unique_ptr<Pipeline>> BeginDevice(void* after) {
+    (void)after;
+    return Unsupported(std::string(name()) + " has no device memory");
+  }
+  // `n` host bytes into device memory at `dst` (the host-path fallback of a
+  // device read; synchronous).
+  virtual Status Upload(const char* host, uint64_t n, char* dst) {
+    (void)host, (void)n, (void)dst;
+    return Unsupported(std::string(name()) + " has no device memory");
+  }
+  // The device's ordinal; -1 for the CPU.
+  virtual int device() const { return -1; }
 
   // Device and pinned host bytes held right now (0 for the CPU, and for the
   // GPU once it has been idle for CudaOptions::idle_ms).
@@ -124,12 +155,22 @@ struct CudaOptions {
   int device = 0;              // CUDA device ordinal (0)
   uint64_t idle_ms = 2000;     // buffers and context released after this long unused (2000)
   uint64_t slot_bytes = 64ull << 20;  // pinned staging per slot; a chunk's source spans fit in it (64 MiB)
+  // After idle_ms, also reset the device (cudaDeviceReset: the context goes
+  // too). Only for a process whose sole CUDA user is ckptfs (the mount); the
+  // Python package shares its process's primary context with torch, whose
+  // tensors a reset would destroy, so there only the buffers are freed (true).
+  bool reset_when_idle = true;
 };
 // Unsupported when built without CUDA, or when no device can be used (the
 // reason from the CUDA runtime is in the message).
 Result<std::unique_ptr<Transforms>> MakeCudaTransforms(const CudaOptions& opts = {});
 // True when this build has the CUDA backend compiled in.
 bool CudaCompiledIn();
+// Device memory of CUDA device `device` (cudaMalloc; freed with the last
+// reference) and its bytes copied back: what the tests and benches of
+// device-resident output compare. Unsupported without CUDA or a device.
+Result<std::shared_ptr<char>> AllocDeviceBytes(int device, uint64_t n);
+Status DownloadDeviceBytes(int device, const char* src, uint64_t n, char* host);
 
 enum class GpuMode : uint8_t { kAuto, kOn, kOff };
 Result<GpuMode> ParseGpuMode(std::string_view s);

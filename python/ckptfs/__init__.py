@@ -176,13 +176,18 @@ class Checkpoint:
         return t
 
     # -- reading -----------------------------------------------------------
-    def read(self, name: str, state: str = "param", box: Any = None, dtype: Any = None, out: Any = None):
+    def read(self, name: str, state: str = "param", box: Any = None, dtype: Any = None, out: Any = None,
+             stream: int = 0):
         """The tensor (or the sub-box `box`, a tuple of slices) as a numpy array,
         the bytes the mount's params/<name>/<state> file serves. `dtype`: None
         keeps the source's; "float32" widens bf16/fp16/fp8; "bfloat16" /
         "float16" round float32 to nearest even (as torch's .to()). `out`: a C-contiguous
-        host buffer (numpy array, torch tensor, pinned or not) to fill instead;
-        its element count must be the box's. The GIL is released while reading."""
+        buffer to fill instead (anything speaking DLPack or the buffer protocol): host
+        memory (numpy array, torch tensor, pinned or not), or CUDA device memory, which
+        the GPU fills (merges, strips and widening run there, nothing comes back to the
+        host; `stream`: the cudaStream_t whose queued work the writes follow, 0 the
+        default stream). Its element count must be the box's. The GIL is released while
+        reading."""
         t = self.tensor(name, state)
         if t.dtype == "object":
             raise TypeError(f"{name} is a pickled object, not a tensor: read other/{name} with open_file")
@@ -194,7 +199,7 @@ class Checkpoint:
                 raise TypeError(f"numpy has no {dt} (install ml_dtypes, pass dtype='float32', "
                                 f"or use ckptfs.torch.read)")
             out = np.empty(tuple(lengths) if lengths is not None else t.shape, dtype=np_dtype)
-        self._c.read_into(t.id, dt, offsets, lengths, out)
+        self._c.read_into(t.id, dt, offsets, lengths, out, stream)
         return out
 
     def open_file(self, path: str) -> io.BufferedReader:
@@ -215,6 +220,14 @@ class Checkpoint:
         """`ckptfs verify` (reads every tensor once): the report as a dict;
         findings under "findings", each naming the file and the problem."""
         return json.loads(self._c.verify(deep, threads))
+
+    def device_info(self, ordinal: int = 0) -> dict:
+        """The backend that fills CUDA buffers on device `ordinal` (made on first use):
+        its name, whether its kernels matched the CPU's on the check plans (if not,
+        reads into that device render on the host and only upload), and the device and
+        pinned bytes it holds now (0 once idle for 2 s)."""
+        name, trusted, why, held = self._c.device_info(ordinal)
+        return {"name": name, "kernels_trusted": trusted, "why": why, "held_bytes": held}
 
     def stats(self) -> dict:
         """The counters .ckptfs/stats shows (reads, bytes, latency percentiles)."""

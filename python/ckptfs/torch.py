@@ -63,17 +63,51 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 def read(ck: Checkpoint, name: str, state: str = "param", box: Any = None, dtype: Any = None,
          out: Optional[torch.Tensor] = None, pin_memory: bool = False, device: Any = None) -> torch.Tensor:
-    """Checkpoint.read as a torch tensor (bfloat16 and fp8 included). With
-    `device` ("cuda:0"), the bytes land in host memory (pinned when asked) and
-    are copied there."""
+    """Checkpoint.read as a torch tensor (bfloat16 and fp8 included).
+
+    `device` ("cuda", "cuda:1", a torch.device): the tensor is made in that
+    device's memory and filled there: the source spans go up once from pinned
+    staging and the merge / padding strip / widening / mean run on the GPU into
+    it, with no device-to-host copy and no full-size host buffer. `out` may be
+    a contiguous CUDA tensor too (its device wins). Host tensors: `pin_memory`
+    allocates the result pinned."""
     t = ck.tensor(name, state)
     dt = ckptfs._dtype_name(dtype) or t.dtype
     if out is None:
         offsets, lengths = ckptfs._box(box, t.shape)
         shape = lengths if lengths is not None else list(t.shape)
-        out = torch.empty(shape, dtype=_torch_dtype(dt), pin_memory=pin_memory)
-    ck.read(name, state, box=box, dtype=dt, out=out)
-    return out if device is None else out.to(device, non_blocking=pin_memory)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda":
+            out = torch.empty(shape, dtype=_torch_dtype(dt), device=dev)
+        else:
+            out = torch.empty(shape, dtype=_torch_dtype(dt), pin_memory=pin_memory)
+            if device is not None:
+                out = out.to(dev)
+    _read_into(ck, t, box, dt, out)
+    return out
+
+
+def _read_into(ck: Checkpoint, t: TensorInfo, box: Any, dtype: str, out: torch.Tensor) -> None:
+    """ck.read into `out`, host or CUDA memory; a CUDA tensor is written after
+    the work queued on its device's current stream."""
+    if out.device.type == "cuda":
+        if not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor")
+        stream = torch.cuda.current_stream(out.device).cuda_stream
+        ck.read(t.name, t.state, box=box, dtype=dtype, out=out, stream=stream)
+    elif out.device.type == "cpu":
+        ck.read(t.name, t.state, box=box, dtype=dtype, out=out)
+    else:
+        raise ValueError(f"out must be host or CUDA memory, not {out.device}")
+
+
+# The element conversions the read engine renders (as io.h CanConvert): identity,
+# bf16 / f16 / fp8 widened to float32, float32 rounded to bf16 / f16.
+_WIDENS = {"bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+
+def _renders(src: str, dst: str) -> bool:
+    return src == dst or (dst == "float32" and src in _WIDENS) or (src == "float32" and dst in ("bfloat16", "float16"))
 
 
 def default_keys(t: TensorInfo) -> list[str]:
@@ -155,8 +189,11 @@ class StorageReader(_DcpStorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        """Each item reads its box of the global tensor, straight into the
-        destination when it is contiguous host memory of the same dtype."""
+        """Each item reads its box of the global tensor straight into the
+        destination when it is contiguous (host or CUDA memory) of a dtype the
+        engine renders (the source's, or float32 widened from bf16 / f16 / fp8,
+        or bf16 / f16 rounded from float32): a CUDA destination is filled on
+        its GPU, merges and widening included, with no host round trip."""
         ck = self._open()
         hf_files: dict[str, io.BufferedReader] = {}  # view="hf": each file opened (and checked) once
         try:
@@ -188,12 +225,15 @@ class StorageReader(_DcpStorageReader):
                 hf_files[t.path] = ck.open_file(t.path)
             dest.copy_(t.read_box(hf_files[t.path], box))
         else:
-            src_dtype = _torch_dtype(t.dtype)
-            if dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == src_dtype:
-                ck.read(t.name, t.state, box=box, out=dest)
-            else:
-                tmp = torch.empty(list(req.lengths), dtype=src_dtype)
-                ck.read(t.name, t.state, box=box, out=tmp)
+            want = str(dest.dtype).removeprefix("torch.")
+            on_device = dest.device.type in ("cpu", "cuda")
+            if on_device and dest.is_contiguous() and _renders(t.dtype, want):
+                _read_into(ck, t, box, want, dest)
+            else:  # a strided destination, another device or dtype: a contiguous read, then copy_
+                dt = want if _renders(t.dtype, want) else t.dtype
+                tmp = torch.empty(list(req.lengths), dtype=_torch_dtype(dt),
+                                  device=dest.device if dest.device.type == "cuda" else "cpu")
+                _read_into(ck, t, box, dt, tmp)
                 dest.copy_(tmp)
         planner.commit_tensor(req, dest)
 

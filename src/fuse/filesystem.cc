@@ -102,7 +102,7 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   std::error_code ec;
   const std::string cache_dir = UserCacheDir();
   std::filesystem::create_directories(cache_dir, ec);  // no cache dir: calibrate at every mount
-  ASSIGN_OR_RETURN(auto policy, TransformPolicy::Make(opts.gpu, ec ? "" : cache_dir + "/gpu-calibration.json"));
+  ASSIGN_OR_RETURN(auto policy, TransformPolicy::Make(opts.gpu, ec ? "" : cache_dir + "/gpu-calibration.json", opts.cuda));
   ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine, std::move(policy)));
   fs->reader_->set_verify_on_read(opts.verify_on_read);
   fs->mapped_reads_ = opts.mapped_reads;
@@ -172,7 +172,8 @@ Result<Attr> Filesystem::Lookup(uint64_t parent, std::string_view name) const {
   return AttrOfIno(n->ino);
 }
 
-Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len) {
+Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst, uint64_t len,
+                              const DeviceTarget* device) {
   const auto& tensors = index_->tensors();
   if (id.v >= tensors.size()) return NotFound("cannot read tensor " + std::to_string(id.v) + ": no such tensor");
   const TensorRecord& t = tensors[id.v];
@@ -214,7 +215,9 @@ Status Filesystem::ReadTensor(TensorId id, DType out, const Box* box, char* dst,
   // after indexing is refused, never served.
   if (Status st = reader_->CheckFresh(id); !st.ok()) return fail(st);
   const int64_t t0 = SteadyNs();
-  if (Status st = reader_->ReadBox(id, out, box, 0, len, dst); !st.ok()) return fail(st);
+  Status st = device != nullptr ? reader_->ReadToDevice(id, out, box, *device, dst, len)
+                                : reader_->ReadBox(id, out, box, 0, len, dst);
+  if (!st.ok()) return fail(st);
   latency_.Record(static_cast<uint64_t>(SteadyNs() - t0));
   reads_.fetch_add(1, std::memory_order_relaxed);
   bytes_.fetch_add(len, std::memory_order_relaxed);

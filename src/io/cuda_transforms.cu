@@ -13,8 +13,15 @@
 //
 // Resources live in lanes (a stream, events, pinned staging and device
 // buffers per slot); a reader takes a lane for one read and gives it back. A
-// reaper thread frees every lane and resets the device once nothing used it
-// for `idle_ms`, so an idle mount holds no GPU memory, not even a context.
+// reaper thread frees every lane once nothing used it for `idle_ms`, and in
+// the mount (CudaOptions::reset_when_idle) resets the device too, so an idle
+// mount holds no GPU memory, not even a context.
+//
+// Device-resident output (BeginDevice): the same kernels write into the
+// caller's device buffer; only the staged source spans and the ops go up,
+// nothing comes down. The caller's stream is waited on before the first
+// upload, so a buffer torch has just allocated (or reused) is not written
+// before the work queued before it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -138,6 +145,7 @@ class CudaBackend final : public Transforms {
   CudaBackend(const CudaOptions& o, std::string name) : opts_(o), name_(std::move(name)) {
     reaper_ = std::thread([this] { Reap(); });
   }
+  int device() const override { return opts_.device; }
   ~CudaBackend() override {
     {
       std::lock_guard<std::mutex> l(mu_);
@@ -172,12 +180,17 @@ class CudaBackend final : public Transforms {
 
   class CudaPipeline final : public Pipeline {
    public:
-    CudaPipeline(CudaBackend& b, std::unique_ptr<Lane> lane) : b_(b), lane_(std::move(lane)) {}
+    // `restore_device`: the calling thread's device before this pipeline
+    // (a device pipeline runs in the caller's thread, whose current device
+    // torch also keeps), set again when it ends; -1: left as it is.
+    CudaPipeline(CudaBackend& b, std::unique_ptr<Lane> lane, bool device_out, int restore_device = -1)
+        : b_(b), lane_(std::move(lane)), device_out_(device_out), restore_device_(restore_device) {}
     ~CudaPipeline() override {
       for (int s = 0; s < 2; ++s) {
         if (lane_->slots[s].pending) (void)Wait(s);  // an error was already reported by the caller's path
       }
       b_.Return(std::move(lane_));
+      if (restore_device_ >= 0) (void)cudaSetDevice(restore_device_);
     }
     Result<char*> Staging(int slot, uint64_t bytes) override {
       Slot& s = lane_->slots[slot & 1];
@@ -187,11 +200,25 @@ class CudaBackend final : public Transforms {
     Status Submit(int slot, uint64_t src_len, std::span<const GatherOp> ops, DType out, char* dst,
                   uint64_t dst_len) override;
     Status Wait(int slot) override;
+    Status SubmitMean(int slot, uint32_t copies, uint64_t numel, DType dt, DType out, char* dst) override;
     Lane* lane() { return lane_.get(); }
+    // Both slots' streams wait for the work queued on `after` so far (null:
+    // the legacy default stream, torch's default).
+    Status After(cudaStream_t after) {
+      Slot& s0 = lane_->slots[0];
+      CKPTFS_CUDA(cudaEventRecord(s0.done, after));
+      for (Slot& s : lane_->slots) CKPTFS_CUDA(cudaStreamWaitEvent(s.stream, s0.done, 0));
+      return Status::Ok();
+    }
 
    private:
+    // The device-output gather: ops already on the device at s.dops.
+    Status LaunchInto(Slot& s, const kernels::KernelOps& kops, char* dst);
+
     CudaBackend& b_;
     std::unique_ptr<Lane> lane_;
+    bool device_out_ = false;
+    int restore_device_ = -1;
   };
 
   uint64_t HeldBytes() const override {
@@ -201,7 +228,36 @@ class CudaBackend final : public Transforms {
 
   Result<std::unique_ptr<Pipeline>> Begin() override {
     ASSIGN_OR_RETURN(auto lane, Take());
-    return std::unique_ptr<Pipeline>(new CudaPipeline(*this, std::move(lane)));
+    return std::unique_ptr<Pipeline>(new CudaPipeline(*this, std::move(lane), false));
+  }
+
+  Result<std::unique_ptr<Pipeline>> BeginDevice(void* after) override {
+    int prev = 0;
+    CKPTFS_CUDA(cudaGetDevice(&prev));
+    ASSIGN_OR_RETURN(auto lane, Take());
+    auto pipe = std::make_unique<CudaPipeline>(*this, std::move(lane), true, prev);
+    RETURN_IF_ERROR(pipe->After(static_cast<cudaStream_t>(after)));
+    return std::unique_ptr<Pipeline>(std::move(pipe));
+  }
+
+  Status Upload(const char* host, uint64_t n, char* dst) override {
+    if (n == 0) return Status::Ok();
+    int prev = 0;
+    CKPTFS_CUDA(cudaGetDevice(&prev));
+    ASSIGN_OR_RETURN(auto lane, Take());
+    auto pipe = std::make_unique<CudaPipeline>(*this, std::move(lane), true, prev);
+    Slot& s = pipe->lane()->slots[0];
+    // Through pinned memory in pieces: an async copy from pageable memory
+    // would be staged by the driver anyway, and this bounds what is pinned.
+    constexpr uint64_t kPiece = 16ull << 20;
+    RETURN_IF_ERROR(GrowPinned(&s.pinned, &s.pinned_cap, std::min(n, kPiece)));
+    for (uint64_t off = 0; off < n; off += kPiece) {
+      const uint64_t m = std::min(kPiece, n - off);
+      std::memcpy(s.pinned, host + off, m);
+      CKPTFS_CUDA(cudaMemcpyAsync(dst + off, s.pinned, m, cudaMemcpyHostToDevice, s.stream));
+      CKPTFS_CUDA(cudaStreamSynchronize(s.stream));
+    }
+    return Status::Ok();
   }
 
  private:
@@ -250,13 +306,13 @@ class CudaBackend final : public Transforms {
   }
 
   void ReleaseLocked() {
-    if (free_.empty() && !constants_) return;
+    if (free_.empty() && (!constants_ || !opts_.reset_when_idle)) return;
     for (auto& lane : free_) {
       for (Slot& s : lane->slots) FreeSlot(s);
     }
     free_.clear();
     held_ = 0;
-    if (constants_) {
+    if (constants_ && opts_.reset_when_idle) {
       (void)cudaSetDevice(opts_.device);
       (void)cudaDeviceReset();  // drops the primary context and all it holds
       constants_ = false;
@@ -295,6 +351,15 @@ Status CudaBackend::CudaPipeline::Submit(int slot, uint64_t src_len, std::span<c
   RETURN_IF_ERROR(ValidateOps(src_len, ops, out, dst_len));
   const PlanExtent ext = ExtentOf(ops, out);
   if (ext.elements == 0) return Status::Ok();
+  if (device_out_) {
+    // Only the staged bytes the ops read go up (16-byte aligned start).
+    const uint64_t sbase = ext.src_lo & ~15ull, sbytes = ext.src_hi - sbase;
+    const kernels::KernelOps kops =
+        kernels::BuildDeviceOutputOps(ops, out, sbase, reinterpret_cast<uintptr_t>(dst));
+    RETURN_IF_ERROR(GrowDevice(&s.dsrc, &s.dsrc_cap, sbytes));
+    CKPTFS_CUDA(cudaMemcpyAsync(s.dsrc, s.pinned + sbase, sbytes, cudaMemcpyHostToDevice, s.stream));
+    return LaunchInto(s, kops, dst);
+  }
   const kernels::ChunkLayout lay = kernels::LayoutChunk(ext);
   const uint64_t sbase = lay.sbase, dbase = lay.dbase, sbytes = lay.sbytes, dbytes = lay.dbytes;
 
@@ -332,12 +397,68 @@ Status CudaBackend::CudaPipeline::Submit(int slot, uint64_t src_len, std::span<c
   return Status::Ok();
 }
 
+Status CudaBackend::CudaPipeline::LaunchInto(Slot& s, const kernels::KernelOps& kops, char* dst) {
+  const std::vector<DevOp>& dev = kops.ops;
+  const uint64_t ops_bytes = dev.size() * sizeof(DevOp);
+  RETURN_IF_ERROR(GrowPinned(reinterpret_cast<char**>(&s.pinned_ops), &s.ops_cap, ops_bytes));
+  RETURN_IF_ERROR(GrowDevice(&s.dops, &s.dops_cap, ops_bytes));
+  std::memcpy(s.pinned_ops, dev.data(), ops_bytes);
+  CKPTFS_CUDA(cudaMemcpyAsync(s.dops, s.pinned_ops, ops_bytes, cudaMemcpyHostToDevice, s.stream));
+  const kernels::Launch launch = kernels::GatherLaunch(kops.total);
+  GatherKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(
+      s.dsrc, reinterpret_cast<unsigned char*>(dst), s.dops, static_cast<int>(dev.size()), kops.total);
+  CKPTFS_CUDA(cudaGetLastError());
+  CKPTFS_CUDA(cudaEventRecord(s.done, s.stream));
+  s.pending = true;
+  s.host_dst = nullptr;
+  s.out_bytes = 0;
+  return Status::Ok();
+}
+
+Status CudaBackend::CudaPipeline::SubmitMean(int slot, uint32_t copies, uint64_t numel, DType dt, DType out,
+                                             char* dst) {
+  if (!device_out_) return Unsupported("cuda: a mean into device memory needs a device pipeline");
+  Slot& s = lane_->slots[slot & 1];
+  if (s.pending) return Internal("cuda: submit on a slot that was not waited for");
+  RETURN_IF_ERROR(CheckMean(copies, dt));
+  if (!Renders(dt, out)) {
+    return Internal("cuda: cannot render a mean of " + std::string(DTypeName(dt)) + " as " + std::string(DTypeName(out)));
+  }
+  const uint64_t esz = DTypeSize(dt), in = numel * esz * copies;
+  if (s.pinned_cap < in) return Internal("cuda: submit of more bytes than were staged");
+  if (numel == 0) return Status::Ok();
+  RETURN_IF_ERROR(GrowDevice(&s.dsrc, &s.dsrc_cap, in));
+  CKPTFS_CUDA(cudaMemcpyAsync(s.dsrc, s.pinned, in, cudaMemcpyHostToDevice, s.stream));
+  unsigned char* mean = reinterpret_cast<unsigned char*>(dst);
+  if (dt != out) {  // the mean in its own dtype first, then rendered as `out`
+    RETURN_IF_ERROR(GrowDevice(&s.ddst, &s.ddst_cap, numel * esz));
+    mean = s.ddst;
+  }
+  const kernels::Launch launch = kernels::MeanLaunch(numel);
+  MeanKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(s.dsrc, numel * esz, copies, dt, numel, mean);
+  CKPTFS_CUDA(cudaGetLastError());
+  if (dt == out) {
+    CKPTFS_CUDA(cudaEventRecord(s.done, s.stream));
+    s.pending = true;
+    s.host_dst = nullptr;
+    return Status::Ok();
+  }
+  // The widening gather reads the mean where it lies (ddst): swap it in as
+  // the source for this launch.
+  const GatherOp op = kernels::ContiguousOp(numel, dt);
+  const kernels::KernelOps kops =
+      kernels::BuildDeviceOutputOps(std::span<const GatherOp>(&op, 1), out, 0, reinterpret_cast<uintptr_t>(dst));
+  std::swap(s.dsrc, s.ddst);
+  std::swap(s.dsrc_cap, s.ddst_cap);
+  return LaunchInto(s, kops, dst);
+}
+
 Status CudaBackend::CudaPipeline::Wait(int slot) {
   Slot& s = lane_->slots[slot & 1];
   if (!s.pending) return Status::Ok();
   s.pending = false;
   CKPTFS_CUDA(cudaEventSynchronize(s.done));
-  std::memcpy(s.host_dst, s.pinned_out, s.out_bytes);
+  if (s.host_dst != nullptr) std::memcpy(s.host_dst, s.pinned_out, s.out_bytes);
   return Status::Ok();
 }
 
@@ -403,6 +524,27 @@ Status CudaBackend::Mean(const char* src, uint32_t copies, uint64_t numel, DType
 }  // namespace
 
 bool CudaCompiledIn() { return true; }
+
+Result<std::shared_ptr<char>> AllocDeviceBytes(int device, uint64_t n) {
+  int prev = 0;
+  CKPTFS_CUDA(cudaGetDevice(&prev));
+  CKPTFS_CUDA(cudaSetDevice(device));
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<uint64_t>(n, 1));
+  (void)cudaSetDevice(prev);
+  if (err != cudaSuccess) return Unsupported(std::string("cuda: cudaMalloc: ") + cudaGetErrorString(err));
+  return std::shared_ptr<char>(static_cast<char*>(p), [](char* q) { (void)cudaFree(q); });
+}
+
+Status DownloadDeviceBytes(int device, const char* src, uint64_t n, char* host) {
+  int prev = 0;
+  CKPTFS_CUDA(cudaGetDevice(&prev));
+  CKPTFS_CUDA(cudaSetDevice(device));
+  const cudaError_t err = cudaMemcpy(host, src, n, cudaMemcpyDeviceToHost);
+  (void)cudaSetDevice(prev);
+  if (err != cudaSuccess) return Internal(std::string("cuda: cudaMemcpy: ") + cudaGetErrorString(err));
+  return Status::Ok();
+}
 
 Result<std::unique_ptr<Transforms>> MakeCudaTransforms(const CudaOptions& opts) {
   int n = 0;

@@ -6,6 +6,14 @@ namespace ckptfs {
 
 bool CudaCompiledIn() { return false; }
 
+Result<std::shared_ptr<char>> AllocDeviceBytes(int, uint64_t) {
+  return Unsupported("this ckptfs was built without CUDA: no device memory");
+}
+
+Status DownloadDeviceBytes(int, const char*, uint64_t, char*) {
+  return Unsupported("this ckptfs was built without CUDA: no device memory");
+}
+
 Result<std::unique_ptr<Transforms>> MakeCudaTransforms(const CudaOptions&) {
   return Unsupported("this ckptfs was built without CUDA (no nvcc at configure time, or a sanitizer build)");
 }

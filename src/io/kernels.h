@@ -177,6 +177,31 @@ inline KernelOps BuildKernelOps(std::span<const GatherOp> ops, DType out, uint64
   return k;
 }
 
+// The ops of a device-output chunk (Transforms::BeginDevice): the output is
+// the caller's device buffer itself, at address `dst_addr` (offsets from it,
+// no rebasing, nothing staged or copied back). Typed stores need the
+// element alignment the ops assume of a 16-byte aligned base; a buffer that
+// is not so aligned (a view into a tensor) takes the byte path, the same bytes.
+inline KernelOps BuildDeviceOutputOps(std::span<const GatherOp> ops, DType out, uint64_t sbase, uint64_t dst_addr) {
+  KernelOps k = BuildKernelOps(ops, out, sbase, 0);
+  if (dst_addr % 16 != 0) {
+    for (DevOp& d : k.ops) d.aligned = 0;
+  }
+  return k;
+}
+
+// The one op that renders `numel` contiguous elements of `from` as `to` (a
+// mean of replicas computed in its source dtype, then widened on the device).
+inline GatherOp ContiguousOp(uint64_t numel, DType from) {
+  GatherOp op;
+  op.sdtype = from;
+  op.rank = 1;
+  op.len[0] = static_cast<int64_t>(numel);
+  op.sstr[0] = 1;
+  op.dstr[0] = 1;
+  return op;
+}
+
 // Where a chunk's bytes sit on the device: the source from `sbase` and the
 // output from `dbase` (both 16-byte aligned, so an op's `aligned` holds on
 // 256-byte aligned device buffers); only the output bytes [dst_lo, dst_hi)

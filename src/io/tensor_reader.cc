@@ -564,6 +564,104 @@ Status TensorReader::ReadMean(const TensorRecord& t, const std::vector<Fragment>
   return Status::Ok();
 }
 
+Status TensorReader::ReadToDevice(TensorId id, DType out, const Box* box, const DeviceTarget& target, char* dst,
+                                  uint64_t len) {
+  if (id.v >= index_.tensors().size()) return Internal("tensor id out of range");
+  if (target.backend == nullptr) return Internal("a device read without a device backend");
+  const TensorRecord& t = index_.tensors()[id.v];
+  auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
+  if (!t.error.empty()) return Invalid("cannot read '" + t.key + "': " + t.error);
+  if (t.encoding != Encoding::kTensor) return Invalid("cannot read '" + t.key + "' into device memory: not a tensor");
+  const uint64_t osz = DTypeSize(out);
+  if (osz == 0 || !CanConvert(t.dtype, out)) return Internal("cannot render '" + t.key + "' as " + std::string(DTypeName(out)));
+  Box whole;
+  ASSIGN_OR_RETURN(const Box* view_ptr, ViewOf(t, box, &whole));
+  const Box& view = *view_ptr;
+  const uint64_t numel = static_cast<uint64_t>(NumelOf(view.lengths));
+  if (len != numel * osz) return Invalid("cannot read '" + t.key + "': a device buffer of " + std::to_string(len) +
+                                         " bytes for " + std::to_string(numel * osz));
+  if (len == 0) return Status::Ok();
+  auto frags_or = FragmentsOf(id);
+  if (!frags_or.ok()) return fail(frags_or.status());
+  const std::vector<Fragment>& frags = **frags_or;
+  if (verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) {
+    if (Status s = CheckRanges(frags); !s.ok()) return fail(s);
+  }
+  Transforms& dev = *target.backend;
+  if (target.kernels_trusted) {
+    bool gpu_failed = false;
+    Status s = t.replicas > 1
+                   ? MeanToDevice(t, frags, view, out, numel, target, dst, &gpu_failed)
+                   : RunChunks(t, frags, view, out, 0, numel, std::max<uint64_t>(1, kChunkBytes / osz), dev, dst,
+                               nullptr, &gpu_failed, &target);
+    if (!gpu_failed) return s;
+    // The device failed (not the checkpoint): render on the host in bounded
+    // pieces and upload them; an upload that fails too is the answer.
+    gpu_fallbacks_.fetch_add(1);
+    LogWarn("cannot read '" + t.key + "' into " + dev.name() + " memory, read on the host and uploaded: " +
+            s.message());
+  }
+  std::vector<char> piece;
+  const uint64_t step = std::max<uint64_t>(osz, kChunkBytes / osz * osz);
+  for (uint64_t off = 0; off < len; off += step) {
+    const uint64_t n = std::min(step, len - off);
+    piece.resize(n);
+    RETURN_IF_ERROR(ReadBox(id, out, box, off, n, piece.data()));
+    RETURN_IF_ERROR(dev.Upload(piece.data(), n, dst + off));
+  }
+  return Status::Ok();
+}
+
+Status TensorReader::MeanToDevice(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view,
+                                  DType out, uint64_t numel, const DeviceTarget& target, char* dst, bool* gpu_failed) {
+  const uint32_t n = t.replicas;
+  std::vector<std::vector<Fragment>> copies(n);
+  for (const Fragment& f : frags) {
+    if (f.replica >= n) return Invalid("cannot read '" + t.key + "': fragment of copy " + std::to_string(f.replica) +
+                                       " of " + std::to_string(n) + " (index corrupt?)");
+    copies[f.replica].push_back(f);
+  }
+  auto dev = [&](const Status& s) {
+    *gpu_failed = true;
+    return s;
+  };
+  gpu_plans_.fetch_add(1);
+  const uint64_t ssz = DTypeSize(t.dtype), osz = DTypeSize(out);
+  // As ReadMean: n copies of at most 4 MiB of source elements per step, read
+  // into the slot's pinned staging on the host (each copy may itself be a
+  // merge), averaged and rendered on the device; two slots overlap the next
+  // step's reads with this one's upload and kernels.
+  const uint64_t step = std::max<uint64_t>(1, (4ull << 20) / ssz);
+  ASSIGN_OR_RETURN(auto pipe, [&]() -> Result<std::unique_ptr<Transforms::Pipeline>> {
+    auto p = target.backend->BeginDevice(target.after);
+    if (!p.ok()) return dev(p.status());
+    return p;
+  }());
+  bool pending[2] = {false, false};
+  int slot = 0;
+  for (uint64_t c0 = 0; c0 < numel; c0 += step, slot ^= 1) {
+    const uint64_t c1 = std::min(numel, c0 + step), m = c1 - c0;
+    if (pending[slot]) {
+      pending[slot] = false;
+      if (Status w = pipe->Wait(slot); !w.ok()) return dev(w);
+    }
+    auto staging = pipe->Staging(slot, m * ssz * n);
+    if (!staging.ok()) return dev(staging.status());
+    for (uint32_t r = 0; r < n; ++r) {
+      bool unused = false;
+      RETURN_IF_ERROR(RunChunks(t, copies[r], view, t.dtype, c0, c1, m, CpuTransforms(), *staging + r * m * ssz,
+                                nullptr, &unused));
+    }
+    if (Status sub = pipe->SubmitMean(slot, n, m, t.dtype, out, dst + c0 * osz); !sub.ok()) return dev(sub);
+    pending[slot] = true;
+  }
+  for (int k = 0; k < 2; ++k) {
+    if (!pending[k]) continue;
+    if (Status w = pipe->Wait(k); !w.ok()) return dev(w);
+  }
+  return Status::Ok();
+}
+
 namespace {
 
 // One intersection of a fragment with a box of the view, dims of length 1
@@ -966,7 +1064,7 @@ Status TensorReader::MapSpans(std::span<const SourceSpan> spans, MappedBytes* ou
 // *gpu_failed: the failure came from the GPU (the caller retries on the CPU).
 Status TensorReader::RunChunks(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
                                uint64_t e0, uint64_t e1, uint64_t chunk, Transforms& tf, char* base,
-                               const Chunk* first, bool* gpu_failed) {
+                               const Chunk* first, bool* gpu_failed, const DeviceTarget* device) {
   const bool gpu = &tf != &CpuTransforms();
   (gpu ? gpu_plans_ : cpu_plans_).fetch_add(1);
   auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
@@ -975,7 +1073,7 @@ Status TensorReader::RunChunks(const TensorRecord& t, const std::vector<Fragment
     return s;
   };
   const uint64_t out_len = (e1 - e0) * DTypeSize(out);
-  auto pipe_or = tf.Begin();
+  auto pipe_or = device != nullptr ? tf.BeginDevice(device->after) : tf.Begin();
   if (!pipe_or.ok()) return dev(pipe_or.status());
   auto& pipe = **pipe_or;
   bool pending[2] = {false, false};

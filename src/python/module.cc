@@ -5,8 +5,15 @@
 // and Status into exceptions. Tensor bytes go straight from the read engine
 // into the caller's buffer (numpy, torch, anything speaking DLPack or the
 // buffer protocol, host memory: pageable or pinned), with the GIL released,
-// so reads from several Python threads run in parallel in the core. Naming
-// tensors, boxes as slices and the torch StorageReader live in Python.
+// so reads from several Python threads run in parallel in the core. A CUDA
+// buffer (DLPack kDLCUDA) is filled on its device: the plan's source spans go
+// up once from pinned staging and the merge / strip / widen / mean kernels
+// write into the buffer itself (TensorReader::ReadToDevice), after the work
+// queued on the caller's stream. The device backends are this process's,
+// one per device, checked against the CPU before their first read; they free
+// their buffers when idle but never reset the device (torch shares its
+// context). Naming tensors, boxes as slices and the torch StorageReader live
+// in Python.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -15,13 +22,16 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "ckptfs/fs.h"
+#include "ckptfs/io.h"
 #include "ckptfs/transforms.h"
 #include "ckptfs/verify.h"
 
@@ -116,6 +126,7 @@ class PyCheckpoint {
     if (!mode.ok()) throw nb::value_error(mode.status().message().c_str());
     o.gpu = *mode;
     o.force_rebuild = rebuild;
+    o.cuda.reset_when_idle = false;  // torch's context lives in this process too
     Result<std::unique_ptr<Filesystem>> fs = Internal("not run");
     {
       nb::gil_scoped_release unlocked;  // an index build takes seconds on big checkpoints
@@ -144,15 +155,23 @@ class PyCheckpoint {
   }
 
   void ReadInto(uint32_t id, const std::string& out_dtype, const std::optional<std::vector<int64_t>>& offsets,
-                const std::optional<std::vector<int64_t>>& lengths, Buffer out) {
+                const std::optional<std::vector<int64_t>>& lengths, Buffer out, uintptr_t stream) {
     const DType d = ParseDType(out_dtype);
     const auto [code, bits] = DlpackOf(d);
     if (out.dtype().code != code || out.dtype().bits != bits || out.dtype().lanes != 1) {
       throw nb::type_error(("the output buffer's element type does not hold " + std::string(DTypeName(d))).c_str());
     }
     const int dev = out.device_type();
-    if (dev != nb::device::cpu::value && dev != nb::device::cuda_host::value) {
-      throw nb::type_error("the output buffer must be host memory (pageable or pinned); copy to the device after");
+    const bool on_device = dev == nb::device::cuda::value;
+    if (dev != nb::device::cpu::value && dev != nb::device::cuda_host::value && !on_device) {
+      throw nb::type_error("the output buffer must be host memory (pageable or pinned) or CUDA device memory");
+    }
+    DeviceTarget target;
+    if (on_device) {
+      DeviceBackend& b = Device(static_cast<int>(out.device_id()));
+      target.backend = b.tf.get();
+      target.kernels_trusted = b.trusted;
+      target.after = reinterpret_cast<void*>(stream);
     }
     const auto& ts = fs_->index().tensors();
     if (id >= ts.size()) throw nb::index_error(("no tensor " + std::to_string(id)).c_str());
@@ -176,7 +195,8 @@ class PyCheckpoint {
     Status st;
     {
       nb::gil_scoped_release unlocked;
-      st = fs_->ReadTensor(TensorId{id}, d, boxed ? &box : nullptr, static_cast<char*>(out.data()), len);
+      st = fs_->ReadTensor(TensorId{id}, d, boxed ? &box : nullptr, static_cast<char*>(out.data()), len,
+                           on_device ? &target : nullptr);
     }
     if (!st.ok()) Raise(st);
   }
@@ -235,13 +255,59 @@ class PyCheckpoint {
     return ReportJson(*r, fs_->index(), /*timing=*/true);
   }
 
+  // (name, kernels trusted, why not, device and pinned bytes held now) of the
+  // device backend for CUDA device `ordinal`, made (and checked against the
+  // CPU) on first use.
+  std::tuple<std::string, bool, std::string, uint64_t> DeviceInfo(int ordinal) {
+    DeviceBackend& b = Device(ordinal);
+    return {b.tf->name(), b.trusted, b.why, b.tf->HeldBytes()};
+  }
+
   std::string IndexDir() const { return fs_->index().dir(); }
   bool Built() const { return fs_->open_result().built; }
   std::string Stats() const { return fs_->StatsJson(); }
   std::string EngineName() const { return fs_->engine_name(); }
 
  private:
+  struct DeviceBackend {
+    std::unique_ptr<Transforms> tf;
+    bool trusted = false;
+    std::string why;  // why the kernels are not trusted
+  };
+  // The backend for CUDA device `ordinal`: made on first use and run against
+  // the CPU on the check plans (CheckAgainstCpu); a backend that differed
+  // still uploads, but every read renders on the host (logged once).
+  DeviceBackend& Device(int ordinal) {
+    std::unique_ptr<Transforms> made;
+    {
+      std::lock_guard<std::mutex> l(dev_mu_);
+      auto it = devices_.find(ordinal);
+      if (it != devices_.end()) return it->second;
+    }
+    CudaOptions co;
+    co.device = ordinal;
+    co.reset_when_idle = false;
+    auto tf = MakeCudaTransforms(co);
+    if (!tf.ok()) {
+      PyErr_SetString(g_error, ("cannot read into CUDA device " + std::to_string(ordinal) + ": " +
+                                tf.status().message()).c_str());
+      throw nb::python_error();
+    }
+    Status check = Internal("not run");
+    {
+      nb::gil_scoped_release unlocked;
+      check = CheckAgainstCpu(**tf);
+    }
+    if (!check.ok()) LogError("device reads render on the host, then upload: " + check.message());
+    std::lock_guard<std::mutex> l(dev_mu_);
+    auto [it, fresh] = devices_.try_emplace(ordinal);
+    if (fresh) it->second = DeviceBackend{std::move(*tf), check.ok(), check.ok() ? "" : check.message()};
+    return it->second;
+  }
+
   std::unique_ptr<Filesystem> fs_;
+  std::mutex dev_mu_;
+  std::map<int, DeviceBackend> devices_;  // entries are never erased (references stay valid)
 };
 
 }  // namespace
@@ -262,7 +328,8 @@ NB_MODULE(_ckptfs, m) {
            nb::arg("rebuild") = false)
       .def("tensors", &PyCheckpoint::Tensors)
       .def("read_into", &PyCheckpoint::ReadInto, nb::arg("id"), nb::arg("dtype"), nb::arg("offsets").none(),
-           nb::arg("lengths").none(), nb::arg("out").noconvert())
+           nb::arg("lengths").none(), nb::arg("out").noconvert(), nb::arg("stream") = 0)
+      .def("device_info", &PyCheckpoint::DeviceInfo, nb::arg("ordinal"))
       .def("stat", &PyCheckpoint::Stat)
       .def("listdir", &PyCheckpoint::ListDir)
       .def("open", &PyCheckpoint::Open)
