@@ -60,11 +60,14 @@ src=$WORK/dr/bf16_fsdp_w4
   files=$("$ck" ls "$src" params --gpu=off --index "$WORK/idx_off" | awk '{print $2}' | tr -d / |
           while read -r d; do echo "params/$d/param.npy params/$d/param.raw"; done)
   n=0; bad=0
-  if [[ -e /dev/fuse ]] && mkdir -p "$WORK/on" "$WORK/off" && PATH=$G/bin:$PATH timeout 60 "$ck" mount "$src" "$WORK/on" --gpu=on --index "$WORK/idx_on" \
-     && PATH=$G/bin:$PATH timeout 60 "$ck" mount "$src" "$WORK/off" --gpu=off --index "$WORK/idx_off"; then
+  if [[ -e /dev/fuse ]] && mkdir -p "$WORK/on" "$WORK/off" && PATH=$G/bin:$PATH timeout 60 "$ck" mount "$src" "$WORK/on" --gpu=on --mapped-reads=off --index "$WORK/idx_on" \
+     && PATH=$G/bin:$PATH timeout 60 "$ck" mount "$src" "$WORK/off" --gpu=off --mapped-reads=off --index "$WORK/idx_off"; then
     echo "through FUSE mounts (/dev/fuse present)"
     for f in $files; do n=$((n+1)); cmp -s "$WORK/on/$f" "$WORK/off/$f" || { bad=$((bad+1)); echo "DIFFERS: $f"; }; done
-    grep -E 'gpu_plans|gpu_fallbacks' "$WORK/on/.ckptfs/stats"
+    # Widened reads are answered from the sources' mappings by default (no
+    # transform backend at all); --mapped-reads=off sends them through it.
+    grep -E '"(transforms|gpu_plans|gpu_fallbacks)"' "$WORK/on/.ckptfs/stats"
+    grep -qE '"gpu_plans": [1-9]' "$WORK/on/.ckptfs/stats" || { bad=$((bad+1)); echo "the --gpu=on mount ran no plan on the GPU"; }
     # The daemon's idle release: its device memory (context included) gone 2.5 s after the last read.
     echo "daemon on the GPU right after the reads: $(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
     sleep 2.5

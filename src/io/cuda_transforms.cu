@@ -98,6 +98,24 @@ struct Slot {
   uint64_t out_bytes = 0;
 };
 
+// Backends alive in this process, per device: a device reset (the idle
+// release's last step) destroys every allocation of the process on that
+// device, so a backend resets only while it is the device's sole one (a
+// benchmark or a test holding two would otherwise pull pinned memory from
+// under the other; first seen on a real H200).
+std::mutex g_live_mu;
+std::vector<int> g_live;  // ordinal -> live backends
+
+void CountLive(int device, int delta) {
+  std::lock_guard<std::mutex> l(g_live_mu);
+  if (static_cast<size_t>(device) >= g_live.size()) g_live.resize(device + 1, 0);
+  g_live[device] += delta;
+}
+bool SoleLive(int device) {
+  std::lock_guard<std::mutex> l(g_live_mu);
+  return static_cast<size_t>(device) < g_live.size() && g_live[device] == 1;
+}
+
 struct Lane {
   Slot slots[2];
   uint64_t counted = 0;  // bytes of this lane in CudaBackend::held_
@@ -143,6 +161,7 @@ void FreeSlot(Slot& s) {
 class CudaBackend final : public Transforms {
  public:
   CudaBackend(const CudaOptions& o, std::string name) : opts_(o), name_(std::move(name)) {
+    CountLive(opts_.device, 1);
     reaper_ = std::thread([this] { Reap(); });
   }
   int device() const override { return opts_.device; }
@@ -155,6 +174,7 @@ class CudaBackend final : public Transforms {
     reaper_.join();
     std::lock_guard<std::mutex> l(mu_);
     ReleaseLocked();
+    CountLive(opts_.device, -1);
   }
 
   const char* name() const override { return name_.c_str(); }
@@ -306,13 +326,14 @@ class CudaBackend final : public Transforms {
   }
 
   void ReleaseLocked() {
-    if (free_.empty() && (!constants_ || !opts_.reset_when_idle)) return;
+    const bool reset = constants_ && opts_.reset_when_idle && SoleLive(opts_.device);
+    if (free_.empty() && !reset) return;
     for (auto& lane : free_) {
       for (Slot& s : lane->slots) FreeSlot(s);
     }
     free_.clear();
     held_ = 0;
-    if (constants_ && opts_.reset_when_idle) {
+    if (reset) {
       (void)cudaSetDevice(opts_.device);
       (void)cudaDeviceReset();  // drops the primary context and all it holds
       constants_ = false;
