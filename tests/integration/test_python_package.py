@@ -116,6 +116,43 @@ def test_boxes_dtypes_and_out_buffers(z2, z1bf16):
         ck.read(name, "exp_avg", dtype="int32")
 
 
+def test_device_reads_without_a_gpu_say_why(z2):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present (test_device_reads_fill_cuda_tensors runs)")
+    ck = ckptfs.open(z2)
+    with pytest.raises(ckptfs.Error, match="cannot read into CUDA device 0: .*(CUDA|cuda)"):
+        ck.device_info(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="no CUDA device here (bench/gpu_check.sh runs device reads on a lent GPU)")
+def test_device_reads_fill_cuda_tensors(z2, z1bf16):
+    """Reads into GPU memory (the merge / strip / widen on the device) equal the host reads:
+    whole, boxes, widened, into a given CUDA tensor, and through dcp.load's StorageReader."""
+    import torch.distributed.checkpoint as dcp
+
+    assert ckptfs.open(z2).device_info(0)["kernels_trusted"]
+    for src in (z2, z1bf16):
+        ck = ckptfs.open(src)
+        for t in ck.tensors():
+            if t.dtype == "object" or t.error:
+                continue
+            host = ctorch.read(ck, t.name, t.state)
+            dev = ctorch.read(ck, t.name, t.state, device="cuda")
+            assert dev.is_cuda and torch.equal(dev.cpu(), host), (t.name, t.state)
+            if t.dtype == "bfloat16":
+                assert torch.equal(ctorch.read(ck, t.name, t.state, dtype="float32", device="cuda").cpu(), host.float())
+            if len(t.shape) == 2 and t.shape[1] > 1:
+                box = (slice(None), slice(t.shape[1] // 2, t.shape[1]))
+                assert torch.equal(ctorch.read(ck, t.name, t.state, box=box, device="cuda").cpu(), host[box])
+        sd = {t.name: torch.zeros(t.shape, dtype=torch.float32, device="cuda")
+              for t in ck.tensors() if t.role == "param" and t.dtype != "object"}
+        dcp.load(sd, storage_reader=ctorch.StorageReader(src), no_dist=True)
+        for k, v in sd.items():
+            assert torch.equal(v.cpu(), ctorch.read(ck, k).float()), k
+        assert ck.stats()["gpu_fallbacks"] == 0
+
+
 def test_any_file_of_the_tree(z2, mounter):
     from safetensors.torch import load as st_load
     ck = ckptfs.open(z2)
