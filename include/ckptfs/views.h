@@ -165,6 +165,8 @@ class View {
   Status AddTopo(const Topology& t);  // topo/<t.Name()>/ and its files
   // hf/'s files, planned on first use (a failure is logged and becomes hf/ERRORS).
   void EnsureHf() const;
+  // dcp/'s files, likewise (dcp_view.h).
+  void EnsureDcp() const;
   const Node* GetLocked(uint64_t ino) const;
   std::string PathOfLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,
@@ -205,6 +207,8 @@ class View {
   mutable std::atomic<bool> topo_listed_{false};  // ListFrom has paged topo/
   uint64_t hf_dir_ = 0;
   mutable std::atomic<bool> hf_made_{false};
+  uint64_t dcp_dir_ = 0;  // 0: no dcp/ (a checkpoint without tensors)
+  mutable std::atomic<bool> dcp_made_{false};
   std::map<std::string, std::string> topo_errors_;  // failed topo/ names -> why
   // Guards lazy layouts. Leaf lock: nothing else is taken while it is held.
   mutable std::mutex lazy_mu_;

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "formats/npy.h"
+#include "views/dcp_view.h"
 #include "views/topo_files.h"
 #include "common/json_text.h"
 
@@ -67,6 +68,9 @@ std::string ReadmeText(const Index& ix) {
          "                             cat <mountpoint>/.ckptfs/stats\n"
          "  hf/                        consolidated model-0000k-of-0000n.safetensors + index.json;\n"
          "                             hf/ERRORS names every parameter left out, and why\n"
+         "  dcp/                       the checkpoint as a PyTorch DCP (.metadata + .distcp): torch's\n"
+         "                             dcp.load(sd, checkpoint_id=<mount>/dcp) at any world size,\n"
+         "                             model.<fqn> and optim.state.<fqn>.<state>; dcp/README.txt\n"
          "  topo/tp<T>-pp<P>[-dp<D>]/  any parallel layout, made when you first look it up:\n"
          "                             tp<t>-pp<p>.safetensors per rank, layout.json (and Megatron's\n"
          "                             own iter_*/mp_rank_* files for Megatron checkpoints);\n"
@@ -245,6 +249,10 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
     // hf/ is planned at its first lookup or listing (EnsureHf): for a model of
     // 100k tensors that is most of a mount's time and memory.
     v->hf_dir_ = v->AddDir(root, "hf");
+    // dcp/ likewise (its .metadata lists every chunk), when there are tensors.
+    bool any_tensor = false;
+    for (const TensorRecord& t : tensors) any_tensor |= t.role != Role::kHidden && t.encoding == Encoding::kTensor;
+    if (any_tensor) v->dcp_dir_ = v->AddDir(root, "dcp");
     v->topo_dir_ = v->AddDir(root, "topo");
     uint64_t errors = v->AddFile(v->topo_dir_, "ERRORS", FileLayout{}, TensorId{});
     v->nodes_[errors - 1]->topo_errors = true;
@@ -307,6 +315,27 @@ void View::EnsureHf() const {
     self->AddFile(hf_dir_, "ERRORS", std::move(l), TensorId{});
   }
   hf_made_.store(true, std::memory_order_release);
+  ReleaseFreeMemory();
+}
+
+void View::EnsureDcp() const {
+  if (dcp_dir_ == 0 || dcp_made_.load(std::memory_order_acquire)) return;
+  std::unique_lock lock(tree_mu_);
+  if (dcp_made_.load(std::memory_order_relaxed)) return;
+  View* self = const_cast<View*>(this);  // the view grows like a cache, as for hf/
+  LogInfo("planning dcp/");
+  auto tree = dcp_view::DcpFiles(index_);
+  if (tree.ok()) {
+    for (auto& [name, layout] : tree->files) self->AddFile(dcp_dir_, name, std::move(layout), TensorId{});
+    for (const std::string& l : tree->left_out) LogWarn("dcp/ leaves out " + l);
+  } else {
+    const std::string why = "dcp/ is not available: " + tree.status().message();
+    LogError(why);
+    FileLayout l;
+    l.Add(LiteralSegment(why + "\n"));
+    self->AddFile(dcp_dir_, "ERRORS", std::move(l), TensorId{});
+  }
+  dcp_made_.store(true, std::memory_order_release);
   ReleaseFreeMemory();
 }
 
@@ -373,6 +402,7 @@ const Node* View::Get(uint64_t ino) const {
 
 const Node* View::Lookup(uint64_t parent, std::string_view name) const {
   if (parent == hf_dir_) EnsureHf();
+  if (parent == dcp_dir_) EnsureDcp();
   {
     std::shared_lock lock(tree_mu_);
     const Node* p = GetLocked(parent);
@@ -427,6 +457,7 @@ std::vector<View::Child> View::ListFrom(uint64_t ino, uint64_t from, size_t max)
   // is planned then (not at mount time, which `ckptfs cat` pays too).
   if (ino == topo_dir_ && !index_.info().topology.empty()) Lookup(topo_dir_, index_.info().topology);
   if (ino == hf_dir_) EnsureHf();
+  if (ino == dcp_dir_) EnsureDcp();
   // Before the children are read: an entry added after this moves the mtime
   // (Lookup), one added before is in this listing.
   if (ino == topo_dir_) topo_listed_.store(true);

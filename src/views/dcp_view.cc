@@ -1,0 +1,381 @@
+// The dcp/ view: see dcp_view.h for what it is; here, how it is laid out.
+//
+// The .metadata pickle is what torch 2.15's FileSystemWriter pickles (read
+// back by torch 2.0 and later): dataclasses as NEWOBJ + BUILD of their
+// __dict__, torch.Size as REDUCE of a tuple, a TensorProperties as its
+// 5-tuple __getstate__ (dtype, layout, requires_grad, memory format
+// encoding, pin_memory), dtypes as globals of the torch module.
+#include "views/dcp_view.h"
+
+#include <algorithm>
+#include <map>
+#include <string_view>
+#include <unordered_map>
+#include <variant>
+
+#include "formats/pickle_writer.h"
+#include "formats/torch_save_writer.h"
+
+namespace ckptfs::dcp_view {
+namespace {
+
+using formats::ArchiveStorage;
+using formats::PickleWriter;
+
+// A state-dict path element: a dict key, or a list index (param_groups.0).
+using PathElem = std::variant<std::string, int64_t>;
+
+struct Entry {
+  std::string key;  // the flattened key dcp.load plans with
+  std::vector<PathElem> path;  // planner_data: the key's path in the nested state dict
+  uint32_t tensor = 0;
+  std::vector<Box> chunks;  // tensors: the chunk boxes (empty for bytes entries)
+};
+
+// The chunk boxes of tensor `t`: the source's row blocks where its fragments
+// (the first copy's) tile dim 0 with whole rows; else the whole tensor, in
+// row blocks of at most kDcpMaxChunkBytes.
+std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t) {
+  const size_t rank = t.shape.size();
+  Box whole;
+  whole.offsets.assign(rank, 0);
+  whole.lengths = t.shape;
+  if (rank == 0 || t.Numel() == 0) return {whole};
+  auto frags = index.Fragments(id);
+  if (frags.ok()) {
+    std::vector<Box> blocks;
+    bool rows = true;
+    for (const Fragment& f : *frags) {
+      if (f.replica != 0) continue;
+      if (f.offsets.size() != rank || f.lengths.size() != rank) {
+        rows = false;
+        break;
+      }
+      for (size_t d = 1; d < rank && rows; ++d) rows = f.offsets[d] == 0 && f.lengths[d] == t.shape[d];
+      if (!rows) break;
+      if (f.lengths[0] == 0) continue;
+      Box b;
+      b.offsets = f.offsets;
+      b.lengths = f.lengths;
+      blocks.push_back(std::move(b));
+    }
+    if (rows && blocks.size() > 1) {
+      std::sort(blocks.begin(), blocks.end(), [](const Box& a, const Box& b) { return a.offsets[0] < b.offsets[0]; });
+      blocks.erase(std::unique(blocks.begin(), blocks.end(),
+                               [](const Box& a, const Box& b) { return a.offsets == b.offsets && a.lengths == b.lengths; }),
+                   blocks.end());
+      int64_t next = 0;
+      for (const Box& b : blocks) {
+        if (b.offsets[0] != next) {
+          rows = false;
+          break;
+        }
+        next += b.lengths[0];
+      }
+      if (rows && next == t.shape[0]) return blocks;
+    }
+  }
+  const uint64_t row_bytes = t.Numel() / static_cast<uint64_t>(t.shape[0]) * DTypeSize(t.dtype);
+  const uint64_t total = row_bytes * static_cast<uint64_t>(t.shape[0]);
+  if (total <= kDcpMaxChunkBytes || t.shape[0] < 2 || row_bytes == 0) return {whole};
+  const int64_t per = static_cast<int64_t>(std::max<uint64_t>(1, kDcpMaxChunkBytes / row_bytes));
+  std::vector<Box> out;
+  for (int64_t r = 0; r < t.shape[0]; r += per) {
+    Box b = whole;
+    b.offsets[0] = r;
+    b.lengths[0] = std::min(per, t.shape[0] - r);
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+void WriteSize(PickleWriter& w, const std::vector<int64_t>& dims) {
+  w.Global("torch", "Size");
+  w.BeginTuple();
+  w.BeginTuple();
+  for (int64_t d : dims) w.Int(d);
+  w.EndTuple();
+  w.EndTuple();
+  w.Reduce();
+}
+
+// An instance of dataclass `module.cls` with its __dict__ written by `fields`.
+template <typename Fn>
+void WriteDataclass(PickleWriter& w, std::string_view module, std::string_view cls, Fn fields) {
+  w.Global(module, cls);
+  w.BeginTuple();
+  w.EndTuple();
+  w.NewObj();
+  w.BeginDict();
+  fields();
+  w.EndDict();
+  w.Build();
+}
+
+constexpr std::string_view kMd = "torch.distributed.checkpoint.metadata";
+
+void WriteTensorMetadata(PickleWriter& w, const TensorRecord& t, const std::vector<Box>& chunks) {
+  WriteDataclass(w, kMd, "TensorStorageMetadata", [&] {
+    w.Str("properties");
+    w.Global(kMd, "TensorProperties");
+    w.BeginTuple();
+    w.EndTuple();
+    w.NewObj();
+    w.BeginTuple();  // __getstate__: (dtype, layout, requires_grad, memory format, pin_memory)
+    w.Global("torch", DTypeName(t.dtype));
+    w.Global("torch.serialization", "_get_layout");
+    w.BeginTuple();
+    w.Str("torch.strided");
+    w.EndTuple();
+    w.Reduce();
+    w.Bool(false);
+    w.Global(kMd, "_MEM_FORMAT_ENCODING");
+    w.BeginTuple();
+    w.Int(0);  // TORCH_CONTIGUOUS_FORMAT
+    w.EndTuple();
+    w.Reduce();
+    w.Bool(false);
+    w.EndTuple();
+    w.Build();
+    w.Str("size");
+    WriteSize(w, t.shape);
+    w.Str("chunks");
+    w.BeginList();
+    for (const Box& c : chunks) {
+      WriteDataclass(w, kMd, "ChunkStorageMetadata", [&] {
+        w.Str("offsets");
+        WriteSize(w, c.offsets);
+        w.Str("sizes");
+        WriteSize(w, c.lengths);
+      });
+    }
+    w.EndList();
+  });
+}
+
+struct Item {
+  size_t entry = 0;
+  int chunk = -1;  // -1: a bytes entry
+  uint32_t file = 0;
+  uint64_t offset = 0, length = 0;
+};
+
+std::string Readme(const DcpTree& tree, size_t keys, size_t masters) {
+  std::string s =
+      "dcp/: this checkpoint as a PyTorch Distributed Checkpoint (torch.distributed.checkpoint),\n"
+      "the directory torch's FileSystemWriter writes. Load it at any world size and placement:\n\n"
+      "    import torch.distributed.checkpoint as dcp\n"
+      "    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict\n"
+      "    model_sd, optim_sd = get_state_dict(model, optim)\n"
+      "    sd = {\"model\": model_sd, \"optim\": optim_sd}\n"
+      "    dcp.load(sd, checkpoint_id=\"<mount>/dcp\")\n"
+      "    set_state_dict(model, optim, model_state_dict=sd[\"model\"], optim_state_dict=sd[\"optim\"])\n\n"
+      "Keys: model.<fqn> for each parameter: the fp32 master copy where the checkpoint holds one,\n"
+      "else the weight (params/<fqn>/info.json says which); optim.state.<fqn>.<state> for every\n"
+      "other optimizer state (exp_avg, exp_avg_sq, step, ...); other entries under their own keys.\n"
+      "Each tensor's chunks are the source's row blocks where those tile it, else row blocks of\n"
+      "at most 256 MiB. Nothing is converted ahead: every item is rendered from the source\n"
+      "shards when it is read.\n\n";
+  s += std::to_string(keys) + " keys (" + std::to_string(masters) + " parameters from fp32 masters), " +
+       std::to_string(tree.chunks) + " chunks.\n";
+  if (tree.left_out.empty()) {
+    s += "Every tensor of the checkpoint is represented.\n";
+  } else {
+    s += "\nLeft out (dcp.load fails with a missing-key error for these):\n";
+    for (const std::string& l : tree.left_out) s += "  " + l + "\n";
+  }
+  return s;
+}
+
+}  // namespace
+
+Result<DcpTree> DcpFiles(const Index& index) {
+  DcpTree tree;
+  const auto& ts = index.tensors();
+  // The fp32 master of each parameter, where one is readable and has the
+  // parameter's shape.
+  std::unordered_map<std::string, uint32_t> params, masters;
+  for (uint32_t i = 0; i < ts.size(); ++i) {
+    const TensorRecord& t = ts[i];
+    if (t.encoding != Encoding::kTensor || !t.error.empty()) continue;
+    if (t.role == Role::kParam) params.emplace(t.fqn, i);
+    if (t.role == Role::kOptimState && t.state == "fp32" && t.dtype == DType::kF32) masters.emplace(t.fqn, i);
+  }
+  std::map<std::string, Entry> entries;  // by key: the items' order
+  size_t from_master = 0;
+  auto add = [&](std::string key, std::vector<PathElem> path, uint32_t id) {
+    const TensorRecord& t = ts[id];
+    auto [it, fresh] = entries.try_emplace(key);
+    if (!fresh) {
+      tree.left_out.push_back(key + ": named by both '" + ts[it->second.tensor].key + "' and '" + t.key + "'");
+      return;
+    }
+    it->second.key = key;
+    it->second.path = std::move(path);
+    it->second.tensor = id;
+    if (t.encoding == Encoding::kTensor) {
+      it->second.chunks = ChunksOf(index, TensorId{id}, t);
+      tree.chunks += it->second.chunks.size();
+    }
+  };
+  for (uint32_t i = 0; i < ts.size(); ++i) {
+    const TensorRecord& t = ts[i];
+    if (t.role == Role::kHidden) continue;
+    const std::string name = t.fqn.empty() ? t.key : t.fqn;
+    if (!t.error.empty()) {
+      tree.left_out.push_back(t.key + ": " + t.error);
+      continue;
+    }
+    if (t.encoding == Encoding::kTensor && StorageClassName(t.dtype).empty()) {
+      tree.left_out.push_back(t.key + ": torch.save has no storage for " + std::string(DTypeName(t.dtype)));
+      continue;
+    }
+    if (t.role == Role::kParam || (t.role == Role::kOptimState && t.state == "fp32")) {
+      // model.<fqn>: the fp32 master where there is one (of the weight's
+      // shape, or with no weight beside it), else the weight.
+      const auto m = masters.find(t.fqn);
+      const auto p = params.find(t.fqn);
+      uint32_t pick = UINT32_MAX;
+      if (m != masters.end() && (p == params.end() || ts[p->second].shape == ts[m->second].shape)) {
+        pick = m->second;
+      } else if (p != params.end()) {
+        pick = p->second;
+      }
+      if (pick == i) {
+        if (t.role == Role::kOptimState) ++from_master;
+        add("model." + name, {std::string("model"), name}, i);
+        continue;
+      }
+      if (t.role == Role::kParam) continue;  // its master stands for it
+      // A master that is not the parameter's (another shape): an optimizer state like the others.
+    }
+    if (t.role == Role::kOptimState) {
+      add("optim.state." + name + "." + t.state, {std::string("optim"), std::string("state"), name, t.state}, i);
+      continue;
+    }
+    // Other entries keep their source key, flattened as it is: its nesting
+    // cannot be told from the dots (a DCP source's "rng_state/shard_0.0_1").
+    add(t.key, {t.key}, i);
+  }
+
+  // Items, packed into data files of about kDcpFileBytes.
+  std::vector<std::vector<ExportPart>> file_parts(1);
+  std::vector<uint64_t> file_size(1, 0);
+  std::vector<Item> items;
+  std::vector<const Entry*> order;
+  for (const auto& [key, e] : entries) order.push_back(&e);
+  for (size_t ei = 0; ei < order.size(); ++ei) {
+    const Entry& e = *order[ei];
+    const TensorRecord& t = ts[e.tensor];
+    auto place = [&](std::vector<ExportPart> parts, int chunk) {
+      const uint64_t n = formats::PartsSize(parts);
+      if (file_size.back() > 0 && file_size.back() + n > kDcpFileBytes) {
+        file_parts.emplace_back();
+        file_size.push_back(0);
+      }
+      items.push_back(Item{ei, chunk, static_cast<uint32_t>(file_parts.size() - 1), file_size.back(), n});
+      for (ExportPart& p : parts) file_parts.back().push_back(std::move(p));
+      file_size.back() += n;
+    };
+    if (t.encoding == Encoding::kBytes) {
+      ExportPart p;
+      p.kind = PartKind::kTensor;
+      p.tensor = e.tensor;
+      p.out_dtype = DType::kU8;
+      p.size = t.byte_size;
+      place({std::move(p)}, -1);
+      continue;
+    }
+    for (size_t c = 0; c < e.chunks.size(); ++c) {
+      const Box& b = e.chunks[c];
+      const uint64_t numel = static_cast<uint64_t>(NumelOf(b.lengths));
+      PickleWriter w;
+      RETURN_IF_ERROR(w.Tensor("0", t.dtype, numel, 0, b.lengths, ContiguousStrides(b.lengths)));
+      const bool is_whole = b.lengths == t.shape;
+      place(formats::TorchSaveParts("archive", w.Finish(),
+                                    {ArchiveStorage{e.tensor, t.dtype, numel * DTypeSize(t.dtype),
+                                                    is_whole ? std::vector<Box>{} : std::vector<Box>{b}}}),
+            static_cast<int>(c));
+    }
+  }
+  auto file_name = [](uint32_t k) { return "__" + std::to_string(k) + "_0.distcp"; };
+
+  // .metadata
+  PickleWriter w;
+  WriteDataclass(w, kMd, "Metadata", [&] {
+    w.Str("state_dict_metadata");
+    w.BeginDict();
+    for (const Entry* e : order) {
+      w.Str(e->key);
+      if (ts[e->tensor].encoding == Encoding::kBytes) {
+        WriteDataclass(w, kMd, "BytesStorageMetadata", [] {});
+      } else {
+        WriteTensorMetadata(w, ts[e->tensor], e->chunks);
+      }
+    }
+    w.EndDict();
+    w.Str("planner_data");
+    w.BeginDict();
+    for (const Entry* e : order) {
+      w.Str(e->key);
+      w.BeginTuple();
+      for (const PathElem& p : e->path) {
+        if (std::holds_alternative<int64_t>(p)) {
+          w.Int(std::get<int64_t>(p));
+        } else {
+          w.Str(std::get<std::string>(p));
+        }
+      }
+      w.EndTuple();
+    }
+    w.EndDict();
+    w.Str("storage_data");
+    w.BeginDict();
+    for (const Item& it : items) {
+      const Entry& e = *order[it.entry];
+      WriteDataclass(w, kMd, "MetadataIndex", [&] {
+        w.Str("fqn");
+        w.Str(e.key);
+        w.Str("offset");
+        if (it.chunk < 0) {
+          w.None();
+        } else {
+          WriteSize(w, e.chunks[static_cast<size_t>(it.chunk)].offsets);
+        }
+        w.Str("index");
+        if (it.chunk < 0) {
+          w.None();
+        } else {
+          w.Int(it.chunk);
+        }
+      });
+      WriteDataclass(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
+        w.Str("relative_path");
+        w.Str(file_name(it.file));
+        w.Str("offset");
+        w.Int(static_cast<int64_t>(it.offset));
+        w.Str("length");
+        w.Int(static_cast<int64_t>(it.length));
+      });
+    }
+    w.EndDict();
+    w.Str("storage_meta");
+    w.None();
+    w.Str("version");
+    w.Str("1.0.0");
+  });
+  FileLayout md;
+  md.Add(LiteralSegment(w.Finish()));
+  tree.files.emplace_back(".metadata", std::move(md));
+  for (uint32_t k = 0; k < file_parts.size(); ++k) {
+    if (file_parts[k].empty()) continue;
+    ASSIGN_OR_RETURN(FileLayout l, topo_files::LayoutOfParts(index, "dcp/" + file_name(k), file_parts[k]));
+    tree.files.emplace_back(file_name(k), std::move(l));
+  }
+  FileLayout readme;
+  readme.Add(LiteralSegment(Readme(tree, entries.size(), from_master)));
+  tree.files.emplace_back("README.txt", std::move(readme));
+  return tree;
+}
+
+}  // namespace ckptfs::dcp_view

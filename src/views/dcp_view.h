@@ -1,0 +1,54 @@
+// The dcp/ view (internal to the views layer): any checkpoint as a PyTorch
+// Distributed Checkpoint, the directory torch's FileSystemWriter writes, so
+// every loader that reads DCP (torch's FileSystemReader and dcp.load at any
+// world size and placement, torchtitan, Accelerate, Lightning) resumes from it
+// without code.
+//
+// Design note. Made from the index alone: the .metadata pickle (Metadata with
+// TensorStorageMetadata / BytesStorageMetadata per key, MetadataIndex ->
+// _StorageInfo per chunk, planner_data) and data files whose items are what
+// torch's writer would have written for each chunk: a torch.save archive of
+// the chunk (tensors; the bytes rendered from the sources at read time) or
+// the entry's own bytes (non-tensor entries). Sizes are exact before any
+// tensor byte is read.
+//
+// Keys are those of dcp.save({"model": ..., "optim": ...}) of
+// get_state_dict(model, optim): model.<fqn> for each parameter (the fp32
+// master where the checkpoint holds one, else the weight), and
+// optim.state.<fqn>.<state> for every other optimizer state (exp_avg,
+// exp_avg_sq, step, ...). Entries that are neither keep their source key.
+// Chunks follow the source's own row blocks where those tile a tensor along
+// dim 0 (an FSDP / row-parallel save), so a rank reads only its blocks; else
+// a tensor is one chunk, cut into row blocks of at most kDcpMaxChunkBytes.
+// A tensor that cannot be represented (refused by its reader, a dtype
+// torch.save lacks, a key two tensors would share) is left out, and named in
+// dcp/README.txt: dcp.load then fails with torch's own missing-key error for
+// exactly that key.
+#ifndef CKPTFS_VIEWS_DCP_VIEW_H_
+#define CKPTFS_VIEWS_DCP_VIEW_H_
+
+#include <string>
+#include <vector>
+
+#include "ckptfs/index.h"
+#include "ckptfs/views.h"
+#include "views/topo_files.h"
+
+namespace ckptfs::dcp_view {
+
+// The largest chunk a tensor without row blocks of its own is cut into.
+constexpr uint64_t kDcpMaxChunkBytes = 256ull << 20;
+// Items are packed into data files of about this size (__<k>_0.distcp).
+constexpr uint64_t kDcpFileBytes = 1ull << 30;
+
+struct DcpTree {
+  std::vector<topo_files::NamedLayout> files;  // .metadata, README.txt, __<k>_0.distcp
+  std::vector<std::string> left_out;           // "<key>: <why>" for each tensor not represented
+  uint64_t chunks = 0;
+};
+
+Result<DcpTree> DcpFiles(const Index& index);
+
+}  // namespace ckptfs::dcp_view
+
+#endif  // CKPTFS_VIEWS_DCP_VIEW_H_

@@ -1,0 +1,178 @@
+"""dcp/: any checkpoint as a PyTorch Distributed Checkpoint, read by torch's own
+FileSystemReader, unmodified.
+
+For checkpoints of every family ckptfs reads (committed fixtures written by
+real producers, and DCP / DeepSpeed / Megatron checkpoints written during the
+tests): torch's dcp_to_torch_save (FileSystemReader + dcp.load into an empty
+state dict, nested by the metadata's planner_data) turns the mount's dcp/ into
+one torch.save file whose every model.<fqn> and optim.state.<fqn>.<state>
+equals the tensor ckptfs serves under params/ (model.<fqn> from the fp32
+master where there is one); and dcp.load into DTensors at a world size the
+source never had (3 ranks, Shard(0) and Shard(1)) gives the same tensors.
+"""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, ROOT, make_megatron_fixtures
+
+torch = pytest.importorskip("torch")
+ckptfs = pytest.importorskip("ckptfs", reason="the ckptfs package is not installed (scripts/test.sh installs it)")
+import ckptfs.torch as ctorch  # noqa: E402
+
+DATA = ROOT / "tests" / "data"
+COMMITTED = [
+    "dcp_single", "dcp_torch113/ckpt", "dcp_torch2x/2.0.1/ckpt", "dcp_torch2x/2.14.1/ckpt", "dcp_hf_sharded",
+    "ds_py3112/z1_fp32_dp1", "ds_py3112/z2_fp32_dp3", "ds_py3112/z1_bf16_dp4", "ds_py3112/z2_bf16_tp2_dp2",
+    "ds_py3112/bf16opt_dp2", "ds_py3112/padspan_z2_dp4", "ds_py3112/padspan_bf16opt_dp4",
+    "meta_llama_mp2/mp2", "verl_fsdp2/global_step_1/actor", "verl_fsdp1/global_step_1/actor",
+    "verl_hsdp/global_step_1/actor", "accelerate_fsdp1_rank",
+    "megatron_versions/mcore0.14.0-dist_distopt_tp2_pp2_dp2", "megatron_versions/mcore0.15.0-dist_tp2_pp2",
+    "megatron_wrappers/nemo2-dist_distopt_tp2_dp2/checkpoints", "megatron_wrappers/bridge-dist_distopt_tp2_dp2",
+]
+
+
+def expected(ck, key):
+    """The tensor a dcp/ key stands for, read through ckptfs (params/'s bytes)."""
+    by = {(t.name, t.state): t for t in ck.tensors()}
+    if key.startswith("model."):
+        name = key[len("model."):]
+        t = by.get((name, "fp32")) if (name, "fp32") in by and by[(name, "fp32")].dtype == "float32" else None
+        if t is None or (name, "param") in by and tuple(by[(name, "param")].shape) != tuple(t.shape):
+            t = by[(name, "param")]
+        return ctorch.read(ck, t.name, t.state)
+    if key.startswith("optim.state."):
+        rest = key[len("optim.state."):]
+        name, state = rest.rsplit(".", 1)
+        return ctorch.read(ck, name, state)
+    t = next(t for t in ck.tensors() if t.key == key)
+    return ctorch.read(ck, t.name, t.state)
+
+
+def same(a, b):
+    """Bit for bit (NaN payloads and padding included): dtype, shape and bytes."""
+    if a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def flat(d, prefix=()):
+    """dcp_to_torch_save's nested dict back to flat DCP keys."""
+    for k, v in d.items():
+        path = prefix + (str(k),)
+        if isinstance(v, dict):
+            yield from flat(v, path)
+        elif isinstance(v, list):
+            yield from flat(dict(enumerate(v)), path)
+        else:
+            yield ".".join(path), v
+
+
+def check_view(src, tmp_path, mounter):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    index = tmp_path / "index"
+    ck = ckptfs.open(src, index)
+    with mounter(src, index=index) as m:
+        md = FileSystemReader(m.path / "dcp").read_metadata()
+        readme = (m.path / "dcp" / "README.txt").read_text()
+        out = tmp_path / "all.pt"
+        dcp_to_torch_save(m.path / "dcp", out)
+    loaded = dict(flat(torch.load(out, weights_only=False)))
+    tensor_keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+    assert tensor_keys, readme
+    n_model = sum(k.startswith("model.") for k in tensor_keys)
+    assert n_model == len({t.name for t in ck.tensors() if t.role == "param" and not t.error}) or "Left out" in readme
+    for key in tensor_keys:
+        want = expected(ck, key)
+        got = loaded[key]
+        assert same(got, want), key
+    # Everything the checkpoint has is represented, or named as left out.
+    for t in ck.tensors():
+        if t.error:
+            assert t.key in readme, (t.key, readme)
+    return md, tensor_keys
+
+
+@pytest.mark.parametrize("rel", COMMITTED)
+def test_committed_checkpoints_load_through_torchs_reader(rel, tmp_path, mounter):
+    src = tmp_path / "ck"
+    shutil.copytree(DATA / rel, src, ignore=shutil.ignore_patterns(".ckptfs"))
+    check_view(src, tmp_path, mounter)
+
+
+@pytest.mark.parametrize("scenario", ["fsdp2_bf16_w2", "dtensor_dim1_w4", "zstd"])
+def test_dcp_sources_round_trip(scenario, dcp_fixtures, tmp_path, mounter):
+    md, keys = check_view(dcp_fixtures / scenario, tmp_path, mounter)
+    if scenario == "fsdp2_bf16_w2":
+        # An FSDP2 save's row blocks stay the chunks: a rank reads its own.
+        assert any(len(md.state_dict_metadata[k].chunks) == 2 for k in keys)
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory):
+    import os
+    from test_megatron_mount import SCENARIOS
+    base = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    root = Path(base) / "megatron" if base else tmp_path_factory.mktemp("megatron")
+    names = ["legacy_tp2_pp2", "dist_tp2_pp2_dp2"]
+    return make_megatron_fixtures(root, {n: SCENARIOS[n] for n in names})
+
+
+@pytest.mark.parametrize("name", ["legacy_tp2_pp2", "dist_tp2_pp2_dp2"])
+def test_megatron_sources(name, megatron, tmp_path, mounter):
+    check_view(megatron / name, tmp_path, mounter)
+
+
+@pytest.mark.parametrize("rel,dim1", [("ds_py3112/z2_bf16_tp2_dp2", False), ("ds_py3112/z2_bf16_tp2_dp2", True),
+                                      ("verl_fsdp2/global_step_1/actor", False)])
+def test_dtensors_at_a_new_world_size(rel, dim1, tmp_path, mounter):
+    src = tmp_path / "ck"
+    shutil.copytree(DATA / rel, src, ignore=shutil.ignore_patterns(".ckptfs"))
+    index = tmp_path / "index"
+    ck = ckptfs.open(src, index)
+    out = tmp_path / "loaded.pt"
+    with mounter(src, index=index) as m:
+        cmd = [sys.executable, str(FIXTURES / "dcp_view_worker.py"), "--dcp", str(m.path / "dcp"), "--world", "3",
+               "--out", str(out)] + (["--dim1"] if dim1 else [])
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=FIXTURES)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    loaded = torch.load(out, weights_only=False)
+    assert loaded
+    for key, got in loaded.items():
+        assert same(got, expected(ck, key)), key
+
+
+def test_a_refused_tensor_is_a_missing_key(tmp_path, mounter):
+    """A tensor its reader refused is left out of dcp/ and named in README.txt;
+    dcp.load of that key fails with torch's own missing-key error."""
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path / "ck"
+    shutil.copytree(DATA / "ds_py3112/z1_fp32_dp1", src, ignore=shutil.ignore_patterns(".ckptfs"))
+    # Truncate one optimizer file's flat partition: its states become refused tensors.
+    opt = next(src.rglob("*optim_states.pt"))
+    data = opt.read_bytes()
+    opt.write_bytes(data[: len(data) // 2])
+    index = tmp_path / "index"
+    ck = ckptfs.open(src, index)
+    broken = [t for t in ck.tensors() if t.error]
+    if not broken:
+        pytest.skip("the damaged file made no tensor refused (the reader failed the whole checkpoint)")
+    with mounter(src, index=index) as m:
+        readme = (m.path / "dcp" / "README.txt").read_text()
+        t = broken[0]
+        assert t.key in readme
+        key = f"optim.state.{t.name}.{t.state}" if t.role == "optim_state" else f"model.{t.name}"
+        assert f"{key}" not in readme.split("Left out")[0]
+        sd = {key: torch.zeros(t.shape, dtype=getattr(torch, t.dtype))}
+        # A refused master leaves model.<fqn> to the weight; the master's own key is then absent.
+        with pytest.raises(BaseException) as ei:  # CheckpointException is a BaseException
+            dcp.load(sd, checkpoint_id=m.path / "dcp", no_dist=True)
+        assert f"Missing key in checkpoint state_dict: {key}" in str(ei.value) + repr(getattr(ei.value, "failures", "")), \
+            str(ei.value)
