@@ -26,10 +26,15 @@ using formats::PickleWriter;
 using PathElem = std::variant<std::string, int64_t>;
 
 struct Entry {
-  std::string key;  // the flattened key dcp.load plans with
+  std::string key;             // the flattened key dcp.load plans with
   std::vector<PathElem> path;  // planner_data: the key's path in the nested state dict
   uint32_t tensor = 0;
   std::vector<Box> chunks;  // tensors: the chunk boxes (empty for bytes entries)
+  // The same items under a second key (optimizer.state.<fqn>.<state>, the
+  // prefix Lightning Fabric and Accelerate's FSDP plugin save under): more
+  // metadata, no more bytes to read for any plan. Empty: none.
+  std::string alias;
+  std::vector<PathElem> alias_path;
 };
 
 // The chunk boxes of tensor `t`: the source's row blocks where its fragments
@@ -61,9 +66,10 @@ std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t
     }
     if (rows && blocks.size() > 1) {
       std::sort(blocks.begin(), blocks.end(), [](const Box& a, const Box& b) { return a.offsets[0] < b.offsets[0]; });
-      blocks.erase(std::unique(blocks.begin(), blocks.end(),
-                               [](const Box& a, const Box& b) { return a.offsets == b.offsets && a.lengths == b.lengths; }),
-                   blocks.end());
+      blocks.erase(
+          std::unique(blocks.begin(), blocks.end(),
+                      [](const Box& a, const Box& b) { return a.offsets == b.offsets && a.lengths == b.lengths; }),
+          blocks.end());
       int64_t next = 0;
       for (const Box& b : blocks) {
         if (b.offsets[0] != next) {
@@ -172,7 +178,9 @@ std::string Readme(const DcpTree& tree, size_t keys, size_t masters) {
       "    set_state_dict(model, optim, model_state_dict=sd[\"model\"], optim_state_dict=sd[\"optim\"])\n\n"
       "Keys: model.<fqn> for each parameter: the fp32 master copy where the checkpoint holds one,\n"
       "else the weight (params/<fqn>/info.json says which); optim.state.<fqn>.<state> for every\n"
-      "other optimizer state (exp_avg, exp_avg_sq, step, ...); other entries under their own keys.\n"
+      "other optimizer state (exp_avg, exp_avg_sq, step, ...), also offered as\n"
+      "optimizer.state.<fqn>.<state> (Lightning Fabric, Accelerate; the same bytes, read once);\n"
+      "other entries under their own keys.\n"
       "Each tensor's chunks are the source's row blocks where those tile it, else row blocks of\n"
       "at most 256 MiB. Nothing is converted ahead: every item is rendered from the source\n"
       "shards when it is read.\n\n";
@@ -258,6 +266,18 @@ Result<DcpTree> DcpFiles(const Index& index) {
     add(t.key, {t.key}, i);
   }
 
+  // optimizer.state.<fqn>.<state> beside optim.state.<fqn>.<state>, where no
+  // entry of the checkpoint has that key already.
+  for (auto& [key, e] : entries) {
+    constexpr std::string_view kOptim = "optim.state.";
+    if (key.compare(0, kOptim.size(), kOptim) != 0) continue;
+    std::string alias = "optimizer.state." + key.substr(kOptim.size());
+    if (entries.count(alias)) continue;
+    e.alias_path = e.path;
+    e.alias_path[0] = std::string("optimizer");
+    e.alias = std::move(alias);
+  }
+
   // Items, packed into data files of about kDcpFileBytes.
   std::vector<std::vector<ExportPart>> file_parts(1);
   std::vector<uint64_t> file_size(1, 0);
@@ -306,57 +326,66 @@ Result<DcpTree> DcpFiles(const Index& index) {
     w.Str("state_dict_metadata");
     w.BeginDict();
     for (const Entry* e : order) {
-      w.Str(e->key);
-      if (ts[e->tensor].encoding == Encoding::kBytes) {
-        WriteDataclass(w, kMd, "BytesStorageMetadata", [] {});
-      } else {
-        WriteTensorMetadata(w, ts[e->tensor], e->chunks);
+      for (const std::string* k : {&e->key, &e->alias}) {
+        if (k->empty()) continue;
+        w.Str(*k);
+        if (ts[e->tensor].encoding == Encoding::kBytes) {
+          WriteDataclass(w, kMd, "BytesStorageMetadata", [] {});
+        } else {
+          WriteTensorMetadata(w, ts[e->tensor], e->chunks);
+        }
       }
     }
     w.EndDict();
     w.Str("planner_data");
     w.BeginDict();
     for (const Entry* e : order) {
-      w.Str(e->key);
-      w.BeginTuple();
-      for (const PathElem& p : e->path) {
-        if (std::holds_alternative<int64_t>(p)) {
-          w.Int(std::get<int64_t>(p));
-        } else {
-          w.Str(std::get<std::string>(p));
+      for (const auto& [k, path] : {std::pair(&e->key, &e->path), std::pair(&e->alias, &e->alias_path)}) {
+        if (k->empty()) continue;
+        w.Str(*k);
+        w.BeginTuple();
+        for (const PathElem& p : *path) {
+          if (std::holds_alternative<int64_t>(p)) {
+            w.Int(std::get<int64_t>(p));
+          } else {
+            w.Str(std::get<std::string>(p));
+          }
         }
+        w.EndTuple();
       }
-      w.EndTuple();
     }
     w.EndDict();
     w.Str("storage_data");
     w.BeginDict();
     for (const Item& it : items) {
       const Entry& e = *order[it.entry];
-      WriteDataclass(w, kMd, "MetadataIndex", [&] {
-        w.Str("fqn");
-        w.Str(e.key);
-        w.Str("offset");
-        if (it.chunk < 0) {
-          w.None();
-        } else {
-          WriteSize(w, e.chunks[static_cast<size_t>(it.chunk)].offsets);
-        }
-        w.Str("index");
-        if (it.chunk < 0) {
-          w.None();
-        } else {
-          w.Int(it.chunk);
-        }
-      });
-      WriteDataclass(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
-        w.Str("relative_path");
-        w.Str(file_name(it.file));
-        w.Str("offset");
-        w.Int(static_cast<int64_t>(it.offset));
-        w.Str("length");
-        w.Int(static_cast<int64_t>(it.length));
-      });
+      for (const std::string* k : {&e.key, &e.alias}) {
+        if (k->empty()) continue;
+        WriteDataclass(w, kMd, "MetadataIndex", [&] {
+          w.Str("fqn");
+          w.Str(*k);
+          w.Str("offset");
+          if (it.chunk < 0) {
+            w.None();
+          } else {
+            WriteSize(w, e.chunks[static_cast<size_t>(it.chunk)].offsets);
+          }
+          w.Str("index");
+          if (it.chunk < 0) {
+            w.None();
+          } else {
+            w.Int(it.chunk);
+          }
+        });
+        WriteDataclass(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
+          w.Str("relative_path");
+          w.Str(file_name(it.file));
+          w.Str("offset");
+          w.Int(static_cast<int64_t>(it.offset));
+          w.Str("length");
+          w.Int(static_cast<int64_t>(it.length));
+        });
+      }
     }
     w.EndDict();
     w.Str("storage_meta");

@@ -16,7 +16,9 @@
 // get_state_dict(model, optim): model.<fqn> for each parameter (the fp32
 // master where the checkpoint holds one, else the weight), and
 // optim.state.<fqn>.<state> for every other optimizer state (exp_avg,
-// exp_avg_sq, step, ...). Entries that are neither keep their source key.
+// exp_avg_sq, step, ...), also offered as optimizer.state.<fqn>.<state>
+// (Lightning Fabric's and Accelerate's prefix: the same items, so a plan of
+// either reads nothing twice). Entries that are neither keep their source key.
 // Chunks follow the source's own row blocks where those tile a tensor along
 // dim 0 (an FSDP / row-parallel save), so a rank reads only its blocks; else
 // a tensor is one chunk, cut into row blocks of at most kDcpMaxChunkBytes.
