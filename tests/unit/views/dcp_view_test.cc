@@ -1,0 +1,108 @@
+// dcp/ (views/dcp_view.h) without torch: the tree is made from the index
+// alone and deterministically; every item is one torch.save archive (a ZIP
+// whose local header opens the item, whose end-of-central-directory closes
+// it), items tile their data files, row-block chunks tile each tensor, and
+// tensors a reader refused are left out by name. torch's own reader loading
+// it is tests/integration/test_dcp_view.py.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "../test_util.h"
+#include "ckptfs/fs.h"
+#include "views/dcp_view.h"
+
+namespace ckptfs {
+namespace {
+
+using testing::TempDir;
+
+std::unique_ptr<Filesystem> OpenCopy(const TempDir& tmp, const std::string& rel) {
+  const std::string src = tmp.path() + "/ck";
+  std::filesystem::copy(std::string(CKPTFS_TEST_DATA) + "/" + rel, src, std::filesystem::copy_options::recursive);
+  FsOptions o;
+  o.src = src;
+  o.index_dir = tmp.path() + "/index";
+  o.gpu = GpuMode::kOff;
+  auto f = Filesystem::Open(o);
+  EXPECT_TRUE(f.ok()) << f.status().message();
+  return f.ok() ? std::move(f).value() : nullptr;
+}
+
+std::string ReadAll(Filesystem& fs, const std::string& path) {
+  auto ino = fs.view().Resolve(path);
+  EXPECT_TRUE(ino.ok()) << path;
+  if (!ino.ok()) return "";
+  auto a = fs.GetAttr(*ino);
+  std::string out(a->size, '\0');
+  for (uint64_t off = 0; off < out.size();) {
+    auto n = fs.Read(*ino, off, std::min<size_t>(1 << 20, out.size() - off), out.data() + off);
+    EXPECT_TRUE(n.ok()) << n.status().message();
+    if (!n.ok() || *n == 0) break;
+    off += *n;
+  }
+  return out;
+}
+
+TEST(DcpViewTest, MadeFromTheIndexDeterministically) {
+  TempDir tmp;
+  auto fs = OpenCopy(tmp, "ds_py3112/z2_bf16_tp2_dp2");
+  ASSERT_NE(fs, nullptr);
+  auto a = dcp_view::DcpFiles(fs->index());
+  auto b = dcp_view::DcpFiles(fs->index());
+  ASSERT_TRUE(a.ok()) << a.status().message();
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(a->files.size(), b->files.size());
+  for (size_t i = 0; i < a->files.size(); ++i) {
+    EXPECT_EQ(a->files[i].first, b->files[i].first);
+    EXPECT_EQ(a->files[i].second.size, b->files[i].second.size);
+  }
+  EXPECT_EQ(a->files[0].first, ".metadata");
+  EXPECT_TRUE(a->left_out.empty());
+  EXPECT_GT(a->chunks, 0u);
+}
+
+// Each item of a data file is a torch.save archive: "PK\3\4" where the
+// metadata says it starts, an end-of-central-directory record ("PK\5\6") 22
+// bytes before it ends (no comment), and the metadata's fqn in the pickle.
+TEST(DcpViewTest, ItemsAreWholeArchivesTilingTheDataFiles) {
+  TempDir tmp;
+  auto fs = OpenCopy(tmp, "meta_llama_mp2/mp2");
+  ASSERT_NE(fs, nullptr);
+  const std::string md = ReadAll(*fs, "dcp/.metadata");
+  ASSERT_GT(md.size(), 100u);
+  EXPECT_NE(md.find("torch.distributed.checkpoint.metadata\nMetadata\n"), std::string::npos);
+  EXPECT_NE(md.find("_StorageInfo"), std::string::npos);
+  const std::string data = ReadAll(*fs, "dcp/__0_0.distcp");
+  ASSERT_GT(data.size(), 0u);
+  uint64_t off = 0, items = 0;
+  while (off < data.size()) {
+    ASSERT_EQ(data.compare(off, 4, "PK\x03\x04"), 0) << "an item does not start at " << off;
+    const size_t eocd = data.find("PK\x05\x06", off);
+    ASSERT_NE(eocd, std::string::npos);
+    off = eocd + 22;
+    ++items;
+  }
+  EXPECT_EQ(off, data.size());
+  auto tree = dcp_view::DcpFiles(fs->index());
+  ASSERT_TRUE(tree.ok());
+  EXPECT_EQ(items, tree->chunks);
+}
+
+TEST(DcpViewTest, ListedAtTheRootOnlyWithTensors) {
+  TempDir tmp;
+  auto fs = OpenCopy(tmp, "dcp_single");
+  ASSERT_NE(fs, nullptr);
+  auto root = fs->ReadDir(kRootIno);
+  ASSERT_TRUE(root.ok());
+  bool dcp = false;
+  for (const DirEntry& e : *root) dcp |= e.name == "dcp" && e.is_dir;
+  EXPECT_TRUE(dcp);
+  const std::string readme = ReadAll(*fs, "dcp/README.txt");
+  EXPECT_NE(readme.find("dcp.load"), std::string::npos);
+  EXPECT_NE(readme.find("Every tensor of the checkpoint is represented"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ckptfs
