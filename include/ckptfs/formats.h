@@ -37,6 +37,10 @@ const ReadLimits& GetReadLimits();
 // Detects the family of `dir` and reads it. Files are recorded with their
 // size, mtime and inode as seen at read time (the index fingerprint).
 Result<Checkpoint> ReadCheckpoint(const std::string& dir);
+// Whether some family's probe recognises `dir` (names only, no parsing): the
+// check made before anything is written into or beside a source (an index,
+// its lock). Unsupported, with ReadCheckpoint's "cannot detect" message, if not.
+Status Recognise(const std::string& dir);
 
 }  // namespace ckptfs
 

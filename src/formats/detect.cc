@@ -54,6 +54,13 @@ Checkpoint Sanitized(Checkpoint ck) {
   return ck;
 }
 
+Status CannotDetect(const std::string& dir) {
+  return Unsupported("cannot detect a checkpoint in " + dir +
+                     ": no .metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp), no "
+                     "latest / mp_rank_XX_model_states.pt (DeepSpeed), no "
+                     "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM), no *.safetensors, no torch.save .pt / .pth / .bin");
+}
+
 Result<Checkpoint> Detect(const std::string& dir) {
   // Megatron's torch_dist is a DCP checkpoint with metadata.json beside it: first.
   if (formats::LooksLikeMegatronDist(dir)) return formats::ReadMegatronDist(dir);
@@ -64,13 +71,20 @@ Result<Checkpoint> Detect(const std::string& dir) {
   if (formats::LooksLikeSafetensorsDir(dir)) return formats::ReadSafetensorsDir(dir);
   if (formats::LooksLikeRankFiles(dir)) return formats::ReadRankFiles(dir);  // per-rank torch.save files (verl, Accelerate)
   if (formats::LooksLikeTorchSaveDir(dir)) return formats::ReadTorchSaveDir(dir);
-  return Unsupported("cannot detect a checkpoint in " + dir +
-                     ": no .metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp), no "
-                     "latest / mp_rank_XX_model_states.pt (DeepSpeed), no "
-                     "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM), no *.safetensors, no torch.save .pt / .pth / .bin");
+  return CannotDetect(dir);
 }
 
 }  // namespace
+
+Status Recognise(const std::string& dir) {
+  for (bool (*probe)(const std::string&) :
+       {&formats::LooksLikeMegatronDist, &formats::LooksLikeDcp, &formats::LooksLikeDeepSpeed,
+        &formats::LooksLikeMegatronLegacy, &formats::LooksLikeSafetensorsDir, &formats::LooksLikeRankFiles,
+        &formats::LooksLikeTorchSaveDir}) {
+    if (probe(dir)) return Status::Ok();
+  }
+  return CannotDetect(dir);
+}
 
 Result<Checkpoint> ReadCheckpoint(const std::string& dir) {
   ASSIGN_OR_RETURN(Checkpoint ck, Detect(dir));

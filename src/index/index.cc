@@ -347,6 +347,9 @@ class IndexLock {
 Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild) {
   OpenResult r;
   std::string dir = index_dir.empty() ? DefaultIndexDir(src_dir) : index_dir;
+  // Nothing is written (an index, its lock, .ckptfs/) for a directory no
+  // family recognises.
+  if (std::error_code ec; !fs::exists(dir, ec)) RETURN_IF_ERROR(Recognise(src_dir));
   if (!force_rebuild) {
     IndexLock shared(dir, false);
     auto opened = Index::Open(dir, src_dir);

@@ -206,3 +206,31 @@ TEST(IndexTest, ConcurrentOpenOrBuildBuildsOnceAndEveryOneOpensIt) {
 
 }  // namespace
 }  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+
+// A directory no family recognises gets nothing written into it or beside
+// it: no .ckptfs/, no index, no index.lock (the default location, and an
+// explicit one).
+TEST(IndexTest, NothingIsWrittenForAnUnrecognisedDirectory) {
+  ckptfs::testing::TempDir t;
+  const std::string src = t.path() + "/notes";
+  std::filesystem::create_directories(src);
+  ckptfs::testing::WriteFile(src + "/README.txt", "not a checkpoint\n");
+  auto r = OpenOrBuild(src, "", false);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("cannot detect a checkpoint in " + src), std::string::npos);
+  size_t n = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(src)) {
+    EXPECT_EQ(e.path().filename(), "README.txt") << e.path();
+    ++n;
+  }
+  EXPECT_EQ(n, 1u);
+  auto r2 = OpenOrBuild(src, t.path() + "/idx/index", false);
+  ASSERT_FALSE(r2.ok());
+  EXPECT_FALSE(std::filesystem::exists(t.path() + "/idx"));
+}
+
+}  // namespace
+}  // namespace ckptfs
