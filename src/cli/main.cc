@@ -691,6 +691,14 @@ Result<std::vector<std::string>> MountHelperArgs(const std::vector<std::string>&
   return out;
 }
 
+// A subcommand name (ckptfs CMD ...), as Main's CLI11 app defines them.
+bool IsCommand(const std::string& a) {
+  for (const char* c : {"mount", "umount", "unmount", "index", "info", "ls", "cat", "verify", "help"}) {
+    if (a == c) return true;
+  }
+  return false;
+}
+
 int Main(std::vector<std::string> raw) {
   CLI::App app{"ckptfs: mount training checkpoints as a lazily computed, read-only tree.", "ckptfs"};
   app.set_version_flag("--version", std::string("ckptfs ") + CKPTFS_VERSION + " (index schema v" +
@@ -903,6 +911,18 @@ int main(int argc, char** argv) {
       return ckptfs::kExitUsage;
     }
     if (translated->empty()) return ckptfs::kExitOk;  // -f: mount(8)'s "fake"
+    args = std::move(translated).value();
+  } else if (args.size() >= 2 && !ckptfs::IsCommand(args[0]) && args[0][0] != '-' &&
+             std::filesystem::is_directory(args[0]) && std::filesystem::is_directory(args[1])) {
+    // /sbin/mount.fuse3 for a fuse.ckptfs entry with no mount.fuse.ckptfs
+    // installed (a binary copied onto a node, a Python wheel) runs
+    // `ckptfs SRC MNT -o OPTS`: the helper's form.
+    auto translated = ckptfs::MountHelperArgs(args);
+    if (!translated.ok()) {
+      std::cerr << "ckptfs: " << translated.status().message() << "\n";
+      return ckptfs::kExitUsage;
+    }
+    if (translated->empty()) return ckptfs::kExitOk;
     args = std::move(translated).value();
   }
   return ckptfs::Main(args);

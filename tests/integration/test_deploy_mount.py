@@ -248,3 +248,32 @@ def test_umount_busy_then_lazy(world_dir):
         assert b"family" in f.read()  # an open file keeps working after a lazy unmount
     finally:
         f.close()
+
+
+def test_mount_fuse3_without_the_helper_runs_ckptfs_src_mnt(world_dir):
+    """A fuse.ckptfs entry on a node with no mount.fuse.ckptfs installed (a binary
+    copied there, a Python wheel): /sbin/mount.fuse3 runs `ckptfs SRC MNT -o OPTS`,
+    the helper's form, which mounts; a mistyped command is still refused."""
+    mount_fuse3 = shutil.which("mount.fuse3") or "/sbin/mount.fuse3"
+    if os.geteuid() != 0 or not fuse_usable() or not os.path.exists(mount_fuse3):
+        pytest.skip("needs root, /dev/fuse and mount.fuse3")
+    if shutil.which("mount.fuse.ckptfs"):
+        pytest.skip("mount.fuse.ckptfs is installed (mount.fuse3 is not what runs then)")
+    bindir = world_dir / "bin"
+    bindir.mkdir()
+    (bindir / "ckptfs").symlink_to(os.path.abspath(ckptfs_bin()))  # only `ckptfs` on PATH
+    src, mnt = sample_copy(world_dir / "ck"), world_dir / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}")
+    r = subprocess.run([mount_fuse3, str(src), str(mnt), "-t", "ckptfs", "-o",
+                        f"ro,nodev,nosuid,index={world_dir / 'idx'}"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        wait_mounted(mnt)
+        assert (mnt / "checkpoint.json").read_bytes()
+        assert "params" in os.listdir(mnt)
+    finally:
+        run([ckptfs_bin(), "umount", str(mnt)])
+    bad = run([ckptfs_bin(), "mnt", str(src)])
+    assert bad.returncode == 2 and "unknown command" in bad.stderr, bad.stderr
