@@ -2,6 +2,8 @@
 
 #include <zstd.h>
 
+#include <memory>
+
 namespace ckptfs::formats {
 
 Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what) {
@@ -46,6 +48,39 @@ Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const 
   ZSTD_freeDStream(ds);
   if (ret != 0) return Invalid("cannot decompress " + what + ": truncated zstd stream");
   return out;
+}
+
+Result<uint64_t> ZstdCountDecompressed(const std::function<Status(uint64_t, uint64_t, char*)>& input,
+                                       uint64_t in_size, uint64_t max_out, const std::string& what) {
+  std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
+  if (ds == nullptr) return Internal("cannot allocate a zstd stream");
+  constexpr uint64_t kInPiece = 1 << 20;
+  std::string in, buf(ZSTD_DStreamOutSize(), '\0');
+  uint64_t in_pos = 0, total = 0;
+  size_t ret = 0;
+  bool started = false;
+  while (in_pos < in_size) {
+    const uint64_t n = std::min(kInPiece, in_size - in_pos);
+    in.assign(static_cast<size_t>(n), '\0');
+    RETURN_IF_ERROR(input(in_pos, n, in.data()));
+    in_pos += n;
+    ZSTD_inBuffer ib{in.data(), in.size(), 0};
+    // Drain this piece; the decoder may still hold output when it is used up.
+    while (ib.pos < ib.size || (ret != 0 && started)) {
+      ZSTD_outBuffer ob{buf.data(), buf.size(), 0};
+      ret = ZSTD_decompressStream(ds.get(), &ob, &ib);
+      started = true;
+      if (ZSTD_isError(ret)) return Invalid("cannot decompress " + what + ": " + ZSTD_getErrorName(ret));
+      total += ob.pos;
+      if (total > max_out) {
+        return Invalid("cannot decompress " + what + ": output larger than " + std::to_string(max_out) +
+                       " (--max-item-bytes)");
+      }
+      if (ob.pos == 0 && ib.pos == ib.size) break;  // needs more input (or done)
+    }
+  }
+  if (!started || ret != 0) return Invalid("cannot decompress " + what + ": truncated zstd stream");
+  return total;
 }
 
 ZstdCursor::ZstdCursor(Input input, uint64_t in_size, uint64_t max_out, std::string what)

@@ -18,6 +18,15 @@ namespace ckptfs::formats {
 // allocating when the frames declare their size, else as soon as it does.
 Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const std::string& what);
 
+// The decompressed size of a compressed item whose input is fetched in
+// pieces (ZstdCursor's Input), counted by decoding it through a fixed
+// buffer: memory is the decoder's window plus 1 MiB of input, whatever the
+// item's size (a bytes item whose frames declare no content size). Fails,
+// naming `what`, past `max_out` decompressed bytes or on a corrupt or
+// truncated stream.
+Result<uint64_t> ZstdCountDecompressed(const std::function<Status(uint64_t, uint64_t, char*)>& input,
+                                       uint64_t in_size, uint64_t max_out, const std::string& what);
+
 // Forward-only streaming decompression of one compressed item whose input is
 // fetched in pieces: a large item is never held whole, and sequential reads
 // continue where the last one stopped (a read behind the cursor needs a new

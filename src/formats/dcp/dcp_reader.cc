@@ -1,5 +1,6 @@
 #include "formats/dcp/dcp_reader.h"
 
+#include <cstring>
 #include <dirent.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -195,13 +196,24 @@ Result<Fragment> ResolveChunk(const Work& w, const int64_t* box, const TensorRec
     f.data_offset = w.loc.offset;
     f.data_length = w.loc.length;
     if (w.loc.zstd) {
-      ASSIGN_OR_RETURN(std::string raw, ReadItem(fd, w.loc, name));
-      ASSIGN_OR_RETURN(std::string plain, ZstdDecompress(raw, GetReadLimits().max_item_bytes, name));
+      // Only the size is needed: counted while streaming (1 MiB of input at a
+      // time), bounded by --max-item-bytes, never held whole.
+      if (w.loc.length > GetReadLimits().max_item_bytes) {
+        return Invalid("cannot read " + name + ": compressed item of " + std::to_string(w.loc.length) +
+                       " bytes is more than --max-item-bytes (" + std::to_string(GetReadLimits().max_item_bytes) + ")");
+      }
+      FileSliceReader r(fd, w.loc.offset, w.loc.length, name);
+      auto input = [&r](uint64_t off, uint64_t n, char* dst) -> Status {
+        ASSIGN_OR_RETURN(std::string piece, r.ReadAt(off, n));
+        std::memcpy(dst, piece.data(), piece.size());
+        return Status::Ok();
+      };
+      ASSIGN_OR_RETURN(uint64_t size, ZstdCountDecompressed(input, w.loc.length, GetReadLimits().max_item_bytes, name));
       f.compression = Compression::kZstd;
       f.item_offset = w.loc.offset;
       f.item_length = w.loc.length;
       f.data_offset = 0;
-      f.data_length = plain.size();
+      f.data_length = size;
     }
     return f;
   }

@@ -105,3 +105,87 @@ TEST(ZstdStreamTest, TruncatedOrCorruptItemsAreErrors) {
 
 }  // namespace
 }  // namespace ckptfs
+
+#include <sys/resource.h>
+
+#include "formats/zstd.h"
+
+namespace ckptfs {
+namespace {
+
+// Frames that declare no content size (a streaming compressor's, as torch's
+// ZStandard transform writes them), several of them back to back.
+std::string StreamCompress(const std::string& raw, size_t frames) {
+  std::string out;
+  const size_t per = (raw.size() + frames - 1) / frames;
+  for (size_t f = 0; f < frames; ++f) {
+    const size_t a = std::min(raw.size(), f * per), b = std::min(raw.size(), a + per);
+    ZSTD_CStream* cs = ZSTD_createCStream();
+    ZSTD_initCStream(cs, 1);
+    std::string buf(ZSTD_CStreamOutSize(), '\0');
+    ZSTD_inBuffer ib{raw.data() + a, b - a, 0};
+    while (ib.pos < ib.size) {
+      ZSTD_outBuffer ob{buf.data(), buf.size(), 0};
+      ZSTD_compressStream(cs, &ob, &ib);
+      out.append(buf.data(), ob.pos);
+    }
+    size_t left = 1;
+    while (left != 0) {
+      ZSTD_outBuffer ob{buf.data(), buf.size(), 0};
+      left = ZSTD_endStream(cs, &ob);
+      out.append(buf.data(), ob.pos);
+    }
+    ZSTD_freeCStream(cs);
+  }
+  return out;
+}
+
+std::function<Status(uint64_t, uint64_t, char*)> From(const std::string& z) {
+  return [&z](uint64_t off, uint64_t n, char* dst) {
+    std::memcpy(dst, z.data() + off, n);
+    return Status::Ok();
+  };
+}
+
+TEST(ZstdCountTest, CountsUndeclaredSizesWithinTheBound) {
+  std::mt19937 rng(3);
+  std::string raw(3 << 20, '\0');
+  for (size_t i = 0; i < raw.size(); i += 3) raw[i] = static_cast<char>(rng() % 7);
+  const std::string z = StreamCompress(raw, 3);
+  ASSERT_EQ(ZSTD_getFrameContentSize(z.data(), z.size()), ZSTD_CONTENTSIZE_UNKNOWN);
+  auto n = formats::ZstdCountDecompressed(From(z), z.size(), raw.size(), "item");
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, raw.size());
+  auto over = formats::ZstdCountDecompressed(From(z), z.size(), raw.size() - 1, "x.distcp @ 0");
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("x.distcp @ 0"), std::string::npos);
+  EXPECT_NE(over.status().message().find("--max-item-bytes"), std::string::npos);
+  auto cut = formats::ZstdCountDecompressed(From(z), z.size() - 9, raw.size(), "item");
+  ASSERT_FALSE(cut.ok());
+  std::string bad = z;
+  bad[bad.size() / 2] ^= 0x5A;
+  bad[bad.size() / 2 + 1] ^= 0x33;
+  EXPECT_FALSE(formats::ZstdCountDecompressed(From(bad), bad.size(), raw.size() * 2, "item").ok());
+  EXPECT_FALSE(formats::ZstdCountDecompressed(From(z), 0, raw.size(), "item").ok());
+}
+
+// 1 GiB of undeclared-size output counted with the memory of the decoder and
+// a 1 MiB input piece: the peak RSS grows by far less than the item.
+TEST(ZstdCountTest, AGigabyteItemIsCountedInBoundedMemory) {
+  std::string zeros(64 << 20, '\0');
+  std::string z;
+  for (int i = 0; i < 16; ++i) z += StreamCompress(zeros, 1);
+  zeros.clear();
+  zeros.shrink_to_fit();
+  rusage before{};
+  getrusage(RUSAGE_SELF, &before);
+  auto n = formats::ZstdCountDecompressed(From(z), z.size(), 2ull << 30, "item");
+  rusage after{};
+  getrusage(RUSAGE_SELF, &after);
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(*n, 1ull << 30);
+  EXPECT_LT(after.ru_maxrss - before.ru_maxrss, 64 << 10) << "KiB of peak RSS growth";
+}
+
+}  // namespace
+}  // namespace ckptfs
