@@ -82,6 +82,26 @@ void PickleWriter::Global(std::string_view module, std::string_view name) {
   out_.push_back('\n');
 }
 
+void PickleWriter::Put(uint32_t id) {
+  if (id < 256) {
+    Op('q');  // BINPUT
+    out_.push_back(static_cast<char>(id));
+  } else {
+    Op('r');  // LONG_BINPUT
+    Le<uint32_t>(id);
+  }
+}
+
+void PickleWriter::Get(uint32_t id) {
+  if (id < 256) {
+    Op('h');  // BINGET
+    out_.push_back(static_cast<char>(id));
+  } else {
+    Op('j');  // LONG_BINGET
+    Le<uint32_t>(id);
+  }
+}
+
 void PickleWriter::BeginTuple() { Op(kMark); }
 void PickleWriter::EndTuple() { Op(kTuple); }
 

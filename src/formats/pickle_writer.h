@@ -1,6 +1,6 @@
 // A pickle emitter for the archives ckptfs synthesizes (torch.save's
 // data.pkl). It writes protocol 2 (plus the protocol-3 bytes opcodes, which
-// every Python 3 unpickler reads), no memo, so equal inputs give equal bytes:
+// every Python 3 unpickler reads), no memo unless asked (Put / Get), so equal inputs give equal bytes:
 // the size of a synthesized file is known without reading any tensor.
 #ifndef CKPTFS_FORMATS_PICKLE_WRITER_H_
 #define CKPTFS_FORMATS_PICKLE_WRITER_H_
@@ -38,6 +38,11 @@ class PickleWriter {
   void Reduce();  // callable, args tuple -> callable(*args)
   void NewObj();  // class, args tuple -> class.__new__(class, *args)
   void Build();   // object, state -> object with state applied
+  // The memo (for writers that repeat values: a DCP .metadata names the same
+  // classes and keys millions of times): Put stores the value on top of the
+  // stack as `id`, Get pushes it again. Ids are the caller's to assign.
+  void Put(uint32_t id);
+  void Get(uint32_t id);
   // Splices opcodes that push exactly one value (a Fragment() of another
   // writer: no PROTO, no STOP, no memo).
   void Raw(std::string_view ops) { out_.append(ops); }

@@ -22,6 +22,37 @@ namespace {
 using formats::ArchiveStorage;
 using formats::PickleWriter;
 
+// Globals and strings through the pickle memo: a .metadata names the same
+// classes, field names and keys once per chunk, and a loader unpickles it
+// on every rank (torch's own writer memoizes likewise).
+class Memo {
+ public:
+  explicit Memo(PickleWriter& w) : w_(w) {}
+  void Global(std::string_view module, std::string_view name) {
+    Emit(std::string(module) + "\n" + std::string(name), [&] { w_.Global(module, name); });
+  }
+  void Str(std::string_view v) {
+    Emit("'" + std::string(v), [&] { w_.Str(v); });
+  }
+  PickleWriter& w() { return w_; }
+
+ private:
+  template <typename Fn>
+  void Emit(std::string key, Fn write) {
+    auto it = ids_.find(key);
+    if (it != ids_.end()) {
+      w_.Get(it->second);
+      return;
+    }
+    write();
+    const uint32_t id = static_cast<uint32_t>(ids_.size());
+    ids_.emplace(std::move(key), id);
+    w_.Put(id);
+  }
+  PickleWriter& w_;
+  std::unordered_map<std::string, uint32_t> ids_;
+};
+
 // A state-dict path element: a dict key, or a list index (param_groups.0).
 using PathElem = std::variant<std::string, int64_t>;
 
@@ -95,8 +126,9 @@ std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t
   return out;
 }
 
-void WriteSize(PickleWriter& w, const std::vector<int64_t>& dims) {
-  w.Global("torch", "Size");
+void WriteSize(Memo& m, const std::vector<int64_t>& dims) {
+  PickleWriter& w = m.w();
+  m.Global("torch", "Size");
   w.BeginTuple();
   w.BeginTuple();
   for (int64_t d : dims) w.Int(d);
@@ -107,8 +139,9 @@ void WriteSize(PickleWriter& w, const std::vector<int64_t>& dims) {
 
 // An instance of dataclass `module.cls` with its __dict__ written by `fields`.
 template <typename Fn>
-void WriteDataclass(PickleWriter& w, std::string_view module, std::string_view cls, Fn fields) {
-  w.Global(module, cls);
+void WriteDataclass(Memo& m, std::string_view module, std::string_view cls, Fn fields) {
+  PickleWriter& w = m.w();
+  m.Global(module, cls);
   w.BeginTuple();
   w.EndTuple();
   w.NewObj();
@@ -120,22 +153,23 @@ void WriteDataclass(PickleWriter& w, std::string_view module, std::string_view c
 
 constexpr std::string_view kMd = "torch.distributed.checkpoint.metadata";
 
-void WriteTensorMetadata(PickleWriter& w, const TensorRecord& t, const std::vector<Box>& chunks) {
-  WriteDataclass(w, kMd, "TensorStorageMetadata", [&] {
-    w.Str("properties");
-    w.Global(kMd, "TensorProperties");
+void WriteTensorMetadata(Memo& m, const TensorRecord& t, const std::vector<Box>& chunks) {
+  PickleWriter& w = m.w();
+  WriteDataclass(m, kMd, "TensorStorageMetadata", [&] {
+    m.Str("properties");
+    m.Global(kMd, "TensorProperties");
     w.BeginTuple();
     w.EndTuple();
     w.NewObj();
     w.BeginTuple();  // __getstate__: (dtype, layout, requires_grad, memory format, pin_memory)
-    w.Global("torch", DTypeName(t.dtype));
-    w.Global("torch.serialization", "_get_layout");
+    m.Global("torch", DTypeName(t.dtype));
+    m.Global("torch.serialization", "_get_layout");
     w.BeginTuple();
-    w.Str("torch.strided");
+    m.Str("torch.strided");
     w.EndTuple();
     w.Reduce();
     w.Bool(false);
-    w.Global(kMd, "_MEM_FORMAT_ENCODING");
+    m.Global(kMd, "_MEM_FORMAT_ENCODING");
     w.BeginTuple();
     w.Int(0);  // TORCH_CONTIGUOUS_FORMAT
     w.EndTuple();
@@ -143,16 +177,16 @@ void WriteTensorMetadata(PickleWriter& w, const TensorRecord& t, const std::vect
     w.Bool(false);
     w.EndTuple();
     w.Build();
-    w.Str("size");
-    WriteSize(w, t.shape);
-    w.Str("chunks");
+    m.Str("size");
+    WriteSize(m, t.shape);
+    m.Str("chunks");
     w.BeginList();
     for (const Box& c : chunks) {
-      WriteDataclass(w, kMd, "ChunkStorageMetadata", [&] {
-        w.Str("offsets");
-        WriteSize(w, c.offsets);
-        w.Str("sizes");
-        WriteSize(w, c.lengths);
+      WriteDataclass(m, kMd, "ChunkStorageMetadata", [&] {
+        m.Str("offsets");
+        WriteSize(m, c.offsets);
+        m.Str("sizes");
+        WriteSize(m, c.lengths);
       });
     }
     w.EndList();
@@ -278,24 +312,34 @@ Result<DcpTree> DcpFiles(const Index& index) {
     e.alias = std::move(alias);
   }
 
-  // Items, packed into data files of about kDcpFileBytes.
-  std::vector<std::vector<ExportPart>> file_parts(1);
-  std::vector<uint64_t> file_size(1, 0);
+  // Items, packed into data files of about kDcpFileBytes. Each item's parts
+  // become segments at once (adjacent literals joined into one), so no
+  // file's part list is ever held whole.
+  auto file_name = [](uint32_t k) { return "__" + std::to_string(k) + "_0.distcp"; };
+  std::vector<FileLayout> layouts(1);
   std::vector<Item> items;
   std::vector<const Entry*> order;
   for (const auto& [key, e] : entries) order.push_back(&e);
+  auto append = [](FileLayout& l, Segment seg) {
+    if (seg.kind == SegmentKind::kLiteral && !l.segments.empty() && l.segments.back().kind == SegmentKind::kLiteral) {
+      l.segments.back().literal += seg.literal;
+      l.segments.back().size += seg.size;
+      l.size += seg.size;
+      return;
+    }
+    l.Add(std::move(seg));
+  };
   for (size_t ei = 0; ei < order.size(); ++ei) {
     const Entry& e = *order[ei];
     const TensorRecord& t = ts[e.tensor];
-    auto place = [&](std::vector<ExportPart> parts, int chunk) {
+    auto place = [&](const std::vector<ExportPart>& parts, int chunk) -> Status {
       const uint64_t n = formats::PartsSize(parts);
-      if (file_size.back() > 0 && file_size.back() + n > kDcpFileBytes) {
-        file_parts.emplace_back();
-        file_size.push_back(0);
-      }
-      items.push_back(Item{ei, chunk, static_cast<uint32_t>(file_parts.size() - 1), file_size.back(), n});
-      for (ExportPart& p : parts) file_parts.back().push_back(std::move(p));
-      file_size.back() += n;
+      if (layouts.back().size > 0 && layouts.back().size + n > kDcpFileBytes) layouts.emplace_back();
+      const uint32_t k = static_cast<uint32_t>(layouts.size() - 1);
+      items.push_back(Item{ei, chunk, k, layouts.back().size, n});
+      ASSIGN_OR_RETURN(FileLayout l, topo_files::LayoutOfParts(index, "dcp/" + file_name(k), parts));
+      for (Segment& seg : l.segments) append(layouts.back(), std::move(seg));
+      return Status::Ok();
     };
     if (t.encoding == Encoding::kBytes) {
       ExportPart p;
@@ -303,7 +347,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
       p.tensor = e.tensor;
       p.out_dtype = DType::kU8;
       p.size = t.byte_size;
-      place({std::move(p)}, -1);
+      RETURN_IF_ERROR(place({std::move(p)}, -1));
       continue;
     }
     for (size_t c = 0; c < e.chunks.size(); ++c) {
@@ -312,94 +356,93 @@ Result<DcpTree> DcpFiles(const Index& index) {
       PickleWriter w;
       RETURN_IF_ERROR(w.Tensor("0", t.dtype, numel, 0, b.lengths, ContiguousStrides(b.lengths)));
       const bool is_whole = b.lengths == t.shape;
-      place(formats::TorchSaveParts("archive", w.Finish(),
-                                    {ArchiveStorage{e.tensor, t.dtype, numel * DTypeSize(t.dtype),
-                                                    is_whole ? std::vector<Box>{} : std::vector<Box>{b}}}),
-            static_cast<int>(c));
+      RETURN_IF_ERROR(
+          place(formats::TorchSaveParts("archive", w.Finish(),
+                                        {ArchiveStorage{e.tensor, t.dtype, numel * DTypeSize(t.dtype),
+                                                        is_whole ? std::vector<Box>{} : std::vector<Box>{b}}}),
+                static_cast<int>(c)));
     }
   }
-  auto file_name = [](uint32_t k) { return "__" + std::to_string(k) + "_0.distcp"; };
-
   // .metadata
   PickleWriter w;
-  WriteDataclass(w, kMd, "Metadata", [&] {
-    w.Str("state_dict_metadata");
+  Memo m(w);
+  WriteDataclass(m, kMd, "Metadata", [&] {
+    m.Str("state_dict_metadata");
     w.BeginDict();
     for (const Entry* e : order) {
       for (const std::string* k : {&e->key, &e->alias}) {
         if (k->empty()) continue;
-        w.Str(*k);
+        m.Str(*k);
         if (ts[e->tensor].encoding == Encoding::kBytes) {
-          WriteDataclass(w, kMd, "BytesStorageMetadata", [] {});
+          WriteDataclass(m, kMd, "BytesStorageMetadata", [] {});
         } else {
-          WriteTensorMetadata(w, ts[e->tensor], e->chunks);
+          WriteTensorMetadata(m, ts[e->tensor], e->chunks);
         }
       }
     }
     w.EndDict();
-    w.Str("planner_data");
+    m.Str("planner_data");
     w.BeginDict();
     for (const Entry* e : order) {
       for (const auto& [k, path] : {std::pair(&e->key, &e->path), std::pair(&e->alias, &e->alias_path)}) {
         if (k->empty()) continue;
-        w.Str(*k);
+        m.Str(*k);
         w.BeginTuple();
         for (const PathElem& p : *path) {
           if (std::holds_alternative<int64_t>(p)) {
             w.Int(std::get<int64_t>(p));
           } else {
-            w.Str(std::get<std::string>(p));
+            m.Str(std::get<std::string>(p));
           }
         }
         w.EndTuple();
       }
     }
     w.EndDict();
-    w.Str("storage_data");
+    m.Str("storage_data");
     w.BeginDict();
     for (const Item& it : items) {
       const Entry& e = *order[it.entry];
       for (const std::string* k : {&e.key, &e.alias}) {
         if (k->empty()) continue;
-        WriteDataclass(w, kMd, "MetadataIndex", [&] {
-          w.Str("fqn");
-          w.Str(*k);
-          w.Str("offset");
+        WriteDataclass(m, kMd, "MetadataIndex", [&] {
+          m.Str("fqn");
+          m.Str(*k);
+          m.Str("offset");
           if (it.chunk < 0) {
             w.None();
           } else {
-            WriteSize(w, e.chunks[static_cast<size_t>(it.chunk)].offsets);
+            WriteSize(m, e.chunks[static_cast<size_t>(it.chunk)].offsets);
           }
-          w.Str("index");
+          m.Str("index");
           if (it.chunk < 0) {
             w.None();
           } else {
             w.Int(it.chunk);
           }
         });
-        WriteDataclass(w, "torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
-          w.Str("relative_path");
-          w.Str(file_name(it.file));
-          w.Str("offset");
+        WriteDataclass(m, "torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
+          m.Str("relative_path");
+          m.Str(file_name(it.file));
+          m.Str("offset");
           w.Int(static_cast<int64_t>(it.offset));
-          w.Str("length");
+          m.Str("length");
           w.Int(static_cast<int64_t>(it.length));
         });
       }
     }
     w.EndDict();
-    w.Str("storage_meta");
+    m.Str("storage_meta");
     w.None();
-    w.Str("version");
-    w.Str("1.0.0");
+    m.Str("version");
+    m.Str("1.0.0");
   });
   FileLayout md;
   md.Add(LiteralSegment(w.Finish()));
   tree.files.emplace_back(".metadata", std::move(md));
-  for (uint32_t k = 0; k < file_parts.size(); ++k) {
-    if (file_parts[k].empty()) continue;
-    ASSIGN_OR_RETURN(FileLayout l, topo_files::LayoutOfParts(index, "dcp/" + file_name(k), file_parts[k]));
-    tree.files.emplace_back(file_name(k), std::move(l));
+  for (uint32_t k = 0; k < layouts.size(); ++k) {
+    if (layouts[k].segments.empty()) continue;
+    tree.files.emplace_back(file_name(k), std::move(layouts[k]));
   }
   FileLayout readme;
   readme.Add(LiteralSegment(Readme(tree, entries.size(), from_master)));
