@@ -26,6 +26,12 @@ bytes the planner unpickles. Keys the checkpoint does not have (another
 optimizer's param_groups layout) need allow_partial_load=True; they keep the
 values the caller's optimizer was built with.
 
+view="dcp": the keys and chunks of the mount's dcp/ (the same plan, made by the
+same C++ code, and the same .metadata bytes): model.<fqn> from the fp32 master
+where there is one, optim.state.<fqn>.<state> and optimizer.state.<fqn>.<state>;
+each item reads its box straight into the destination instead of unpickling a
+torch.save archive.
+
 view="hf": the tensors of the checkpoint's hf/ export instead, under their
 Hugging Face names (Megatron's fused QKV split, SwiGLU fc1 split, torchtitan's
 RoPE permutation: whatever hf/ serves), for models named the Hugging Face way
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import math
 import os
 import struct
@@ -125,14 +132,14 @@ class StorageReader(_DcpStorageReader):
     `src`: the checkpoint directory (or pass checkpoint_id to dcp.load);
     `index`: where its index lives (ckptfs.open's default otherwise);
     `key_map`: TensorInfo -> key or keys (default_keys; view="params" only);
-    `view`: "params" (every tensor and optimizer state) or "hf" (the hf/ export)."""
+    `view`: "params" (every tensor and optimizer state), "dcp" (dcp/'s keys) or "hf" (the hf/ export)."""
 
     def __init__(self, src: Union[str, os.PathLike, None] = None, index: Optional[str] = None,
                  key_map: Optional[Callable[[TensorInfo], Union[str, Iterable[str]]]] = None, view: str = "params",
                  **open_kwargs: Any):
         super().__init__()
-        if view not in ("params", "hf"):
-            raise ValueError(f"view must be 'params' or 'hf', not {view!r}")
+        if view not in ("params", "dcp", "hf"):
+            raise ValueError(f"view must be 'params', 'dcp' or 'hf', not {view!r}")
         self.src = None if src is None else str(src)
         self.index = index
         self.view = view
@@ -162,6 +169,17 @@ class StorageReader(_DcpStorageReader):
         ck = self._open()
         md: dict[str, TensorStorageMetadata] = {}
         self._by_key = {}
+        if self.view == "dcp":
+            # dcp/.metadata as the mount serves it; the keys' tensors from the same plan.
+            with ck.open_file("dcp/.metadata") as f:
+                md = pickle.loads(f.read())
+            by_id = {t.id: t for t in ck.tensors()}
+            rows, _left_out = ck._c.dcp_plan()
+            for key, alias, tid, _chunks in rows:
+                for k in (key, alias):
+                    if k:
+                        self._by_key[k] = by_id[tid]
+            return md
         if self.view == "hf":
             for key, t in _hf_tensors(ck).items():
                 self._by_key[key] = t
@@ -219,7 +237,10 @@ class StorageReader(_DcpStorageReader):
                 raise ckptfs.Error(f"cannot load other/{t.name} of {self.src}: {e}") from e
             return
         dest = planner.resolve_tensor(req).detach()
-        box = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+        # The item's box of the global tensor: its chunk's offsets (dcp/ has
+        # several chunks per tensor) plus the offsets inside the chunk.
+        base = req.storage_index.offset or [0] * len(req.lengths)
+        box = tuple(slice(b + o, b + o + n) for b, o, n in zip(base, req.storage_offsets, req.lengths))
         if isinstance(t, _HfTensor):
             if t.path not in hf_files:
                 hf_files[t.path] = ck.open_file(t.path)

@@ -34,6 +34,7 @@
 #include "ckptfs/io.h"
 #include "ckptfs/transforms.h"
 #include "ckptfs/verify.h"
+#include "views/dcp_view.h"
 
 namespace nb = nanobind;
 
@@ -263,6 +264,28 @@ class PyCheckpoint {
     return {b.tf->name(), b.trusted, b.why, b.tf->HeldBytes()};
   }
 
+  // dcp/'s keys (views/dcp_view.h PlanDcp, the same plan the mount's dcp/
+  // is laid out from): ([(key, alias, tensor id, [(chunk offsets, sizes)])],
+  // [left out]).
+  using DcpRow = std::tuple<std::string, std::string, uint32_t,
+                            std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>>>;
+  std::pair<std::vector<DcpRow>, std::vector<std::string>> DcpPlan() const {
+    Result<dcp_view::DcpPlan> plan = Internal("not run");
+    {
+      nb::gil_scoped_release unlocked;
+      plan = dcp_view::PlanDcp(fs_->index());
+    }
+    if (!plan.ok()) Raise(plan.status());
+    std::vector<DcpRow> rows;
+    rows.reserve(plan->entries.size());
+    for (dcp_view::DcpEntry& e : plan->entries) {
+      std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> chunks;
+      for (Box& b : e.chunks) chunks.emplace_back(std::move(b.offsets), std::move(b.lengths));
+      rows.emplace_back(std::move(e.key), std::move(e.alias), e.tensor, std::move(chunks));
+    }
+    return {std::move(rows), std::move(plan->left_out)};
+  }
+
   std::string IndexDir() const { return fs_->index().dir(); }
   bool Built() const { return fs_->open_result().built; }
   std::string Stats() const { return fs_->StatsJson(); }
@@ -330,6 +353,7 @@ NB_MODULE(_ckptfs, m) {
       .def("read_into", &PyCheckpoint::ReadInto, nb::arg("id"), nb::arg("dtype"), nb::arg("offsets").none(),
            nb::arg("lengths").none(), nb::arg("out").noconvert(), nb::arg("stream") = 0)
       .def("device_info", &PyCheckpoint::DeviceInfo, nb::arg("ordinal"))
+      .def("dcp_plan", &PyCheckpoint::DcpPlan)
       .def("stat", &PyCheckpoint::Stat)
       .def("listdir", &PyCheckpoint::ListDir)
       .def("open", &PyCheckpoint::Open)

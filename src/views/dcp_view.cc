@@ -53,21 +53,6 @@ class Memo {
   std::unordered_map<std::string, uint32_t> ids_;
 };
 
-// A state-dict path element: a dict key, or a list index (param_groups.0).
-using PathElem = std::variant<std::string, int64_t>;
-
-struct Entry {
-  std::string key;             // the flattened key dcp.load plans with
-  std::vector<PathElem> path;  // planner_data: the key's path in the nested state dict
-  uint32_t tensor = 0;
-  std::vector<Box> chunks;  // tensors: the chunk boxes (empty for bytes entries)
-  // The same items under a second key (optimizer.state.<fqn>.<state>, the
-  // prefix Lightning Fabric and Accelerate's FSDP plugin save under): more
-  // metadata, no more bytes to read for any plan. Empty: none.
-  std::string alias;
-  std::vector<PathElem> alias_path;
-};
-
 // The chunk boxes of tensor `t`: the source's row blocks where its fragments
 // (the first copy's) tile dim 0 with whole rows; else the whole tensor, in
 // row blocks of at most kDcpMaxChunkBytes.
@@ -231,8 +216,8 @@ std::string Readme(const DcpTree& tree, size_t keys, size_t masters) {
 
 }  // namespace
 
-Result<DcpTree> DcpFiles(const Index& index) {
-  DcpTree tree;
+Result<DcpPlan> PlanDcp(const Index& index) {
+  DcpPlan plan;
   const auto& ts = index.tensors();
   // The fp32 master of each parameter, where one is readable and has the
   // parameter's shape.
@@ -243,13 +228,12 @@ Result<DcpTree> DcpFiles(const Index& index) {
     if (t.role == Role::kParam) params.emplace(t.fqn, i);
     if (t.role == Role::kOptimState && t.state == "fp32" && t.dtype == DType::kF32) masters.emplace(t.fqn, i);
   }
-  std::map<std::string, Entry> entries;  // by key: the items' order
-  size_t from_master = 0;
+  std::map<std::string, DcpEntry> entries;  // by key: the items' order
   auto add = [&](std::string key, std::vector<PathElem> path, uint32_t id) {
     const TensorRecord& t = ts[id];
     auto [it, fresh] = entries.try_emplace(key);
     if (!fresh) {
-      tree.left_out.push_back(key + ": named by both '" + ts[it->second.tensor].key + "' and '" + t.key + "'");
+      plan.left_out.push_back(key + ": named by both '" + ts[it->second.tensor].key + "' and '" + t.key + "'");
       return;
     }
     it->second.key = key;
@@ -257,7 +241,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
     it->second.tensor = id;
     if (t.encoding == Encoding::kTensor) {
       it->second.chunks = ChunksOf(index, TensorId{id}, t);
-      tree.chunks += it->second.chunks.size();
+      plan.chunks += it->second.chunks.size();
     }
   };
   for (uint32_t i = 0; i < ts.size(); ++i) {
@@ -265,11 +249,11 @@ Result<DcpTree> DcpFiles(const Index& index) {
     if (t.role == Role::kHidden) continue;
     const std::string name = t.fqn.empty() ? t.key : t.fqn;
     if (!t.error.empty()) {
-      tree.left_out.push_back(t.key + ": " + t.error);
+      plan.left_out.push_back(t.key + ": " + t.error);
       continue;
     }
     if (t.encoding == Encoding::kTensor && StorageClassName(t.dtype).empty()) {
-      tree.left_out.push_back(t.key + ": torch.save has no storage for " + std::string(DTypeName(t.dtype)));
+      plan.left_out.push_back(t.key + ": torch.save has no storage for " + std::string(DTypeName(t.dtype)));
       continue;
     }
     if (t.role == Role::kParam || (t.role == Role::kOptimState && t.state == "fp32")) {
@@ -284,7 +268,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
         pick = p->second;
       }
       if (pick == i) {
-        if (t.role == Role::kOptimState) ++from_master;
+        if (t.role == Role::kOptimState) ++plan.from_master;
         add("model." + name, {std::string("model"), name}, i);
         continue;
       }
@@ -311,6 +295,17 @@ Result<DcpTree> DcpFiles(const Index& index) {
     e.alias_path[0] = std::string("optimizer");
     e.alias = std::move(alias);
   }
+  plan.entries.reserve(entries.size());
+  for (auto& [key, e] : entries) plan.entries.push_back(std::move(e));
+  return plan;
+}
+
+Result<DcpTree> DcpFiles(const Index& index) {
+  ASSIGN_OR_RETURN(DcpPlan plan, PlanDcp(index));
+  DcpTree tree;
+  tree.left_out = plan.left_out;
+  tree.chunks = plan.chunks;
+  const auto& ts = index.tensors();
 
   // Items, packed into data files of about kDcpFileBytes. Each item's parts
   // become segments at once (adjacent literals joined into one), so no
@@ -318,8 +313,8 @@ Result<DcpTree> DcpFiles(const Index& index) {
   auto file_name = [](uint32_t k) { return "__" + std::to_string(k) + "_0.distcp"; };
   std::vector<FileLayout> layouts(1);
   std::vector<Item> items;
-  std::vector<const Entry*> order;
-  for (const auto& [key, e] : entries) order.push_back(&e);
+  std::vector<const DcpEntry*> order;
+  for (const DcpEntry& e : plan.entries) order.push_back(&e);
   auto append = [](FileLayout& l, Segment seg) {
     if (seg.kind == SegmentKind::kLiteral && !l.segments.empty() && l.segments.back().kind == SegmentKind::kLiteral) {
       l.segments.back().literal += seg.literal;
@@ -330,7 +325,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
     l.Add(std::move(seg));
   };
   for (size_t ei = 0; ei < order.size(); ++ei) {
-    const Entry& e = *order[ei];
+    const DcpEntry& e = *order[ei];
     const TensorRecord& t = ts[e.tensor];
     auto place = [&](const std::vector<ExportPart>& parts, int chunk) -> Status {
       const uint64_t n = formats::PartsSize(parts);
@@ -369,7 +364,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
   WriteDataclass(m, kMd, "Metadata", [&] {
     m.Str("state_dict_metadata");
     w.BeginDict();
-    for (const Entry* e : order) {
+    for (const DcpEntry* e : order) {
       for (const std::string* k : {&e->key, &e->alias}) {
         if (k->empty()) continue;
         m.Str(*k);
@@ -383,7 +378,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
     w.EndDict();
     m.Str("planner_data");
     w.BeginDict();
-    for (const Entry* e : order) {
+    for (const DcpEntry* e : order) {
       for (const auto& [k, path] : {std::pair(&e->key, &e->path), std::pair(&e->alias, &e->alias_path)}) {
         if (k->empty()) continue;
         m.Str(*k);
@@ -402,7 +397,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
     m.Str("storage_data");
     w.BeginDict();
     for (const Item& it : items) {
-      const Entry& e = *order[it.entry];
+      const DcpEntry& e = *order[it.entry];
       for (const std::string* k : {&e.key, &e.alias}) {
         if (k->empty()) continue;
         WriteDataclass(m, kMd, "MetadataIndex", [&] {
@@ -445,7 +440,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
     tree.files.emplace_back(file_name(k), std::move(layouts[k]));
   }
   FileLayout readme;
-  readme.Add(LiteralSegment(Readme(tree, entries.size(), from_master)));
+  readme.Add(LiteralSegment(Readme(tree, plan.entries.size(), plan.from_master)));
   tree.files.emplace_back("README.txt", std::move(readme));
   return tree;
 }

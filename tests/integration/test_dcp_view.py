@@ -183,3 +183,28 @@ def test_a_refused_tensor_is_a_missing_key(tmp_path, mounter):
             dcp.load(sd, checkpoint_id=m.path / "dcp", no_dist=True)
         assert f"Missing key in checkpoint state_dict: {key}" in str(ei.value) + repr(getattr(ei.value, "failures", "")), \
             str(ei.value)
+
+
+@pytest.mark.parametrize("rel", ["ds_py3112/z2_bf16_tp2_dp2", "verl_fsdp2/global_step_1/actor", "meta_llama_mp2/mp2"])
+def test_storage_reader_answers_from_the_same_plan(rel, tmp_path, mounter):
+    """ckptfs.torch.StorageReader(view="dcp") without a mount: the same .metadata
+    bytes as the mount's dcp/, and dcp.load through it equals torch's reader on the mount."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    src = tmp_path / "ck"
+    shutil.copytree(DATA / rel, src, ignore=shutil.ignore_patterns(".ckptfs"))
+    index = tmp_path / "index"
+    reader = ctorch.StorageReader(src, index=str(index), view="dcp")
+    md = reader.read_metadata()
+    with mounter(src, index=index) as m:
+        assert (m.path / "dcp" / ".metadata").read_bytes() == ckptfs.open(src, index).open_file("dcp/.metadata").read()
+        keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+        a = {k: torch.zeros(tuple(md.state_dict_metadata[k].size), dtype=md.state_dict_metadata[k].properties.dtype)
+             for k in keys}
+        b = {k: v.clone() for k, v in a.items()}
+        dcp.load(a, storage_reader=FileSystemReader(m.path / "dcp"), no_dist=True)
+    dcp.load(b, storage_reader=ctorch.StorageReader(src, index=str(index), view="dcp"), no_dist=True)
+    for k in keys:
+        assert same(a[k], b[k]), k
