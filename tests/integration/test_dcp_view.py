@@ -127,13 +127,33 @@ def megatron(tmp_path_factory):
     from test_megatron_mount import SCENARIOS
     base = os.environ.get("CKPTFS_FIXTURE_CACHE")
     root = Path(base) / "megatron" if base else tmp_path_factory.mktemp("megatron")
-    names = ["legacy_tp2_pp2", "dist_tp2_pp2_dp2"]
+    names = ["legacy_tp2_pp2", "dist_tp2_pp2_dp2", "zarr_tp2_pp2", "legacy_distopt_tp2_dp2"]
     return make_megatron_fixtures(root, {n: SCENARIOS[n] for n in names})
 
 
-@pytest.mark.parametrize("name", ["legacy_tp2_pp2", "dist_tp2_pp2_dp2"])
+@pytest.mark.parametrize("name", ["legacy_tp2_pp2", "dist_tp2_pp2_dp2", "zarr_tp2_pp2", "legacy_distopt_tp2_dp2"])
 def test_megatron_sources(name, megatron, tmp_path, mounter):
     check_view(megatron / name, tmp_path, mounter)
+
+
+def test_deepspeed_zero3(tmp_path_factory, tmp_path, mounter):
+    import os
+    from test_deepspeed_mount import produce
+    base = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    root = Path(base) / "deepspeed" if base else tmp_path_factory.mktemp("deepspeed")
+    ck, _ = produce(root, "z3_fp32_dp2")
+    check_view(ck, tmp_path, mounter)
+
+
+def test_deepspeed_pipeline_with_tp_averaged_params(tmp_path_factory, tmp_path, mounter):
+    """A Megatron-DeepSpeed (BLOOM-style) PipelineEngine checkpoint at TP=2 PP=2:
+    TP-averaged parameters (means of replicas) and sub-parameters through dcp/."""
+    import os
+    from test_deepspeed_pipe import produce
+    base = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    root = Path(base) / "deepspeed_pipe" if base else tmp_path_factory.mktemp("deepspeed_pipe")
+    ck, _ = produce(root, "pp2_tp2_dp2_fp32_sub")
+    check_view(ck, tmp_path, mounter)
 
 
 @pytest.mark.parametrize("rel,dim1", [("ds_py3112/z2_bf16_tp2_dp2", False), ("ds_py3112/z2_bf16_tp2_dp2", True),
