@@ -103,6 +103,9 @@ struct Node {
   // between any two mounts and between two reads, so `diff -r`, `cp -r` and
   // `rsync` of mounts must not meet it.
   bool stats = false;
+  // other/<key> of a record whose bytes other records serve too (a Megatron
+  // layer stack, TensorRecord::alias): found by name, never listed.
+  bool unlisted = false;
   // topo/ERRORS: its bytes are View::TopoErrors() at the time of the read.
   bool topo_errors = false;
   uint32_t subdirs = 0;  // directories: for st_nlink

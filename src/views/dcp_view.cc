@@ -246,7 +246,9 @@ Result<DcpPlan> PlanDcp(const Index& index) {
   };
   for (uint32_t i = 0; i < ts.size(); ++i) {
     const TensorRecord& t = ts[i];
-    if (t.role == Role::kHidden) continue;
+    // Hidden records, and layer stacks whose layers are keys of their own
+    // (each byte is offered once, as under params/).
+    if (t.role == Role::kHidden || t.alias) continue;
     const std::string name = t.fqn.empty() ? t.key : t.fqn;
     if (!t.error.empty()) {
       plan.left_out.push_back(t.key + ": " + t.error);

@@ -206,7 +206,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   (void)readme;
 
   const auto& tensors = index.tensors();
-  uint64_t n_params = 0, n_states = 0, n_other = 0, total_bytes = 0;
+  uint64_t n_params = 0, n_states = 0, n_other = 0, n_unlisted = 0, total_bytes = 0;
   json broken = json::array();
   for (uint32_t i = 0; i < tensors.size(); ++i) {
     const TensorRecord& t = tensors[i];
@@ -236,12 +236,22 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
       }
     }
     auto header = formats::NpyHeader(NpyDType(t.dtype), t.shape);
+    uint64_t npy = 0;
     if (header.ok()) {
-      v->AddFile(dir, stem + ".npy", FileLayout{}, id, Node::Lazy::kNpy);
+      npy = v->AddFile(dir, stem + ".npy", FileLayout{}, id, Node::Lazy::kNpy);
     } else {
       v->problems_.push_back("no .npy for '" + t.key + "': " + header.status().message());
     }
-    v->AddFile(dir, stem + ".raw", FileLayout{}, id, Node::Lazy::kRaw);
+    const uint64_t raw = v->AddFile(dir, stem + ".raw", FileLayout{}, id, Node::Lazy::kRaw);
+    if (t.alias) {
+      // A Megatron layer stack also served per layer under params/: open by
+      // name (other/<stack>.npy), never listed, so cp -r / rsync / diff -r
+      // of the tree copy each byte once.
+      for (uint64_t ino : {npy, raw}) {
+        if (ino != 0) v->nodes_[ino - 1]->unlisted = true;
+      }
+      ++n_unlisted;
+    }
   }
 
   for (const ExportFile& x : index.exports()) RETURN_IF_ERROR(v->AddExport(root, x));
@@ -274,6 +284,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   j["source_topology"] = {{"world_size", info.world_size}};
   j["counts"] = {{"tensors", tensors.size()},        {"params", n_params},
                  {"optimizer_states", n_states},     {"other", n_other},
+                 {"other_unlisted", n_unlisted},
                  {"fragments", index.num_fragments()}, {"files", index.files().size()},
                  {"bytes", total_bytes}, {"synthesized_files", index.exports().size()}};
   j["index"] = index.dir();
@@ -474,7 +485,7 @@ std::vector<View::Child> View::ListFrom(uint64_t ino, uint64_t from, size_t max)
   }
   for (uint64_t i = from; i < order->size() && out.size() < max; ++i) {
     const Node* c = GetLocked((*order)[i]);
-    if (c->stats) continue;  // open by name only (see Node::stats)
+    if (c->stats || c->unlisted) continue;  // open by name only (see Node::stats, Node::unlisted)
     out.push_back(Child{c->name, c->ino, c->is_dir, i + 1});
   }
   return out;

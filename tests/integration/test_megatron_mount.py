@@ -342,6 +342,10 @@ def test_torch_dist_stacked_layers_whole_under_other(megatron_fixtures, mounter)
         for i in range(LAYERS):
             np.testing.assert_array_equal(whole[i], ref[f"decoder.layers.{i}.mlp.linear_fc1.weight"]["param"].float().numpy())
         assert (m.path / "other/common.pt").stat().st_size > 0
+        # Opened by name, never listed: a copy of the tree holds each byte once.
+        listed = os.listdir(m.path / "other")
+        assert "decoder.layers.mlp.linear_fc1.weight.npy" not in listed and "common.pt" in listed
+        assert json.loads((m.path / "checkpoint.json").read_text())["counts"]["other_unlisted"] > 0
 
 
 def test_zarr_missing_chunk_is_eio_not_zeros(megatron_fixtures, mounter, tmp_path):
