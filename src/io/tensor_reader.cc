@@ -526,15 +526,27 @@ Status TensorReader::ReadTransposedRows(TensorId id, DType out, const std::vecto
   return Status::Ok();
 }
 
+namespace {
+
+// The fragments of each copy of a mean-of-copies tensor (Fragment::replica).
+Result<std::vector<std::vector<Fragment>>> CopiesOf(const TensorRecord& t, const std::vector<Fragment>& frags) {
+  std::vector<std::vector<Fragment>> copies(t.replicas);
+  for (const Fragment& f : frags) {
+    if (f.replica >= t.replicas) {
+      return Invalid("cannot read '" + t.key + "': fragment of copy " + std::to_string(f.replica) + " of " +
+                     std::to_string(t.replicas) + " (index corrupt?)");
+    }
+    copies[f.replica].push_back(f);
+  }
+  return copies;
+}
+
+}  // namespace
+
 Status TensorReader::ReadMean(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
                               uint64_t e0, uint64_t e1, char* base) {
   const uint32_t n = t.replicas;
-  std::vector<std::vector<Fragment>> copies(n);
-  for (const Fragment& f : frags) {
-    if (f.replica >= n) return Invalid("cannot read '" + t.key + "': fragment of copy " + std::to_string(f.replica) +
-                                       " of " + std::to_string(n) + " (index corrupt?)");
-    copies[f.replica].push_back(f);
-  }
+  ASSIGN_OR_RETURN(std::vector<std::vector<Fragment>> copies, CopiesOf(t, frags));
   const uint64_t ssz = DTypeSize(t.dtype), osz = DTypeSize(out);
   // Bounded scratch: n copies of at most 4 MiB of source elements each.
   const uint64_t step = std::max<uint64_t>(1, (4ull << 20) / ssz);
@@ -615,12 +627,7 @@ Status TensorReader::ReadToDevice(TensorId id, DType out, const Box* box, const 
 Status TensorReader::MeanToDevice(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view,
                                   DType out, uint64_t numel, const DeviceTarget& target, char* dst, bool* gpu_failed) {
   const uint32_t n = t.replicas;
-  std::vector<std::vector<Fragment>> copies(n);
-  for (const Fragment& f : frags) {
-    if (f.replica >= n) return Invalid("cannot read '" + t.key + "': fragment of copy " + std::to_string(f.replica) +
-                                       " of " + std::to_string(n) + " (index corrupt?)");
-    copies[f.replica].push_back(f);
-  }
+  ASSIGN_OR_RETURN(std::vector<std::vector<Fragment>> copies, CopiesOf(t, frags));
   auto dev = [&](const Status& s) {
     *gpu_failed = true;
     return s;

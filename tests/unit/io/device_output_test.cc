@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "../fs_fixture.h"
 #include "../test_util.h"
 #include "ckptfs/fs.h"
 #include "ckptfs/index.h"
@@ -157,17 +158,6 @@ class EmulatedDevice final : public Transforms {
   Counters c;
 };
 
-std::unique_ptr<Filesystem> OpenCopy(const TempDir& tmp, const std::string& rel) {
-  const std::string src = tmp.path() + "/ck";
-  std::filesystem::copy(std::string(CKPTFS_TEST_DATA) + "/" + rel, src, std::filesystem::copy_options::recursive);
-  FsOptions o;
-  o.src = src;
-  o.index_dir = tmp.path() + "/index";
-  o.gpu = GpuMode::kOff;
-  auto f = Filesystem::Open(o);
-  EXPECT_TRUE(f.ok()) << rel << ": " << f.status().message();
-  return f.ok() ? std::move(f).value() : nullptr;
-}
 
 struct Coverage {
   int reads = 0, widened = 0, boxes = 0, merged = 0, means = 0;
@@ -194,7 +184,7 @@ void Compare(Filesystem& fs, EmulatedDevice& dev, TensorId id, DType out, const 
 // Every tensor: whole (own dtype, float32 when it widens), and a column box.
 Coverage CheckAllTensors(const std::string& rel) {
   TempDir tmp;
-  auto fs = OpenCopy(tmp, rel);
+  auto fs = testing::OpenFixtureCopy(tmp, rel);
   Coverage cov;
   if (fs == nullptr) return cov;
   EmulatedDevice dev;
@@ -341,7 +331,7 @@ TEST(DeviceOutputTest, MeansOfReplicasAreAveragedOnTheDevice) {
 
 TEST(DeviceOutputTest, AFailingDeviceFallsBackToTheHostPathAndUploads) {
   TempDir tmp;
-  auto fs = OpenCopy(tmp, "ds_py3112/z2_bf16_tp2_dp2");
+  auto fs = testing::OpenFixtureCopy(tmp, "ds_py3112/z2_bf16_tp2_dp2");
   ASSERT_NE(fs, nullptr);
   EmulatedDevice dev;
   dev.c.fail_after_gathers = 0;
@@ -364,7 +354,7 @@ TEST(DeviceOutputTest, AFailingDeviceFallsBackToTheHostPathAndUploads) {
 
 TEST(DeviceOutputTest, UntrustedKernelsNeverRunOnlyUploads) {
   TempDir tmp;
-  auto fs = OpenCopy(tmp, "meta_llama_mp2/mp2");
+  auto fs = testing::OpenFixtureCopy(tmp, "meta_llama_mp2/mp2");
   ASSERT_NE(fs, nullptr);
   EmulatedDevice dev;
   const auto& ts = fs->index().tensors();
@@ -385,7 +375,7 @@ TEST(DeviceOutputTest, UntrustedKernelsNeverRunOnlyUploads) {
 
 TEST(DeviceOutputTest, BadArgumentsAreRefusedBeforeAnyDeviceWork) {
   TempDir tmp;
-  auto fs = OpenCopy(tmp, "dcp_single");
+  auto fs = testing::OpenFixtureCopy(tmp, "dcp_single");
   ASSERT_NE(fs, nullptr);
   EmulatedDevice dev;
   DeviceTarget target{&dev, nullptr, true};
@@ -440,7 +430,7 @@ class RealDeviceTest : public ::testing::Test {
   // box, at a 16-byte aligned and a 4-byte shifted destination.
   void CheckAll(const std::string& rel) {
     TempDir tmp;
-    auto fs = OpenCopy(tmp, rel);
+    auto fs = testing::OpenFixtureCopy(tmp, rel);
     ASSERT_NE(fs, nullptr);
     const auto& ts = fs->index().tensors();
     int n = 0;

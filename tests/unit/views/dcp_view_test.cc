@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <string>
 
+#include "../fs_fixture.h"
 #include "../test_util.h"
 #include "ckptfs/fs.h"
 #include "views/dcp_view.h"
@@ -18,17 +19,6 @@ namespace {
 
 using testing::TempDir;
 
-std::unique_ptr<Filesystem> OpenCopy(const TempDir& tmp, const std::string& rel) {
-  const std::string src = tmp.path() + "/ck";
-  std::filesystem::copy(std::string(CKPTFS_TEST_DATA) + "/" + rel, src, std::filesystem::copy_options::recursive);
-  FsOptions o;
-  o.src = src;
-  o.index_dir = tmp.path() + "/index";
-  o.gpu = GpuMode::kOff;
-  auto f = Filesystem::Open(o);
-  EXPECT_TRUE(f.ok()) << f.status().message();
-  return f.ok() ? std::move(f).value() : nullptr;
-}
 
 std::string ReadAll(Filesystem& fs, const std::string& path) {
   auto ino = fs.view().Resolve(path);
@@ -47,7 +37,7 @@ std::string ReadAll(Filesystem& fs, const std::string& path) {
 
 TEST(DcpViewTest, MadeFromTheIndexDeterministically) {
   TempDir tmp;
-  auto fs = OpenCopy(tmp, "ds_py3112/z2_bf16_tp2_dp2");
+  auto fs = testing::OpenFixtureCopy(tmp, "ds_py3112/z2_bf16_tp2_dp2");
   ASSERT_NE(fs, nullptr);
   auto a = dcp_view::DcpFiles(fs->index());
   auto b = dcp_view::DcpFiles(fs->index());
@@ -68,7 +58,7 @@ TEST(DcpViewTest, MadeFromTheIndexDeterministically) {
 // bytes before it ends (no comment), and the metadata's fqn in the pickle.
 TEST(DcpViewTest, ItemsAreWholeArchivesTilingTheDataFiles) {
   TempDir tmp;
-  auto fs = OpenCopy(tmp, "meta_llama_mp2/mp2");
+  auto fs = testing::OpenFixtureCopy(tmp, "meta_llama_mp2/mp2");
   ASSERT_NE(fs, nullptr);
   const std::string md = ReadAll(*fs, "dcp/.metadata");
   ASSERT_GT(md.size(), 100u);
@@ -92,7 +82,7 @@ TEST(DcpViewTest, ItemsAreWholeArchivesTilingTheDataFiles) {
 
 TEST(DcpViewTest, ListedAtTheRootOnlyWithTensors) {
   TempDir tmp;
-  auto fs = OpenCopy(tmp, "dcp_single");
+  auto fs = testing::OpenFixtureCopy(tmp, "dcp_single");
   ASSERT_NE(fs, nullptr);
   auto root = fs->ReadDir(kRootIno);
   ASSERT_TRUE(root.ok());

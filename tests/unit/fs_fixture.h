@@ -1,0 +1,32 @@
+// Unit-test helper: a committed fixture (tests/data/<rel>) copied into a
+// temporary directory and opened by the FUSE-free core, its index beside the
+// copy, so nothing is written into tests/data.
+#ifndef CKPTFS_TESTS_UNIT_FS_FIXTURE_H_
+#define CKPTFS_TESTS_UNIT_FS_FIXTURE_H_
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "ckptfs/fs.h"
+#include "test_util.h"
+
+namespace ckptfs::testing {
+
+inline std::unique_ptr<Filesystem> OpenFixtureCopy(const TempDir& tmp, const std::string& rel) {
+  const std::string src = tmp.path() + "/ck";
+  std::filesystem::copy(std::string(CKPTFS_TEST_DATA) + "/" + rel, src, std::filesystem::copy_options::recursive);
+  FsOptions o;
+  o.src = src;
+  o.index_dir = tmp.path() + "/index";
+  o.gpu = GpuMode::kOff;
+  auto f = Filesystem::Open(o);
+  EXPECT_TRUE(f.ok()) << rel << ": " << f.status().message();
+  return f.ok() ? std::move(f).value() : nullptr;
+}
+
+}  // namespace ckptfs::testing
+
+#endif  // CKPTFS_TESTS_UNIT_FS_FIXTURE_H_
