@@ -131,10 +131,11 @@ class Transforms {
     (void)after;
     return Unsupported(std::string(name()) + " has no device memory");
   }
-  // `n` host bytes into device memory at `dst` (the host-path fallback of a
-  // device read; synchronous).
-  virtual Status Upload(const char* host, uint64_t n, char* dst) {
-    (void)host, (void)n, (void)dst;
+  // `n` host bytes into device memory at `dst` after the work queued on the
+  // caller's stream `after` (as BeginDevice): the host-path fallback of a
+  // device read; synchronous.
+  virtual Status Upload(const char* host, uint64_t n, char* dst, void* after) {
+    (void)host, (void)n, (void)dst, (void)after;
     return Unsupported(std::string(name()) + " has no device memory");
   }
   // The device's ordinal; -1 for the CPU.

@@ -252,20 +252,15 @@ class CudaBackend final : public Transforms {
   }
 
   Result<std::unique_ptr<Pipeline>> BeginDevice(void* after) override {
-    int prev = 0;
-    CKPTFS_CUDA(cudaGetDevice(&prev));
-    ASSIGN_OR_RETURN(auto lane, Take());
-    auto pipe = std::make_unique<CudaPipeline>(*this, std::move(lane), true, prev);
+    ASSIGN_OR_RETURN(auto pipe, DevicePipeline());
     RETURN_IF_ERROR(pipe->After(static_cast<cudaStream_t>(after)));
     return std::unique_ptr<Pipeline>(std::move(pipe));
   }
 
-  Status Upload(const char* host, uint64_t n, char* dst) override {
+  Status Upload(const char* host, uint64_t n, char* dst, void* after) override {
     if (n == 0) return Status::Ok();
-    int prev = 0;
-    CKPTFS_CUDA(cudaGetDevice(&prev));
-    ASSIGN_OR_RETURN(auto lane, Take());
-    auto pipe = std::make_unique<CudaPipeline>(*this, std::move(lane), true, prev);
+    ASSIGN_OR_RETURN(auto pipe, DevicePipeline());
+    RETURN_IF_ERROR(pipe->After(static_cast<cudaStream_t>(after)));
     Slot& s = pipe->lane()->slots[0];
     // Through pinned memory in pieces: an async copy from pageable memory
     // would be staged by the driver anyway, and this bounds what is pinned.
@@ -281,6 +276,19 @@ class CudaBackend final : public Transforms {
   }
 
  private:
+  // A device-output pipeline in the calling thread, which gets its current
+  // device back when the pipeline ends (or here, when none can be made).
+  Result<std::unique_ptr<CudaPipeline>> DevicePipeline() {
+    int prev = 0;
+    CKPTFS_CUDA(cudaGetDevice(&prev));
+    auto lane = Take();
+    if (!lane.ok()) {
+      (void)cudaSetDevice(prev);
+      return lane.status();
+    }
+    return std::make_unique<CudaPipeline>(*this, std::move(*lane), true, prev);
+  }
+
   // A lane for this thread; (re)creates the context and constants when the
   // reaper released them.
   Result<std::unique_ptr<Lane>> Take() {

@@ -619,7 +619,7 @@ Status TensorReader::ReadToDevice(TensorId id, DType out, const Box* box, const 
     const uint64_t n = std::min(step, len - off);
     piece.resize(n);
     RETURN_IF_ERROR(ReadBox(id, out, box, off, n, piece.data()));
-    RETURN_IF_ERROR(dev.Upload(piece.data(), n, dst + off));
+    RETURN_IF_ERROR(dev.Upload(piece.data(), n, dst + off, target.after));
   }
   return Status::Ok();
 }

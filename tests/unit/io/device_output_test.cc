@@ -148,7 +148,7 @@ class EmulatedDevice final : public Transforms {
     ++c.pipelines;
     return std::unique_ptr<Pipeline>(new EmulatedDevicePipeline(c));
   }
-  Status Upload(const char* host, uint64_t n, char* dst) override {
+  Status Upload(const char* host, uint64_t n, char* dst, void*) override {
     ++c.uploads;
     c.uploaded += n;
     std::memcpy(dst, host, n);
