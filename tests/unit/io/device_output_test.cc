@@ -16,12 +16,12 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <optional>
-#include <random>
-#include <thread>
 #include <filesystem>
 #include <memory>
+#include <optional>
+#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../fs_fixture.h"
@@ -116,9 +116,9 @@ class EmulatedDevicePipeline final : public Transforms::Pipeline {
     }
     if (dt != out) {
       const GatherOp op = kernels::ContiguousOp(numel, dt);
-      RunGather(mean.p, reinterpret_cast<unsigned char*>(dst),
-                kernels::BuildDeviceOutputOps(std::span<const GatherOp>(&op, 1), out, 0,
-                                              reinterpret_cast<uintptr_t>(dst)));
+      RunGather(
+          mean.p, reinterpret_cast<unsigned char*>(dst),
+          kernels::BuildDeviceOutputOps(std::span<const GatherOp>(&op, 1), out, 0, reinterpret_cast<uintptr_t>(dst)));
     }
     ++c_.means;
     return Status::Ok();
@@ -157,7 +157,6 @@ class EmulatedDevice final : public Transforms {
   int device() const override { return 0; }
   Counters c;
 };
-
 
 struct Coverage {
   int reads = 0, widened = 0, boxes = 0, merged = 0, means = 0;
@@ -473,9 +472,9 @@ class RealDeviceTest : public ::testing::Test {
 };
 
 TEST_F(RealDeviceTest, FixturesEqualTheHostPath) {
-  for (const char* rel : {"ds_py3112/padspan_z2_dp4", "ds_py3112/z2_bf16_tp2_dp2", "ds_py3112/bf16opt_dp2",
-                          "meta_llama_mp2/mp2", "verl_fsdp2/global_step_1/actor", "dcp_single",
-                          "megatron_versions/mcore0.15.0-dist_tp2_pp2"}) {
+  for (const char* rel :
+       {"ds_py3112/padspan_z2_dp4", "ds_py3112/z2_bf16_tp2_dp2", "ds_py3112/bf16opt_dp2", "meta_llama_mp2/mp2",
+        "verl_fsdp2/global_step_1/actor", "dcp_single", "megatron_versions/mcore0.15.0-dist_tp2_pp2"}) {
     SCOPED_TRACE(rel);
     CheckAll(rel);
     if (HasFatalFailure()) return;

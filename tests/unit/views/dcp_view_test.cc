@@ -4,6 +4,8 @@
 // it), items tile their data files, row-block chunks tile each tensor, and
 // tensors a reader refused are left out by name. torch's own reader loading
 // it is tests/integration/test_dcp_view.py.
+#include "views/dcp_view.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -12,13 +14,11 @@
 #include "../fs_fixture.h"
 #include "../test_util.h"
 #include "ckptfs/fs.h"
-#include "views/dcp_view.h"
 
 namespace ckptfs {
 namespace {
 
 using testing::TempDir;
-
 
 std::string ReadAll(Filesystem& fs, const std::string& path) {
   auto ino = fs.view().Resolve(path);
