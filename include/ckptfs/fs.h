@@ -10,6 +10,7 @@
 #define CKPTFS_FS_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -171,6 +172,8 @@ class Filesystem {
   OpenResult opened_;
   std::unique_ptr<Index> index_;
   std::unique_ptr<View> view_;
+  // Lays out a kArchive segment (View::ArchiveLayout), cached per thread.
+  std::function<Result<std::shared_ptr<const FileLayout>>(const Segment&)> expander_;
   std::unique_ptr<TensorReader> reader_;
   int64_t mtime_ns_ = 0;
   // Copies of source bytes are replied from the sources' mappings; so are

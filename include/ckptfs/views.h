@@ -39,7 +39,11 @@
 
 namespace ckptfs {
 
-enum class SegmentKind : uint8_t { kLiteral, kTensor, kHash, kCrc32 };
+// kArchive: a torch.save archive of one tensor's box (`tensor`, `out_dtype`,
+// `boxes`: none or the box), laid out when it is read (View::ArchiveLayout):
+// a file of a million such items (dcp/) keeps one segment per item, not its
+// ZIP headers.
+enum class SegmentKind : uint8_t { kLiteral, kTensor, kHash, kCrc32, kArchive };
 
 struct Segment {
   SegmentKind kind = SegmentKind::kLiteral;
@@ -153,6 +157,9 @@ class View {
   Result<uint64_t> Resolve(std::string_view path) const;
   // The layout of a file, making it on first use.
   Result<const FileLayout*> Layout(uint64_t ino) const;
+  // The layout of a kArchive segment's archive (literals, the tensor, its
+  // CRC-32s), `s.size` bytes: made again at each call (callers cache it).
+  Result<FileLayout> ArchiveLayout(const Segment& s) const;
   // A file's size: a lazy file's is computed from the index records alone
   // (an info.json's fragment lists are not read), so `ls -l` does no
   // per-file I/O.

@@ -31,17 +31,33 @@ std::string Micros(uint64_t ns) {
 
 // Calls fn(segment, offset in it, byte count, offset in the request) for
 // each segment of `layout` that bytes [offset, offset + size) overlap, in
-// order, while fn returns true; false if fn stopped it.
+// order, while fn returns true; false if fn stopped it. A kArchive segment is
+// expanded into its archive's segments (`expand`; a failure goes to *err and
+// stops it). `base`: where this layout's bytes start in the request.
+using ArchiveExpander = std::function<Result<std::shared_ptr<const FileLayout>>(const Segment&)>;
 template <typename Fn>
-bool ForEachSegment(const FileLayout& layout, uint64_t offset, uint64_t size, Fn&& fn) {
+bool ForEachSegment(const FileLayout& layout, uint64_t offset, uint64_t size, const ArchiveExpander& expand, Status* err,
+                    Fn&& fn, uint64_t base = 0) {
   // The first segment that ends after `offset`.
   size_t first = static_cast<size_t>(std::upper_bound(layout.starts.begin(), layout.starts.end(), offset) -
                                      layout.starts.begin());
   first = first == 0 ? 0 : first - 1;
   for (size_t si = first; si < layout.segments.size(); ++si) {
-    const uint64_t seg_start = layout.starts[si], seg_end = seg_start + layout.segments[si].size;
+    const Segment& s = layout.segments[si];
+    const uint64_t seg_start = layout.starts[si], seg_end = seg_start + s.size;
     const uint64_t lo = std::max(offset, seg_start), hi = std::min<uint64_t>(offset + size, seg_end);
-    if (lo < hi && !fn(layout.segments[si], lo - seg_start, hi - lo, lo - offset)) return false;
+    if (lo < hi) {
+      if (s.kind == SegmentKind::kArchive) {
+        auto sub = expand(s);
+        if (!sub.ok()) {
+          if (err != nullptr) *err = sub.status();
+          return false;
+        }
+        if (!ForEachSegment(**sub, lo - seg_start, hi - lo, expand, err, fn, base + (lo - offset))) return false;
+      } else if (!fn(s, lo - seg_start, hi - lo, base + (lo - offset))) {
+        return false;
+      }
+    }
     if (seg_end >= offset + size) break;
   }
   return true;
@@ -95,6 +111,33 @@ uint64_t LatencyHistogram::PercentileNs(double q) const {
 
 Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   std::unique_ptr<Filesystem> fs(new Filesystem());
+  // kArchive segments: each thread keeps the last few archives it laid out
+  // (a sequential read of a 256 MiB item is hundreds of requests), keyed by
+  // this filesystem's serial (never reused, unlike its address) and the
+  // segment's address (layouts never move).
+  static std::atomic<uint64_t> serials{0};
+  const uint64_t serial = ++serials;
+  const Filesystem* self = fs.get();  // owns the expander, so outlives it
+  fs->expander_ = [serial, self](const Segment& s) -> Result<std::shared_ptr<const FileLayout>> {
+    struct Kept {
+      uint64_t serial;
+      const Segment* seg;
+      std::shared_ptr<const FileLayout> layout;
+    };
+    thread_local std::vector<Kept> kept;  // most recent last
+    for (size_t i = 0; i < kept.size(); ++i) {
+      if (kept[i].serial == serial && kept[i].seg == &s) {
+        Kept k = std::move(kept[i]);
+        kept.erase(kept.begin() + static_cast<std::ptrdiff_t>(i));
+        kept.push_back(std::move(k));
+        return kept.back().layout;
+      }
+    }
+    ASSIGN_OR_RETURN(FileLayout l, self->view_->ArchiveLayout(s));
+    kept.push_back(Kept{serial, &s, std::make_shared<const FileLayout>(std::move(l))});
+    if (kept.size() > 4) kept.erase(kept.begin());
+    return kept.back().layout;
+  };
   fs->start_ns_ = SteadyNs();
   ASSIGN_OR_RETURN(fs->opened_, OpenOrBuild(opts.src, opts.index_dir, opts.force_rebuild));
   fs->index_ = std::move(fs->opened_.index);
@@ -339,7 +382,7 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
   thread_local std::vector<SourceSpan> spans;
   thread_local ConvertPlan convert;
   bool converted = false;
-  const bool all = ForEachSegment(layout, offset, size, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t) {
+  const bool all = ForEachSegment(layout, offset, size, expander_, nullptr, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t) {
     const size_t room = max_pieces - std::min(max_pieces, r->bytes.pieces.size());
     switch (s.kind) {
       case SegmentKind::kLiteral:
@@ -366,6 +409,8 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
         auto d = DigestBytes(s);
         return d.ok() && room > 0 && literal(d->data() + in, n);
       }
+      case SegmentKind::kArchive:  // expanded by ForEachSegment
+        return false;
     }
     return false;
   });
@@ -453,7 +498,7 @@ Result<size_t> Filesystem::ReadData(uint64_t ino, uint64_t offset, size_t size, 
   if (offset >= layout.size) return size_t{0};
   size = static_cast<size_t>(std::min<uint64_t>(size, layout.size - offset));
   Status st;
-  ForEachSegment(layout, offset, size, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t at) {
+  ForEachSegment(layout, offset, size, expander_, &st, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t at) {
     char* dst = buf + at;
     switch (s.kind) {
       case SegmentKind::kLiteral:
@@ -470,6 +515,9 @@ Result<size_t> Filesystem::ReadData(uint64_t ino, uint64_t offset, size_t size, 
         st = d.status();
         break;
       }
+      case SegmentKind::kArchive:  // expanded by ForEachSegment
+        st = Internal("an archive segment was not expanded");
+        break;
     }
     return st.ok();
   });

@@ -19,7 +19,6 @@
 namespace ckptfs::dcp_view {
 namespace {
 
-using formats::ArchiveStorage;
 using formats::PickleWriter;
 
 // Globals and strings through the pickle memo: a .metadata names the same
@@ -309,57 +308,45 @@ Result<DcpTree> DcpFiles(const Index& index) {
   tree.chunks = plan.chunks;
   const auto& ts = index.tensors();
 
-  // Items, packed into data files of about kDcpFileBytes. Each item's parts
-  // become segments at once (adjacent literals joined into one), so no
-  // file's part list is ever held whole.
+  // Items, packed into data files of about kDcpFileBytes: one kArchive
+  // segment per chunk (its archive is laid out when read), a bytes entry's
+  // own bytes.
   auto file_name = [](uint32_t k) { return "__" + std::to_string(k) + "_0.distcp"; };
   std::vector<FileLayout> layouts(1);
   std::vector<Item> items;
   std::vector<const DcpEntry*> order;
   for (const DcpEntry& e : plan.entries) order.push_back(&e);
-  auto append = [](FileLayout& l, Segment seg) {
-    if (seg.kind == SegmentKind::kLiteral && !l.segments.empty() && l.segments.back().kind == SegmentKind::kLiteral) {
-      l.segments.back().literal += seg.literal;
-      l.segments.back().size += seg.size;
-      l.size += seg.size;
-      return;
-    }
-    l.Add(std::move(seg));
+  auto place = [&](size_t ei, int chunk, Segment seg) {
+    if (layouts.back().size > 0 && layouts.back().size + seg.size > kDcpFileBytes) layouts.emplace_back();
+    const uint32_t k = static_cast<uint32_t>(layouts.size() - 1);
+    items.push_back(Item{ei, chunk, k, layouts.back().size, seg.size});
+    layouts.back().Add(std::move(seg));
   };
   for (size_t ei = 0; ei < order.size(); ++ei) {
     const DcpEntry& e = *order[ei];
     const TensorRecord& t = ts[e.tensor];
-    auto place = [&](const std::vector<ExportPart>& parts, int chunk) -> Status {
-      const uint64_t n = formats::PartsSize(parts);
-      if (layouts.back().size > 0 && layouts.back().size + n > kDcpFileBytes) layouts.emplace_back();
-      const uint32_t k = static_cast<uint32_t>(layouts.size() - 1);
-      items.push_back(Item{ei, chunk, k, layouts.back().size, n});
-      ASSIGN_OR_RETURN(FileLayout l, topo_files::LayoutOfParts(index, "dcp/" + file_name(k), parts));
-      for (Segment& seg : l.segments) append(layouts.back(), std::move(seg));
-      return Status::Ok();
-    };
+    Segment seg;
+    seg.tensor = TensorId{e.tensor};
     if (t.encoding == Encoding::kBytes) {
-      ExportPart p;
-      p.kind = PartKind::kTensor;
-      p.tensor = e.tensor;
-      p.out_dtype = DType::kU8;
-      p.size = t.byte_size;
-      RETURN_IF_ERROR(place({std::move(p)}, -1));
+      seg.kind = SegmentKind::kTensor;
+      seg.out_dtype = DType::kU8;
+      seg.size = t.byte_size;
+      place(ei, -1, std::move(seg));
       continue;
     }
+    seg.kind = SegmentKind::kArchive;
+    seg.out_dtype = t.dtype;
     for (size_t c = 0; c < e.chunks.size(); ++c) {
       const Box& b = e.chunks[c];
-      const uint64_t numel = static_cast<uint64_t>(NumelOf(b.lengths));
-      PickleWriter w;
-      RETURN_IF_ERROR(w.Tensor("0", t.dtype, numel, 0, b.lengths, ContiguousStrides(b.lengths)));
-      const bool is_whole = b.lengths == t.shape;
-      RETURN_IF_ERROR(
-          place(formats::TorchSaveParts("archive", w.Finish(),
-                                        {ArchiveStorage{e.tensor, t.dtype, numel * DTypeSize(t.dtype),
-                                                        is_whole ? std::vector<Box>{} : std::vector<Box>{b}}}),
-                static_cast<int>(c)));
+      const bool whole = b.lengths == t.shape;
+      ASSIGN_OR_RETURN(auto parts, topo_files::TorchSaveTensorParts(index, e.tensor, t.dtype, whole ? nullptr : &b));
+      Segment item = seg;
+      item.size = formats::PartsSize(parts);
+      if (!whole) item.boxes = {b};
+      place(ei, static_cast<int>(c), std::move(item));
     }
   }
+
   // .metadata
   PickleWriter w;
   Memo m(w);

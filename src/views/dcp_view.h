@@ -10,7 +10,9 @@
 // torch's writer would have written for each chunk: a torch.save archive of
 // the chunk (tensors; the bytes rendered from the sources at read time) or
 // the entry's own bytes (non-tensor entries). Sizes are exact before any
-// tensor byte is read.
+// tensor byte is read; each item is one kArchive segment, laid out as an
+// archive only when it is read, so a data file of a million items holds a
+// segment per item, not its ZIP headers.
 //
 // Keys are those of dcp.save({"model": ..., "optim": ...}) of
 // get_state_dict(model, optim): model.<fqn> for each parameter (the fp32

@@ -266,6 +266,19 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
 
 }  // namespace
 
+Result<std::vector<ExportPart>> TorchSaveTensorParts(const Index& index, uint32_t id, DType out, const Box* box) {
+  if (id >= index.tensors().size()) return Internal("no tensor " + std::to_string(id));
+  const TensorRecord& t = index.tensors()[id];
+  const std::vector<int64_t>& shape = box != nullptr ? box->lengths : t.shape;
+  const uint64_t numel = static_cast<uint64_t>(NumelOf(shape));
+  formats::PickleWriter w;
+  RETURN_IF_ERROR(w.Tensor("0", out, numel, 0, shape, ContiguousStrides(shape)));
+  const bool whole = box == nullptr || box->lengths == t.shape;
+  return formats::TorchSaveParts("archive", w.Finish(),
+                                 {formats::ArchiveStorage{id, out, numel * DTypeSize(out),
+                                                          whole ? std::vector<Box>{} : std::vector<Box>{*box}}});
+}
+
 Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, const std::vector<ExportPart>& parts) {
   FileLayout l;
   for (const ExportPart& p : parts) {

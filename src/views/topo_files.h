@@ -32,6 +32,11 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
 // an architecture is known (hf_export.h), and ERRORS.
 Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& opts);
 
+// The parts of a torch.save archive holding one tensor: the box `box` of
+// tensor `id` (null: the whole tensor) rendered as `out`, as torch.save(t)
+// writes it (archive name "archive"), e.g. one item of a DCP data file.
+Result<std::vector<ExportPart>> TorchSaveTensorParts(const Index& index, uint32_t id, DType out, const Box* box);
+
 // Segments of a synthesized file's parts (ExportFile, torch.save archives).
 Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, const std::vector<ExportPart>& parts);
 

@@ -376,6 +376,17 @@ Status View::AddTopo(const Topology& t) {
   return Status::Ok();
 }
 
+Result<FileLayout> View::ArchiveLayout(const Segment& s) const {
+  if (s.kind != SegmentKind::kArchive || s.boxes.size() > 1) return Internal("not an archive segment");
+  ASSIGN_OR_RETURN(auto parts, topo_files::TorchSaveTensorParts(index_, s.tensor.v, s.out_dtype, s.box_or_null()));
+  ASSIGN_OR_RETURN(FileLayout l, topo_files::LayoutOfParts(index_, "an archive item", parts));
+  if (l.size != s.size) {
+    return Internal("an archive of '" + index_.tensors()[s.tensor.v].key + "' is " + std::to_string(l.size) +
+                    " bytes, its segment " + std::to_string(s.size));
+  }
+  return l;
+}
+
 Status View::AddExport(uint64_t root, const ExportFile& x) {
   if (!x.path.empty() && x.path[0] == '@') return Status::Ok();  // internal: for other views, not in the tree
   // Export paths embed names from the checkpoint (universal/zero/<name>/):
