@@ -42,9 +42,9 @@ from __future__ import annotations
 
 import io
 import json
-import pickle
 import math
 import os
+import pickle
 import struct
 from typing import Any, Callable, Iterable, Optional, Union
 
