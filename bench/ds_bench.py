@@ -42,25 +42,35 @@ def du(d):
     return sum(os.path.getsize(f) for f in files_under(d))
 
 
+DS_ENV = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
+
+
+def zero2_checkpoint(layers, hidden):
+    """The benchmark's ZeRO-2 DP=4 checkpoint under bench/out/ (written once by the real
+    DeepSpeed engine on CPU): (checkpoint dir, tag, its files)."""
+    ck = os.path.join(HERE, "out", f"ds-zero2-dp4-L{layers}-H{hidden}")
+    if not os.path.exists(os.path.join(ck, "reference_tp0.pt")):
+        shutil.rmtree(ck, ignore_errors=True)
+        print(f"writing {ck} with deepspeed ...", flush=True)
+        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fixtures", "make_deepspeed.py"), ck,
+                        "--stage", "2", "--dp", "4", "--steps", "1", "--layers", str(layers),
+                        "--hidden", str(hidden), "--ffn", str(2 * hidden)], check=True, env=DS_ENV,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tag = open(os.path.join(ck, "latest")).read().strip()
+    src = files_under(os.path.join(ck, tag))
+    size = sum(os.path.getsize(f) for f in src)
+    print(f"checkpoint: {ck}/{tag}: {len(src)} files, {size / 2**30:.2f} GiB", flush=True)
+    return ck, tag, src
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "ckptfs"))
     a = ap.parse_args()
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
-    ck = os.path.join(HERE, "out", f"ds-zero2-dp4-L{a.layers}-H{a.hidden}")
-    if not os.path.exists(os.path.join(ck, "reference_tp0.pt")):
-        shutil.rmtree(ck, ignore_errors=True)
-        print(f"writing {ck} with deepspeed ...", flush=True)
-        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fixtures", "make_deepspeed.py"), ck,
-                        "--stage", "2", "--dp", "4", "--steps", "1", "--layers", str(a.layers),
-                        "--hidden", str(a.hidden), "--ffn", str(2 * a.hidden)], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tag = open(os.path.join(ck, "latest")).read().strip()
-    src = files_under(os.path.join(ck, tag))
-    size = sum(os.path.getsize(f) for f in src)
-    print(f"checkpoint: {ck}/{tag}: {len(src)} files, {size / 2**30:.2f} GiB")
+    env = DS_ENV
+    ck, tag, src = zero2_checkpoint(a.layers, a.hidden)
 
     import deepspeed
     script = os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")

@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from dcp_bench import daemon_pid, drop_cache, timed, vm_hwm_kib  # noqa: E402
-from ds_bench import files_under  # noqa: E402
+from ds_bench import DS_ENV, files_under, zero2_checkpoint  # noqa: E402
 
 
 def main():
@@ -43,19 +43,8 @@ def main():
     ap.add_argument("--world", type=int, default=3)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "ckptfs"))
     a = ap.parse_args()
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
-    ck = os.path.join(HERE, "out", f"ds-zero2-dp4-L{a.layers}-H{a.hidden}")
-    if not os.path.exists(os.path.join(ck, "reference_tp0.pt")):
-        shutil.rmtree(ck, ignore_errors=True)
-        print(f"writing {ck} with deepspeed ...", flush=True)
-        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fixtures", "make_deepspeed.py"), ck,
-                        "--stage", "2", "--dp", "4", "--steps", "1", "--layers", str(a.layers),
-                        "--hidden", str(a.hidden), "--ffn", str(2 * a.hidden)], check=True, env=env,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tag = open(os.path.join(ck, "latest")).read().strip()
-    src = files_under(os.path.join(ck, tag))
-    size = sum(os.path.getsize(f) for f in src)
-    print(f"checkpoint: {ck}/{tag}: {len(src)} files, {size / 2**30:.2f} GiB", flush=True)
+    env = DS_ENV
+    ck, tag, src = zero2_checkpoint(a.layers, a.hidden)
 
     import deepspeed
     script = os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")
