@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from dcp_bench import daemon_pid, drop_cache, timed, vm_hwm_kib  # noqa: E402
-from ds_bench import DS_ENV, files_under, zero2_checkpoint  # noqa: E402
+from ds_bench import DS_ENV, zero2_checkpoint  # noqa: E402
 
 
 def main():
