@@ -63,28 +63,33 @@ def zero2_checkpoint(layers, hidden):
     return ck, tag, src
 
 
+def ds_to_universal(ck, tag, src, out, keep_temp=False):
+    """DeepSpeed's own offline converter on the checkpoint, the source's cache
+    dropped first: (wall seconds, peak RSS in KiB of its largest process)."""
+    import deepspeed
+    script = os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")
+    drop_cache(src)
+    t, r = timed(["/usr/bin/time", "-f", "MAXRSS_KB %M", sys.executable, script, "--input_folder",
+                  os.path.join(ck, tag), "--output_folder", out] + (["--keep_temp_folder"] if keep_temp else []),
+                 env=DS_ENV, capture_output=True, text=True)
+    if r.returncode != 0:
+        print(r.stdout[-2000:], r.stderr[-3000:])
+        raise SystemExit("ds_to_universal.py failed")
+    return t, int([ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KB")][-1].split()[1])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "ckptfs"))
     a = ap.parse_args()
-    env = DS_ENV
     ck, tag, src = zero2_checkpoint(a.layers, a.hidden)
 
-    import deepspeed
-    script = os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")
     work = tempfile.mkdtemp(prefix="ds-bench-", dir=os.path.join(HERE, "out"))
     try:
         out = os.path.join(work, "ucp", "universal")
-        drop_cache(src)
-        t_base, r = timed(["/usr/bin/time", "-f", "MAXRSS_KB %M", sys.executable, script, "--input_folder",
-                           os.path.join(ck, tag), "--output_folder", out, "--keep_temp_folder"],
-                          env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            print(r.stdout[-2000:], r.stderr[-3000:])
-            raise SystemExit("ds_to_universal.py failed")
-        rss_base = int([ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KB")][-1].split()[1])
+        t_base, rss_base = ds_to_universal(ck, tag, src, out, keep_temp=True)
         tmp_bytes = du(os.path.join(out, "tmp"))
         ucp_bytes = du(out) - tmp_bytes
         largest = max((os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(out, "zero")) for f in fs

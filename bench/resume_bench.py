@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from dcp_bench import daemon_pid, drop_cache, timed, vm_hwm_kib  # noqa: E402
-from ds_bench import DS_ENV, zero2_checkpoint  # noqa: E402
+from ds_bench import ds_to_universal, zero2_checkpoint  # noqa: E402
 
 
 def main():
@@ -43,21 +43,11 @@ def main():
     ap.add_argument("--world", type=int, default=3)
     ap.add_argument("--bin", default=os.path.join(ROOT, "build", "ckptfs"))
     a = ap.parse_args()
-    env = DS_ENV
     ck, tag, src = zero2_checkpoint(a.layers, a.hidden)
 
-    import deepspeed
-    script = os.path.join(os.path.dirname(deepspeed.__file__), "checkpoint", "ds_to_universal.py")
     work = tempfile.mkdtemp(prefix="resume-bench-", dir=os.path.join(HERE, "out"))
     try:
-        drop_cache(src)
-        t_off, r = timed(["/usr/bin/time", "-f", "MAXRSS_KB %M", sys.executable, script, "--input_folder",
-                          os.path.join(ck, tag), "--output_folder", os.path.join(work, "ucp")],
-                         env=env, capture_output=True, text=True)
-        if r.returncode != 0:
-            print(r.stdout[-2000:], r.stderr[-3000:])
-            raise SystemExit("ds_to_universal.py failed")
-        rss_off = int([ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KB")][-1].split()[1])
+        t_off, rss_off = ds_to_universal(ck, tag, src, os.path.join(work, "ucp"))
         print(f"offline: ds_to_universal.py {t_off:.2f} s, peak RSS {rss_off / 1024:.0f} MiB "
               f"(the engine's universal load not included)", flush=True)
 

@@ -251,7 +251,10 @@ class TensorReader {
   Status ReadMean(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out, uint64_t e0,
                   uint64_t e1, char* base);
   Result<std::shared_ptr<const std::vector<Fragment>>> FragmentsOf(TensorId id);
-  // FragmentsOf for PlanCopy / PlanConvert: null when a range they lie in
+  // FragmentsOf, then the checksum ranges they lie in (CheckRanges) when
+  // --verify-on-read is set or a range has failed: what every read starts from.
+  Result<std::shared_ptr<const std::vector<Fragment>>> ReadableFragments(TensorId id);
+  // ReadableFragments for PlanCopy / PlanConvert: null when a range they lie in
   // failed its check (or is unchecked under verify_on_read_).
   std::shared_ptr<const std::vector<Fragment>> SpanFragments(TensorId id);
   bool CollectRuns(TensorId id, DType src, uint64_t osz, const Box* box, uint64_t offset, uint64_t len,

@@ -30,6 +30,7 @@
 #include <unordered_map>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "ckptfs/common.h"
@@ -227,6 +228,36 @@ class View {
 
 // Sanitizes a checkpoint key into one path component ('/' -> "%2F").
 std::string PathComponent(std::string_view key);
+
+// dcp/'s plan (src/views/dcp_view.h lays its files out from it): each key
+// dcp/ offers, the tensor and chunks behind it, and what it leaves out. The
+// Python package's StorageReader(view="dcp") answers from the same plan.
+namespace dcp_view {
+// A state-dict path element: a dict key, or a list index.
+using PathElem = std::variant<std::string, int64_t>;
+
+// One key of dcp/ and the tensor behind it.
+struct DcpEntry {
+  std::string key;             // the flattened key dcp.load plans with
+  std::vector<PathElem> path;  // planner_data: the key's path in the nested state dict
+  uint32_t tensor = 0;         // Checkpoint::tensors index
+  std::vector<Box> chunks;     // tensors: the chunk boxes (empty for bytes entries)
+  // The same items under a second key (optimizer.state.<fqn>.<state>):
+  // more metadata, nothing more to read for any plan. Empty: none.
+  std::string alias;
+  std::vector<PathElem> alias_path;
+};
+
+// What dcp/ offers, without its files: the keys in order, what is left out.
+// The Python package's StorageReader(view="dcp") answers from this too.
+struct DcpPlan {
+  std::vector<DcpEntry> entries;  // sorted by key
+  std::vector<std::string> left_out;
+  uint64_t chunks = 0;
+  size_t from_master = 0;  // model.<fqn> keys read from fp32 masters
+};
+Result<DcpPlan> PlanDcp(const Index& index);
+}  // namespace dcp_view
 
 }  // namespace ckptfs
 

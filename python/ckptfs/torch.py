@@ -57,6 +57,7 @@ from torch.futures import Future
 
 import ckptfs
 from ckptfs import Checkpoint, TensorInfo
+from ckptfs import _ckptfs as _core
 
 __all__ = ["read", "StorageReader", "default_keys"]
 
@@ -108,13 +109,9 @@ def _read_into(ck: Checkpoint, t: TensorInfo, box: Any, dtype: str, out: torch.T
         raise ValueError(f"out must be host or CUDA memory, not {out.device}")
 
 
-# The element conversions the read engine renders (as io.h CanConvert): identity,
+# The element conversions the read engine renders (the core's own rule): identity,
 # bf16 / f16 / fp8 widened to float32, float32 rounded to bf16 / f16.
-_WIDENS = {"bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
-
-
-def _renders(src: str, dst: str) -> bool:
-    return src == dst or (dst == "float32" and src in _WIDENS) or (src == "float32" and dst in ("bfloat16", "float16"))
+_renders = _core.renders
 
 
 def default_keys(t: TensorInfo) -> list[str]:

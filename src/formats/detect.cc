@@ -61,27 +61,36 @@ Status CannotDetect(const std::string& dir) {
                      "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM), no *.safetensors, no torch.save .pt / .pth / .bin");
 }
 
+// The families in detection order: the first whose probe (names only)
+// recognises a directory reads it.
+struct FamilyProbe {
+  bool (*looks)(const std::string&);
+  Result<Checkpoint> (*read)(const std::string&);
+};
+constexpr FamilyProbe kFamilies[] = {
+    // Megatron's torch_dist is a DCP checkpoint with metadata.json beside it: first.
+    {&formats::LooksLikeMegatronDist, &formats::ReadMegatronDist},
+    {&formats::LooksLikeDcp, &formats::ReadDcp},
+    {&formats::LooksLikeDeepSpeed, &formats::ReadDeepSpeed},
+    {&formats::LooksLikeMegatronLegacy, &formats::ReadMegatronLegacy},
+    // After those: a Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files.
+    {&formats::LooksLikeSafetensorsDir, &formats::ReadSafetensorsDir},
+    {&formats::LooksLikeRankFiles, &formats::ReadRankFiles},  // per-rank torch.save files (verl, Accelerate)
+    {&formats::LooksLikeTorchSaveDir, &formats::ReadTorchSaveDir},
+};
+
 Result<Checkpoint> Detect(const std::string& dir) {
-  // Megatron's torch_dist is a DCP checkpoint with metadata.json beside it: first.
-  if (formats::LooksLikeMegatronDist(dir)) return formats::ReadMegatronDist(dir);
-  if (formats::LooksLikeDcp(dir)) return formats::ReadDcp(dir);
-  if (formats::LooksLikeDeepSpeed(dir)) return formats::ReadDeepSpeed(dir);
-  if (formats::LooksLikeMegatronLegacy(dir)) return formats::ReadMegatronLegacy(dir);
-  // Last: a Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files.
-  if (formats::LooksLikeSafetensorsDir(dir)) return formats::ReadSafetensorsDir(dir);
-  if (formats::LooksLikeRankFiles(dir)) return formats::ReadRankFiles(dir);  // per-rank torch.save files (verl, Accelerate)
-  if (formats::LooksLikeTorchSaveDir(dir)) return formats::ReadTorchSaveDir(dir);
+  for (const FamilyProbe& f : kFamilies) {
+    if (f.looks(dir)) return f.read(dir);
+  }
   return CannotDetect(dir);
 }
 
 }  // namespace
 
 Status Recognise(const std::string& dir) {
-  for (bool (*probe)(const std::string&) :
-       {&formats::LooksLikeMegatronDist, &formats::LooksLikeDcp, &formats::LooksLikeDeepSpeed,
-        &formats::LooksLikeMegatronLegacy, &formats::LooksLikeSafetensorsDir, &formats::LooksLikeRankFiles,
-        &formats::LooksLikeTorchSaveDir}) {
-    if (probe(dir)) return Status::Ok();
+  for (const FamilyProbe& f : kFamilies) {
+    if (f.looks(dir)) return Status::Ok();
   }
   return CannotDetect(dir);
 }

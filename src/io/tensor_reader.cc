@@ -331,12 +331,9 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
   auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
   if (!t.error.empty()) return Invalid("cannot read '" + t.key + "': " + t.error);
   if (len == 0) return Status::Ok();
-  auto frags_or = FragmentsOf(id);
+  auto frags_or = ReadableFragments(id);
   if (!frags_or.ok()) return fail(frags_or.status());
   const std::vector<Fragment>& frags = **frags_or;
-  if (verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) {
-    if (Status s = CheckRanges(frags); !s.ok()) return fail(s);
-  }
 
   if (t.encoding == Encoding::kBytes) {
     if (frags.size() != 1) return Invalid("cannot read '" + t.key + "': bytes entry without its item");
@@ -593,12 +590,9 @@ Status TensorReader::ReadToDevice(TensorId id, DType out, const Box* box, const 
   if (len != numel * osz) return Invalid("cannot read '" + t.key + "': a device buffer of " + std::to_string(len) +
                                          " bytes for " + std::to_string(numel * osz));
   if (len == 0) return Status::Ok();
-  auto frags_or = FragmentsOf(id);
+  auto frags_or = ReadableFragments(id);
   if (!frags_or.ok()) return fail(frags_or.status());
   const std::vector<Fragment>& frags = **frags_or;
-  if (verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) {
-    if (Status s = CheckRanges(frags); !s.ok()) return fail(s);
-  }
   Transforms& dev = *target.backend;
   if (target.kernels_trusted) {
     bool gpu_failed = false;
@@ -843,13 +837,15 @@ bool TensorReader::CollectRuns(TensorId id, DType src, uint64_t osz, const Box* 
   return at == e1 - e0;
 }
 
+Result<std::shared_ptr<const std::vector<Fragment>>> TensorReader::ReadableFragments(TensorId id) {
+  ASSIGN_OR_RETURN(auto frags, FragmentsOf(id));
+  if (verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) RETURN_IF_ERROR(CheckRanges(*frags));
+  return frags;
+}
+
 std::shared_ptr<const std::vector<Fragment>> TensorReader::SpanFragments(TensorId id) {
-  auto frags_or = FragmentsOf(id);
-  if (!frags_or.ok()) return nullptr;
-  if ((verify_on_read_ || any_bad_range_.load(std::memory_order_relaxed)) && !CheckRanges(**frags_or).ok()) {
-    return nullptr;
-  }
-  return *std::move(frags_or);
+  auto frags_or = ReadableFragments(id);
+  return frags_or.ok() ? *std::move(frags_or) : nullptr;
 }
 
 namespace {

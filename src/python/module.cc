@@ -34,7 +34,7 @@
 #include "ckptfs/io.h"
 #include "ckptfs/transforms.h"
 #include "ckptfs/verify.h"
-#include "views/dcp_view.h"
+#include "ckptfs/views.h"
 
 namespace nb = nanobind;
 
@@ -344,6 +344,12 @@ NB_MODULE(_ckptfs, m) {
                                               "problem (what the mount answers with EIO).",
                                               PyExc_OSError, nullptr);
   m.attr("Error") = nb::handle(ckptfs::g_error);
+  // Whether the read engine renders dtype `src` as `dst` (torch spellings):
+  // identity, widening to float32, float32 to bf16 / f16 (model.h Renders).
+  m.def("renders", [](const std::string& src, const std::string& dst) {
+    const ckptfs::DType a = ckptfs::DTypeFromTorchName(src), b = ckptfs::DTypeFromTorchName(dst);
+    return a != ckptfs::DType::kInvalid && b != ckptfs::DType::kInvalid && ckptfs::Renders(a, b);
+  });
   nb::class_<PyCheckpoint>(m, "_Checkpoint")
       .def(nb::init<const std::string&, const std::optional<std::string>&, const std::string&, const std::string&,
                     bool>(),

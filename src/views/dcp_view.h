@@ -47,30 +47,6 @@ constexpr uint64_t kDcpMaxChunkBytes = 256ull << 20;
 // Items are packed into data files of about this size (__<k>_0.distcp).
 constexpr uint64_t kDcpFileBytes = 1ull << 30;
 
-// A state-dict path element: a dict key, or a list index.
-using PathElem = std::variant<std::string, int64_t>;
-
-// One key of dcp/ and the tensor behind it.
-struct DcpEntry {
-  std::string key;             // the flattened key dcp.load plans with
-  std::vector<PathElem> path;  // planner_data: the key's path in the nested state dict
-  uint32_t tensor = 0;         // Checkpoint::tensors index
-  std::vector<Box> chunks;     // tensors: the chunk boxes (empty for bytes entries)
-  // The same items under a second key (optimizer.state.<fqn>.<state>):
-  // more metadata, nothing more to read for any plan. Empty: none.
-  std::string alias;
-  std::vector<PathElem> alias_path;
-};
-
-// What dcp/ offers, without its files: the keys in order, what is left out.
-// The Python package's StorageReader(view="dcp") answers from this too.
-struct DcpPlan {
-  std::vector<DcpEntry> entries;  // sorted by key
-  std::vector<std::string> left_out;
-  uint64_t chunks = 0;
-  size_t from_master = 0;  // model.<fqn> keys read from fp32 masters
-};
-Result<DcpPlan> PlanDcp(const Index& index);
 
 struct DcpTree {
   std::vector<topo_files::NamedLayout> files;  // .metadata, README.txt, __<k>_0.distcp
