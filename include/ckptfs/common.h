@@ -93,7 +93,7 @@ class [[nodiscard]] Result {
 };
 
 // Opens source file `rel` of the checkpoint rooted at `root` for reading
-// (trust boundary, DESIGN.md): resolution stays beneath `root` (Linux
+// (trust boundary, docs/design.md): resolution stays beneath `root` (Linux
 // openat2 RESOLVE_BENEATH: `..` and symlinks may move around inside the tree
 // but never out of it; absolute symlinks are refused), the open never blocks
 // (a FIFO or device is refused, not waited on), and the result must be a

@@ -12,6 +12,8 @@
 #define CKPTFS_FORMATS_H_
 
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "ckptfs/common.h"
 #include "ckptfs/model.h"
@@ -34,13 +36,36 @@ struct ReadLimits {
 void SetReadLimits(const ReadLimits& limits);
 const ReadLimits& GetReadLimits();
 
-// Detects the family of `dir` and reads it. Files are recorded with their
-// size, mtime and inode as seen at read time (the index fingerprint).
-Result<Checkpoint> ReadCheckpoint(const std::string& dir);
-// Whether some family's probe recognises `dir` (names only, no parsing): the
-// check made before anything is written into or beside a source (an index,
-// its lock). Unsupported, with ReadCheckpoint's "cannot detect" message, if not.
-Status Recognise(const std::string& dir);
+// The detection table: one row per reader, in priority order. A reader may
+// yield several families (the rank-files reader: verl or Accelerate); a
+// family belongs to exactly one reader.
+struct FamilyReader {
+  std::string_view name;  // for tests and docs: "megatron-dist"
+  int priority = 0;       // lower first; unique
+  // What the probe looks for, as the "cannot detect" message lists it.
+  std::string_view marks;
+  // Why this reader comes after an earlier one whose probe can also match
+  // the same directory (empty: none can).
+  std::string_view after;
+  bool (*looks)(const std::string& dir) = nullptr;  // names only, no parsing
+  Result<Checkpoint> (*read)(const std::string& dir) = nullptr;
+  std::vector<Family> yields;
+};
+const std::vector<FamilyReader>& FamilyReaders();
+// The reader that yields `f`; nullptr for kUnknown.
+const FamilyReader* ReaderFor(Family f);
+
+// Detects the family of `dir` and reads it; `forced` (--family) picks that
+// family's reader instead of the first that recognises `dir`, and fails if
+// its probe does not recognise it or the reader finds another family of its
+// own. Files are recorded with their size, mtime and inode as seen at read
+// time (the index fingerprint).
+Result<Checkpoint> ReadCheckpoint(const std::string& dir, Family forced = Family::kUnknown);
+// Whether some family's probe (or `forced`'s) recognises `dir` (names only,
+// no parsing): the check made before anything is written into or beside a
+// source (an index, its lock). Unsupported, with ReadCheckpoint's "cannot
+// detect" message, if not.
+Status Recognise(const std::string& dir, Family forced = Family::kUnknown);
 
 }  // namespace ckptfs
 

@@ -85,6 +85,8 @@ struct FsOptions {
   // UserCacheDir()/gpu-calibration.json) measured it faster (auto).
   GpuMode gpu = GpuMode::kAuto;
   bool force_rebuild = false;
+  // --family: read src as this family (formats.h ReadCheckpoint; kUnknown: detect).
+  Family family = Family::kUnknown;
   // Check the CRC-32 of every source range (ZIP entry) before serving the
   // first byte over it; a failed range is EIO for the tensors over it (false).
   bool verify_on_read = false;

@@ -98,8 +98,11 @@ struct OpenResult {
 };
 
 // Opens the index of src_dir (at index_dir, or the default location when
-// empty), building or rebuilding it when absent or stale.
-Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild = false);
+// empty), building or rebuilding it when absent or stale. `family` (--family)
+// reads src_dir as that family (formats.h ReadCheckpoint); an index that holds
+// another family is rebuilt. kUnknown: detect, and use any index that is fresh.
+Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild = false,
+                               Family family = Family::kUnknown);
 
 }  // namespace ckptfs
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ckptfs/common.h"
+#include "ckptfs/family.h"
 #include "ckptfs/geometry.h"
 
 namespace ckptfs {
@@ -202,7 +203,7 @@ struct Finding {
 
 // Facts about the whole checkpoint, shown in checkpoint.json and `ckptfs info`.
 struct CheckpointInfo {
-  std::string family;       // "pytorch-dcp"
+  Family family = Family::kUnknown;  // family.h; set by the reader that read it
   std::string format_note;  // e.g. "torch 2.x metadata", "torch 1.13 _shard.checkpoint"
   int64_t step = -1;        // -1: unknown
   uint32_t world_size = 0;  // number of writer ranks seen

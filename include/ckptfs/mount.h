@@ -12,7 +12,7 @@
 namespace ckptfs {
 
 struct MountOptions {
-  bool allow_other = false;  // off unless asked (DESIGN.md FUSE rules)
+  bool allow_other = false;  // off unless asked (docs/design.md, FUSE rules)
   bool debug = false;        // libfuse request tracing
   unsigned max_threads = 16; // worker threads of the multithreaded loop
   std::string fsname;        // the source shown by findmnt / df ("ckptfs" when empty)

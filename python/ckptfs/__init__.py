@@ -6,7 +6,7 @@ buffer without passing through the kernel twice.
 
     import ckptfs
     ck = ckptfs.open("/ckpt/global_step1000")       # builds or reuses the index
-    ck.info()["family"]                             # "deepspeed-zero", ...
+    ck.info()["family"]                             # "deepspeed", ... (ckptfs.families())
     for t in ck.tensors(): print(t.name, t.state, t.dtype, t.shape)
     w = ck.read("layers.0.mlp.fc1.weight")          # numpy array, the full tensor
     m = ck.read("layers.0.mlp.fc1.weight", state="exp_avg", box=(slice(0, 128), slice(None)))
@@ -28,8 +28,9 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ckptfs._ckptfs import Error, _Checkpoint
+from ckptfs._ckptfs import families as _families
 
-__all__ = ["open", "Checkpoint", "TensorInfo", "Error"]
+__all__ = ["open", "families", "Checkpoint", "TensorInfo", "Error"]
 
 # numpy's spelling of the dtypes ckptfs serves; bfloat16 and the fp8 formats
 # have none (ml_dtypes provides them when installed).
@@ -144,9 +145,9 @@ class Checkpoint:
     """An opened checkpoint: its index, views and read engine (see ckptfs.open)."""
 
     def __init__(self, src: str, index: Optional[str] = None, *, engine: str = "auto", gpu: str = "auto",
-                 rebuild: bool = False):
+                 rebuild: bool = False, family: Optional[str] = None):
         self.src = str(src)
-        self._c = _Checkpoint(self.src, None if index is None else str(index), engine, gpu, rebuild)
+        self._c = _Checkpoint(self.src, None if index is None else str(index), engine, gpu, rebuild, family)
         self._tensors = [TensorInfo(name=fqn, state=state, role=role, dtype=dtype, shape=tuple(shape), key=key,
                                     error=err, id=i)
                          for (i, key, role, fqn, state, dtype, shape, err, _alias) in self._c.tensors()]
@@ -241,6 +242,14 @@ def open(src: str, index: Optional[str] = None, **kwargs: Any) -> Checkpoint:  #
     """Opens the checkpoint directory `src`, building its index when absent or
     stale (at `index`, else where the mount keeps it: <src>/.ckptfs/index, or
     ~/.cache/ckptfs/<hash> when <src> is read-only). Keywords: engine
-    ("auto", "uring", "pread"), gpu ("auto", "on", "off"), rebuild (bool)."""
+    ("auto", "uring", "pread"), gpu ("auto", "on", "off"), rebuild (bool),
+    family (one of families(): read `src` as that family where two could
+    claim it; default: detect)."""
     return Checkpoint(src, index, **kwargs)
+
+
+def families() -> dict[str, str]:
+    """The checkpoint families ckptfs reads: {name: title}, the names
+    info()["family"] and the `family` keyword use."""
+    return dict(_families())
 

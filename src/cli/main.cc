@@ -31,7 +31,7 @@
 namespace ckptfs {
 namespace {
 
-// Exit codes, the same for every command (also in the README and --help).
+// Exit codes, the same for every command (also in docs/cli.md and --help).
 constexpr int kExitOk = 0;          // success; verify: clean
 constexpr int kExitUnreadable = 1;  // the checkpoint, or part of it, cannot be read (or is not one)
 constexpr int kExitUsage = 2;       // bad command line
@@ -53,14 +53,14 @@ the command that cleans it; --nonempty mounts over it anyway.
 
 -o OPT[,OPT..] takes the options of mount(8) / fstab (also through mount.ckptfs and
 `mount -t fuse.ckptfs SRC MNT -o ...`): allow_other, uid=N, gid=N, index=DIR, log=FILE,
-engine=, gpu=, threads=N, rules=FILE, pp_layers=, hf_shard_size=, hf_arch=, hf_config=,
+engine=, gpu=, family=, threads=N, rules=FILE, pp_layers=, hf_shard_size=, hf_arch=, hf_config=,
 hf_dtype=, mapped_reads=, verify_on_read,
 nonempty, strict, debug; ro, defaults, noauto, auto, nofail, _netdev, users, noatime,
 nosuid, nodev, noexec, x-* and comment= are accepted and have nothing to do here;
 rw is refused. The mount shows SRC as its source (findmnt, df) with type fuse.ckptfs.
 
 topo/tp<T>-pp<P>[-dp<D>][-ep<E>]/ is made on first lookup; --rules FILE overrides TP
-split rules and stages (JSON, see README), --pp-layers sets layers per stage,
+split rules and stages (JSON, see docs/views.md), --pp-layers sets layers per stage,
 --hf-shard-size the hf/ shard size (default 5000000000; K/M/G ok).
 hf/ is a transformers model directory (config.json, safetensors with Hugging Face names)
 when the architecture is known: Megatron Llama/Mistral/Qwen2/Qwen3/Mixtral/GPT-NeoX/GPT-2
@@ -84,7 +84,10 @@ The index lives in SRC/.ckptfs/index when SRC is writable, else in
 $XDG_CACHE_HOME/ckptfs/<hash>; --index DIR puts it elsewhere. Every command that
 reads SRC takes --max-metadata-bytes (a DCP .metadata, default 1G) and
 --max-item-bytes (a zstd-compressed DCP bytes item once decompressed, default 4G);
-K/M/G ok.
+K/M/G ok. --family NAME reads SRC as that family where two could claim it (a
+Megatron torch_dist directory is also a DCP one): its probe must still recognise
+SRC, and an index of another family is rebuilt. Without it the families are
+tried in a fixed order (docs/architecture.md) and a fresh index is reused.
 )";
 
 constexpr const char* kVerifyFooter = R"(
@@ -138,6 +141,11 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   o.index_dir = a.Get("--index");
   if (!o.index_dir.empty()) o.index_dir = std::filesystem::absolute(o.index_dir, ec).string();
   o.force_rebuild = a.Has("--force");
+  if (a.Has("--family")) {
+    auto f = FamilyFromName(a.Get("--family"));
+    if (!f) return Invalid("--family '" + a.Get("--family") + "': expected one of " + FamilyNameList());
+    o.family = *f;
+  }
   o.verify_on_read = a.Has("--verify-on-read");
   o.mapped_reads = a.Get("--mapped-reads", "on") == "on";
   ASSIGN_OR_RETURN(o.engine, ParseEngineKind(a.Get("--engine", "auto")));
@@ -166,7 +174,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
 int CmdIndex(const Args& a) {
   auto o = FsOpts(a, a.pos[0]);
   if (!o.ok()) return Fail(o.status());
-  auto r = OpenOrBuild(o->src, o->index_dir, o->force_rebuild);
+  auto r = OpenOrBuild(o->src, o->index_dir, o->force_rebuild, o->family);
   if (!r.ok()) return Fail(r.status());
   const Index& ix = *r->index;
   uint64_t broken = 0;
@@ -234,7 +242,7 @@ void PrintUnreadable(const std::vector<const TensorRecord*>& broken) {
 int CmdInfo(const Args& a) {
   auto o = FsOpts(a, a.pos[0]);
   if (!o.ok()) return Fail(o.status());
-  auto r = OpenOrBuild(o->src, o->index_dir, o->force_rebuild);
+  auto r = OpenOrBuild(o->src, o->index_dir, o->force_rebuild, o->family);
   if (!r.ok()) return Fail(r.status());
   const Index& ix = *r->index;
   const CheckpointInfo& info = ix.info();
@@ -247,7 +255,7 @@ int CmdInfo(const Args& a) {
   if (a.Has("--json")) {
     nlohmann::ordered_json j;
     j["source"] = ix.src_dir();
-    j["family"] = info.family;
+    j["family"] = FamilyName(info.family);
     j["format"] = info.format_note;
     j["step"] = info.step;
     j["world_size"] = info.world_size;
@@ -264,7 +272,7 @@ int CmdInfo(const Args& a) {
     std::cout << JsonText(j, 2) << "\n";
   } else {
     std::printf("checkpoint  %s\nfamily      %s (%s)\nstep        %s\nranks       %u\n", ix.src_dir().c_str(),
-                info.family.c_str(), info.format_note.c_str(),
+                std::string(FamilyName(info.family)).c_str(), info.format_note.c_str(),
                 info.step >= 0 ? std::to_string(info.step).c_str() : "unknown", info.world_size);
     std::printf("entries     %zu (%llu fragments), %s\nindex       %s%s\n\n", ix.tensors().size(),
                 static_cast<unsigned long long>(ix.num_fragments()), HumanBytes(bytes).c_str(), ix.dir().c_str(),
@@ -590,7 +598,8 @@ Result<std::vector<std::string>> MountOptionFlags(const std::string& opts) {
       {"hf_arch", "--hf-arch"}, {"hf-arch", "--hf-arch"}, {"hf_config", "--hf-config"}, {"hf-config", "--hf-config"},
       {"hf_dtype", "--hf-dtype"}, {"hf-dtype", "--hf-dtype"},
       {"mapped_reads", "--mapped-reads"}, {"mapped-reads", "--mapped-reads"},
-      {"max_metadata_bytes", "--max-metadata-bytes"}, {"max_item_bytes", "--max-item-bytes"}};
+      {"max_metadata_bytes", "--max-metadata-bytes"}, {"max_item_bytes", "--max-item-bytes"},
+      {"family", "--family"}};
   static const std::map<std::string, std::string> kFlags = {
       {"allow_other", "--allow-other"}, {"verify_on_read", "--verify-on-read"}, {"nonempty", "--nonempty"},
       {"strict", "--strict"},           {"debug", "--debug"}};
@@ -723,6 +732,11 @@ int Main(std::vector<std::string> raw) {
   auto add_index = [&](CLI::App* c) {
     c->add_option("--index", str["--index"], "index directory (default: SRC/.ckptfs/index or the user cache)")
         ->option_text("DIR");
+    std::vector<std::string> families;
+    for (const FamilyTraits& f : AllFamilies()) families.push_back(std::string(f.name));
+    c->add_option("--family", str["--family"], "read SRC as this family (default: detect; see below)")
+        ->check(CLI::IsMember(families))
+        ->option_text("NAME");
   };
   auto add_view = [&](CLI::App* c) {
     c->add_option("--rules", str["--rules"], "TP split rules and stages for topo/ (JSON)")->option_text("FILE");

@@ -54,49 +54,88 @@ Checkpoint Sanitized(Checkpoint ck) {
   return ck;
 }
 
-Status CannotDetect(const std::string& dir) {
-  return Unsupported("cannot detect a checkpoint in " + dir +
-                     ": no .metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp), no "
-                     "latest / mp_rank_XX_model_states.pt (DeepSpeed), no "
-                     "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM), no *.safetensors, no torch.save .pt / .pth / .bin");
+// The readers in detection order (FamilyReader::priority, ascending): the
+// first whose probe (names only) recognises a directory reads it. Where two
+// probes can both match, `after` says why this one comes later; the order is
+// checked by tests/unit/formats/family_table_test.cc and the conformance suite.
+const std::vector<FamilyReader>& Table() {
+  static const std::vector<FamilyReader> kReaders = {
+      {"megatron-dist", 10, "metadata.json with sharded_backend (Megatron-LM dist_checkpointing), or a NeMo / Megatron-Bridge run holding one",
+       "", &formats::LooksLikeMegatronDist, &formats::ReadMegatronDist,
+       {Family::kMegatronTorchDist, Family::kMegatronZarr}},
+      {"pytorch-dcp", 20, ".metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp)",
+       "Megatron's torch_dist is a DCP checkpoint with metadata.json beside it", &formats::LooksLikeDcp,
+       &formats::ReadDcp, {Family::kPytorchDcp}},
+      {"deepspeed", 30, "latest / mp_rank_XX_model_states.pt (DeepSpeed)", "", &formats::LooksLikeDeepSpeed,
+       &formats::ReadDeepSpeed, {Family::kDeepSpeed}},
+      {"megatron-legacy", 40, "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM)", "",
+       &formats::LooksLikeMegatronLegacy, &formats::ReadMegatronLegacy, {Family::kMegatronLegacy}},
+      {"safetensors", 50, "*.safetensors",
+       "an HF Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files", &formats::LooksLikeSafetensorsDir,
+       &formats::ReadSafetensorsDir, {Family::kSafetensors}},
+      {"rank-files", 60, "per-rank torch.save files (verl model_world_size_W_rank_R.pt, Accelerate pytorch_model_fsdp_0_rank<R>.bin)",
+       "a directory of rank files is also a directory of torch.save files", &formats::LooksLikeRankFiles,
+       &formats::ReadRankFiles, {Family::kVerl, Family::kAccelerateFsdp}},
+      {"torch-save", 70, "torch.save .pt / .pth / .bin (Meta consolidated.NN.pth included)", "",
+       &formats::LooksLikeTorchSaveDir, &formats::ReadTorchSaveDir, {Family::kTorchSave, Family::kMetaConsolidated}},
+  };
+  return kReaders;
 }
 
-// The families in detection order: the first whose probe (names only)
-// recognises a directory reads it.
-struct FamilyProbe {
-  bool (*looks)(const std::string&);
-  Result<Checkpoint> (*read)(const std::string&);
-};
-constexpr FamilyProbe kFamilies[] = {
-    // Megatron's torch_dist is a DCP checkpoint with metadata.json beside it: first.
-    {&formats::LooksLikeMegatronDist, &formats::ReadMegatronDist},
-    {&formats::LooksLikeDcp, &formats::ReadDcp},
-    {&formats::LooksLikeDeepSpeed, &formats::ReadDeepSpeed},
-    {&formats::LooksLikeMegatronLegacy, &formats::ReadMegatronLegacy},
-    // After those: a Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files.
-    {&formats::LooksLikeSafetensorsDir, &formats::ReadSafetensorsDir},
-    {&formats::LooksLikeRankFiles, &formats::ReadRankFiles},  // per-rank torch.save files (verl, Accelerate)
-    {&formats::LooksLikeTorchSaveDir, &formats::ReadTorchSaveDir},
-};
+Status CannotDetect(const std::string& dir) {
+  std::string marks;
+  for (const FamilyReader& r : Table()) marks += std::string(marks.empty() ? "" : ", ") + "no " + std::string(r.marks);
+  return Unsupported("cannot detect a checkpoint in " + dir + ": " + marks);
+}
 
-Result<Checkpoint> Detect(const std::string& dir) {
-  for (const FamilyProbe& f : kFamilies) {
-    if (f.looks(dir)) return f.read(dir);
+// The reader --family names, or why none does.
+Result<const FamilyReader*> Forced(Family forced) {
+  const FamilyReader* r = ReaderFor(forced);
+  if (r == nullptr) {
+    return Invalid("--family '" + std::string(FamilyName(forced)) + "': expected one of " + FamilyNameList());
+  }
+  return r;
+}
+
+// The reader that reads `dir`: the forced family's if its probe recognises
+// it (forcing never skips the probe: nothing is written into a directory no
+// probe recognises), else the first in priority order.
+Result<const FamilyReader*> Pick(const std::string& dir, Family forced) {
+  if (forced != Family::kUnknown) {
+    ASSIGN_OR_RETURN(const FamilyReader* r, Forced(forced));
+    if (!r->looks(dir)) {
+      return Unsupported("--family " + std::string(FamilyName(forced)) + ": " + dir + " has no " + std::string(r->marks));
+    }
+    return r;
+  }
+  for (const FamilyReader& r : Table()) {
+    if (r.looks(dir)) return &r;
   }
   return CannotDetect(dir);
 }
 
 }  // namespace
 
-Status Recognise(const std::string& dir) {
-  for (const FamilyProbe& f : kFamilies) {
-    if (f.looks(dir)) return Status::Ok();
+const std::vector<FamilyReader>& FamilyReaders() { return Table(); }
+
+const FamilyReader* ReaderFor(Family f) {
+  for (const FamilyReader& r : Table()) {
+    for (Family y : r.yields) {
+      if (y == f) return &r;
+    }
   }
-  return CannotDetect(dir);
+  return nullptr;
 }
 
-Result<Checkpoint> ReadCheckpoint(const std::string& dir) {
-  ASSIGN_OR_RETURN(Checkpoint ck, Detect(dir));
+Status Recognise(const std::string& dir, Family forced) { return Pick(dir, forced).status(); }
+
+Result<Checkpoint> ReadCheckpoint(const std::string& dir, Family forced) {
+  ASSIGN_OR_RETURN(const FamilyReader* reader, Pick(dir, forced));
+  ASSIGN_OR_RETURN(Checkpoint ck, reader->read(dir));
+  if (forced != Family::kUnknown && ck.info.family != forced) {
+    return Unsupported("--family " + std::string(FamilyName(forced)) + ": " + dir + " reads as " +
+                       std::string(FamilyName(ck.info.family)));
+  }
   return Sanitized(std::move(ck));
 }
 

@@ -39,7 +39,7 @@ bool SplitByKnownFqn(const std::string& rest, const std::set<std::string>& fqns,
 
 }  // namespace
 
-// Assigns role / fqn / state. Documented in README "How keys map to params/".
+// Assigns role / fqn / state. Documented in docs/tree.md "How keys map to params/".
 // `paths`: each tensor's state-dict path (PathOf), parallel to `tensors`.
 void ClassifyStateDict(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths) {
   bool has_model_root = false;

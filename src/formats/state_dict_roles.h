@@ -1,6 +1,6 @@
 // Which tensors of a state dict are parameters and which are optimizer
 // states of which parameter, from each tensor's path in the nested dict
-// (DCP's planner_data; a torch.save file's dict keys): the rules of README
+// (DCP's planner_data; a torch.save file's dict keys): the rules of docs/tree.md
 // "How keys map to params/", shared by every reader of state dicts.
 #ifndef CKPTFS_FORMATS_STATE_DICT_ROLES_H_
 #define CKPTFS_FORMATS_STATE_DICT_ROLES_H_

@@ -139,7 +139,7 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
     return kept.back().layout;
   };
   fs->start_ns_ = SteadyNs();
-  ASSIGN_OR_RETURN(fs->opened_, OpenOrBuild(opts.src, opts.index_dir, opts.force_rebuild));
+  ASSIGN_OR_RETURN(fs->opened_, OpenOrBuild(opts.src, opts.index_dir, opts.force_rebuild, opts.family));
   fs->index_ = std::move(fs->opened_.index);
   ASSIGN_OR_RETURN(fs->view_, View::Build(*fs->index_, opts.topo));
   std::error_code ec;

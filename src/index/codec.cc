@@ -65,7 +65,7 @@ bool Enum(Reader& r, E* e, uint8_t max) {
   return true;
 }
 
-Status Corrupt(const char* what) { return Invalid(std::string("cannot decode index record: corrupt ") + what); }
+Status Corrupt(const std::string& what) { return Invalid("cannot decode index record: corrupt " + what); }
 
 }  // namespace
 
@@ -164,7 +164,7 @@ Result<Fragment> DecodeFragment(std::string_view s) {
 
 std::string EncodeInfo(const CheckpointInfo& i) {
   Writer w;
-  w.Str(i.family);
+  w.Str(std::string(FamilyName(i.family)));  // by name: ids may be renumbered, names are checkpoint.json's
   w.Str(i.format_note);
   w.Num(i.step);
   w.Num(i.world_size);
@@ -187,9 +187,15 @@ Result<CheckpointInfo> DecodeInfo(std::string_view s) {
   Reader r(s);
   CheckpointInfo i;
   uint32_t n;
-  if (!r.Str(&i.family) || !r.Str(&i.format_note) || !r.Num(&i.step) || !r.Num(&i.world_size) || !r.Str(&i.topology) ||
+  std::string family;
+  if (!r.Str(&family) || !r.Str(&i.format_note) || !r.Num(&i.step) || !r.Num(&i.world_size) || !r.Str(&i.topology) ||
       !r.Num(&n)) {
     return Corrupt("checkpoint info");
+  }
+  if (auto id = FamilyFromName(family); id.has_value()) {
+    i.family = *id;
+  } else if (family != FamilyName(Family::kUnknown)) {
+    return Corrupt("checkpoint info (family '" + family + "')");  // written by another build: rebuilt
   }
   for (uint32_t k = 0; k < n; ++k) {
     std::string p;

@@ -344,16 +344,27 @@ class IndexLock {
 
 }  // namespace
 
-Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild) {
+Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& index_dir, bool force_rebuild,
+                               Family family) {
   OpenResult r;
   std::string dir = index_dir.empty() ? DefaultIndexDir(src_dir) : index_dir;
   // Nothing is written (an index, its lock, .ckptfs/) for a directory no
   // family recognises.
-  if (std::error_code ec; !fs::exists(dir, ec)) RETURN_IF_ERROR(Recognise(src_dir));
+  if (std::error_code ec; !fs::exists(dir, ec) || family != Family::kUnknown) {
+    RETURN_IF_ERROR(Recognise(src_dir, family));
+  }
+  // An index is reused when fresh and, under --family, of that family.
+  auto usable = [&](Result<std::unique_ptr<Index>>& opened) {
+    if (!opened.ok()) return false;
+    if (family == Family::kUnknown || (*opened)->info().family == family) return true;
+    opened = Invalid("--family " + std::string(FamilyName(family)) + ": the index holds " +
+                                                std::string(FamilyName((*opened)->info().family)));
+    return false;
+  };
   if (!force_rebuild) {
     IndexLock shared(dir, false);
     auto opened = Index::Open(dir, src_dir);
-    if (opened.ok()) {
+    if (usable(opened)) {
       r.index = std::move(opened).value();
       return r;
     }
@@ -362,7 +373,7 @@ Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& in
   if (!force_rebuild) {
     // Another process may have built it while this one waited for the lock.
     auto opened = Index::Open(dir, src_dir);
-    if (opened.ok()) {
+    if (usable(opened)) {
       r.index = std::move(opened).value();
       return r;
     }
@@ -377,7 +388,7 @@ Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& in
   Progress progress("indexing " + src_dir, 0, Progress::Unit::kBytes);
   Result<Checkpoint> read = [&] {
     ProgressScope scope(&progress);
-    return ReadCheckpoint(src_dir);
+    return ReadCheckpoint(src_dir, family);
   }();
   if (!read.ok()) return read.status();
   const Checkpoint& ck = *read;

@@ -116,8 +116,13 @@ using Buffer = nb::ndarray<nb::c_contig>;
 class PyCheckpoint {
  public:
   PyCheckpoint(const std::string& src, const std::optional<std::string>& index, const std::string& engine,
-               const std::string& gpu, bool rebuild) {
+               const std::string& gpu, bool rebuild, const std::optional<std::string>& family) {
     FsOptions o;
+    if (family.has_value()) {
+      const auto f = FamilyFromName(*family);
+      if (!f) throw nb::value_error(("family '" + *family + "': expected one of " + FamilyNameList()).c_str());
+      o.family = *f;
+    }
     o.src = src;
     o.index_dir = index.value_or("");
     auto kind = ParseEngineKind(engine);
@@ -344,6 +349,12 @@ NB_MODULE(_ckptfs, m) {
                                               "problem (what the mount answers with EIO).",
                                               PyExc_OSError, nullptr);
   m.attr("Error") = nb::handle(ckptfs::g_error);
+  // The families the core reads (family.h): (name, title), in id order.
+  m.def("families", [] {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const ckptfs::FamilyTraits& f : ckptfs::AllFamilies()) out.emplace_back(f.name, f.title);
+    return out;
+  });
   // Whether the read engine renders dtype `src` as `dst` (torch spellings):
   // identity, widening to float32, float32 to bf16 / f16 (model.h Renders).
   m.def("renders", [](const std::string& src, const std::string& dst) {
@@ -352,9 +363,9 @@ NB_MODULE(_ckptfs, m) {
   });
   nb::class_<PyCheckpoint>(m, "_Checkpoint")
       .def(nb::init<const std::string&, const std::optional<std::string>&, const std::string&, const std::string&,
-                    bool>(),
+                    bool, const std::optional<std::string>&>(),
            nb::arg("src"), nb::arg("index").none() = nb::none(), nb::arg("engine") = "auto", nb::arg("gpu") = "auto",
-           nb::arg("rebuild") = false)
+           nb::arg("rebuild") = false, nb::arg("family").none() = nb::none())
       .def("tensors", &PyCheckpoint::Tensors)
       .def("read_into", &PyCheckpoint::ReadInto, nb::arg("id"), nb::arg("dtype"), nb::arg("offsets").none(),
            nb::arg("lengths").none(), nb::arg("out").noconvert(), nb::arg("stream") = 0)

@@ -661,7 +661,7 @@ void Verifier::ChecksumPass() {
 
 // Layer stacks: "<prefix>.<i>.<rest>" under a name that holds layers.
 void Verifier::CheckLayers() {
-  if (ix_.info().family.rfind("megatron", 0) == 0) return;  // the Megatron readers check against args
+  if (Traits(ix_.info().family).layers_checked_by_reader) return;
   // Names are untrusted: RE2 (linear time, no recursion; a 50,000-byte name
   // overflowed std::regex's stack). An index that does not fit int64 is none.
   static const RE2 kLayer(R"(^(.*?\b(?:layers|layer|h|blocks|block))[._](\d+)(?:[._]|$))", RE2::Latin1);
@@ -708,7 +708,7 @@ Result<Report> Verifier::Run() {
   const auto t0 = std::chrono::steady_clock::now();
   const CheckpointInfo& info = ix_.info();
   r_.source = ix_.src_dir();
-  r_.family = info.family;
+  r_.family = std::string(FamilyName(info.family));
   r_.format = info.format_note;
   r_.step = info.step;
   r_.deep = opts_.deep;

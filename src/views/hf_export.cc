@@ -950,7 +950,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   const Sources src = CollectSources(index);
   const std::string config_dir = HfConfigDir(index.src_dir());  // config.json and the tokenizer files
   Convention conv = Convention::kHf;
-  if (index.info().family.rfind("megatron", 0) == 0) {
+  if (Traits(index.info().family).names == NameConvention::kMegatron) {
     conv = Convention::kMegatron;
   } else {
     for (const auto& [fqn, id] : src.param) {

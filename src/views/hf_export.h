@@ -7,7 +7,7 @@
 //
 // The name mapping is data (kConventions in hf_export.cc): one table per
 // source convention (Megatron mcore names; legacy GPTModel names are first
-// rewritten to mcore's) and target architecture. Documented in the README's
+// rewritten to mcore's) and target architecture. Documented in docs/views.md,
 // "hf/ for transformers" section.
 #ifndef CKPTFS_VIEWS_HF_EXPORT_H_
 #define CKPTFS_VIEWS_HF_EXPORT_H_

@@ -413,7 +413,6 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
   if (plan.topo.dp > 0) lj["dp_partitions"] = dp_json;
 
   // Megatron-native files.
-  const std::string& family = index.info().family;
   const ExportFile* args = nullptr;
   bool local_spec = false;
   for (const ExportFile& x : index.exports()) {
@@ -424,7 +423,7 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
     }
   }
   json native = json::array();
-  if (family.rfind("megatron", 0) == 0 && args != nullptr && !args->parts.empty()) {
+  if (Traits(index.info().family).native_rank_files && args != nullptr && !args->parts.empty()) {
     for (const RankPlan& r : plan.ranks) {
       ASSIGN_OR_RETURN(NamedLayout nl, MegatronRankArchive(index, plan, r, args->parts[0].literal, local_spec));
       native.push_back(nl.first);

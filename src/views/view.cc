@@ -50,7 +50,7 @@ bool HasUniversal(const Index& ix) {
 std::string ReadmeText(const Index& ix) {
   return "This is a ckptfs mount: a read-only, lazily computed view of the checkpoint\n"
          "  " + ix.src_dir() + "\n"
-         "(family: " + ix.info().family + "). Nothing was converted; every byte is read from\n"
+         "(family: " + std::string(FamilyName(ix.info().family)) + "). Nothing was converted; every byte is read from\n"
          "the original shards when you read it.\n\n"
          "  checkpoint.json            what ckptfs found: family, step, ranks, counts, problems\n"
          "  params/<fqn>/param.npy     the model's tensor, full global shape (numpy.load)\n"
@@ -277,7 +277,7 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
 
   const CheckpointInfo& info = index.info();
   json j;
-  j["family"] = info.family;
+  j["family"] = FamilyName(info.family);
   j["format"] = info.format_note;
   j["source"] = index.src_dir();
   j["step"] = info.step >= 0 ? json(info.step) : json(nullptr);

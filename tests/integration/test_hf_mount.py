@@ -138,7 +138,7 @@ def test_every_hf_tensor_is_its_megatron_slice(hf_fixtures, mounter, scenario):
 
 
 BRIDGE = Path(__file__).resolve().parents[1] / "data" / "megatron_bridge"
-# config.json fields where ckptfs and Megatron-Bridge 0.3.1 differ, and why (README: "Compared with Megatron-Bridge").
+# config.json fields where ckptfs and Megatron-Bridge 0.3.1 differ, and why (docs/views.md: "Compared with Megatron-Bridge").
 BRIDGE_ONLY = {
     "bos_token_id", "eos_token_id",  # from the Hugging Face model Bridge is made from; Megatron records none
     "transformers_version",  # save_pretrained's stamp

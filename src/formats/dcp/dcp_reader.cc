@@ -620,7 +620,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     // are resolved, so the two never add up.
     root_or = PyHandle();
   }
-  ck.info.family = "pytorch-dcp";
+  ck.info.family = Family::kPytorchDcp;
   if (saves.size() > 1) ck.info.format_note += ", Accelerate FSDP: pytorch_model_fsdp_0/ + optimizer_0/";
   // Merged chunks arrive file by file; the work list goes back to tensor order.
   if (merge) std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.tensor < y.tensor; });

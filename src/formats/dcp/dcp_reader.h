@@ -11,7 +11,7 @@
 // For each tensor chunk the reader opens the item's ZIP directory and data.pkl
 // (or the block's header) and records the absolute byte offset of the chunk's
 // first element, so reads go straight to it. See
-// ../shared/formats/torch-dcp-safetensors.md section 2.
+// docs/formats/notes/torch-dcp-safetensors.md section 2.
 #ifndef CKPTFS_FORMATS_DCP_DCP_READER_H_
 #define CKPTFS_FORMATS_DCP_DCP_READER_H_
 

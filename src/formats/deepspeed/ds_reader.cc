@@ -1189,7 +1189,7 @@ Status Reader::EmitStep(const Param& p, bool ucp) {
 }
 
 Status Reader::Emit() {
-  ck.info.family = "deepspeed";
+  ck.info.family = Family::kDeepSpeed;
   const PyValue* root0 = models[root].src->root();
   std::string version;
   if (const PyValue* v = root0->Get("ds_version"); v && v->IsStr()) version = v->s;

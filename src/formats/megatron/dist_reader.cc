@@ -337,7 +337,7 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
     return Unsupported("cannot read " + iter.path + ": sharded_backend '" + backend +
                        "' (ckptfs reads torch_dist and zarr)");
   }
-  ck.info.family = "megatron-" + backend;
+  ck.info.family = backend == "zarr" ? Family::kMegatronZarr : Family::kMegatronTorchDist;
   ck.info.format_note = "Megatron-LM dist_checkpointing, " + backend + " backend" +
                         (ck.info.format_note.empty() ? "" : " (" + ck.info.format_note + ")") +
                         (iter.wrapper.empty() ? "" : ", " + iter.wrapper);

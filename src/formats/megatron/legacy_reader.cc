@@ -846,7 +846,7 @@ Status Reader::Run() {
       break;
     }
   }
-  ck.info.family = "megatron-legacy";
+  ck.info.family = Family::kMegatronLegacy;
   std::string note = "Megatron-LM torch checkpoint";
   if (root != nullptr) {
     if (const PyValue* v = root->Get("checkpoint_version"); v && v->kind == PyKind::kFloat) {

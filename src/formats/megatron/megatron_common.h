@@ -2,7 +2,7 @@
 // the iteration tracker, the tensor-parallel split of each parameter kind
 // (megatron/core/tensor_parallel/layers.py and the checkpoint converters),
 // and the layer numbering of pipeline stages. See
-// ../shared/formats/deepspeed-megatron.md section 4.
+// docs/formats/notes/deepspeed-megatron.md section 4.
 #ifndef CKPTFS_FORMATS_MEGATRON_MEGATRON_COMMON_H_
 #define CKPTFS_FORMATS_MEGATRON_MEGATRON_COMMON_H_
 

@@ -2,7 +2,7 @@
 // an 8-byte little-endian header length N, N bytes of JSON
 // {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
 // {str: str}}, then the data; offsets are relative to the byte after the
-// header (huggingface/safetensors README; DCP use: ../shared/formats/
+// header (huggingface/safetensors README; DCP use: docs/formats/notes/
 // torch-dcp-safetensors.md 2.3 and 2.6).
 //
 // The blob may sit anywhere in a file (DCP's SAFETENSORS serialization writes

@@ -71,7 +71,7 @@ bool LooksLikeSafetensorsDir(const std::string& dir) {
 
 Result<Checkpoint> ReadSafetensorsDir(const std::string& dir) {
   Checkpoint ck;
-  ck.info.family = "safetensors";
+  ck.info.family = Family::kSafetensors;
   std::map<std::string, std::string> weight_map;
   std::vector<std::string> rels;
   std::string prefix;

@@ -10,7 +10,7 @@
 //   it. With enable_consolidation the shards sit in sharded/ beside the
 //   consolidated files; mounting the directory reads the consolidated ones,
 //   mounting sharded/ (or a directory holding only shards) reads the shards.
-// Tensors are parameters named as stored. See ../shared/formats/
+// Tensors are parameters named as stored. See docs/formats/notes/
 // torch-dcp-safetensors.md 2.6.
 #ifndef CKPTFS_FORMATS_SAFETENSORS_ST_DIR_READER_H_
 #define CKPTFS_FORMATS_SAFETENSORS_ST_DIR_READER_H_

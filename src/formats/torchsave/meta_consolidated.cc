@@ -42,7 +42,7 @@ Result<Checkpoint> ReadMetaConsolidated(const std::string& dir, std::vector<std:
     }
   }
   Checkpoint ck;
-  ck.info.family = "meta-consolidated";
+  ck.info.family = Family::kMetaConsolidated;
   ck.info.world_size = static_cast<uint32_t>(n);
   Files files;
   files.dir = dir;

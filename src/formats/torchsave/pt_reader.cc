@@ -72,7 +72,7 @@ Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
     return ReadMetaConsolidated(dir, std::move(consolidated));
   }
   Checkpoint ck;
-  ck.info.family = "torch-save";
+  ck.info.family = Family::kTorchSave;
   Files files;
   files.dir = dir;
   files.ck = &ck;

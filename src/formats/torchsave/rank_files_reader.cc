@@ -258,7 +258,7 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
                    " ranks, but only " + std::to_string(present) + " rank files are present");
   }
   Checkpoint ck;
-  ck.info.family = rf.verl ? "verl" : "accelerate-fsdp";
+  ck.info.family = rf.verl ? Family::kVerl : Family::kAccelerateFsdp;
   ck.info.world_size = rf.world;
   Files files;
   files.dir = dir;

@@ -1,4 +1,4 @@
-// The trust boundary of source files (DESIGN.md): OpenSourceFile stays inside
+// The trust boundary of source files (docs/design.md): OpenSourceFile stays inside
 // the checkpoint directory, never blocks on special files, and opens only
 // regular files.
 #include <fcntl.h>

@@ -33,7 +33,7 @@ const TensorRecord* Find(const Checkpoint& ck, const std::string& key) {
 TEST(DcpReaderTest, ReadsTorch2Metadata) {
   auto ck = ReadDcp(kSingle);
   ASSERT_TRUE(ck.ok()) << ck.status().message();
-  EXPECT_EQ(ck->info.family, "pytorch-dcp");
+  EXPECT_EQ(ck->info.family, Family::kPytorchDcp);
   EXPECT_EQ(ck->info.step, 2);
   EXPECT_EQ(ck->info.world_size, 1u);
   const TensorRecord* w = Find(*ck, "model.proj.weight");

@@ -81,7 +81,7 @@ TEST(RankFilesTest, Fsdp1ShardedTensorsArePlacedByTheirShardMetadata) {
   ASSERT_TRUE(LooksLikeRankFiles(kFsdp1));
   auto ck = ReadRankFiles(kFsdp1);
   ASSERT_TRUE(ck.ok()) << ck.status().message();
-  EXPECT_EQ(ck->info.family, "accelerate-fsdp");
+  EXPECT_EQ(ck->info.family, Family::kAccelerateFsdp);
   EXPECT_EQ(ck->info.world_size, 2u);
   EXPECT_EQ(ck->info.step, 1);  // trainer_state.json
   EXPECT_TRUE(ck->info.findings.empty());

@@ -99,7 +99,7 @@ TEST(SafetensorsDirTest, ShardsMergeToGlobalTensors) {
   ASSERT_TRUE(LooksLikeSafetensorsDir(kShards));
   auto ck = ReadSafetensorsDir(kShards);
   ASSERT_TRUE(ck.ok()) << ck.status().message();
-  EXPECT_EQ(ck->info.family, "safetensors");
+  EXPECT_EQ(ck->info.family, Family::kSafetensors);
   EXPECT_EQ(ck->info.world_size, 2u);
   ASSERT_EQ(ck->tensors.size(), 6u);
   for (size_t i = 0; i < ck->tensors.size(); ++i) {

@@ -17,7 +17,7 @@ namespace fs = std::filesystem;
 
 Checkpoint Tiny(const std::string& dir) {
   Checkpoint ck;
-  ck.info.family = "synthetic";
+  ck.info.family = Family::kUnknown;
   ck.info.step = 7;
   ck.info.problems = {"p1"};
   ck.files.push_back(SourceFile{"a.bin", 0, 0, 0});

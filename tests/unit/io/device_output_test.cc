@@ -260,7 +260,7 @@ TEST(DeviceOutputTest, MeansOfReplicasAreAveragedOnTheDevice) {
   const std::vector<int64_t> shape = {1100, 2048};
   const uint64_t numel = 1100 * 2048;
   Checkpoint ck;
-  ck.info.family = "synthetic";
+  ck.info.family = Family::kUnknown;
   ck.files.push_back(SourceFile{"data.bin", 0, 0, 0});
   std::string data;
   std::mt19937 rng(11);

@@ -118,7 +118,7 @@ struct Synthetic {
 Synthetic MakeSynthetic(const std::string& dir, uint32_t seed, int n_tensors) {
   std::mt19937 rng(seed);
   Synthetic s;
-  s.ck.info.family = "synthetic";
+  s.ck.info.family = Family::kUnknown;
   s.ck.files.push_back(SourceFile{"data.bin", 0, 0, 0});
   std::string data;
   const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kI64, DType::kF16, DType::kU8};
@@ -314,7 +314,7 @@ TEST_P(ReadEngineConformance, TransposedRowBoxesEqualTheTranspose) {
 // from an earlier read is not served once its source changed.
 TEST_P(ReadEngineConformance, TransposedReadsAcrossSlabsAndStaleSlabs) {
   Synthetic s;
-  s.ck.info.family = "synthetic";
+  s.ck.info.family = Family::kUnknown;
   s.ck.files.push_back(SourceFile{"data.bin", 0, 0, 0});
   const int64_t rows = 6, cols = 400000, split = 123457;  // 6 rows of bf16: slabs of 349525 output rows
   TensorRecord t;

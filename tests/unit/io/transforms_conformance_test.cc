@@ -619,7 +619,7 @@ TEST_P(TransformsConformance, ReadEngineThroughTheBackendAcrossChunks) {
   auto src = Pack(full, shape, 2, frags, rng, false);
   const uint64_t far = 5ull << 30;  // shard 2 moves past 4 GiB
   Checkpoint ck;
-  ck.info.family = "synthetic";
+  ck.info.family = Family::kUnknown;
   ck.files.push_back(SourceFile{"data.bin", 0, 0, 0});
   TensorRecord rec;
   rec.key = rec.fqn = "w";

@@ -35,7 +35,7 @@ struct Fixture {
     if (flip) z[z.size() / 2] ^= 0x5a;
     ckptfs::testing::WriteFile(t.path() + "/d", std::string(100, 'x') + z);
     Checkpoint ck;
-    ck.info.family = "synthetic";
+    ck.info.family = Family::kUnknown;
     ck.files.push_back(SourceFile{"d", 0, 0, 0});
     ckptfs::testing::FillStat(t.path(), &ck.files[0]);
     TensorRecord r;

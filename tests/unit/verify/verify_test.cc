@@ -123,7 +123,7 @@ struct Builder {
   std::string data;
 
   Builder(const std::string& d) : dir(d) {
-    ck.info.family = "test";
+    ck.info.family = Family::kUnknown;
     ck.info.format_note = "synthetic";
     ck.files.push_back(SourceFile{"data.bin", 0, 0, 0});
   }

@@ -82,7 +82,7 @@ class HfExportTest : public ::testing::Test {
 
   TempDir dir_;
   nlohmann::json args_;
-  std::string family_ = "megatron-legacy";
+  Family family_ = Family::kMegatronLegacy;
   std::map<std::string, std::vector<int64_t>> params_;
   std::unique_ptr<Index> index_;
   int builds_ = 0;
@@ -342,7 +342,7 @@ TEST_F(HfExportTest, DtypeChoices) {
 TEST_F(HfExportTest, ConfigFileDecidesForOtherFamilies) {
   // A config.json beside a non-Megatron checkpoint whose parameters already
   // have Hugging Face names: served with its config, names unchanged.
-  family_ = "deepspeed";
+  family_ = Family::kDeepSpeed;
   args_ = nullptr;
   params_ = {{"model.embed_tokens.weight", {10, 8}}, {"model.norm.weight", {8}}};
   ckptfs::testing::WriteFile(dir_.path() + "/config.json",
@@ -375,7 +375,7 @@ TEST_F(HfExportTest, ConfigFileDecidesForOtherFamilies) {
 }
 
 TEST_F(HfExportTest, TorchtitanNamesWithTheirRopePermutation) {
-  family_ = "pytorch-dcp";
+  family_ = Family::kPytorchDcp;
   args_ = nullptr;
   // dim 8, 2 query heads and 1 key-value head of head_dim 4, ffn 6, vocabulary 10.
   params_ = {{"tok_embeddings.weight", {10, 8}},          {"norm.weight", {8}},
@@ -418,7 +418,7 @@ TEST_F(HfExportTest, TorchtitanNamesWithTheirRopePermutation) {
 
 
 TEST_F(HfExportTest, TorchtitanQwen3IsCopiedAndItsGroupedExpertsSplitPerExpert) {
-  family_ = "pytorch-dcp";
+  family_ = Family::kPytorchDcp;
   args_ = nullptr;
   // dim 8, 2 query heads and 1 key-value head of head_dim 4, QK norms, one
   // MoE layer of 3 experts with ffn 6, vocabulary 10, tied.

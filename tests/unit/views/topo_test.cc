@@ -61,7 +61,7 @@ class TopoTest : public ::testing::Test {
     ckptfs::testing::WriteFile(dir_.path() + "/d", data);
     ck_.files.push_back(SourceFile{"d", 0, 0, 0});
     ckptfs::testing::FillStat(dir_.path(), &ck_.files[0]);
-    ck_.info.family = "synthetic";
+    ck_.info.family = Family::kUnknown;
     ASSERT_TRUE(Index::Build(ck_, dir_.path() + "/ix").ok());
     auto ix = Index::Open(dir_.path() + "/ix", dir_.path());
     ASSERT_TRUE(ix.ok()) << ix.status().message();

@@ -17,7 +17,7 @@ using ckptfs::testing::TempDir;
 // A "synthetic" checkpoint of one source file `d` of `bytes` bytes in `t`.
 Checkpoint SyntheticCheckpoint(const TempDir& t, size_t bytes) {
   Checkpoint ck;
-  ck.info.family = "synthetic";
+  ck.info.family = Family::kUnknown;
   ck.files.push_back(SourceFile{"d", 0, 0, 0});
   ckptfs::testing::WriteFile(t.path() + "/d", std::string(bytes, 'a'));
   ckptfs::testing::FillStat(t.path(), &ck.files[0]);
@@ -105,7 +105,7 @@ TEST(ViewTest, LayoutsAndCollisions) {
 TEST(ViewTest, InfoJsonSizeComesFromTheRecordsAndMatchesItsBytes) {
   TempDir t;
   Checkpoint ck;
-  ck.info.family = "synthetic";
+  ck.info.family = Family::kUnknown;
   ck.files.push_back(SourceFile{"rank \"0\".bin", 0, 0, 0});  // a name JSON must escape
   ckptfs::testing::WriteFile(t.path() + "/rank \"0\".bin", std::string(4096, 'a'));
   ckptfs::testing::FillStat(t.path(), &ck.files[0]);
@@ -184,7 +184,7 @@ namespace {
 TEST(ViewTest, ExportPathComponentsAreEscaped) {
   ckptfs::testing::TempDir t;
   Checkpoint ck;
-  ck.info.family = "synthetic";
+  ck.info.family = Family::kUnknown;
   for (const char* p : {"universal/zero/../fp32.pt", "universal/zero//fp32.pt", "universal/zero/./x/fp32.pt"}) {
     ExportFile x;
     x.path = p;

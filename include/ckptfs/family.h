@@ -1,0 +1,69 @@
+// The checkpoint families ckptfs reads, as one typed id and one row of data
+// each (src/common/family.cc). Everything that names or lists families takes
+// it from here: checkpoint.json's "family", the index, `--family`, the CLI
+// help, the Python package, the fuzz targets and the conformance suite.
+//
+// A family's *traits* are what generic code (views, verify) may ask about a
+// checkpoint without knowing its family: they say what the family's reader
+// already did or what its names follow. Detection (which reader recognises a
+// directory, in which priority) is the formats layer's table
+// (formats.h FamilyReaders); a family id belongs to exactly one reader.
+#ifndef CKPTFS_FAMILY_H_
+#define CKPTFS_FAMILY_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ckptfs {
+
+enum class Family : uint8_t {
+  kUnknown = 0,  // synthetic checkpoints (tests) and an index that names none
+  kPytorchDcp,
+  kMegatronTorchDist,
+  kMegatronZarr,
+  kMegatronLegacy,
+  kDeepSpeed,
+  kSafetensors,
+  kAccelerateFsdp,
+  kVerl,
+  kMetaConsolidated,
+  kTorchSave,
+};
+
+// The parameter-naming convention a family's names follow; hf/ picks its
+// name tables by it.
+enum class NameConvention : uint8_t {
+  kTorch,     // module paths as the model defines them (HF, torchtitan, Meta: hf/ tells them apart by name)
+  kMegatron,  // Megatron-LM / megatron-core (mcore and legacy language_model names)
+};
+
+struct FamilyTraits {
+  Family id = Family::kUnknown;
+  std::string_view name;   // checkpoint.json "family", `--family`: "pytorch-dcp"
+  std::string_view title;  // for people: "PyTorch DCP"
+  NameConvention names = NameConvention::kTorch;
+  // The reader checked the layer stacks against the run's recorded
+  // configuration (num_layers, PP): verify's name-based gap heuristic is
+  // skipped, it would only repeat (or contradict) a better check.
+  bool layers_checked_by_reader = false;
+  // The family has native per-rank files that topo/ can lay out at a new
+  // topology from what the reader exported (Megatron's model_optim_rng.pt
+  // from its args pickle).
+  bool native_rank_files = false;
+};
+
+// Every family except kUnknown, in id order.
+const std::vector<FamilyTraits>& AllFamilies();
+const FamilyTraits& Traits(Family f);
+std::string_view FamilyName(Family f);  // "unknown" for kUnknown
+// The id named `name` (a FamilyTraits::name), or nullopt.
+std::optional<Family> FamilyFromName(std::string_view name);
+// "pytorch-dcp, megatron-torch_dist, ...": for help texts and errors.
+std::string FamilyNameList();
+
+}  // namespace ckptfs
+
+#endif  // CKPTFS_FAMILY_H_

@@ -1,0 +1,61 @@
+#include "ckptfs/family.h"
+
+#include <string>
+
+namespace ckptfs {
+
+namespace {
+
+using NC = NameConvention;
+
+// One row per family. Adding a family: a row here, an id above, a reader row
+// in src/formats/families.cc, its folder (docs/architecture.md).
+const std::vector<FamilyTraits>& Table() {
+  static const std::vector<FamilyTraits> kTable = {
+      // id                          name                   title                                        names         layers native
+      {Family::kPytorchDcp,        "pytorch-dcp",         "PyTorch Distributed Checkpoint",             NC::kTorch,    false, false},
+      {Family::kMegatronTorchDist, "megatron-torch_dist", "Megatron-LM dist_checkpointing (torch_dist)", NC::kMegatron, true,  true},
+      {Family::kMegatronZarr,      "megatron-zarr",       "Megatron-LM dist_checkpointing (zarr)",       NC::kMegatron, true,  true},
+      {Family::kMegatronLegacy,    "megatron-legacy",     "Megatron-LM legacy torch format",            NC::kMegatron, true,  true},
+      {Family::kDeepSpeed,         "deepspeed",           "DeepSpeed (ZeRO, PipelineEngine, MoE)",      NC::kTorch,    false, false},
+      {Family::kSafetensors,       "safetensors",         "Hugging Face safetensors directory",         NC::kTorch,    false, false},
+      {Family::kAccelerateFsdp,    "accelerate-fsdp",     "Accelerate / HF Trainer FSDP rank files",    NC::kTorch,    false, false},
+      {Family::kVerl,              "verl",                "verl FSDP rank files",                       NC::kTorch,    false, false},
+      {Family::kMetaConsolidated,  "meta-consolidated",   "Meta model-parallel consolidated.NN.pth",    NC::kTorch,    false, false},
+      {Family::kTorchSave,         "torch-save",          "torch.save files",                           NC::kTorch,    false, false},
+  };
+  return kTable;
+}
+
+const FamilyTraits kUnknownTraits{Family::kUnknown, "unknown", "unknown", NC::kTorch, false, false};
+
+}  // namespace
+
+const std::vector<FamilyTraits>& AllFamilies() { return Table(); }
+
+const FamilyTraits& Traits(Family f) {
+  for (const FamilyTraits& t : Table()) {
+    if (t.id == f) return t;
+  }
+  return kUnknownTraits;
+}
+
+std::string_view FamilyName(Family f) { return Traits(f).name; }
+
+std::optional<Family> FamilyFromName(std::string_view name) {
+  for (const FamilyTraits& t : Table()) {
+    if (t.name == name) return t.id;
+  }
+  return std::nullopt;
+}
+
+std::string FamilyNameList() {
+  std::string s;
+  for (const FamilyTraits& t : Table()) {
+    if (!s.empty()) s += ", ";
+    s += t.name;
+  }
+  return s;
+}
+
+}  // namespace ckptfs
