@@ -52,13 +52,12 @@
 // foreground. With --stats, writes a JSON summary of the read requests (count,
 // bytes, size histogram) on exit: the request sizes the kernel sent.
 #define FUSE_USE_VERSION 312
-#include <fuse3/fuse_lowlevel.h>
-
 #include <fcntl.h>
+#include <fuse3/fuse_lowlevel.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <unistd.h>
 #include <sys/sysmacros.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -72,8 +71,8 @@
 
 namespace {
 
-constexpr double kTimeout = 86400.0;       // fuse_adapter.cc kTimeout
-constexpr unsigned kMaxRequest = 1u << 20; // fuse_adapter.cc kMaxRequest
+constexpr double kTimeout = 86400.0;        // fuse_adapter.cc kTimeout
+constexpr unsigned kMaxRequest = 1u << 20;  // fuse_adapter.cc kMaxRequest
 
 // Inode i + 1 is g_nodes[i]; inode 1 is the root.
 struct Node {
@@ -86,7 +85,7 @@ struct Node {
 };
 
 std::vector<Node> g_nodes(1, Node{"", FUSE_ROOT_ID, true, 0, 0, {}});
-std::unordered_map<std::string, fuse_ino_t> g_by_path;  // "" is the root
+std::unordered_map<std::string, fuse_ino_t> g_by_path;   // "" is the root
 std::unordered_map<std::string, fuse_ino_t> g_by_entry;  // "<parent ino>/<name>"
 std::atomic<bool> g_no_opendir{false};
 int g_src_fd = -1;
@@ -319,7 +318,7 @@ void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_in
 }
 
 void OnStatfs(fuse_req_t req, fuse_ino_t) {
-  struct statvfs sv{};
+  struct statvfs sv {};
   sv.f_bsize = 1 << 20;
   sv.f_frsize = 4096;
   sv.f_files = g_nodes.size();
@@ -331,7 +330,7 @@ void OnStatfs(fuse_req_t req, fuse_ino_t) {
 // Same as fuse_adapter.cc RaiseReadahead: FUSE can only lower the kernel's
 // 128 KiB default readahead at INIT, so raise the bdi's once the mount answers.
 void RaiseReadahead(const std::string& mountpoint) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(mountpoint.c_str(), &st) != 0) return;
   char path[96];
   std::snprintf(path, sizeof(path), "/sys/class/bdi/%u:%u/read_ahead_kb", major(st.st_dev), minor(st.st_dev));
@@ -363,10 +362,20 @@ uint64_t ParseBytes(const char* s) {
   char* end = nullptr;
   double v = std::strtod(s, &end);
   switch (end != nullptr ? *end : '\0') {
-    case 'K': case 'k': v *= 1024.0; break;
-    case 'M': case 'm': v *= 1024.0 * 1024.0; break;
-    case 'G': case 'g': v *= 1024.0 * 1024.0 * 1024.0; break;
-    default: break;
+    case 'K':
+    case 'k':
+      v *= 1024.0;
+      break;
+    case 'M':
+    case 'm':
+      v *= 1024.0 * 1024.0;
+      break;
+    case 'G':
+    case 'g':
+      v *= 1024.0 * 1024.0 * 1024.0;
+      break;
+    default:
+      break;
   }
   return static_cast<uint64_t>(v);
 }
@@ -410,7 +419,7 @@ int main(int argc, char** argv) {
       stats = v;
     } else if (a == "--source" && (v = next())) {
       g_src_fd = ::open(v, O_RDONLY | O_CLOEXEC);
-      struct stat st{};
+      struct stat st {};
       if (g_src_fd < 0 || ::fstat(g_src_fd, &st) != 0 || st.st_size == 0) {
         std::fprintf(stderr, "null_fuse: cannot open %s: %s\n", v, std::strerror(errno));
         return 1;

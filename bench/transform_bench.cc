@@ -25,11 +25,10 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "ckptfs/transforms.h"
 
@@ -111,7 +110,8 @@ bool RunPipeline(Transforms& t, const Plan& p, char* dst, uint64_t dst_len, bool
         sub.dst_off = a;
       } else {
         const uint64_t row = static_cast<uint64_t>(op.dstr[0]) * 4;
-        const uint64_t r0 = (o0 + row - 1) / row, r1 = std::min<uint64_t>(static_cast<uint64_t>(op.len[0]), (o1 + row - 1) / row);
+        const uint64_t r0 = (o0 + row - 1) / row,
+                       r1 = std::min<uint64_t>(static_cast<uint64_t>(op.len[0]), (o1 + row - 1) / row);
         if (r0 >= r1) continue;
         sub.len[0] = static_cast<int64_t>(r1 - r0);
         sub.src_off += r0 * static_cast<uint64_t>(op.sstr[0]) * ss;
@@ -202,7 +202,8 @@ int main(int argc, char** argv) {
           std::fill(got.begin(), got.end(), 0);
           tp = Best([&] { return RunPipeline(*gpu, p, got.data(), got.size(), false); });
           if (got != ref) {
-            std::printf("MISMATCH: %s %llu MiB through the pipeline\n", p.name.c_str(), static_cast<unsigned long long>(mib));
+            std::printf("MISMATCH: %s %llu MiB through the pipeline\n", p.name.c_str(),
+                        static_cast<unsigned long long>(mib));
             ++bad;
           }
           auto mem = AllocDeviceBytes(gpu->device(), p.out_bytes);
@@ -210,7 +211,8 @@ int main(int argc, char** argv) {
             td = Best([&] { return RunPipeline(*gpu, p, mem->get(), p.out_bytes, true); });
             std::fill(got.begin(), got.end(), 0);
             if (td < 0 || !DownloadDeviceBytes(gpu->device(), mem->get(), p.out_bytes, got.data()).ok() || got != ref) {
-              std::printf("MISMATCH: %s %llu MiB into device memory\n", p.name.c_str(), static_cast<unsigned long long>(mib));
+              std::printf("MISMATCH: %s %llu MiB into device memory\n", p.name.c_str(),
+                          static_cast<unsigned long long>(mib));
               ++bad;
             }
           }
@@ -223,10 +225,16 @@ int main(int argc, char** argv) {
       }
       auto gbps = [&](double t) { return t > 0 ? static_cast<double>(p.out_bytes) / t / 1e9 : 0.0; };
       auto col = [&](double t) { return t > 0 ? std::to_string(gbps(t)).substr(0, 6) : std::string("-"); };
-      std::printf("%-12s %9llu %10.2f %10s %10s %10s %-6s %8.2f\n", p.name.c_str(), static_cast<unsigned long long>(mib),
-                  gbps(tc), col(tg).c_str(), col(tp).c_str(), col(td).c_str(), auto_name.c_str(), ta / tc);
-      out["rows"].push_back({{"plan", p.name}, {"out_mib", mib}, {"cpu_gbps", gbps(tc)}, {"gpu_gbps", gbps(tg)},
-                             {"pipeline_gbps", gbps(tp)}, {"device_out_gbps", gbps(td)}, {"auto", auto_name},
+      std::printf("%-12s %9llu %10.2f %10s %10s %10s %-6s %8.2f\n", p.name.c_str(),
+                  static_cast<unsigned long long>(mib), gbps(tc), col(tg).c_str(), col(tp).c_str(), col(td).c_str(),
+                  auto_name.c_str(), ta / tc);
+      out["rows"].push_back({{"plan", p.name},
+                             {"out_mib", mib},
+                             {"cpu_gbps", gbps(tc)},
+                             {"gpu_gbps", gbps(tg)},
+                             {"pipeline_gbps", gbps(tp)},
+                             {"device_out_gbps", gbps(td)},
+                             {"auto", auto_name},
                              {"auto_over_cpu", ta / tc}});
     }
   }

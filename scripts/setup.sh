@@ -2,12 +2,14 @@
 # Installs what ckptfs needs on Debian 12 (root), idempotently.
 #   scripts/setup.sh           build + run deps, numpy for the demo
 #   scripts/setup.sh --test    also torch, zstandard, pytest (test-only producers/clients)
+#   scripts/setup.sh --quick   only the Debian packages that build and unit-test it (no pip, no venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 APT_PKGS=(build-essential cmake pkg-config git libfuse3-dev fuse3 librocksdb-dev liburing-dev libgtest-dev
           libre2-dev libyaml-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libzstd-dev zlib1g-dev python3 python3-venv python3-pip python3-dev)
-[[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev ccache)
+[[ "${1:-}" == "--test" ]] && APT_PKGS+=(clang libclang-rt-14-dev ccache clang-format)
+[[ "${1:-}" == "--quick" ]] && APT_PKGS+=(ccache clang-format)
 APT_PKGS+=(help2man)  # ckptfs.1 at build time (CMake leaves the man page out without it)
 
 missing=()
@@ -18,6 +20,7 @@ if ((${#missing[@]})); then
   apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 [[ -e /dev/fuse ]] || mknod /dev/fuse c 10 229 || true
+[[ "${1:-}" == "--quick" ]] && exit 0
 
 # Python: a venv that sees the system's site-packages (so an installed torch is reused).
 if [[ ! -x .venv/bin/python ]]; then python3 -m venv --system-site-packages .venv; fi

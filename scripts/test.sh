@@ -1,13 +1,32 @@
 #!/usr/bin/env bash
-# Every test: unit tests (release, ASan+UBSan, TSan builds), fuzz smoke runs,
-# and the real-mount integration tests with checkpoints written by torch.
+# Every test: style, unit tests (release, ASan+UBSan, TSan builds) with the
+# reader conformance suite, fuzz smoke runs, and the real-mount integration
+# tests with checkpoints written by the real producers.
+#   scripts/test.sh           everything (what CI runs; installs the Python stack)
+#   scripts/test.sh --quick   style, build, unit tests and the conformance suite over
+#                             every committed fixture: Debian packages only, no pip
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh --test
 JOBS=$(nproc)
 stage() { echo "== $* ($(date -u +%H:%M:%S), $SECONDS s in)"; }
 # SANITIZERS=0 / FUZZ=0 skip those stages (for quick local runs).
 
+if [[ "${1:-}" == "--quick" ]]; then
+  stage "setup (Debian packages only)"
+  scripts/setup.sh --quick
+  stage "style (clang-format)"
+  scripts/check_format.sh
+  stage "build (RelWithDebInfo, -Werror)"
+  scripts/build.sh
+  stage "unit tests and the reader conformance suite"
+  ctest --test-dir build --output-on-failure -j"$JOBS"
+  stage "quick tests passed"
+  exit 0
+fi
+
+scripts/setup.sh --test
+stage "style (clang-format)"
+scripts/check_format.sh
 stage "build (RelWithDebInfo, -Werror)"
 scripts/build.sh
 stage "python package (wheel built from this tree, installed into .venv)"

@@ -20,13 +20,13 @@ namespace ckptfs {
 
 enum class Code : uint8_t {
   kOk = 0,
-  kNotFound,      // a name that does not exist (ENOENT)
-  kInvalid,       // malformed or inconsistent input (EIO through the mount)
-  kIo,            // an OS-level read failure (EIO)
-  kStale,         // a source file changed after indexing (ESTALE)
-  kUnsupported,   // a format variant we do not handle (EIO)
-  kReadOnly,      // any write (EROFS)
-  kInternal,      // a bug (EIO plus a loud log line)
+  kNotFound,     // a name that does not exist (ENOENT)
+  kInvalid,      // malformed or inconsistent input (EIO through the mount)
+  kIo,           // an OS-level read failure (EIO)
+  kStale,        // a source file changed after indexing (ESTALE)
+  kUnsupported,  // a format variant we do not handle (EIO)
+  kReadOnly,     // any write (EROFS)
+  kInternal,     // a bug (EIO plus a loud log line)
 };
 
 class [[nodiscard]] Status {
@@ -67,12 +67,10 @@ inline Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; 
 // Errno-formatted I/O failure: "cannot <verb> <path>: <strerror>".
 Status ErrnoStatus(std::string_view verb, std::string_view path, int err);
 
-
-
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : v_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
   Result(Status status) : v_(std::move(status)) {}  // NOLINT(google-explicit-constructor)
 
   bool ok() const { return std::holds_alternative<T>(v_); }
@@ -106,10 +104,10 @@ Result<int> OpenRegularFile(const std::string& path);
 #define CKPTFS_CONCAT_INNER(a, b) a##b
 #define CKPTFS_CONCAT(a, b) CKPTFS_CONCAT_INNER(a, b)
 
-#define RETURN_IF_ERROR(expr)                 \
-  do {                                        \
-    ::ckptfs::Status _st = (expr);            \
-    if (!_st.ok()) return _st;                \
+#define RETURN_IF_ERROR(expr)      \
+  do {                             \
+    ::ckptfs::Status _st = (expr); \
+    if (!_st.ok()) return _st;     \
   } while (0)
 
 #define ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
@@ -117,8 +115,7 @@ Result<int> OpenRegularFile(const std::string& path);
   if (!tmp.ok()) return tmp.status();         \
   lhs = std::move(tmp).value()
 
-#define ASSIGN_OR_RETURN(lhs, expr) \
-  ASSIGN_OR_RETURN_IMPL(CKPTFS_CONCAT(_res_, __LINE__), lhs, expr)
+#define ASSIGN_OR_RETURN(lhs, expr) ASSIGN_OR_RETURN_IMPL(CKPTFS_CONCAT(_res_, __LINE__), lhs, expr)
 
 // ---- logging -------------------------------------------------------------
 // One line per event on stderr (or the file set by SetLogFile). The daemon
@@ -150,12 +147,8 @@ inline void StoreLE(void* p, T v) {
 }
 
 // Checked arithmetic for sizes taken from untrusted input.
-inline bool MulOverflow(uint64_t a, uint64_t b, uint64_t* out) {
-  return __builtin_mul_overflow(a, b, out);
-}
-inline bool AddOverflow(uint64_t a, uint64_t b, uint64_t* out) {
-  return __builtin_add_overflow(a, b, out);
-}
+inline bool MulOverflow(uint64_t a, uint64_t b, uint64_t* out) { return __builtin_mul_overflow(a, b, out); }
+inline bool AddOverflow(uint64_t a, uint64_t b, uint64_t* out) { return __builtin_add_overflow(a, b, out); }
 
 // xxh3-64 of a byte range, as 16 lowercase hex digits.
 std::string Hex64(uint64_t v);

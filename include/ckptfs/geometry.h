@@ -34,8 +34,8 @@ std::vector<Box> DecomposeRange(const std::vector<int64_t>& shape, uint64_t begi
 // Holes are found by box subtraction; when that would exceed `max_pieces`
 // boxes the hole list is cut and `exact` is false (the counts still are).
 struct Coverage {
-  uint64_t uncovered = 0;        // elements in no box
-  std::vector<Box> holes;        // at most max_report of them
+  uint64_t uncovered = 0;  // elements in no box
+  std::vector<Box> holes;  // at most max_report of them
   struct Overlap {
     size_t a = 0, b = 0;  // indices into the input boxes
     Box box;              // their intersection

@@ -120,7 +120,6 @@ Result<EngineKind> ParseEngineKind(std::string_view s);
 Status ConvertRun(const char* src, DType src_dtype, int64_t src_stride, char* dst, DType dst_dtype, uint64_t n);
 bool CanConvert(DType from, DType to);
 
-
 // A read whose output is device memory (TensorReader::ReadToDevice):
 // `backend` runs the kernels (its BeginDevice), `after` is the caller's
 // stream (a cudaStream_t; null: none) the writes must follow.
@@ -275,8 +274,8 @@ class TensorReader {
     uint64_t r0 = 0, r1 = 0;
     std::vector<char> bytes;
   };
-  Result<std::shared_ptr<const TransposedSlab>> Slab(TensorId id, DType out, const std::vector<Box>& rows,
-                                                     uint64_t r0, uint64_t r1, uint64_t total);
+  Result<std::shared_ptr<const TransposedSlab>> Slab(TensorId id, DType out, const std::vector<Box>& rows, uint64_t r0,
+                                                     uint64_t r1, uint64_t total);
   // The checksummed ranges `frags` overlap: failed ones are an error;
   // unchecked ones are checked when verify_on_read_.
   Status CheckRanges(const std::vector<Fragment>& frags);

@@ -39,9 +39,25 @@ struct TensorId {
 
 enum class DType : uint8_t {
   kInvalid = 0,
-  kBool, kU8, kI8, kI16, kI32, kI64, kU16, kU32, kU64,
-  kF16, kBF16, kF32, kF64, kC64, kC128,
-  kF8E4M3FN, kF8E5M2, kF8E4M3FNUZ, kF8E5M2FNUZ,
+  kBool,
+  kU8,
+  kI8,
+  kI16,
+  kI32,
+  kI64,
+  kU16,
+  kU32,
+  kU64,
+  kF16,
+  kBF16,
+  kF32,
+  kF64,
+  kC64,
+  kC128,
+  kF8E4M3FN,
+  kF8E5M2,
+  kF8E4M3FNUZ,
+  kF8E5M2FNUZ,
 };
 
 size_t DTypeSize(DType d);
@@ -53,7 +69,7 @@ bool NarrowsFromF32(DType d);
 // Every element conversion the read engine renders: identity, the widening
 // and the narrowing above (io.h CanConvert is this; views plan with it).
 bool Renders(DType from, DType to);
-std::string_view DTypeName(DType d);          // torch spelling: "float32", "bfloat16"
+std::string_view DTypeName(DType d);           // torch spelling: "float32", "bfloat16"
 DType DTypeFromTorchName(std::string_view n);  // "float32" / "FloatStorage" ...
 // torch's typed-storage class ("FloatStorage"); empty when there is none.
 std::string_view StorageClassName(DType d);
@@ -139,7 +155,7 @@ struct TensorSplit {
 };
 
 struct TensorRecord {
-  std::string key;    // the checkpoint's own flat key
+  std::string key;  // the checkpoint's own flat key
   Role role = Role::kOther;
   std::string fqn;    // params/<fqn>/ (kParam, kOptimState); other/<fqn> (kOther)
   std::string state;  // "param", "exp_avg", ... ; empty for kOther
@@ -204,9 +220,9 @@ struct Finding {
 // Facts about the whole checkpoint, shown in checkpoint.json and `ckptfs info`.
 struct CheckpointInfo {
   Family family = Family::kUnknown;  // family.h; set by the reader that read it
-  std::string format_note;  // e.g. "torch 2.x metadata", "torch 1.13 _shard.checkpoint"
-  int64_t step = -1;        // -1: unknown
-  uint32_t world_size = 0;  // number of writer ranks seen
+  std::string format_note;           // e.g. "torch 2.x metadata", "torch 1.13 _shard.checkpoint"
+  int64_t step = -1;                 // -1: unknown
+  uint32_t world_size = 0;           // number of writer ranks seen
   // The parallel layout it was saved with, as a topo/ name ("tp2-pp2",
   // "tp1-pp1-dp4"); empty when the format does not say (DCP).
   std::string topology;

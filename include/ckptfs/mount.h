@@ -12,12 +12,12 @@
 namespace ckptfs {
 
 struct MountOptions {
-  bool allow_other = false;  // off unless asked (docs/design.md, FUSE rules)
-  bool debug = false;        // libfuse request tracing
-  unsigned max_threads = 16; // worker threads of the multithreaded loop
-  std::string fsname;        // the source shown by findmnt / df ("ckptfs" when empty)
-  int64_t uid = -1;          // owner shown for every file (-1: the mounting user)
-  int64_t gid = -1;          // group shown for every file (-1: the mounting group)
+  bool allow_other = false;   // off unless asked (docs/design.md, FUSE rules)
+  bool debug = false;         // libfuse request tracing
+  unsigned max_threads = 16;  // worker threads of the multithreaded loop
+  std::string fsname;         // the source shown by findmnt / df ("ckptfs" when empty)
+  int64_t uid = -1;           // owner shown for every file (-1: the mounting user)
+  int64_t gid = -1;           // group shown for every file (-1: the mounting group)
 };
 
 // Mounts `fs` at `mountpoint`, calls `ready` once the mount is live (the CLI

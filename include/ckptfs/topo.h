@@ -21,8 +21,8 @@
 #define CKPTFS_TOPO_H_
 
 #include <cstdint>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -77,12 +77,12 @@ Result<std::vector<int64_t>> ParsePpLayers(std::string_view text);
 // A tensor as rank (tp, pp[, ep]) holds it.
 struct RankTensor {
   TensorId id;
-  std::string name;                  // safetensors key: <fqn> or optimizer.state.<fqn>.<state>
-  std::vector<int64_t> shape;        // the rank's local shape
-  std::vector<Box> pieces;           // global boxes, concatenated along dim 0 in order
-  uint64_t zero_tail = 0;            // then this many zero elements (vocabulary padding rows)
-  std::string rule;                  // "dim 0 (megatron)", "replicated (no rule)", ...
-  DType out = DType::kInvalid;       // rendered as (kInvalid: the source dtype)
+  std::string name;             // safetensors key: <fqn> or optimizer.state.<fqn>.<state>
+  std::vector<int64_t> shape;   // the rank's local shape
+  std::vector<Box> pieces;      // global boxes, concatenated along dim 0 in order
+  uint64_t zero_tail = 0;       // then this many zero elements (vocabulary padding rows)
+  std::string rule;             // "dim 0 (megatron)", "replicated (no rule)", ...
+  DType out = DType::kInvalid;  // rendered as (kInvalid: the source dtype)
   // The pieces (whole rows of a 2-D tensor) concatenated, then transposed:
   // `shape` is [columns, rows] (hf/ GPT-2 Conv1D weights).
   bool transposed = false;
@@ -95,7 +95,7 @@ struct TopoPlan {
   Topology topo;
   std::vector<std::pair<int64_t, int64_t>> stage_layers;  // [first, end) global layers per stage
   int64_t num_layers = 0;
-  int64_t num_experts = 0;  // MoE experts per layer (local_experts.<i>.), 0: none
+  int64_t num_experts = 0;      // MoE experts per layer (local_experts.<i>.), 0: none
   std::vector<RankPlan> ranks;  // index (pp * EP + ep) * TP + tp, EP = max(topo.ep, 1)
   std::vector<std::string> notes;
 };

@@ -153,8 +153,8 @@ uint32_t Crc32cConcat(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 Transforms& CpuTransforms();
 
 struct CudaOptions {
-  int device = 0;              // CUDA device ordinal (0)
-  uint64_t idle_ms = 2000;     // buffers and context released after this long unused (2000)
+  int device = 0;                     // CUDA device ordinal (0)
+  uint64_t idle_ms = 2000;            // buffers and context released after this long unused (2000)
   uint64_t slot_bytes = 64ull << 20;  // pinned staging per slot; a chunk's source spans fit in it (64 MiB)
   // After idle_ms, also reset the device (cudaDeviceReset: the context goes
   // too). Only for a process whose sole CUDA user is ckptfs (the mount); the

@@ -48,11 +48,11 @@ struct VerifyOptions {
 
 struct TensorCheck {
   uint32_t tensor = 0;
-  bool read = false;        // the data pass read it
-  uint64_t xxh3 = 0;        // of the raw bytes in C order (info.json's value)
-  uint32_t crc32c = 0;      // of the same bytes (the checksum GCS and S3 keep), on the transforms backend
+  bool read = false;    // the data pass read it
+  uint64_t xxh3 = 0;    // of the raw bytes in C order (info.json's value)
+  uint32_t crc32c = 0;  // of the same bytes (the checksum GCS and S3 keep), on the transforms backend
   uint32_t zero_fragments = 0;
-  bool numeric = false;     // --deep ran on it (float dtypes)
+  bool numeric = false;  // --deep ran on it (float dtypes)
   uint64_t nan = 0, inf = 0;
   double l2 = 0, max_abs = 0;
 };

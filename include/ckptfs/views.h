@@ -26,10 +26,10 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
-#include <tuple>
-#include <unordered_map>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <unordered_map>
 #include <variant>
 #include <vector>
 
@@ -49,8 +49,8 @@ enum class SegmentKind : uint8_t { kLiteral, kTensor, kHash, kCrc32, kArchive };
 struct Segment {
   SegmentKind kind = SegmentKind::kLiteral;
   uint64_t size = 0;
-  std::string literal;          // kLiteral
-  TensorId tensor;              // kTensor, kHash, kCrc32
+  std::string literal;                // kLiteral
+  TensorId tensor;                    // kTensor, kHash, kCrc32
   DType out_dtype = DType::kInvalid;  // kTensor, kCrc32: element type written
   // kTensor: at most one sub-box rendered (or, `transposed`, the row boxes);
   // kCrc32: the boxes whose concatenated renderings the CRC covers (none:
@@ -117,7 +117,7 @@ struct Node {
   TensorId tensor;       // the tensor behind a file, for error reports
   // Lazy info.json: the size its layout will have, once asked (View::Size).
   uint64_t lazy_size = UINT64_MAX;
-  std::vector<uint64_t> children;     // directories: child inodes, sorted by name
+  std::vector<uint64_t> children;      // directories: child inodes, sorted by name
   std::unique_ptr<FileLayout> layout;  // files (lazy ones: once made)
 };
 

@@ -9,15 +9,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
-#include <optional>
-#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -135,7 +135,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   std::error_code ec;
   o.src = std::filesystem::absolute(src, ec).lexically_normal().string();
   while (o.src.size() > 1 && o.src.back() == '/') o.src.pop_back();
-  struct stat st{};
+  struct stat st {};
   if (::stat(o.src.c_str(), &st) != 0) return ErrnoStatus("open", o.src, errno);
   if (!S_ISDIR(st.st_mode)) return Invalid("cannot open " + o.src + ": not a directory");
   o.index_dir = a.Get("--index");
@@ -262,9 +262,13 @@ int CmdInfo(const Args& a) {
     j["index"] = ix.dir();
     j["tensors"] = nlohmann::ordered_json::array();
     for (const auto& t : ix.tensors()) {
-      nlohmann::ordered_json e = {{"key", t.key}, {"fqn", t.fqn}, {"state", t.state},
-                                  {"dtype", std::string(DTypeName(t.dtype))}, {"shape", t.shape},
-                                  {"bytes", t.byte_size}, {"fragments", t.num_fragments},
+      nlohmann::ordered_json e = {{"key", t.key},
+                                  {"fqn", t.fqn},
+                                  {"state", t.state},
+                                  {"dtype", std::string(DTypeName(t.dtype))},
+                                  {"shape", t.shape},
+                                  {"bytes", t.byte_size},
+                                  {"fragments", t.num_fragments},
                                   {"kind", t.encoding == Encoding::kBytes ? "bytes" : "tensor"}};
       if (!t.error.empty()) e["error"] = t.error;
       j["tensors"].push_back(e);
@@ -280,17 +284,17 @@ int CmdInfo(const Args& a) {
     size_t w = 3;
     for (const auto& t : ix.tensors()) w = std::max(w, t.key.size());
     w = std::min<size_t>(w, 72);
-    std::printf("%-*s  %-15s  %-9s  %-18s  %10s  %5s\n", static_cast<int>(w), "KEY", "ROLE", "DTYPE", "SHAPE",
-                "BYTES", "FRAGS");
+    std::printf("%-*s  %-15s  %-9s  %-18s  %10s  %5s\n", static_cast<int>(w), "KEY", "ROLE", "DTYPE", "SHAPE", "BYTES",
+                "FRAGS");
     for (const auto& t : ix.tensors()) {
-      std::string role = t.role == Role::kHidden         ? "universal/"  // backs synthesized files only
+      std::string role = t.role == Role::kHidden          ? "universal/"  // backs synthesized files only
                          : t.encoding == Encoding::kBytes ? "bytes"
-                         : t.role == Role::kParam     ? "param"
-                         : t.role == Role::kOptimState ? t.state
-                                                        : "other";
+                         : t.role == Role::kParam         ? "param"
+                         : t.role == Role::kOptimState    ? t.state
+                                                          : "other";
       // A key longer than 200 bytes is cut (the whole name is in checkpoint.json).
-      const std::string key = t.key.size() <= 200 ? t.key : t.key.substr(0, 180) + "... (" +
-                                                             std::to_string(t.key.size()) + " bytes)";
+      const std::string key =
+          t.key.size() <= 200 ? t.key : t.key.substr(0, 180) + "... (" + std::to_string(t.key.size()) + " bytes)";
       std::printf("%-*s  %-15s  %-9s  %-18s  %10s  %5u%s\n", static_cast<int>(w), key.c_str(), role.c_str(),
                   t.encoding == Encoding::kBytes ? "-" : std::string(DTypeName(t.dtype)).c_str(),
                   t.encoding == Encoding::kBytes ? "-" : ShapeStr(t.shape).c_str(), HumanBytes(t.byte_size).c_str(),
@@ -337,9 +341,12 @@ int CmdCat(const Args& a) {
           !(t.role == Role::kOptimState && t.fqn + "." + t.state == key)) {
         continue;
       }
-      if (t.encoding == Encoding::kBytes) path = "other/" + PathComponent(t.key);
-      else if (t.role == Role::kOther) path = "other/" + PathComponent(t.key) + "." + fmt;
-      else path = "params/" + PathComponent(t.fqn) + "/" + PathComponent(t.state) + "." + fmt;
+      if (t.encoding == Encoding::kBytes)
+        path = "other/" + PathComponent(t.key);
+      else if (t.role == Role::kOther)
+        path = "other/" + PathComponent(t.key) + "." + fmt;
+      else
+        path = "params/" + PathComponent(t.fqn) + "/" + PathComponent(t.state) + "." + fmt;
       break;
     }
     if (path.empty()) return Fail(NotFound("cannot find " + key + " in " + fs.index().src_dir()));
@@ -403,23 +410,29 @@ int CmdUmount(const Args& a) {
 // daemon is gone: ENOTCONN) would be stacked over, and one umount would then
 // remove only the top one. Refused, with the command that cleans it.
 Status CheckMountpoint(const std::string& mnt) {
-  struct stat st{}, parent{};
+  struct stat st {
+  }, parent{};
   if (::stat(mnt.c_str(), &st) != 0) {
     if (errno == ENOTCONN) {
-      return Invalid("cannot mount on " + mnt + ": it is a dead FUSE mount (transport endpoint is not connected); "
-                     "clean it with: fusermount3 -u " + mnt);
+      return Invalid("cannot mount on " + mnt +
+                     ": it is a dead FUSE mount (transport endpoint is not connected); "
+                     "clean it with: fusermount3 -u " +
+                     mnt);
     }
     return ErrnoStatus("mount on", mnt, errno);
   }
   if (!S_ISDIR(st.st_mode)) return Invalid("cannot mount on " + mnt + ": not a directory");
   const std::string up = std::filesystem::path(mnt).parent_path().string();
-  if (::stat(up.empty() ? "/" : up.c_str(), &parent) == 0 && (parent.st_dev != st.st_dev || parent.st_ino == st.st_ino)) {
+  if (::stat(up.empty() ? "/" : up.c_str(), &parent) == 0 &&
+      (parent.st_dev != st.st_dev || parent.st_ino == st.st_ino)) {
     // A stat may be answered from the kernel's attribute cache; statfs asks
     // the filesystem, which a dead FUSE mount cannot answer.
-    struct statvfs vfs{};
+    struct statvfs vfs {};
     if (::statvfs(mnt.c_str(), &vfs) != 0 && errno == ENOTCONN) {
-      return Invalid("cannot mount on " + mnt + ": it is a dead FUSE mount (transport endpoint is not connected); "
-                     "clean it with: fusermount3 -u " + mnt);
+      return Invalid("cannot mount on " + mnt +
+                     ": it is a dead FUSE mount (transport endpoint is not connected); "
+                     "clean it with: fusermount3 -u " +
+                     mnt);
     }
     return Invalid("cannot mount on " + mnt + ": it is already a mount point (see findmnt " + mnt +
                    "); unmount it first (ckptfs umount " + mnt + "), or pass --nonempty to mount over it");
@@ -498,8 +511,11 @@ int CmdMount(const Args& a) {
       LogWarn(bad);
     }
     return MountAndServe(**fs, mnt, mo, [&](const Status& s) {
-      if (s.ok()) LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ", transforms " + (*fs)->transforms_name() + ")");
-      else LogError(s.message());
+      if (s.ok())
+        LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ", transforms " +
+                (*fs)->transforms_name() + ")");
+      else
+        LogError(s.message());
     });
   }
 
@@ -554,7 +570,8 @@ int CmdMount(const Args& a) {
       report(s.message());
       return;
     }
-    LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ", transforms " + (*fs)->transforms_name() + ")");
+    LogInfo("mounted " + o->src + " at " + mnt + " (engine " + (*fs)->engine_name() + ", transforms " +
+            (*fs)->transforms_name() + ")");
     int null = ::open("/dev/null", O_RDWR);
     if (null >= 0) {
       ::dup2(null, 0);
@@ -590,26 +607,69 @@ std::vector<std::string> SplitMountOptions(const std::string& s) {
 // `-o OPT,..` of mount(8) and fstab, as the command-line flags they stand for
 // (so that CLI11 validates both spellings the same way).
 Result<std::vector<std::string>> MountOptionFlags(const std::string& opts) {
-  static const std::map<std::string, std::string> kValued = {
-      {"uid", "--uid"},         {"gid", "--gid"},         {"index", "--index"},
-      {"log", "--log"},         {"engine", "--engine"},   {"gpu", "--gpu"},
-      {"threads", "--threads"}, {"rules", "--rules"},     {"pp_layers", "--pp-layers"},
-      {"pp-layers", "--pp-layers"}, {"hf_shard_size", "--hf-shard-size"}, {"hf-shard-size", "--hf-shard-size"},
-      {"hf_arch", "--hf-arch"}, {"hf-arch", "--hf-arch"}, {"hf_config", "--hf-config"}, {"hf-config", "--hf-config"},
-      {"hf_dtype", "--hf-dtype"}, {"hf-dtype", "--hf-dtype"},
-      {"mapped_reads", "--mapped-reads"}, {"mapped-reads", "--mapped-reads"},
-      {"max_metadata_bytes", "--max-metadata-bytes"}, {"max_item_bytes", "--max-item-bytes"},
-      {"family", "--family"}};
-  static const std::map<std::string, std::string> kFlags = {
-      {"allow_other", "--allow-other"}, {"verify_on_read", "--verify-on-read"}, {"nonempty", "--nonempty"},
-      {"strict", "--strict"},           {"debug", "--debug"}};
+  static const std::map<std::string, std::string> kValued = {{"uid", "--uid"},
+                                                             {"gid", "--gid"},
+                                                             {"index", "--index"},
+                                                             {"log", "--log"},
+                                                             {"engine", "--engine"},
+                                                             {"gpu", "--gpu"},
+                                                             {"threads", "--threads"},
+                                                             {"rules", "--rules"},
+                                                             {"pp_layers", "--pp-layers"},
+                                                             {"pp-layers", "--pp-layers"},
+                                                             {"hf_shard_size", "--hf-shard-size"},
+                                                             {"hf-shard-size", "--hf-shard-size"},
+                                                             {"hf_arch", "--hf-arch"},
+                                                             {"hf-arch", "--hf-arch"},
+                                                             {"hf_config", "--hf-config"},
+                                                             {"hf-config", "--hf-config"},
+                                                             {"hf_dtype", "--hf-dtype"},
+                                                             {"hf-dtype", "--hf-dtype"},
+                                                             {"mapped_reads", "--mapped-reads"},
+                                                             {"mapped-reads", "--mapped-reads"},
+                                                             {"max_metadata_bytes", "--max-metadata-bytes"},
+                                                             {"max_item_bytes", "--max-item-bytes"},
+                                                             {"family", "--family"}};
+  static const std::map<std::string, std::string> kFlags = {{"allow_other", "--allow-other"},
+                                                            {"verify_on_read", "--verify-on-read"},
+                                                            {"nonempty", "--nonempty"},
+                                                            {"strict", "--strict"},
+                                                            {"debug", "--debug"}};
   // Options that mount(8), fstab or systemd pass and that mean nothing (or
   // what ckptfs always does: ro, default_permissions) here.
-  static const std::vector<std::string> kIgnored = {
-      "ro", "defaults", "auto", "noauto", "nofail", "_netdev", "user", "users", "nouser", "owner", "group",
-      "noexec", "exec", "nosuid", "suid", "nodev", "dev", "noatime", "atime", "relatime", "norelatime",
-      "nodiratime", "diratime", "strictatime", "lazytime", "nolazytime", "async", "sync", "silent", "loud",
-      "default_permissions", "fsname", "subtype"};
+  static const std::vector<std::string> kIgnored = {"ro",
+                                                    "defaults",
+                                                    "auto",
+                                                    "noauto",
+                                                    "nofail",
+                                                    "_netdev",
+                                                    "user",
+                                                    "users",
+                                                    "nouser",
+                                                    "owner",
+                                                    "group",
+                                                    "noexec",
+                                                    "exec",
+                                                    "nosuid",
+                                                    "suid",
+                                                    "nodev",
+                                                    "dev",
+                                                    "noatime",
+                                                    "atime",
+                                                    "relatime",
+                                                    "norelatime",
+                                                    "nodiratime",
+                                                    "diratime",
+                                                    "strictatime",
+                                                    "lazytime",
+                                                    "nolazytime",
+                                                    "async",
+                                                    "sync",
+                                                    "silent",
+                                                    "loud",
+                                                    "default_permissions",
+                                                    "fsname",
+                                                    "subtype"};
   std::vector<std::string> out;
   for (const std::string& o : SplitMountOptions(opts)) {
     const size_t eq = o.find('=');

@@ -10,8 +10,8 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <mutex>
 
@@ -24,8 +24,7 @@ Status ErrnoStatus(std::string_view verb, std::string_view path, int err) {
   Code code = Code::kIo;
   if (err == ENOENT) code = Code::kNotFound;
   if (err == ESTALE) code = Code::kStale;
-  return Status(code, "cannot " + std::string(verb) + " " + std::string(path) + ": " +
-                          std::strerror(err));
+  return Status(code, "cannot " + std::string(verb) + " " + std::string(path) + ": " + std::strerror(err));
 }
 
 namespace {
@@ -40,11 +39,11 @@ Result<int> RequireRegular(int fd, const std::string& path) {
   }
   if (!S_ISREG(st.st_mode)) {
     ::close(fd);
-    const char* what = S_ISFIFO(st.st_mode) ? "a FIFO"
-                       : S_ISDIR(st.st_mode) ? "a directory"
-                       : S_ISSOCK(st.st_mode) ? "a socket"
+    const char* what = S_ISFIFO(st.st_mode)                           ? "a FIFO"
+                       : S_ISDIR(st.st_mode)                          ? "a directory"
+                       : S_ISSOCK(st.st_mode)                         ? "a socket"
                        : (S_ISCHR(st.st_mode) || S_ISBLK(st.st_mode)) ? "a device"
-                                                                       : "not a regular file";
+                                                                      : "not a regular file";
     return Invalid("cannot open " + path + ": it is " + std::string(what) + ", not a regular file");
   }
   return fd;
@@ -88,8 +87,10 @@ Result<int> OpenSourceFile(const std::string& root, const std::string& rel) {
   ::close(dir);
   if (fd < 0) {
     if (err == EXDEV || err == ELOOP) {
-      return Invalid("cannot open " + path + ": it leads outside the checkpoint directory (a symlink or '..' that "
-                     "escapes " + root + "); ckptfs reads only files inside it");
+      return Invalid("cannot open " + path +
+                     ": it leads outside the checkpoint directory (a symlink or '..' that "
+                     "escapes " +
+                     root + "); ckptfs reads only files inside it");
     }
     return ErrnoStatus("open", path, err);
   }
@@ -156,14 +157,22 @@ size_t Utf8SeqLen(std::string_view s, size_t i) {
   if (c < 0x80) return 1;
   size_t n;
   unsigned char lo = 0x80, hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) n = 2;
-  else if (c == 0xE0) n = 3, lo = 0xA0;
-  else if (c == 0xED) n = 3, hi = 0x9F;  // no surrogates
-  else if (c >= 0xE1 && c <= 0xEF) n = 3;
-  else if (c == 0xF0) n = 4, lo = 0x90;
-  else if (c >= 0xF1 && c <= 0xF3) n = 4;
-  else if (c == 0xF4) n = 4, hi = 0x8F;
-  else return 0;
+  if (c >= 0xC2 && c <= 0xDF)
+    n = 2;
+  else if (c == 0xE0)
+    n = 3, lo = 0xA0;
+  else if (c == 0xED)
+    n = 3, hi = 0x9F;  // no surrogates
+  else if (c >= 0xE1 && c <= 0xEF)
+    n = 3;
+  else if (c == 0xF0)
+    n = 4, lo = 0x90;
+  else if (c >= 0xF1 && c <= 0xF3)
+    n = 4;
+  else if (c == 0xF4)
+    n = 4, hi = 0x8F;
+  else
+    return 0;
   if (i + n > s.size()) return 0;
   if (b(i + 1) < lo || b(i + 1) > hi) return 0;
   for (size_t k = 2; k < n; ++k) {
@@ -217,13 +226,27 @@ std::string JsonEscape(std::string_view raw) {
   out.push_back('"');
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;  // as nlohmann's dump writes them
-      case '\f': out += "\\f"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\b':
+        out += "\\b";
+        break;  // as nlohmann's dump writes them
+      case '\f':
+        out += "\\f";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];

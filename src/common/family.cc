@@ -9,21 +9,23 @@ namespace {
 using NC = NameConvention;
 
 // One row per family. Adding a family: a row here, an id above, a reader row
-// in src/formats/families.cc, its folder (docs/architecture.md).
+// in src/formats/detect.cc, its folder (docs/architecture.md).
 const std::vector<FamilyTraits>& Table() {
+  // clang-format off
   static const std::vector<FamilyTraits> kTable = {
-      // id                          name                   title                                        names         layers native
-      {Family::kPytorchDcp,        "pytorch-dcp",         "PyTorch Distributed Checkpoint",             NC::kTorch,    false, false},
-      {Family::kMegatronTorchDist, "megatron-torch_dist", "Megatron-LM dist_checkpointing (torch_dist)", NC::kMegatron, true,  true},
-      {Family::kMegatronZarr,      "megatron-zarr",       "Megatron-LM dist_checkpointing (zarr)",       NC::kMegatron, true,  true},
-      {Family::kMegatronLegacy,    "megatron-legacy",     "Megatron-LM legacy torch format",            NC::kMegatron, true,  true},
-      {Family::kDeepSpeed,         "deepspeed",           "DeepSpeed (ZeRO, PipelineEngine, MoE)",      NC::kTorch,    false, false},
-      {Family::kSafetensors,       "safetensors",         "Hugging Face safetensors directory",         NC::kTorch,    false, false},
-      {Family::kAccelerateFsdp,    "accelerate-fsdp",     "Accelerate / HF Trainer FSDP rank files",    NC::kTorch,    false, false},
-      {Family::kVerl,              "verl",                "verl FSDP rank files",                       NC::kTorch,    false, false},
-      {Family::kMetaConsolidated,  "meta-consolidated",   "Meta model-parallel consolidated.NN.pth",    NC::kTorch,    false, false},
-      {Family::kTorchSave,         "torch-save",          "torch.save files",                           NC::kTorch,    false, false},
+    // id, name (checkpoint.json, --family), title, names, layers_checked_by_reader, native_rank_files
+    {Family::kPytorchDcp,        "pytorch-dcp",         "PyTorch DCP",                     NC::kTorch,    false, false},
+    {Family::kMegatronTorchDist, "megatron-torch_dist", "Megatron-LM torch_dist",          NC::kMegatron, true,  true},
+    {Family::kMegatronZarr,      "megatron-zarr",       "Megatron-LM zarr",                NC::kMegatron, true,  true},
+    {Family::kMegatronLegacy,    "megatron-legacy",     "Megatron-LM legacy torch format", NC::kMegatron, true,  true},
+    {Family::kDeepSpeed,         "deepspeed",           "DeepSpeed (ZeRO, pipeline, MoE)", NC::kTorch,    false, false},
+    {Family::kSafetensors,       "safetensors",         "Hugging Face safetensors",        NC::kTorch,    false, false},
+    {Family::kAccelerateFsdp,    "accelerate-fsdp",     "Accelerate FSDP rank files",      NC::kTorch,    false, false},
+    {Family::kVerl,              "verl",                "verl FSDP rank files",            NC::kTorch,    false, false},
+    {Family::kMetaConsolidated,  "meta-consolidated",   "Meta consolidated.NN.pth",        NC::kTorch,    false, false},
+    {Family::kTorchSave,         "torch-save",          "torch.save files",                NC::kTorch,    false, false},
   };
+  // clang-format on
   return kTable;
 }
 

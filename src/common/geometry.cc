@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <nlohmann/json.hpp>
+
 #include "common/json_text.h"
 
 namespace ckptfs {

@@ -88,7 +88,7 @@ DType DTypeFromSafetensorsName(std::string_view n) {
 
 DType DTypeFromTorchName(std::string_view n) {
   // torch aliases that pickles may spell differently.
-  if (n == "float" ) return DType::kF32;
+  if (n == "float") return DType::kF32;
   if (n == "double") return DType::kF64;
   if (n == "half") return DType::kF16;
   if (n == "long") return DType::kI64;
@@ -136,9 +136,15 @@ bool ElementAsDouble(const char* p, DType d, double* out) {
     return v;
   };
   switch (d) {
-    case DType::kF32: *out = load(float{}); return true;
-    case DType::kF64: *out = load(double{}); return true;
-    case DType::kF16: *out = HalfToFloat(load(uint16_t{})); return true;
+    case DType::kF32:
+      *out = load(float{});
+      return true;
+    case DType::kF64:
+      *out = load(double{});
+      return true;
+    case DType::kF16:
+      *out = HalfToFloat(load(uint16_t{}));
+      return true;
     case DType::kBF16: {
       uint32_t bits = static_cast<uint32_t>(load(uint16_t{})) << 16;
       float f;
@@ -146,26 +152,46 @@ bool ElementAsDouble(const char* p, DType d, double* out) {
       *out = f;
       return true;
     }
-    case DType::kI8: *out = load(int8_t{}); return true;
-    case DType::kU8: *out = load(uint8_t{}); return true;
-    case DType::kI16: *out = load(int16_t{}); return true;
-    case DType::kI32: *out = load(int32_t{}); return true;
-    case DType::kI64: *out = static_cast<double>(load(int64_t{})); return true;
-    default: return false;
+    case DType::kI8:
+      *out = load(int8_t{});
+      return true;
+    case DType::kU8:
+      *out = load(uint8_t{});
+      return true;
+    case DType::kI16:
+      *out = load(int16_t{});
+      return true;
+    case DType::kI32:
+      *out = load(int32_t{});
+      return true;
+    case DType::kI64:
+      *out = static_cast<double>(load(int64_t{}));
+      return true;
+    default:
+      return false;
   }
 }
 
 std::string_view CheckName(Check c) {
   switch (c) {
-    case Check::kCoverage: return "coverage";
-    case Check::kCollision: return "name-collision";
-    case Check::kZeroed: return "zeroed-optimizer-state";
-    case Check::kDrift: return "replica-drift";
-    case Check::kGeometry: return "zero-geometry";
-    case Check::kNumerics: return "numerics";
-    case Check::kUnreadable: return "unreadable";
-    case Check::kChecksum: return "checksum";
-    case Check::kMaster: return "master-mismatch";
+    case Check::kCoverage:
+      return "coverage";
+    case Check::kCollision:
+      return "name-collision";
+    case Check::kZeroed:
+      return "zeroed-optimizer-state";
+    case Check::kDrift:
+      return "replica-drift";
+    case Check::kGeometry:
+      return "zero-geometry";
+    case Check::kNumerics:
+      return "numerics";
+    case Check::kUnreadable:
+      return "unreadable";
+    case Check::kChecksum:
+      return "checksum";
+    case Check::kMaster:
+      return "master-mismatch";
   }
   return "unknown";
 }
@@ -202,7 +228,8 @@ std::string CheckTensorGeometry(const TensorRecord& t, const std::vector<Fragmen
       return "a fragment's rank differs from the tensor's";
     }
     for (size_t d = 0; d < t.shape.size(); ++d) {
-      if (f.offsets[d] < 0 || f.lengths[d] < 0 || f.offsets[d] > t.shape[d] || f.lengths[d] > t.shape[d] - f.offsets[d]) {
+      if (f.offsets[d] < 0 || f.lengths[d] < 0 || f.offsets[d] > t.shape[d] ||
+          f.lengths[d] > t.shape[d] - f.offsets[d]) {
         return "a fragment box (offsets " + ShapeStr(f.offsets) + ", lengths " + ShapeStr(f.lengths) +
                ") is outside the shape " + ShapeStr(t.shape);
       }
@@ -295,7 +322,6 @@ uint32_t Checkpoint::AddFileBytes(FileId file, TensorRecord t) {
   f.data_length = t.byte_size;
   return AddTensor(std::move(t), {std::move(f)});
 }
-
 
 void AppendFragmentsJson(std::string& out, const std::vector<Fragment>& frags, const std::vector<SourceFile>& files,
                          uint32_t replicas) {

@@ -112,8 +112,7 @@ std::string Progress::Line(bool final) const {
   const double rate = secs > 0 ? static_cast<double>(done) / secs : 0;
   const bool bytes = unit_ == Unit::kBytes;
   auto amount = [&](uint64_t v) { return bytes ? HumanBytes(v) : std::to_string(v); };
-  std::string rate_s =
-      bytes ? HumanBytes(static_cast<uint64_t>(rate)) + "/s" : Fixed1(rate) + " " + items_ + "/s";
+  std::string rate_s = bytes ? HumanBytes(static_cast<uint64_t>(rate)) + "/s" : Fixed1(rate) + " " + items_ + "/s";
   std::string s = label_ + ": ";
   if (final) {
     s += amount(done) + (bytes ? "" : " " + items_) + " in " + Duration(secs) + ", " + rate_s;

@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cerrno>
-
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/progress.h"
@@ -16,8 +15,8 @@ namespace ckptfs::formats {
 
 namespace {
 Status PastEnd(const std::string& name, uint64_t offset, uint64_t len, uint64_t size) {
-  return Invalid("cannot read " + name + ": range [" + std::to_string(offset) + ", +" +
-                 std::to_string(len) + ") passes the end (" + std::to_string(size) + " bytes)");
+  return Invalid("cannot read " + name + ": range [" + std::to_string(offset) + ", +" + std::to_string(len) +
+                 ") passes the end (" + std::to_string(size) + " bytes)");
 }
 }  // namespace
 
@@ -78,7 +77,7 @@ namespace {
 
 // `fd` (owned) if its size is at most max_bytes; sets `size`.
 Result<int> Bounded(int fd, const std::string& path, uint64_t max_bytes, uint64_t* size) {
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) {
     int e = errno;
     ::close(fd);
@@ -129,7 +128,7 @@ Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f) {
     // Refused but present (outside the tree, a FIFO, a directory): its
     // fingerprint as the staleness check sees it, so the index stays valid
     // and every read of it fails with the refusal; absent: missing (-1).
-    struct stat st{};
+    struct stat st {};
     if (opened.status().code() != Code::kNotFound && ::stat(path.c_str(), &st) == 0) {
       f.size = static_cast<uint64_t>(st.st_size);
       f.mtime_ns = StatNs(st.st_mtim);
@@ -141,7 +140,7 @@ Result<int> OpenAndFingerprint(const std::string& dir, SourceFile& f) {
     return opened.status();
   }
   const int fd = *opened;
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) {
     Status err = ErrnoStatus("stat", path, errno);
     ::close(fd);

@@ -48,8 +48,9 @@ Checkpoint Sanitized(Checkpoint ck) {
     }
   }
   if (n > 0) {
-    ck.info.problems.push_back(std::to_string(n) + " tensor names are not valid UTF-8; shown with each invalid byte as %XX (first: " +
-                               first + ")");
+    ck.info.problems.push_back(
+        std::to_string(n) + " tensor names are not valid UTF-8; shown with each invalid byte as %XX (first: " + first +
+        ")");
   }
   return ck;
 }
@@ -60,24 +61,56 @@ Checkpoint Sanitized(Checkpoint ck) {
 // checked by tests/unit/formats/family_table_test.cc and the conformance suite.
 const std::vector<FamilyReader>& Table() {
   static const std::vector<FamilyReader> kReaders = {
-      {"megatron-dist", 10, "metadata.json with sharded_backend (Megatron-LM dist_checkpointing), or a NeMo / Megatron-Bridge run holding one",
-       "", &formats::LooksLikeMegatronDist, &formats::ReadMegatronDist,
+      {"megatron-dist",
+       10,
+       "metadata.json with sharded_backend (Megatron-LM dist_checkpointing), or a NeMo / Megatron-Bridge run holding "
+       "one",
+       "",
+       &formats::LooksLikeMegatronDist,
+       &formats::ReadMegatronDist,
        {Family::kMegatronTorchDist, Family::kMegatronZarr}},
-      {"pytorch-dcp", 20, ".metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp)",
-       "Megatron's torch_dist is a DCP checkpoint with metadata.json beside it", &formats::LooksLikeDcp,
-       &formats::ReadDcp, {Family::kPytorchDcp}},
-      {"deepspeed", 30, "latest / mp_rank_XX_model_states.pt (DeepSpeed)", "", &formats::LooksLikeDeepSpeed,
-       &formats::ReadDeepSpeed, {Family::kDeepSpeed}},
-      {"megatron-legacy", 40, "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM)", "",
-       &formats::LooksLikeMegatronLegacy, &formats::ReadMegatronLegacy, {Family::kMegatronLegacy}},
-      {"safetensors", 50, "*.safetensors",
-       "an HF Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files", &formats::LooksLikeSafetensorsDir,
-       &formats::ReadSafetensorsDir, {Family::kSafetensors}},
-      {"rank-files", 60, "per-rank torch.save files (verl model_world_size_W_rank_R.pt, Accelerate pytorch_model_fsdp_0_rank<R>.bin)",
-       "a directory of rank files is also a directory of torch.save files", &formats::LooksLikeRankFiles,
-       &formats::ReadRankFiles, {Family::kVerl, Family::kAccelerateFsdp}},
-      {"torch-save", 70, "torch.save .pt / .pth / .bin (Meta consolidated.NN.pth included)", "",
-       &formats::LooksLikeTorchSaveDir, &formats::ReadTorchSaveDir, {Family::kTorchSave, Family::kMetaConsolidated}},
+      {"pytorch-dcp",
+       20,
+       ".metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp)",
+       "Megatron's torch_dist is a DCP checkpoint with metadata.json beside it",
+       &formats::LooksLikeDcp,
+       &formats::ReadDcp,
+       {Family::kPytorchDcp}},
+      {"deepspeed",
+       30,
+       "latest / mp_rank_XX_model_states.pt (DeepSpeed)",
+       "",
+       &formats::LooksLikeDeepSpeed,
+       &formats::ReadDeepSpeed,
+       {Family::kDeepSpeed}},
+      {"megatron-legacy",
+       40,
+       "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM)",
+       "",
+       &formats::LooksLikeMegatronLegacy,
+       &formats::ReadMegatronLegacy,
+       {Family::kMegatronLegacy}},
+      {"safetensors",
+       50,
+       "*.safetensors",
+       "an HF Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files",
+       &formats::LooksLikeSafetensorsDir,
+       &formats::ReadSafetensorsDir,
+       {Family::kSafetensors}},
+      {"rank-files",
+       60,
+       "per-rank torch.save files (verl model_world_size_W_rank_R.pt, Accelerate pytorch_model_fsdp_0_rank<R>.bin)",
+       "a directory of rank files is also a directory of torch.save files",
+       &formats::LooksLikeRankFiles,
+       &formats::ReadRankFiles,
+       {Family::kVerl, Family::kAccelerateFsdp}},
+      {"torch-save",
+       70,
+       "torch.save .pt / .pth / .bin (Meta consolidated.NN.pth included)",
+       "",
+       &formats::LooksLikeTorchSaveDir,
+       &formats::ReadTorchSaveDir,
+       {Family::kTorchSave, Family::kMetaConsolidated}},
   };
   return kReaders;
 }
@@ -104,7 +137,8 @@ Result<const FamilyReader*> Pick(const std::string& dir, Family forced) {
   if (forced != Family::kUnknown) {
     ASSIGN_OR_RETURN(const FamilyReader* r, Forced(forced));
     if (!r->looks(dir)) {
-      return Unsupported("--family " + std::string(FamilyName(forced)) + ": " + dir + " has no " + std::string(r->marks));
+      return Unsupported("--family " + std::string(FamilyName(forced)) + ": " + dir + " has no " +
+                         std::string(r->marks));
     }
     return r;
   }

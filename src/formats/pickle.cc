@@ -19,8 +19,8 @@ using Arena = std::deque<PyValue>;  // stable addresses; destroyed iteratively
 bool StartsWith(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
 
 bool IsAllowedGlobal(const std::string& module, const std::string& name, const PickleOptions& opts) {
-  static const char* kModules[] = {"torch", "numpy", "collections", "argparse", "_codecs", "copyreg",
-                                   "pathlib", "uuid", "datetime", "enum"};
+  static const char* kModules[] = {"torch",   "numpy",   "collections", "argparse", "_codecs",
+                                   "copyreg", "pathlib", "uuid",        "datetime", "enum"};
   auto under = [&](std::string_view prefix) {
     return module == prefix || StartsWith(module, std::string(prefix) + ".");
   };
@@ -31,8 +31,8 @@ bool IsAllowedGlobal(const std::string& module, const std::string& name, const P
     if (under(m)) return true;
   }
   if (module == "builtins") {
-    static const char* kNames[] = {"getattr", "set", "frozenset", "bytearray", "bytes", "complex", "slice",
-                                   "range", "object", "dict", "list", "tuple", "int", "float", "str", "bool"};
+    static const char* kNames[] = {"getattr", "set",  "frozenset", "bytearray", "bytes", "complex", "slice", "range",
+                                   "object",  "dict", "list",      "tuple",     "int",   "float",   "str",   "bool"};
     for (const char* n : kNames) {
       if (name == n) return true;
     }
@@ -44,10 +44,10 @@ bool IsAllowedGlobal(const std::string& module, const std::string& name, const P
 // on the interpreter, and builtins other than the allowed constructors. The
 // VM would not call them either; refusing them names a crafted file plainly.
 bool IsDeniedGlobal(const std::string& module) {
-  static const char* kModules[] = {"os", "posix", "nt", "subprocess", "sys", "shutil", "socket", "importlib",
-                                   "runpy", "pickle", "_pickle", "marshal", "code", "codeop", "ctypes", "pty",
-                                   "signal", "multiprocessing", "webbrowser", "tempfile", "builtins", "pdb",
-                                   "timeit", "platform"};
+  static const char* kModules[] = {"os",         "posix",     "nt",       "subprocess", "sys",     "shutil",
+                                   "socket",     "importlib", "runpy",    "pickle",     "_pickle", "marshal",
+                                   "code",       "codeop",    "ctypes",   "pty",        "signal",  "multiprocessing",
+                                   "webbrowser", "tempfile",  "builtins", "pdb",        "timeit",  "platform"};
   for (const char* m : kModules) {
     if (module == m || StartsWith(module, std::string(m) + ".")) return true;
   }
@@ -97,7 +97,10 @@ Result<std::string> DecodeRawUnicodeEscape(std::string_view in) {
     uint32_t cp = 0;
     for (size_t k = 0; k < digits; ++k) {
       const char h = in[i + 2 + k];
-      const int v = h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+      const int v = h >= '0' && h <= '9'   ? h - '0'
+                    : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                    : h >= 'A' && h <= 'F' ? h - 'A' + 10
+                                           : -1;
       if (v < 0) return Invalid("bad \\u escape in a UNICODE argument");
       cp = cp << 4 | static_cast<uint32_t>(v);
     }
@@ -187,7 +190,8 @@ struct KnownEnum {
 const std::vector<KnownEnum>& KnownEnums() {
   static const std::vector<KnownEnum> k = {
       // deepspeed/runtime/zero/config.py
-      {"deepspeed.runtime.zero.config", "ZeroStageEnum",
+      {"deepspeed.runtime.zero.config",
+       "ZeroStageEnum",
        {{"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}}},
   };
   return k;
@@ -573,15 +577,15 @@ class Vm {
   IndexMap<PyRef> memo_;
   std::shared_ptr<Arena> arena_;
   bool streaming_ = false;
-  IndexMap<uint64_t> memo_reads_;  // streaming: GETs still to come, by memo index
-  size_t next_collect_ = kMinCollect;                 // streaming: live nodes that trigger Collect
-  uint64_t memoized_ = 0;                   // MEMOIZE ops so far (the next index)
-  std::vector<PyRef> free_;                 // streaming: freed nodes to reuse
+  IndexMap<uint64_t> memo_reads_;      // streaming: GETs still to come, by memo index
+  size_t next_collect_ = kMinCollect;  // streaming: live nodes that trigger Collect
+  uint64_t memoized_ = 0;              // MEMOIZE ops so far (the next index)
+  std::vector<PyRef> free_;            // streaming: freed nodes to reuse
   static constexpr size_t kMaxSharedInts = size_t{1} << 20;
   std::unordered_map<int64_t, PyRef> ints_;  // streaming: one pinned node per int value
-  PyRef none_ = nullptr;                      // streaming: the shared None
-  PyRef bools_[2] = {nullptr, nullptr};       // streaming: the shared False, True
-  std::vector<std::string> placeholders_;  // unknown globals kept inert, in first-seen order
+  PyRef none_ = nullptr;                     // streaming: the shared None
+  PyRef bools_[2] = {nullptr, nullptr};      // streaming: the shared False, True
+  std::vector<std::string> placeholders_;    // unknown globals kept inert, in first-seen order
 };
 
 Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
@@ -634,7 +638,8 @@ Result<PyRef> Vm::RebuildTensor(const std::string& fn, const std::vector<PyRef>&
   t.storage_key = a[0]->s;
   t.dtype = a[0]->Parts().storage_dtype;
   if (fn == "_rebuild_tensor_v3") {
-    if (a[6]->kind != PyKind::kGlobal || a[6]->s != "torch") return Err("_rebuild_tensor_v3: dtype is not a torch dtype");
+    if (a[6]->kind != PyKind::kGlobal || a[6]->s != "torch")
+      return Err("_rebuild_tensor_v3: dtype is not a torch dtype");
     t.dtype = DTypeFromTorchName(a[6]->name());
     if (t.dtype == DType::kInvalid) return Err("unsupported dtype torch." + a[6]->name());
   } else if (a[0]->Parts().untyped) {
@@ -658,8 +663,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
   if (callable->kind == PyKind::kGlobal) {
     const std::string& m = callable->s;
     const std::string& n = callable->name();
-    if (m == "torch._utils" &&
-        (n == "_rebuild_tensor_v2" || n == "_rebuild_tensor_v3" || n == "_rebuild_tensor")) {
+    if (m == "torch._utils" && (n == "_rebuild_tensor_v2" || n == "_rebuild_tensor_v3" || n == "_rebuild_tensor")) {
       return RebuildTensor(n, a);
     }
     if (m == "torch._utils" && (n == "_rebuild_parameter" || n == "_rebuild_parameter_with_state")) {
@@ -765,7 +769,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
 
 void Vm::ScanMemoReads() {
   Cursor c = std::move(rescan_);  // its window goes with the scan
-  auto skip_sized = [&](size_t len_bytes) { 
+  auto skip_sized = [&](size_t len_bytes) {
     auto n = c.Le(len_bytes);
     return n.ok() && c.Skip(*n).ok();
   };
@@ -782,31 +786,50 @@ void Vm::ScanMemoReads() {
     switch (static_cast<unsigned char>(*opr)) {
       case '.':
         return;
-      case 0x80: case 'K': case 'q':
+      case 0x80:
+      case 'K':
+      case 'q':
         ok = c.Skip(1).ok();
         break;
       case 'M':
         ok = c.Skip(2).ok();
         break;
-      case 'J': case 'r':
+      case 'J':
+      case 'r':
         ok = c.Skip(4).ok();
         break;
-      case 0x95: case 'G':
+      case 0x95:
+      case 'G':
         ok = c.Skip(8).ok();
         break;
-      case 0x8a: case 0x8c: case 'C': case 'U':
+      case 0x8a:
+      case 0x8c:
+      case 'C':
+      case 'U':
         ok = skip_sized(1);
         break;
-      case 0x8b: case 'X': case 'B': case 'T':
+      case 0x8b:
+      case 'X':
+      case 'B':
+      case 'T':
         ok = skip_sized(4);
         break;
-      case 0x8d: case 0x8e: case 0x96:
+      case 0x8d:
+      case 0x8e:
+      case 0x96:
         ok = skip_sized(8);
         break;
-      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'p':
+      case 'I':
+      case 'L':
+      case 'F':
+      case 'S':
+      case 'V':
+      case 'P':
+      case 'p':
         ok = c.Line().ok();
         break;
-      case 'c': case 'i':
+      case 'c':
+      case 'i':
         ok = c.Line().ok() && c.Line().ok();
         break;
       case 'h':
@@ -945,15 +968,15 @@ Result<PyRef> Vm::Run() {
         RETURN_IF_ERROR(Push(v));
         break;
       }
-      case 'X':     // BINUNICODE
-      case 0x8c:    // SHORT_BINUNICODE
-      case 0x8d:    // BINUNICODE8
-      case 'B':     // BINBYTES
-      case 'C':     // SHORT_BINBYTES
-      case 0x8e:    // BINBYTES8
-      case 0x96:    // BYTEARRAY8
-      case 'T':     // BINSTRING
-      case 'U': {   // SHORT_BINSTRING
+      case 'X':    // BINUNICODE
+      case 0x8c:   // SHORT_BINUNICODE
+      case 0x8d:   // BINUNICODE8
+      case 'B':    // BINBYTES
+      case 'C':    // SHORT_BINBYTES
+      case 0x8e:   // BINBYTES8
+      case 0x96:   // BYTEARRAY8
+      case 'T':    // BINSTRING
+      case 'U': {  // SHORT_BINSTRING
         uint64_t n;
         if (op == 0x8c || op == 'C' || op == 'U') {
           ASSIGN_OR_RETURN(uint8_t n1, Num<uint8_t>());
@@ -969,8 +992,8 @@ Result<PyRef> Vm::Run() {
         // A str pickled with surrogatepass (Python's surrogateescape of a
         // file name) is not UTF-8: names are escaped here, once, so every
         // view, JSON and safetensors header downstream gets valid UTF-8.
-        RETURN_IF_ERROR(Push(MakeStr(is_str ? PyKind::kStr : PyKind::kBytes,
-                                     is_str ? EscapeNonUtf8(b) : std::string(b))));
+        RETURN_IF_ERROR(
+            Push(MakeStr(is_str ? PyKind::kStr : PyKind::kBytes, is_str ? EscapeNonUtf8(b) : std::string(b))));
         break;
       }
       case 'S': {  // STRING: a quoted repr
@@ -1105,8 +1128,8 @@ Result<PyRef> Vm::Run() {
         RETURN_IF_ERROR(Push(o));
         break;
       }
-      case 0x81:    // NEWOBJ
-      case 0x92: {  // NEWOBJ_EX
+      case 0x81:                                          // NEWOBJ
+      case 0x92: {                                        // NEWOBJ_EX
         if (op == 0x92) RETURN_IF_ERROR(Pop().status());  // kwargs: not recorded
         ASSIGN_OR_RETURN(PyRef args, Pop());
         ASSIGN_OR_RETURN(PyRef cls, Pop());

@@ -70,8 +70,17 @@ using PyRef = PyValue*;
 using PyHandle = std::shared_ptr<PyValue>;
 
 enum class PyKind : uint8_t {
-  kNone, kBool, kInt, kBigInt, kFloat, kStr, kBytes,
-  kTuple, kList, kDict, kSet,
+  kNone,
+  kBool,
+  kInt,
+  kBigInt,
+  kFloat,
+  kStr,
+  kBytes,
+  kTuple,
+  kList,
+  kDict,
+  kSet,
   kGlobal,   // a class or function: module + name
   kObject,   // a recorded call cls(*args) with BUILD state and appended items
   kStorage,  // a persistent id ('storage', class, key, location, numel)
@@ -89,20 +98,20 @@ struct TensorRef {
 struct PyValue {
   PyKind kind = PyKind::kNone;
   bool b = false;
-  bool newobj = false; // object: made by NEWOBJ (cls.__new__) rather than REDUCE
+  bool newobj = false;       // object: made by NEWOBJ (cls.__new__) rather than REDUCE
   bool placeholder = false;  // global: not on the allow list, kept inert (see the header note)
-  bool pinned = false;  // streaming: reachable from the memo or the stack twice, never freed
-  bool marked = false;  // streaming: reached in the current Collect (the VM's, always false after)
-  uint32_t depth = 0;  // nesting depth, bounded so that recursive consumers cannot overflow the stack
+  bool pinned = false;       // streaming: reachable from the memo or the stack twice, never freed
+  bool marked = false;       // streaming: reached in the current Collect (the VM's, always false after)
+  uint32_t depth = 0;        // nesting depth, bounded so that recursive consumers cannot overflow the stack
   union {
     int64_t i = 0;
     double f;
   };
-  std::string s;       // str, bytes, big-int bytes (LE two's complement), global module
+  std::string s;                              // str, bytes, big-int bytes (LE two's complement), global module
   std::vector<PyRef> items;                   // tuple, list, set; object's APPEND(S)
   std::vector<std::pair<PyRef, PyRef>> dict;  // dict; object's SETITEM(S)
-  PyRef callable = nullptr;  // object: the class / function
-  PyRef state = nullptr;     // object: BUILD state
+  PyRef callable = nullptr;                   // object: the class / function
+  PyRef state = nullptr;                      // object: BUILD state
   // What only a global (its name), a call with arguments, a storage or a
   // tensor carries, out of line: a DCP .metadata holds millions of values
   // (128 bytes each), nearly all tuples, dicts, strs and argument-less
@@ -114,9 +123,9 @@ struct PyValue {
     TensorRef tensor;                       // tensor
   };
   struct Ext {
-    std::string name;                     // global
-    std::vector<PyRef> args;              // object: call arguments
-    std::unique_ptr<TensorParts> parts;   // storage / tensor
+    std::string name;                    // global
+    std::vector<PyRef> args;             // object: call arguments
+    std::unique_ptr<TensorParts> parts;  // storage / tensor
   };
   std::unique_ptr<Ext> ext;
 

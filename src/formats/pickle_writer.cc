@@ -9,9 +9,8 @@ namespace {
 constexpr uint8_t kMark = '(', kStop = '.', kNone = 'N', kNewTrue = 0x88, kNewFalse = 0x89, kBinInt = 'J',
                   kBinInt1 = 'K', kBinInt2 = 'M', kLong1 = 0x8a, kBinFloat = 'G', kBinUnicode = 'X',
                   kShortBinBytes = 'C', kBinBytes = 'B', kGlobal = 'c', kEmptyTuple = ')', kTuple = 't',
-                  kEmptyList = ']', kAppends = 'e',
-                  kEmptyDict = '}', kSetItems = 'u', kReduce = 'R', kNewObj = 0x81, kBuild = 'b',
-                  kBinPersId = 'Q', kProto = 0x80;
+                  kEmptyList = ']', kAppends = 'e', kEmptyDict = '}', kSetItems = 'u', kReduce = 'R', kNewObj = 0x81,
+                  kBuild = 'b', kBinPersId = 'Q', kProto = 0x80;
 constexpr int kMaxDepth = 200;
 
 }  // namespace
@@ -162,18 +161,31 @@ Status PickleWriter::ValueAt(const PyValue& v, const TensorFn& tensor_fn, int de
     return ValueAt(*x, tensor_fn, depth + 1);
   };
   switch (v.kind) {
-    case PyKind::kNone: None(); return Status::Ok();
-    case PyKind::kBool: Bool(v.b); return Status::Ok();
-    case PyKind::kInt: Int(v.i); return Status::Ok();
+    case PyKind::kNone:
+      None();
+      return Status::Ok();
+    case PyKind::kBool:
+      Bool(v.b);
+      return Status::Ok();
+    case PyKind::kInt:
+      Int(v.i);
+      return Status::Ok();
     case PyKind::kBigInt:
       Op(kLong1);
-      if (v.s.size() > 255) return Unsupported("cannot re-pickle an integer of " + std::to_string(v.s.size()) + " bytes");
+      if (v.s.size() > 255)
+        return Unsupported("cannot re-pickle an integer of " + std::to_string(v.s.size()) + " bytes");
       out_.push_back(static_cast<char>(v.s.size()));
       out_.append(v.s);
       return Status::Ok();
-    case PyKind::kFloat: Float(v.f); return Status::Ok();
-    case PyKind::kStr: Str(v.s); return Status::Ok();
-    case PyKind::kBytes: Bytes(v.s); return Status::Ok();
+    case PyKind::kFloat:
+      Float(v.f);
+      return Status::Ok();
+    case PyKind::kStr:
+      Str(v.s);
+      return Status::Ok();
+    case PyKind::kBytes:
+      Bytes(v.s);
+      return Status::Ok();
     case PyKind::kTuple:
       BeginTuple();
       for (PyRef x : v.items) RETURN_IF_ERROR(sub(x));
@@ -201,7 +213,9 @@ Status PickleWriter::ValueAt(const PyValue& v, const TensorFn& tensor_fn, int de
       }
       EndDict();
       return Status::Ok();
-    case PyKind::kGlobal: Global(v.s, v.name()); return Status::Ok();
+    case PyKind::kGlobal:
+      Global(v.s, v.name());
+      return Status::Ok();
     case PyKind::kObject:
       RETURN_IF_ERROR(sub(v.callable));
       BeginTuple();

@@ -18,15 +18,14 @@ std::string Join(const std::vector<std::string>& v, size_t from) {
 
 bool IsOptimizerRoot(const std::string& s) { return s == "optimizer" || s == "optim" || s == "optimizers"; }
 bool IsNonModelRoot(const std::string& s) {
-  static const std::set<std::string> kRoots = {"lr_scheduler", "scheduler", "dataloader", "train_state",
-                                               "extra", "extra_state", "rng", "rng_state", "args",
-                                               "trainer", "metrics"};
+  static const std::set<std::string> kRoots = {"lr_scheduler", "scheduler",   "dataloader", "train_state",
+                                               "extra",        "extra_state", "rng",        "rng_state",
+                                               "args",         "trainer",     "metrics"};
   return kRoots.count(s) > 0 || IsOptimizerRoot(s);
 }
 
 // Splits "<fqn>.<state>" where fqn is the longest known parameter name.
-bool SplitByKnownFqn(const std::string& rest, const std::set<std::string>& fqns, std::string* fqn,
-                     std::string* state) {
+bool SplitByKnownFqn(const std::string& rest, const std::set<std::string>& fqns, std::string* fqn, std::string* state) {
   for (size_t dot = rest.rfind('.'); dot != std::string::npos && dot > 0; dot = rest.rfind('.', dot - 1)) {
     if (fqns.count(rest.substr(0, dot))) {
       *fqn = rest.substr(0, dot);

@@ -21,7 +21,8 @@ Status CheckTiling(const TensorRecord& t, const std::vector<Fragment>& frags, co
   }
   const Coverage c = AnalyzeCoverage(t.shape, boxes, 8);
   if (c.clean()) return Status::Ok();
-  CoverageText text = DescribeCoverage(c, t.shape, [&](size_t i) { return files_of(frags[i]); }, "chunks");
+  CoverageText text = DescribeCoverage(
+      c, t.shape, [&](size_t i) { return files_of(frags[i]); }, "chunks");
   *detail = std::move(text.detail);
   return Invalid(text.message);
 }

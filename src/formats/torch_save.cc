@@ -14,7 +14,8 @@ Result<TorchSaveArchive> ReadTorchSave(const ByteReader& r, const PickleOptions&
   a.prefix = first.substr(0, slash);
   const ZipEntry* pkl = a.zip.Find(a.prefix + "/data.pkl");
   if (pkl == nullptr) return Invalid("cannot read torch.save archive " + r.Describe() + ": no data.pkl");
-  if (pkl->size > (256u << 20)) return Invalid("cannot read torch.save archive " + r.Describe() + ": data.pkl too large");
+  if (pkl->size > (256u << 20))
+    return Invalid("cannot read torch.save archive " + r.Describe() + ": data.pkl too large");
   ASSIGN_OR_RETURN(uint64_t off, ZipDataOffset(r, *pkl));
   ASSIGN_OR_RETURN(std::string bytes, r.ReadAt(off, pkl->size));
   ASSIGN_OR_RETURN(a.root, Unpickle(bytes, r.Describe() + " data.pkl", opts, &a.placeholders));

@@ -5,8 +5,8 @@
 namespace ckptfs::formats {
 namespace {
 
-constexpr uint32_t kLocalSig = 0x04034b50, kCentralSig = 0x02014b50, kEndSig = 0x06054b50,
-                   kZip64EndSig = 0x06064b50, kZip64LocatorSig = 0x07064b50, kDescriptorSig = 0x08074b50;
+constexpr uint32_t kLocalSig = 0x04034b50, kCentralSig = 0x02014b50, kEndSig = 0x06054b50, kZip64EndSig = 0x06064b50,
+                   kZip64LocatorSig = 0x07064b50, kDescriptorSig = 0x08074b50;
 constexpr uint64_t kMax32 = 0xFFFFFFFFull;
 constexpr uint16_t kDosDate = (0 << 9) | (1 << 5) | 1;  // 1980-01-01: reproducible bytes
 
@@ -63,9 +63,9 @@ class PartList {
 struct Entry {
   std::string name;
   uint64_t size = 0;
-  uint64_t offset = 0;  // local header
-  std::string data;       // literal records: the bytes
-  uint32_t crc = 0;       // literal records
+  uint64_t offset = 0;                      // local header
+  std::string data;                         // literal records: the bytes
+  uint32_t crc = 0;                         // literal records
   const ArchiveStorage* storage = nullptr;  // tensor records (CRC in the data descriptor)
 };
 
@@ -113,7 +113,8 @@ std::vector<ExportPart> TorchSaveParts(const std::string& archive_name, const st
     Entry e;
     e.name = archive_name + "/" + name;
     e.size = data.size();
-    e.crc = static_cast<uint32_t>(crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data.data()), data.size()));
+    e.crc =
+        static_cast<uint32_t>(crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data.data()), data.size()));
     e.data = std::move(data);
     entries.push_back(std::move(e));
   };
@@ -151,7 +152,8 @@ std::vector<ExportPart> TorchSaveParts(const std::string& archive_name, const st
   const uint64_t cd_start = out.size();
   for (const Entry& e : entries) {
     const bool big_size = e.size >= kMax32, big_off = e.offset >= kMax32;
-    const uint16_t extra = (big_size || big_off) ? static_cast<uint16_t>(4 + (big_size ? 16 : 0) + (big_off ? 8 : 0)) : 0;
+    const uint16_t extra =
+        (big_size || big_off) ? static_cast<uint16_t>(4 + (big_size ? 16 : 0) + (big_off ? 8 : 0)) : 0;
     out.Le<uint32_t>(kCentralSig);
     out.Le<uint16_t>(extra ? 45 : 20);  // made by
     out.Le<uint16_t>(extra ? 45 : 20);  // needed

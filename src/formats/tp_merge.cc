@@ -5,8 +5,8 @@
 namespace ckptfs::formats {
 
 std::optional<int> LlamaLinearSplitDim(std::string_view fqn) {
-  for (const char* col : {".wq.", ".wk.", ".wv.", ".w1.", ".w3.", ".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.",
-                          ".up_proj."}) {
+  for (const char* col :
+       {".wq.", ".wk.", ".wv.", ".w1.", ".w3.", ".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj."}) {
     if (Contains(fqn, col)) return 0;
   }
   for (const char* row : {".wo.", ".w2.", ".o_proj.", ".down_proj."}) {
@@ -24,9 +24,14 @@ TensorSplit SplitOf(const Rule& r) {
       s.pad_rows = r.vocab && r.cat_dim == 0;
       break;
     case Merge::kReplicated:
-    case Merge::kAverage: s.kind = SplitKind::kReplicate; break;
-    case Merge::kSub2: s.kind = SplitKind::kSub2; break;
-    case Merge::kSubParams: break;  // not one of topo/'s split kinds
+    case Merge::kAverage:
+      s.kind = SplitKind::kReplicate;
+      break;
+    case Merge::kSub2:
+      s.kind = SplitKind::kSub2;
+      break;
+    case Merge::kSubParams:
+      break;  // not one of topo/'s split kinds
   }
   return s;
 }
@@ -171,7 +176,6 @@ void AddRangeFragments(const Merger& m, int t, const std::vector<int64_t>& local
     }
   }
 }
-
 
 void AddWholeFragments(const Merger& m, int t, const Loc& stored, FileId file, std::vector<Fragment>& out) {
   if (stored.Numel() == 0) return;

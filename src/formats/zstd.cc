@@ -50,8 +50,8 @@ Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const 
   return out;
 }
 
-Result<uint64_t> ZstdCountDecompressed(const std::function<Status(uint64_t, uint64_t, char*)>& input,
-                                       uint64_t in_size, uint64_t max_out, const std::string& what) {
+Result<uint64_t> ZstdCountDecompressed(const std::function<Status(uint64_t, uint64_t, char*)>& input, uint64_t in_size,
+                                       uint64_t max_out, const std::string& what) {
   std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
   if (ds == nullptr) return Internal("cannot allocate a zstd stream");
   constexpr uint64_t kInPiece = 1 << 20;

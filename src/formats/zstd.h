@@ -24,8 +24,8 @@ Result<std::string> ZstdDecompress(std::string_view in, uint64_t max_out, const 
 // item's size (a bytes item whose frames declare no content size). Fails,
 // naming `what`, past `max_out` decompressed bytes or on a corrupt or
 // truncated stream.
-Result<uint64_t> ZstdCountDecompressed(const std::function<Status(uint64_t, uint64_t, char*)>& input,
-                                       uint64_t in_size, uint64_t max_out, const std::string& what);
+Result<uint64_t> ZstdCountDecompressed(const std::function<Status(uint64_t, uint64_t, char*)>& input, uint64_t in_size,
+                                       uint64_t max_out, const std::string& what);
 
 // Forward-only streaming decompression of one compressed item whose input is
 // fetched in pieces: a large item is never held whole, and sequential reads

@@ -36,11 +36,11 @@ std::string Micros(uint64_t ns) {
 // stops it). `base`: where this layout's bytes start in the request.
 using ArchiveExpander = std::function<Result<std::shared_ptr<const FileLayout>>(const Segment&)>;
 template <typename Fn>
-bool ForEachSegment(const FileLayout& layout, uint64_t offset, uint64_t size, const ArchiveExpander& expand, Status* err,
-                    Fn&& fn, uint64_t base = 0) {
+bool ForEachSegment(const FileLayout& layout, uint64_t offset, uint64_t size, const ArchiveExpander& expand,
+                    Status* err, Fn&& fn, uint64_t base = 0) {
   // The first segment that ends after `offset`.
-  size_t first = static_cast<size_t>(std::upper_bound(layout.starts.begin(), layout.starts.end(), offset) -
-                                     layout.starts.begin());
+  size_t first =
+      static_cast<size_t>(std::upper_bound(layout.starts.begin(), layout.starts.end(), offset) - layout.starts.begin());
   first = first == 0 ? 0 : first - 1;
   for (size_t si = first; si < layout.segments.size(); ++si) {
     const Segment& s = layout.segments[si];
@@ -96,8 +96,7 @@ uint64_t LatencyHistogram::PercentileNs(double q) const {
   if (n == 0) return 0;
   // The rank of the q-quantile, 1-based: ceil(q * n) (less a rounding
   // error's worth: 0.9 * 100 is 90, not 91), at least 1.
-  const uint64_t want =
-      std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * static_cast<double>(n) - 1e-9)));
+  const uint64_t want = std::max<uint64_t>(1, static_cast<uint64_t>(std::ceil(q * static_cast<double>(n) - 1e-9)));
   uint64_t seen = 0;
   for (int i = 0; i < kBuckets; ++i) {
     seen += counts[i];
@@ -145,7 +144,8 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   std::error_code ec;
   const std::string cache_dir = UserCacheDir();
   std::filesystem::create_directories(cache_dir, ec);  // no cache dir: calibrate at every mount
-  ASSIGN_OR_RETURN(auto policy, TransformPolicy::Make(opts.gpu, ec ? "" : cache_dir + "/gpu-calibration.json", opts.cuda));
+  ASSIGN_OR_RETURN(auto policy,
+                   TransformPolicy::Make(opts.gpu, ec ? "" : cache_dir + "/gpu-calibration.json", opts.cuda));
   ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine, std::move(policy)));
   fs->reader_->set_verify_on_read(opts.verify_on_read);
   fs->mapped_reads_ = opts.mapped_reads;
@@ -382,38 +382,39 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
   thread_local std::vector<SourceSpan> spans;
   thread_local ConvertPlan convert;
   bool converted = false;
-  const bool all = ForEachSegment(layout, offset, size, expander_, nullptr, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t) {
-    const size_t room = max_pieces - std::min(max_pieces, r->bytes.pieces.size());
-    switch (s.kind) {
-      case SegmentKind::kLiteral:
-        return room > 0 && literal(s.literal.data() + in, n);
-      case SegmentKind::kTensor: {
-        if (s.transposed) return false;
-        if (reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans)) {
-          return reader_->MapSpans(spans, &r->bytes).ok();
+  const bool all = ForEachSegment(
+      layout, offset, size, expander_, nullptr, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t) {
+        const size_t room = max_pieces - std::min(max_pieces, r->bytes.pieces.size());
+        switch (s.kind) {
+          case SegmentKind::kLiteral:
+            return room > 0 && literal(s.literal.data() + in, n);
+          case SegmentKind::kTensor: {
+            if (s.transposed) return false;
+            if (reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans)) {
+              return reader_->MapSpans(spans, &r->bytes).ok();
+            }
+            // A conversion (not bounded by the reply's iovecs: it is converted
+            // here). Any failure falls back to the engine, which reports it.
+            if (!SigbusGuardInstalled() || room == 0 ||
+                !reader_->PlanConvert(s.tensor, s.out_dtype, s.box_or_null(), in, n, kMaxConvertSpans, &convert)) {
+              return false;
+            }
+            char* at = take(n);
+            if (at == nullptr || !reader_->ConvertMapped(convert, at).ok()) return false;
+            own(at, n);
+            converted = true;
+            return true;
+          }
+          case SegmentKind::kCrc32:
+          case SegmentKind::kHash: {
+            auto d = DigestBytes(s);
+            return d.ok() && room > 0 && literal(d->data() + in, n);
+          }
+          case SegmentKind::kArchive:  // expanded by ForEachSegment
+            return false;
         }
-        // A conversion (not bounded by the reply's iovecs: it is converted
-        // here). Any failure falls back to the engine, which reports it.
-        if (!SigbusGuardInstalled() || room == 0 ||
-            !reader_->PlanConvert(s.tensor, s.out_dtype, s.box_or_null(), in, n, kMaxConvertSpans, &convert)) {
-          return false;
-        }
-        char* at = take(n);
-        if (at == nullptr || !reader_->ConvertMapped(convert, at).ok()) return false;
-        own(at, n);
-        converted = true;
-        return true;
-      }
-      case SegmentKind::kCrc32:
-      case SegmentKind::kHash: {
-        auto d = DigestBytes(s);
-        return d.ok() && room > 0 && literal(d->data() + in, n);
-      }
-      case SegmentKind::kArchive:  // expanded by ForEachSegment
         return false;
-    }
-    return false;
-  });
+      });
   if (!all) return false;
   if (r->bytes.pieces.size() > max_pieces) return false;
   // The latency of planning and mapping: the kernel's copy comes after.
@@ -427,8 +428,9 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
 
 void Filesystem::MappedReplyFailed(uint64_t ino, uint64_t offset, int err) {
   errors_.fetch_add(1, std::memory_order_relaxed);
-  LogError(view_->PathOf(ino) + " @ " + std::to_string(offset) + ": the kernel could not copy the mapped source bytes (" +
-           std::strerror(err) + "): a source file changed during the read; remount to rebuild the index");
+  LogError(view_->PathOf(ino) + " @ " + std::to_string(offset) +
+           ": the kernel could not copy the mapped source bytes (" + std::strerror(err) +
+           "): a source file changed during the read; remount to rebuild the index");
 }
 
 Result<size_t> Filesystem::ReadStats(uint64_t offset, size_t size, char* buf) {
@@ -464,9 +466,9 @@ std::string Filesystem::StatsJson() const {
   j += "  \"lookups\": " + u(lookups_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"getattrs\": " + u(getattrs_.load(std::memory_order_relaxed)) + ",\n";
   j += "  \"listings\": " + u(listings_.load(std::memory_order_relaxed)) + ",\n";
-  j += "  \"read_latency_us\": {\"count\": " + u(latency_.count()) + ", \"p50\": " + Micros(latency_.PercentileNs(0.50)) +
-       ", \"p90\": " + Micros(latency_.PercentileNs(0.90)) + ", \"p99\": " + Micros(latency_.PercentileNs(0.99)) +
-       ", \"max\": " + Micros(latency_.max_ns()) + "},\n";
+  j += "  \"read_latency_us\": {\"count\": " + u(latency_.count()) +
+       ", \"p50\": " + Micros(latency_.PercentileNs(0.50)) + ", \"p90\": " + Micros(latency_.PercentileNs(0.90)) +
+       ", \"p99\": " + Micros(latency_.PercentileNs(0.99)) + ", \"max\": " + Micros(latency_.max_ns()) + "},\n";
   j += "  \"source_bytes_read\": " + u(reader_->source_bytes_read()) + ",\n";
   j += "  \"source_reads\": " + u(reader_->source_reads()) + ",\n";
   j += "  \"engine\": " + JsonEscape(engine_name()) + ",\n";

@@ -6,7 +6,6 @@
 // operation answers EROFS (the mount is also "ro").
 #define FUSE_USE_VERSION 312
 #include <fuse3/fuse_lowlevel.h>
-
 #include <sys/sysmacros.h>
 #include <sys/uio.h>
 
@@ -171,11 +170,11 @@ void OnReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file
     if (buf.size() < size) buf.resize(size);
     size_t used = 0;
     for (const DirEntry& d : *entries) {
-      struct stat st{};
+      struct stat st {};
       st.st_ino = d.ino;
       st.st_mode = d.is_dir ? S_IFDIR : S_IFREG;
-      size_t n = fuse_add_direntry(req, buf.data() + used, size - used, d.name.c_str(), &st,
-                                   static_cast<off_t>(d.next));
+      size_t n =
+          fuse_add_direntry(req, buf.data() + used, size - used, d.name.c_str(), &st, static_cast<off_t>(d.next));
       if (n > size - used) break;
       used += n;
     }
@@ -208,8 +207,8 @@ void OnReaddirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_
           FillStat(*a, &e.attr);
         }
       }
-      size_t n = fuse_add_direntry_plus(req, buf.data() + used, size - used, d.name.c_str(), &e,
-                                        static_cast<off_t>(d.next));
+      size_t n =
+          fuse_add_direntry_plus(req, buf.data() + used, size - used, d.name.c_str(), &e, static_cast<off_t>(d.next));
       if (n > size - used) break;
       used += n;
     }
@@ -247,7 +246,8 @@ void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_in
       const auto& iov = mapped.bytes.pieces;
       const int rc = fuse_reply_iov(req, iov.data(), static_cast<int>(iov.size()));
       mapped.Clear();  // unpins the windows
-      if (rc < 0 && rc != -ENOENT) Fs(req).MappedReplyFailed(ino, static_cast<uint64_t>(off), -rc);  // ENOENT: interrupted
+      if (rc < 0 && rc != -ENOENT)
+        Fs(req).MappedReplyFailed(ino, static_cast<uint64_t>(off), -rc);  // ENOENT: interrupted
       return;
     }
     mapped.Clear();
@@ -263,7 +263,7 @@ void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_in
 }
 
 void OnStatfs(fuse_req_t req, fuse_ino_t) {
-  struct statvfs sv{};
+  struct statvfs sv {};
   sv.f_bsize = 1 << 20;
   sv.f_frsize = 4096;
   sv.f_files = Fs(req).view().num_nodes();
@@ -280,7 +280,7 @@ void ReadOnly(fuse_req_t req) { fuse_reply_err(req, EROFS); }
 // the 1 MiB request size. Runs on its own thread: the stat() is served by the
 // session loop. Needs root (sysfs); otherwise reads stay at 128 KiB (logged).
 void RaiseReadahead(const std::string& mountpoint) {
-  struct stat st{};
+  struct stat st {};
   if (::stat(mountpoint.c_str(), &st) != 0) return;
   char path[96];
   std::snprintf(path, sizeof(path), "/sys/class/bdi/%u:%u/read_ahead_kb", major(st.st_dev), minor(st.st_dev));

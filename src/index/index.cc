@@ -1,11 +1,11 @@
 #include "ckptfs/index.h"
 
+#include <fcntl.h>
 #include <rocksdb/db.h>
 #include <rocksdb/options.h>
 #include <rocksdb/sst_file_writer.h>
 #include <rocksdb/table.h>
 #include <rocksdb/write_batch.h>
-#include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -78,7 +78,7 @@ Status CompareFingerprint(const std::string& path, const SourceFile& f, const st
 Status CheckFingerprint(const std::string& src_dir, const std::vector<SourceFile>& files) {
   for (const auto& f : files) {
     std::string path = src_dir + "/" + f.rel_path;
-    struct stat st{};
+    struct stat st {};
     RETURN_IF_ERROR(CompareFingerprint(path, f, ::stat(path.c_str(), &st) == 0 ? &st : nullptr));
   }
   return Status::Ok();
@@ -123,7 +123,8 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
       return st;
     });
     if (!sums.ok()) return fail(sums);
-    for (size_t i = 0; i < ck.files.size(); ++i) put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
+    for (size_t i = 0; i < ck.files.size(); ++i)
+      put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
     std::vector<uint64_t> json_bytes(ck.tensors.size());  // info.json's "fragments" (keys 't' follow 'g')
     std::string frag_json;
     for (size_t i = 0; i < ck.tensors.size(); ++i) {
@@ -142,7 +143,8 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
       t.fragments_json_bytes = json_bytes[i];
       put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(t));
     }
-    for (size_t i = 0; i < ck.exports.size(); ++i) put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
+    for (size_t i = 0; i < ck.exports.size(); ++i)
+      put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
     if (st.ok()) st = FromRocks(writer.Finish(), "finish", sst);
     if (!st.ok()) return fail(st);
   }
@@ -181,7 +183,7 @@ Result<std::unique_ptr<Index>> Index::Open(const std::string& dir, const std::st
   ix->dir_ = dir;
   ix->src_dir_ = src_dir;
   ix->db_ = std::make_unique<Db>();
-  struct stat st{};
+  struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) return NotFound("no index at " + dir);
   rocksdb::DB* raw = nullptr;
   // Every table file is opened now (max_open_files -1) and kept open: a
@@ -196,7 +198,8 @@ Result<std::unique_ptr<Index>> Index::Open(const std::string& dir, const std::st
   if (!db->Get(rocksdb::ReadOptions(), kSchemaKey, &v).ok() || v != SchemaValue()) {
     return Stale("index " + dir + " has schema '" + v + "', this ckptfs writes '" + SchemaValue() + "'");
   }
-  if (!db->Get(rocksdb::ReadOptions(), kInfoKey, &v).ok()) return Invalid("cannot open index " + dir + ": no info record");
+  if (!db->Get(rocksdb::ReadOptions(), kInfoKey, &v).ok())
+    return Invalid("cannot open index " + dir + ": no info record");
   ASSIGN_OR_RETURN(ix->info_, index::DecodeInfo(v));
   std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek("f"); it->Valid() && it->key().starts_with("f"); it->Next()) {
@@ -358,7 +361,7 @@ Result<OpenResult> OpenOrBuild(const std::string& src_dir, const std::string& in
     if (!opened.ok()) return false;
     if (family == Family::kUnknown || (*opened)->info().family == family) return true;
     opened = Invalid("--family " + std::string(FamilyName(family)) + ": the index holds " +
-                                                std::string(FamilyName((*opened)->info().family)));
+                     std::string(FamilyName((*opened)->info().family)));
     return false;
   };
   if (!force_rebuild) {

@@ -51,11 +51,16 @@ const Table* Fp8TableOf(DType d) {
   static const Table e4m3fnuz = MakeTable(4, 3, 8, true);
   static const Table e5m2fnuz = MakeTable(5, 2, 16, true);
   switch (d) {
-    case DType::kF8E4M3FN: return &e4m3fn;
-    case DType::kF8E5M2: return &e5m2;
-    case DType::kF8E4M3FNUZ: return &e4m3fnuz;
-    case DType::kF8E5M2FNUZ: return &e5m2fnuz;
-    default: return nullptr;
+    case DType::kF8E4M3FN:
+      return &e4m3fn;
+    case DType::kF8E5M2:
+      return &e5m2;
+    case DType::kF8E4M3FNUZ:
+      return &e4m3fnuz;
+    case DType::kF8E5M2FNUZ:
+      return &e5m2fnuz;
+    default:
+      return nullptr;
   }
 }
 
@@ -89,7 +94,8 @@ Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd
     if (stride == 1) {
       std::memcpy(dst, src, n * ss);
     } else {
-      for (uint64_t i = 0; i < n; ++i) std::memcpy(dst + i * ss, src + static_cast<int64_t>(i) * stride * static_cast<int64_t>(ss), ss);
+      for (uint64_t i = 0; i < n; ++i)
+        std::memcpy(dst + i * ss, src + static_cast<int64_t>(i) * stride * static_cast<int64_t>(ss), ss);
     }
     return Status::Ok();
   }
@@ -97,14 +103,17 @@ Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd
     // Contiguous runs (a widened tensor's rows): loops the compiler vectorizes
     // (this file is built with -ftree-vectorize).
     if (sd == DType::kBF16) {
-      for (uint64_t i = 0; i < n; ++i) StoreLE<uint32_t>(dst + 4 * i, BFloat16BitsToFloatBits(LoadLE<uint16_t>(src + 2 * i)));
+      for (uint64_t i = 0; i < n; ++i)
+        StoreLE<uint32_t>(dst + 4 * i, BFloat16BitsToFloatBits(LoadLE<uint16_t>(src + 2 * i)));
     } else {
-      for (uint64_t i = 0; i < n; ++i) StoreLE<uint32_t>(dst + 4 * i, HalfBitsToFloatBits(LoadLE<uint16_t>(src + 2 * i)));
+      for (uint64_t i = 0; i < n; ++i)
+        StoreLE<uint32_t>(dst + 4 * i, HalfBitsToFloatBits(LoadLE<uint16_t>(src + 2 * i)));
     }
     return Status::Ok();
   }
   if (stride == 1 && sd == DType::kF32 && dd == DType::kBF16) {
-    for (uint64_t i = 0; i < n; ++i) StoreLE<uint16_t>(dst + 2 * i, FloatBitsToBFloat16Bits(LoadLE<uint32_t>(src + 4 * i)));
+    for (uint64_t i = 0; i < n; ++i)
+      StoreLE<uint16_t>(dst + 2 * i, FloatBitsToBFloat16Bits(LoadLE<uint32_t>(src + 4 * i)));
     return Status::Ok();
   }
   const int64_t step = stride * static_cast<int64_t>(ss);
@@ -117,11 +126,15 @@ Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd
     }
     return Status::Ok();
   }
-  if (dd != DType::kF32) return Internal("no conversion from " + std::string(DTypeName(sd)) + " to " + std::string(DTypeName(dd)));
+  if (dd != DType::kF32)
+    return Internal("no conversion from " + std::string(DTypeName(sd)) + " to " + std::string(DTypeName(dd)));
   if (sd == DType::kBF16) {
-    WidenLoop(dst, n, [&](uint64_t i) { return BFloat16BitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step)); });
+    WidenLoop(dst, n, [&](uint64_t i) {
+      return BFloat16BitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step));
+    });
   } else if (sd == DType::kF16) {
-    WidenLoop(dst, n, [&](uint64_t i) { return HalfBitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step)); });
+    WidenLoop(dst, n,
+              [&](uint64_t i) { return HalfBitsToFloatBits(LoadLE<uint16_t>(src + static_cast<int64_t>(i) * step)); });
   } else if (const float* t = Fp8DecodeTable(sd)) {
     const auto* bits = reinterpret_cast<const uint32_t*>(t);
     WidenLoop(dst, n, [&](uint64_t i) { return bits[static_cast<uint8_t>(src[static_cast<int64_t>(i) * step])]; });

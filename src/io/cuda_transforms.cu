@@ -40,9 +40,9 @@
 namespace ckptfs {
 namespace {
 
-#define CKPTFS_CUDA(call)                                                                              \
-  do {                                                                                                 \
-    const cudaError_t err_ = (call);                                                                   \
+#define CKPTFS_CUDA(call)                                                                                      \
+  do {                                                                                                         \
+    const cudaError_t err_ = (call);                                                                           \
     if (err_ != cudaSuccess) return Internal(std::string("cuda: ") + #call + ": " + cudaGetErrorString(err_)); \
   } while (0)
 
@@ -296,7 +296,8 @@ class CudaBackend final : public Transforms {
     CKPTFS_CUDA(cudaSetDevice(opts_.device));
     if (!constants_) {
       float tables[kFp8Kinds][256];
-      for (int k = 0; k < kFp8Kinds; ++k) std::memcpy(tables[k], Fp8DecodeTable(kernels::kFp8Dtypes[k]), sizeof(tables[k]));
+      for (int k = 0; k < kFp8Kinds; ++k)
+        std::memcpy(tables[k], Fp8DecodeTable(kernels::kFp8Dtypes[k]), sizeof(tables[k]));
       CKPTFS_CUDA(cudaMemcpyToSymbol(c_fp8, tables, sizeof(tables)));
       constants_ = true;
     }
@@ -325,7 +326,8 @@ class CudaBackend final : public Transforms {
   void Return(std::unique_ptr<Lane> lane) {
     std::lock_guard<std::mutex> l(mu_);
     uint64_t total = 0;  // capacities only grow while a lane lives
-    for (const Slot& s : lane->slots) total += s.pinned_cap + s.out_cap + s.ops_cap + s.dsrc_cap + s.ddst_cap + s.dops_cap;
+    for (const Slot& s : lane->slots)
+      total += s.pinned_cap + s.out_cap + s.ops_cap + s.dsrc_cap + s.ddst_cap + s.dops_cap;
     held_ += total - lane->counted;
     lane->counted = total;
     free_.push_back(std::move(lane));
@@ -383,8 +385,7 @@ Status CudaBackend::CudaPipeline::Submit(int slot, uint64_t src_len, std::span<c
   if (device_out_) {
     // Only the staged bytes the ops read go up (16-byte aligned start).
     const uint64_t sbase = ext.src_lo & ~15ull, sbytes = ext.src_hi - sbase;
-    const kernels::KernelOps kops =
-        kernels::BuildDeviceOutputOps(ops, out, sbase, reinterpret_cast<uintptr_t>(dst));
+    const kernels::KernelOps kops = kernels::BuildDeviceOutputOps(ops, out, sbase, reinterpret_cast<uintptr_t>(dst));
     RETURN_IF_ERROR(GrowDevice(&s.dsrc, &s.dsrc_cap, sbytes));
     CKPTFS_CUDA(cudaMemcpyAsync(s.dsrc, s.pinned + sbase, sbytes, cudaMemcpyHostToDevice, s.stream));
     return LaunchInto(s, kops, dst);
@@ -434,8 +435,8 @@ Status CudaBackend::CudaPipeline::LaunchInto(Slot& s, const kernels::KernelOps& 
   std::memcpy(s.pinned_ops, dev.data(), ops_bytes);
   CKPTFS_CUDA(cudaMemcpyAsync(s.dops, s.pinned_ops, ops_bytes, cudaMemcpyHostToDevice, s.stream));
   const kernels::Launch launch = kernels::GatherLaunch(kops.total);
-  GatherKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(
-      s.dsrc, reinterpret_cast<unsigned char*>(dst), s.dops, static_cast<int>(dev.size()), kops.total);
+  GatherKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(s.dsrc, reinterpret_cast<unsigned char*>(dst), s.dops,
+                                                               static_cast<int>(dev.size()), kops.total);
   CKPTFS_CUDA(cudaGetLastError());
   CKPTFS_CUDA(cudaEventRecord(s.done, s.stream));
   s.pending = true;
@@ -451,7 +452,8 @@ Status CudaBackend::CudaPipeline::SubmitMean(int slot, uint32_t copies, uint64_t
   if (s.pending) return Internal("cuda: submit on a slot that was not waited for");
   RETURN_IF_ERROR(CheckMean(copies, dt));
   if (!Renders(dt, out)) {
-    return Internal("cuda: cannot render a mean of " + std::string(DTypeName(dt)) + " as " + std::string(DTypeName(out)));
+    return Internal("cuda: cannot render a mean of " + std::string(DTypeName(dt)) + " as " +
+                    std::string(DTypeName(out)));
   }
   const uint64_t esz = DTypeSize(dt), in = numel * esz * copies;
   if (s.pinned_cap < in) return Internal("cuda: submit of more bytes than were staged");
@@ -496,7 +498,8 @@ Status CudaBackend::Crc32c(const char* data, uint64_t len, std::span<const ByteR
   using kernels::kCrcPiece;
   for (size_t i = 0; i < ranges.size(); ++i) {
     if (ranges[i].offset > len || ranges[i].length > len - ranges[i].offset) {
-      return Internal("cannot hash range " + std::to_string(i) + ": outside the " + std::to_string(len) + "-byte buffer");
+      return Internal("cannot hash range " + std::to_string(i) + ": outside the " + std::to_string(len) +
+                      "-byte buffer");
     }
   }
   ASSIGN_OR_RETURN(auto pipe, Begin());
@@ -513,8 +516,8 @@ Status CudaBackend::Crc32c(const char* data, uint64_t len, std::span<const ByteR
       std::memcpy(s.pinned, data + ranges[i].offset + off, n);
       CKPTFS_CUDA(cudaMemcpyAsync(s.dsrc, s.pinned, n, cudaMemcpyHostToDevice, s.stream));
       const kernels::Launch launch = kernels::Crc32cLaunch(nchunks);
-      Crc32cChunksKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(
-          s.dsrc, n, kCrcChunk, reinterpret_cast<uint32_t*>(s.ddst), nchunks);
+      Crc32cChunksKernel<<<launch.blocks, launch.threads, 0, s.stream>>>(s.dsrc, n, kCrcChunk,
+                                                                         reinterpret_cast<uint32_t*>(s.ddst), nchunks);
       CKPTFS_CUDA(cudaGetLastError());
       CKPTFS_CUDA(cudaMemcpyAsync(s.pinned_out, s.ddst, nchunks * 4, cudaMemcpyDeviceToHost, s.stream));
       CKPTFS_CUDA(cudaStreamSynchronize(s.stream));

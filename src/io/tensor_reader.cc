@@ -51,7 +51,8 @@ Result<const Box*> ViewOf(const TensorRecord& t, const Box* box, Box* whole) {
     *whole = Box{std::vector<int64_t>(rank, 0), t.shape};
     return whole;
   }
-  if (box->offsets.size() != rank || box->lengths.size() != rank) return Internal("box rank mismatch for '" + t.key + "'");
+  if (box->offsets.size() != rank || box->lengths.size() != rank)
+    return Internal("box rank mismatch for '" + t.key + "'");
   for (size_t d = 0; d < rank; ++d) {
     if (box->offsets[d] < 0 || box->lengths[d] < 0 || box->offsets[d] + box->lengths[d] > t.shape[d]) {
       return Internal("box " + BoxString(*box) + " is outside '" + t.key + "'");
@@ -72,7 +73,7 @@ TensorReader::TensorReader(const Index& index, EngineKind kind, std::unique_ptr<
     : index_(index), kind_(kind), policy_(std::move(policy)) {}
 
 Result<std::unique_ptr<TensorReader>> TensorReader::Open(const Index& index, EngineKind kind,
-                                                        std::unique_ptr<TransformPolicy> policy) {
+                                                         std::unique_ptr<TransformPolicy> policy) {
   std::unique_ptr<TensorReader> r(new TensorReader(index, kind, std::move(policy)));
   for (const auto& f : index.files()) {
     std::string path = index.src_dir() + "/" + f.rel_path;
@@ -124,7 +125,7 @@ Status TensorReader::CheckFd(FileId file) const {
   const SourceFile& sf = index_.files()[file.v];
   int fd = fds_[file.v];
   if (fd < 0) return IoError(open_errors_[file.v]);  // a missing shard: EIO on read, not ENOENT
-  struct stat st{};
+  struct stat st {};
   const std::string path = index_.src_dir() + "/" + sf.rel_path;
   if (::fstat(fd, &st) != 0) return ErrnoStatus("stat", path, errno);
   Status s = CompareFingerprint(path, sf, &st);
@@ -132,11 +133,11 @@ Status TensorReader::CheckFd(FileId file) const {
   // path since (rename over it) is stale for every reader, including those
   // that opened their file before the replacement. The path lookup is a
   // metadata RPC on parallel filesystems: at most one per file per second.
-  const int64_t now_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                             std::chrono::steady_clock::now().time_since_epoch()).count();
+  const int64_t now_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
   std::atomic<int64_t>& last = path_checked_ns_[file.v];
   if (s.ok() && now_ns - last.load(std::memory_order_relaxed) >= 1'000'000'000) {
-    struct stat now{};
+    struct stat now {};
     if (::stat(path.c_str(), &now) != 0 || now.st_ino != st.st_ino || now.st_dev != st.st_dev) {
       s = Stale(path + " was replaced or removed after indexing");
     } else {
@@ -171,7 +172,8 @@ Status TensorReader::CheckChecksum(const ChecksumRange& c, bool remember_good) {
     return Status::Ok();
   }
   char why[160];
-  std::snprintf(why, sizeof why, ": ZIP entry '%.60s' (bytes %llu..%llu) fails its CRC-32 (recorded %08x, computed %08x)",
+  std::snprintf(why, sizeof why,
+                ": ZIP entry '%.60s' (bytes %llu..%llu) fails its CRC-32 (recorded %08x, computed %08x)",
                 c.name.c_str(), static_cast<unsigned long long>(c.offset),
                 static_cast<unsigned long long>(c.offset + c.length), c.crc32, static_cast<uint32_t>(crc));
   FailedRange& f = failed_ranges_[key];
@@ -200,9 +202,11 @@ Status TensorReader::CheckRanges(const std::vector<Fragment>& frags) {
     auto it = failed_ranges_.lower_bound({f.file.v, lo});
     if (it != failed_ranges_.begin()) {
       auto prev = std::prev(it);
-      if (prev->first.first == f.file.v && prev->first.second + prev->second.length > lo) return Invalid(prev->second.why);
+      if (prev->first.first == f.file.v && prev->first.second + prev->second.length > lo)
+        return Invalid(prev->second.why);
     }
-    if (it != failed_ranges_.end() && it->first.first == f.file.v && it->first.second < hi) return Invalid(it->second.why);
+    if (it != failed_ranges_.end() && it->first.first == f.file.v && it->first.second < hi)
+      return Invalid(it->second.why);
   }
   return Status::Ok();
 }
@@ -263,8 +267,7 @@ Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f)
   if (AddOverflow(f.data_offset, f.data_length, &bound) || AddOverflow(bound, uint64_t{1} << 20, &bound)) {
     return Invalid("cannot read " + rel + ": bad item bounds");
   }
-  ASSIGN_OR_RETURN(std::string plain,
-                   formats::ZstdDecompress(raw, bound, rel + " @ " + std::to_string(f.item_offset)));
+  ASSIGN_OR_RETURN(std::string plain, formats::ZstdDecompress(raw, bound, rel + " @ " + std::to_string(f.item_offset)));
   auto v = std::make_shared<const std::string>(std::move(plain));
   std::lock_guard<std::mutex> lock(item_mu_);
   item_cache_.emplace_back(key, v);
@@ -276,8 +279,8 @@ Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f)
   return v;
 }
 
-Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::ItemSpan(const Fragment& f,
-                                                                                       uint64_t off, uint64_t len) {
+Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::ItemSpan(const Fragment& f, uint64_t off,
+                                                                                       uint64_t len) {
   const std::string& rel = index_.files()[f.file.v].rel_path;
   const std::string what = rel + " @ " + std::to_string(f.item_offset);
   uint64_t bound = 0, end = 0;
@@ -287,8 +290,8 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
   if (bound <= stream_items_above_) {
     ASSIGN_OR_RETURN(auto item, Item(f));
     if (end > item->size()) {
-      return Invalid("cannot read " + what + ": the item holds " + std::to_string(item->size()) + " bytes, the metadata needs " +
-                     std::to_string(end));
+      return Invalid("cannot read " + what + ": the item holds " + std::to_string(item->size()) +
+                     " bytes, the metadata needs " + std::to_string(end));
     }
     return std::make_pair(std::move(item), off);
   }
@@ -353,7 +356,8 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
   }
 
   const uint64_t osz = DTypeSize(out);
-  if (osz == 0 || !CanConvert(t.dtype, out)) return Internal("cannot render '" + t.key + "' as " + std::string(DTypeName(out)));
+  if (osz == 0 || !CanConvert(t.dtype, out))
+    return Internal("cannot render '" + t.key + "' as " + std::string(DTypeName(out)));
   // The output is the C-order rendering of `view` (the whole tensor by default).
   Box whole;
   ASSIGN_OR_RETURN(const Box* view_ptr, ViewOf(t, box, &whole));
@@ -424,9 +428,9 @@ void TransposeBlock(const char* src_bytes, uint64_t h, uint64_t w, char* dst_byt
 }  // namespace
 
 Result<std::shared_ptr<const TensorReader::TransposedSlab>> TensorReader::Slab(TensorId id, DType out,
-                                                                                  const std::vector<Box>& rows,
-                                                                                  uint64_t r0, uint64_t r1,
-                                                                                  uint64_t total) {
+                                                                               const std::vector<Box>& rows,
+                                                                               uint64_t r0, uint64_t r1,
+                                                                               uint64_t total) {
   auto same = [&](const TransposedSlab& s) {
     return s.id.v == id.v && s.out == out && s.r0 == r0 && s.r1 == r1 && s.rows == rows;
   };
@@ -473,10 +477,18 @@ Result<std::shared_ptr<const TensorReader::TransposedSlab>> TensorReader::Slab(T
     RETURN_IF_ERROR(ReadBox(id, out, &sub, 0, block.size(), block.data()));
     char* dst = slab->bytes.data();
     switch (osz) {
-      case 1: TransposeBlock<uint8_t>(block.data(), h, w, dst, total, c0); break;
-      case 2: TransposeBlock<uint16_t>(block.data(), h, w, dst, total, c0); break;
-      case 4: TransposeBlock<uint32_t>(block.data(), h, w, dst, total, c0); break;
-      default: TransposeBlock<uint64_t>(block.data(), h, w, dst, total, c0); break;
+      case 1:
+        TransposeBlock<uint8_t>(block.data(), h, w, dst, total, c0);
+        break;
+      case 2:
+        TransposeBlock<uint16_t>(block.data(), h, w, dst, total, c0);
+        break;
+      case 4:
+        TransposeBlock<uint32_t>(block.data(), h, w, dst, total, c0);
+        break;
+      default:
+        TransposeBlock<uint64_t>(block.data(), h, w, dst, total, c0);
+        break;
     }
     c0 += h;
   }
@@ -582,13 +594,15 @@ Status TensorReader::ReadToDevice(TensorId id, DType out, const Box* box, const 
   if (!t.error.empty()) return Invalid("cannot read '" + t.key + "': " + t.error);
   if (t.encoding != Encoding::kTensor) return Invalid("cannot read '" + t.key + "' into device memory: not a tensor");
   const uint64_t osz = DTypeSize(out);
-  if (osz == 0 || !CanConvert(t.dtype, out)) return Internal("cannot render '" + t.key + "' as " + std::string(DTypeName(out)));
+  if (osz == 0 || !CanConvert(t.dtype, out))
+    return Internal("cannot render '" + t.key + "' as " + std::string(DTypeName(out)));
   Box whole;
   ASSIGN_OR_RETURN(const Box* view_ptr, ViewOf(t, box, &whole));
   const Box& view = *view_ptr;
   const uint64_t numel = static_cast<uint64_t>(NumelOf(view.lengths));
-  if (len != numel * osz) return Invalid("cannot read '" + t.key + "': a device buffer of " + std::to_string(len) +
-                                         " bytes for " + std::to_string(numel * osz));
+  if (len != numel * osz)
+    return Invalid("cannot read '" + t.key + "': a device buffer of " + std::to_string(len) + " bytes for " +
+                   std::to_string(numel * osz));
   if (len == 0) return Status::Ok();
   auto frags_or = ReadableFragments(id);
   if (!frags_or.ok()) return fail(frags_or.status());
@@ -596,16 +610,15 @@ Status TensorReader::ReadToDevice(TensorId id, DType out, const Box* box, const 
   Transforms& dev = *target.backend;
   if (target.kernels_trusted) {
     bool gpu_failed = false;
-    Status s = t.replicas > 1
-                   ? MeanToDevice(t, frags, view, out, numel, target, dst, &gpu_failed)
-                   : RunChunks(t, frags, view, out, 0, numel, std::max<uint64_t>(1, kChunkBytes / osz), dev, dst,
-                               nullptr, &gpu_failed, &target);
+    Status s = t.replicas > 1 ? MeanToDevice(t, frags, view, out, numel, target, dst, &gpu_failed)
+                              : RunChunks(t, frags, view, out, 0, numel, std::max<uint64_t>(1, kChunkBytes / osz), dev,
+                                          dst, nullptr, &gpu_failed, &target);
     if (!gpu_failed) return s;
     // The device failed (not the checkpoint): render on the host in bounded
     // pieces and upload them; an upload that fails too is the answer.
     gpu_fallbacks_.fetch_add(1);
-    LogWarn("cannot read '" + t.key + "' into " + dev.name() + " memory, read on the host and uploaded: " +
-            s.message());
+    LogWarn("cannot read '" + t.key + "' into " + dev.name() +
+            " memory, read on the host and uploaded: " + s.message());
   }
   std::vector<char> piece;
   const uint64_t step = std::max<uint64_t>(osz, kChunkBytes / osz * osz);
@@ -618,8 +631,8 @@ Status TensorReader::ReadToDevice(TensorId id, DType out, const Box* box, const 
   return Status::Ok();
 }
 
-Status TensorReader::MeanToDevice(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view,
-                                  DType out, uint64_t numel, const DeviceTarget& target, char* dst, bool* gpu_failed) {
+Status TensorReader::MeanToDevice(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
+                                  uint64_t numel, const DeviceTarget& target, char* dst, bool* gpu_failed) {
   const uint32_t n = t.replicas;
   ASSIGN_OR_RETURN(std::vector<std::vector<Fragment>> copies, CopiesOf(t, frags));
   auto dev = [&](const Status& s) {
@@ -650,8 +663,8 @@ Status TensorReader::MeanToDevice(const TensorRecord& t, const std::vector<Fragm
     if (!staging.ok()) return dev(staging.status());
     for (uint32_t r = 0; r < n; ++r) {
       bool unused = false;
-      RETURN_IF_ERROR(RunChunks(t, copies[r], view, t.dtype, c0, c1, m, CpuTransforms(), *staging + r * m * ssz,
-                                nullptr, &unused));
+      RETURN_IF_ERROR(
+          RunChunks(t, copies[r], view, t.dtype, c0, c1, m, CpuTransforms(), *staging + r * m * ssz, nullptr, &unused));
     }
     if (Status sub = pipe->SubmitMean(slot, n, m, t.dtype, out, dst + c0 * osz); !sub.ok()) return dev(sub);
     pending[slot] = true;
@@ -695,8 +708,10 @@ Status VisitPieces(const Index& index, const TensorRecord& t, const std::vector<
       for (size_t d = 0; d < rank; ++d) {
         lo[d] = std::max(b.offsets[d], f.offsets[d]);
         hi[d] = std::min(b.offsets[d] + b.lengths[d], f.offsets[d] + f.lengths[d]);
-        if (lo[d] >= hi[d]) empty = true;
-        else count *= static_cast<uint64_t>(hi[d] - lo[d]);
+        if (lo[d] >= hi[d])
+          empty = true;
+        else
+          count *= static_cast<uint64_t>(hi[d] - lo[d]);
       }
       if (empty) continue;
       covered += count;
@@ -805,7 +820,8 @@ bool TensorReader::CollectRuns(TensorId id, DType src, uint64_t osz, const Box* 
   Status s = VisitPieces(index_, t, frags, view, e0, e0, e1, [&](const Piece& p) -> Status {
     const Fragment& f = *p.f;
     const bool inner = p.len.empty() || (p.sstr.back() == 1 && p.dstr.back() == 1);
-    if (f.dtype != src || f.compression != Compression::kNone || !inner) return Unsupported("not a run of source bytes");
+    if (f.dtype != src || f.compression != Compression::kNone || !inner)
+      return Unsupported("not a run of source bytes");
     const size_t outer = p.len.empty() ? 0 : p.len.size() - 1;
     uint64_t rows = 1;
     for (size_t d = 0; d < outer; ++d) rows *= static_cast<uint64_t>(p.len[d]);
@@ -895,8 +911,8 @@ bool TensorReader::PlanCopy(TensorId id, DType out, const Box* box, uint64_t off
   return true;
 }
 
-bool TensorReader::PlanConvert(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len,
-                               size_t max_spans, ConvertPlan* plan) {
+bool TensorReader::PlanConvert(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,
+                               ConvertPlan* plan) {
   plan->spans.clear();
   if (id.v >= index_.tensors().size()) return false;
   const TensorRecord& t = index_.tensors()[id.v];
@@ -977,7 +993,8 @@ Status TensorReader::ConvertMapped(const ConvertPlan& plan, char* dst) {
   const bool done = RunGuarded(&MappedConversion::Run, &c);
   mapped.Clear();  // unpins the windows
   if (!done) {
-    return Stale(index_.src_dir() + ": a source file was cut short while its bytes were read from a mapping; remount to "
+    return Stale(index_.src_dir() +
+                 ": a source file was cut short while its bytes were read from a mapping; remount to "
                  "rebuild the index");
   }
   return Status::Ok();
@@ -1034,8 +1051,8 @@ Status TensorReader::MapSpans(std::span<const SourceSpan> spans, MappedBytes* ou
     const SourceFile& sf = index_.files()[sp.file];
     if (sp.length == 0) continue;
     if (sp.length > kMapWindow - kMapStep || sp.offset > sf.size || sp.length > sf.size - sp.offset) {
-      return Internal("span " + std::to_string(sp.offset) + "+" + std::to_string(sp.length) + " cannot be mapped from " +
-                      sf.rel_path);
+      return Internal("span " + std::to_string(sp.offset) + "+" + std::to_string(sp.length) +
+                      " cannot be mapped from " + sf.rel_path);
     }
     if (std::find(checked, checked + n_checked, sp.file) == checked + n_checked) {
       RETURN_IF_ERROR(CheckFd(FileId{sp.file}));
@@ -1066,8 +1083,8 @@ Status TensorReader::MapSpans(std::span<const SourceSpan> spans, MappedBytes* ou
 // every chunk of a GPU run (no direct reads), are planned here.
 // *gpu_failed: the failure came from the GPU (the caller retries on the CPU).
 Status TensorReader::RunChunks(const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view, DType out,
-                               uint64_t e0, uint64_t e1, uint64_t chunk, Transforms& tf, char* base,
-                               const Chunk* first, bool* gpu_failed, const DeviceTarget* device) {
+                               uint64_t e0, uint64_t e1, uint64_t chunk, Transforms& tf, char* base, const Chunk* first,
+                               bool* gpu_failed, const DeviceTarget* device) {
   const bool gpu = &tf != &CpuTransforms();
   (gpu ? gpu_plans_ : cpu_plans_).fetch_add(1);
   auto fail = [&](const Status& s) { return s.Annotate("cannot read '" + t.key + "'"); };
@@ -1100,7 +1117,8 @@ Status TensorReader::RunChunks(const TensorRecord& t, const std::vector<Fragment
     }
     auto staging = pipe.Staging(slot, plan.staging);
     if (!staging.ok()) return dev(staging.status());
-    for (const Chunk::ItemCopy& c : plan.items) std::memcpy(*staging + c.staging_off, c.item->data() + c.offset, c.length);
+    for (const Chunk::ItemCopy& c : plan.items)
+      std::memcpy(*staging + c.staging_off, c.item->data() + c.offset, c.length);
     for (auto [ri, off] : plan.staged) plan.reqs[ri].dst = *staging + off;
     Status io = ReadSource(plan.reqs);
     if (!io.ok()) return fail(io);

@@ -53,7 +53,7 @@ CKPTFS_HD inline uint32_t Crc32cMulModP(uint32_t a, uint32_t b) {
 }
 // x^(8n) mod P: the operator that appends n zero bytes.
 CKPTFS_HD inline uint32_t Crc32cShiftOp(uint64_t n) {
-  uint32_t p = 1u << 31;   // x^0
+  uint32_t p = 1u << 31;    // x^0
   uint32_t x2k = 1u << 23;  // x^8 (x^k is bit 31-k)
   while (n) {
     if (n & 1) p = Crc32cMulModP(x2k, p);

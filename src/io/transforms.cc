@@ -6,15 +6,14 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "ckptfs/io.h"
+#include "common/json_text.h"
 #include "io/kernels.h"
 #include "io/transform_internal.h"
-#include "common/json_text.h"
 
 namespace ckptfs {
 
@@ -45,10 +44,14 @@ uint64_t GatherOp::RunElements() const {
 
 const char* TransformKindName(TransformKind k) {
   switch (k) {
-    case TransformKind::kCopy: return "copy";
-    case TransformKind::kTinyRuns: return "tiny-run gather";
-    case TransformKind::kWiden: return "widen";
-    case TransformKind::kCrc32c: return "crc32c";
+    case TransformKind::kCopy:
+      return "copy";
+    case TransformKind::kTinyRuns:
+      return "tiny-run gather";
+    case TransformKind::kWiden:
+      return "widen";
+    case TransformKind::kCrc32c:
+      return "crc32c";
   }
   return "?";
 }
@@ -71,7 +74,8 @@ Status ValidateOps(uint64_t src_len, std::span<const GatherOp> ops, DType out, u
     auto bad = [&](const std::string& why) {
       return Internal("cannot run gather op " + std::to_string(i) + " of " + std::to_string(ops.size()) + ": " + why);
     };
-    if (op.rank > kMaxGatherDims) return bad("rank " + std::to_string(op.rank) + " over " + std::to_string(kMaxGatherDims));
+    if (op.rank > kMaxGatherDims)
+      return bad("rank " + std::to_string(op.rank) + " over " + std::to_string(kMaxGatherDims));
     if (!CanConvert(op.sdtype, out)) {
       return bad("no conversion from " + std::string(DTypeName(op.sdtype)) + " to " + std::string(DTypeName(out)));
     }
@@ -195,12 +199,18 @@ void CopyRowsN(const char* s, int64_t sstep, char* d, int64_t dstep, int64_t row
 
 void CopyRows(const char* s, int64_t sstep, char* d, int64_t dstep, int64_t rows, size_t n) {
   switch (n) {
-    case 2: return CopyRowsN<2>(s, sstep, d, dstep, rows);
-    case 4: return CopyRowsN<4>(s, sstep, d, dstep, rows);
-    case 8: return CopyRowsN<8>(s, sstep, d, dstep, rows);
-    case 16: return CopyRowsN<16>(s, sstep, d, dstep, rows);
-    case 32: return CopyRowsN<32>(s, sstep, d, dstep, rows);
-    case 64: return CopyRowsN<64>(s, sstep, d, dstep, rows);
+    case 2:
+      return CopyRowsN<2>(s, sstep, d, dstep, rows);
+    case 4:
+      return CopyRowsN<4>(s, sstep, d, dstep, rows);
+    case 8:
+      return CopyRowsN<8>(s, sstep, d, dstep, rows);
+    case 16:
+      return CopyRowsN<16>(s, sstep, d, dstep, rows);
+    case 32:
+      return CopyRowsN<32>(s, sstep, d, dstep, rows);
+    case 64:
+      return CopyRowsN<64>(s, sstep, d, dstep, rows);
     default:
       for (int64_t r = 0; r < rows; ++r) std::memcpy(d + r * dstep, s + r * sstep, n);
   }
@@ -265,7 +275,8 @@ class CpuBackend final : public Transforms {
   Status Crc32c(const char* data, uint64_t len, std::span<const ByteRange> ranges, uint32_t* out) override {
     for (size_t i = 0; i < ranges.size(); ++i) {
       if (ranges[i].offset > len || ranges[i].length > len - ranges[i].offset) {
-        return Internal("cannot hash range " + std::to_string(i) + ": outside the " + std::to_string(len) + "-byte buffer");
+        return Internal("cannot hash range " + std::to_string(i) + ": outside the " + std::to_string(len) +
+                        "-byte buffer");
       }
       out[i] = Crc32cUpdate(0, data + ranges[i].offset, ranges[i].length);
     }
@@ -359,9 +370,12 @@ namespace {
 // = contiguous bf16 in 1 MiB output rows.
 SyntheticPlan CalibrationPlan(TransformKind k, uint64_t out_bytes) {
   switch (k) {
-    case TransformKind::kCopy: return MakeMergePlan(DType::kF32, 4096, 2, out_bytes);
-    case TransformKind::kTinyRuns: return MakeMergePlan(DType::kF32, 4, 8, out_bytes);
-    default: return MakeMergePlan(DType::kBF16, 1 << 18, 1, out_bytes);  // 1 MiB output rows
+    case TransformKind::kCopy:
+      return MakeMergePlan(DType::kF32, 4096, 2, out_bytes);
+    case TransformKind::kTinyRuns:
+      return MakeMergePlan(DType::kF32, 4, 8, out_bytes);
+    default:
+      return MakeMergePlan(DType::kBF16, 1 << 18, 1, out_bytes);  // 1 MiB output rows
   }
 }
 
@@ -485,7 +499,8 @@ Result<Calibration> Calibrate(Transforms& gpu) {
         return c;
       }
       if (i == 3) {
-        const double bytes = kind == TransformKind::kCrc32c ? static_cast<double>(s.src.size()) : static_cast<double>(s.out_bytes);
+        const double bytes =
+            kind == TransformKind::kCrc32c ? static_cast<double>(s.src.size()) : static_cast<double>(s.out_bytes);
         c.cpu_gbps[k] = bytes / tc / 1e9;
         c.gpu_gbps[k] = bytes / tg / 1e9;
       }
@@ -507,9 +522,10 @@ Status CheckAgainstCpu(Transforms& gpu) {
   // Every conversion the transforms support: a transposed 2-d box with odd
   // sides, a rank-0 element and a 1-d run, at unaligned offsets with holes
   // between them in the output.
-  const DType sources[] = {DType::kBool, DType::kU8, DType::kI8, DType::kI16, DType::kU16, DType::kI32, DType::kU32,
-                           DType::kI64, DType::kU64, DType::kF16, DType::kBF16, DType::kF32, DType::kF64, DType::kC64,
-                           DType::kC128, DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ};
+  const DType sources[] = {DType::kBool,     DType::kU8,     DType::kI8,         DType::kI16,       DType::kU16,
+                           DType::kI32,      DType::kU32,    DType::kI64,        DType::kU64,       DType::kF16,
+                           DType::kBF16,     DType::kF32,    DType::kF64,        DType::kC64,       DType::kC128,
+                           DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ};
   for (DType sd : sources) {
     std::vector<DType> outs = {sd};
     for (DType o : {DType::kF32, DType::kBF16, DType::kF16}) {
@@ -546,20 +562,21 @@ Status CheckAgainstCpu(Transforms& gpu) {
       } else if (dt == DType::kF64) {
         StoreLE<uint64_t>(src.data() + e * 8, kernels::DoubleToBits(v));
       } else {
-        StoreLE<uint16_t>(src.data() + e * 2, dt == DType::kBF16 ? FloatBitsToBFloat16Bits(fb) : FloatBitsToHalfBits(fb));
+        StoreLE<uint16_t>(src.data() + e * 2,
+                          dt == DType::kBF16 ? FloatBitsToBFloat16Bits(fb) : FloatBitsToHalfBits(fb));
       }
     }
     std::vector<char> cpu(numel * esz, 0), got(numel * esz, 0);
     RETURN_IF_ERROR(CpuTransforms().Mean(src.data(), copies, numel, dt, cpu.data()));
-    const std::string plan = "mean plan (" + std::string(DTypeName(dt)) + ", " + std::to_string(copies) + " copies of " +
-                             std::to_string(numel) + ")";
+    const std::string plan = "mean plan (" + std::string(DTypeName(dt)) + ", " + std::to_string(copies) +
+                             " copies of " + std::to_string(numel) + ")";
     Status s = gpu.Mean(src.data(), copies, numel, dt, got.data());
     if (!s.ok()) return s.Annotate(std::string("cannot run ") + gpu.name() + " on a " + plan);
     RETURN_IF_ERROR(SameBytes(gpu, plan, cpu.data(), got.data(), cpu.size()));
   }
   // CRC-32C of ranges around the device's 16 KiB chunks.
   const auto data = MixedBytes((200ull << 10) + 11, Mix(seed));
-  const std::vector<ByteRange> ranges{{0, 0}, {1, 9}, {3, (16 << 10) - 1}, {5, 16 << 10}, {7, (16 << 10) + 1},
+  const std::vector<ByteRange> ranges{{0, 0},          {1, 9}, {3, (16 << 10) - 1}, {5, 16 << 10}, {7, (16 << 10) + 1},
                                       {0, data.size()}};
   std::vector<uint32_t> cpu(ranges.size()), got(ranges.size(), 0);
   RETURN_IF_ERROR(CpuTransforms().Crc32c(data.data(), data.size(), ranges, cpu.data()));
@@ -637,8 +654,8 @@ void TransformPolicy::EnsureChecked() {
     for (int k = 0; k < kTransformKinds; ++k) {
       LogInfo(std::string("gpu calibration: ") + TransformKindName(static_cast<TransformKind>(k)) + " cpu " +
               std::to_string(cal_.cpu_gbps[k]) + " GB/s, gpu " + std::to_string(cal_.gpu_gbps[k]) +
-              " GB/s, crossover " + (cal_.crossover[k] == Calibration::kNever ? std::string("never")
-                                                                              : std::to_string(cal_.crossover[k])));
+              " GB/s, crossover " +
+              (cal_.crossover[k] == Calibration::kNever ? std::string("never") : std::to_string(cal_.crossover[k])));
     }
     if (!cache_path_.empty()) {
       nlohmann::json j;
@@ -669,9 +686,12 @@ Transforms& TransformPolicy::For(TransformKind k, uint64_t out_bytes) {
 std::string TransformPolicy::Describe() const {
   if (gpu_disabled()) return std::string("cpu (") + gpu_->name() + " disabled: its output differed from the cpu's)";
   switch (mode_) {
-    case GpuMode::kOff: return "cpu";
-    case GpuMode::kOn: return std::string("gpu (") + gpu_->name() + ")";
-    case GpuMode::kAuto: return std::string("auto (") + gpu_->name() + " where calibrated faster)";
+    case GpuMode::kOff:
+      return "cpu";
+    case GpuMode::kOn:
+      return std::string("gpu (") + gpu_->name() + ")";
+    case GpuMode::kAuto:
+      return std::string("auto (") + gpu_->name() + " where calibrated faster)";
   }
   return "?";
 }

@@ -317,8 +317,8 @@ class PyCheckpoint {
     co.reset_when_idle = false;
     auto tf = MakeCudaTransforms(co);
     if (!tf.ok()) {
-      PyErr_SetString(g_error, ("cannot read into CUDA device " + std::to_string(ordinal) + ": " +
-                                tf.status().message()).c_str());
+      PyErr_SetString(
+          g_error, ("cannot read into CUDA device " + std::to_string(ordinal) + ": " + tf.status().message()).c_str());
       throw nb::python_error();
     }
     Status check = Internal("not run");
@@ -362,8 +362,8 @@ NB_MODULE(_ckptfs, m) {
     return a != ckptfs::DType::kInvalid && b != ckptfs::DType::kInvalid && ckptfs::Renders(a, b);
   });
   nb::class_<PyCheckpoint>(m, "_Checkpoint")
-      .def(nb::init<const std::string&, const std::optional<std::string>&, const std::string&, const std::string&,
-                    bool, const std::optional<std::string>&>(),
+      .def(nb::init<const std::string&, const std::optional<std::string>&, const std::string&, const std::string&, bool,
+                    const std::optional<std::string>&>(),
            nb::arg("src"), nb::arg("index").none() = nb::none(), nb::arg("engine") = "auto", nb::arg("gpu") = "auto",
            nb::arg("rebuild") = false, nb::arg("family").none() = nb::none())
       .def("tensors", &PyCheckpoint::Tensors)

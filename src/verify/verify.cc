@@ -1,5 +1,6 @@
 #include "ckptfs/verify.h"
 
+#include <re2/re2.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -11,7 +12,6 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <re2/re2.h>
 #include <set>
 #include <thread>
 
@@ -36,8 +36,14 @@ bool ZeroCheckedState(const std::string& s) {
 
 bool IsFloat(DType d) {
   switch (d) {
-    case DType::kF16: case DType::kBF16: case DType::kF32: case DType::kF64:
-    case DType::kF8E4M3FN: case DType::kF8E5M2: case DType::kF8E4M3FNUZ: case DType::kF8E5M2FNUZ:
+    case DType::kF16:
+    case DType::kBF16:
+    case DType::kF32:
+    case DType::kF64:
+    case DType::kF8E4M3FN:
+    case DType::kF8E5M2:
+    case DType::kF8E4M3FNUZ:
+    case DType::kF8E5M2FNUZ:
       return true;
     default:
       return false;
@@ -169,8 +175,10 @@ void DeepFloat(const char* p, uint64_t n, TensorCheck& c) {
     peak = std::max(peak, bpeak);
     if (bad) {
       for (uint64_t i = 0; i < m; ++i) {
-        if (std::isnan(v[i])) ++c.nan;
-        else if (std::isinf(v[i])) ++c.inf;
+        if (std::isnan(v[i]))
+          ++c.nan;
+        else if (std::isinf(v[i]))
+          ++c.inf;
       }
     }
   }
@@ -188,15 +196,34 @@ void DeepScan(const char* p, uint64_t bytes, DType d, TensorCheck& c) {
       DeepFloat<true>(p, n, c);
       break;
     case DType::kF64:
-      Numerics(p, n, [](const char* b, uint64_t i) { double f; std::memcpy(&f, b + i * 8, 8); return f; }, c);
+      Numerics(
+          p, n,
+          [](const char* b, uint64_t i) {
+            double f;
+            std::memcpy(&f, b + i * 8, 8);
+            return f;
+          },
+          c);
       break;
     case DType::kF16:
-      Numerics(p, n, [](const char* b, uint64_t i) {
-        uint16_t h; std::memcpy(&h, b + i * 2, 2); return double(HalfToFloat(h)); }, c);
+      Numerics(
+          p, n,
+          [](const char* b, uint64_t i) {
+            uint16_t h;
+            std::memcpy(&h, b + i * 2, 2);
+            return double(HalfToFloat(h));
+          },
+          c);
       break;
     default:
-      Numerics(p, n, [d](const char* b, uint64_t i) {
-        double v = 0; ElementAsDouble(b + i * DTypeSize(d), d, &v); return v; }, c);
+      Numerics(
+          p, n,
+          [d](const char* b, uint64_t i) {
+            double v = 0;
+            ElementAsDouble(b + i * DTypeSize(d), d, &v);
+            return v;
+          },
+          c);
   }
 }
 
@@ -320,7 +347,8 @@ void Verifier::Plan() {
       MissingFile& m = missing[f.file.v];
       if (m.holes.empty() || m.holes.back().first != t.key) ++m.tensors;
       if (m.holes.size() < kMaxListed) {
-        m.holes.emplace_back(t.key, t.encoding == Encoding::kBytes ? "whole entry" : BoxString(Box{f.offsets, f.lengths}));
+        m.holes.emplace_back(t.key,
+                             t.encoding == Encoding::kBytes ? "whole entry" : BoxString(Box{f.offsets, f.lengths}));
       }
     }
     if (t.encoding == Encoding::kTensor) {
@@ -340,9 +368,10 @@ void Verifier::Plan() {
         CoverageText text = DescribeCoverage(
             c, t.shape, [&](size_t k) { return files[(*frags)[which[k]].file.v].rel_path; }, "fragments");
         r_.findings.push_back({Check::kCoverage, Severity::kError, t.key, "",
-                               "'" + t.key + "'" + (t.replicas > 1 ? " (copy " + std::to_string(copy) + " of the " +
-                                                                          std::to_string(t.replicas) + " it averages)"
-                                                                    : std::string()) +
+                               "'" + t.key + "'" +
+                                   (t.replicas > 1 ? " (copy " + std::to_string(copy) + " of the " +
+                                                         std::to_string(t.replicas) + " it averages)"
+                                                   : std::string()) +
                                    ": " + text.message,
                                std::move(text.detail)});
       }
@@ -500,14 +529,12 @@ void Verifier::JudgeZeros() {
     const Work& w = work_[i];
     const TensorRecord& t = ix_.tensors()[w.id];
     const int64_t step = ix_.info().step > 0 ? ix_.info().step : step_of_fqn_[t.fqn];
-    r_.findings.push_back({Check::kZeroed, Severity::kError, t.key, ix_.files()[w.frags[0].file.v].rel_path,
-                           std::to_string(h.zero) + " of " + std::to_string(w.frags.size()) + " chunk(s) of '" + t.fqn +
-                               "' " + t.state + " are entirely zero at step " + std::to_string(step) + " (first " +
-                               h.first + (h.why.empty() ? "" : "; " + h.why) +
-                               "): lost writes (the Megatron zarr #1053 signature)",
-                           json({{"step", step}, {"zero_chunks", h.zero}, {"chunks", w.frags.size()},
-                                 {"regions", h.regions}})
-                               .dump()});
+    r_.findings.push_back(
+        {Check::kZeroed, Severity::kError, t.key, ix_.files()[w.frags[0].file.v].rel_path,
+         std::to_string(h.zero) + " of " + std::to_string(w.frags.size()) + " chunk(s) of '" + t.fqn + "' " + t.state +
+             " are entirely zero at step " + std::to_string(step) + " (first " + h.first +
+             (h.why.empty() ? "" : "; " + h.why) + "): lost writes (the Megatron zarr #1053 signature)",
+         json({{"step", step}, {"zero_chunks", h.zero}, {"chunks", w.frags.size()}, {"regions", h.regions}}).dump()});
   }
   for (size_t i = 0; i < work_.size() && i < r_.tensors.size(); ++i) {  // r_.tensors is parallel to work_
     for (bool z : work_[i].zero) r_.tensors[i].zero_fragments += z ? 1 : 0;
@@ -521,7 +548,8 @@ void Verifier::JudgeZeros() {
       }
       list += (list.empty() ? "'" : ", '") + f + "'";
     }
-    r_.notes.push_back(std::to_string(ambiguous_chunks) + " optimizer-state chunk(s) are zero in both moments (" + list +
+    r_.notes.push_back(std::to_string(ambiguous_chunks) + " optimizer-state chunk(s) are zero in both moments (" +
+                       list +
                        "): what rows that never received a gradient look like (unused embedding rows); not counted "
                        "as lost writes");
   }
@@ -571,7 +599,8 @@ void Verifier::MasterPass() {
   const auto& ts = ix_.tensors();
   for (uint32_t i = 0; i < ts.size(); ++i) {
     const TensorRecord& t = ts[i];
-    if (t.role == Role::kOptimState && IsMaster(t.state) && t.dtype == DType::kF32 && t.error.empty()) master_of[t.fqn] = i;
+    if (t.role == Role::kOptimState && IsMaster(t.state) && t.dtype == DType::kF32 && t.error.empty())
+      master_of[t.fqn] = i;
   }
   constexpr uint64_t kElems = 1 << 18;
   std::vector<float> w(kElems), m(kElems);
@@ -590,8 +619,9 @@ void Verifier::MasterPass() {
     bool readable = true;
     for (uint64_t off = 0; off < n && readable; off += kElems) {
       const uint64_t k = std::min(kElems, n - off);
-      readable = reader_.Read(TensorId{i}, DType::kF32, off * 4, k * 4, reinterpret_cast<char*>(w.data())).ok() &&
-                 reader_.Read(TensorId{it->second}, DType::kF32, off * 4, k * 4, reinterpret_cast<char*>(m.data())).ok();
+      readable =
+          reader_.Read(TensorId{i}, DType::kF32, off * 4, k * 4, reinterpret_cast<char*>(w.data())).ok() &&
+          reader_.Read(TensorId{it->second}, DType::kF32, off * 4, k * 4, reinterpret_cast<char*>(m.data())).ok();
       for (uint64_t e = 0; e < k && readable; ++e) {
         uint32_t wb, mb;
         std::memcpy(&wb, &w[e], 4);
@@ -610,14 +640,18 @@ void Verifier::MasterPass() {
     }
     if (!readable || bad == 0) continue;  // unreadable: the data pass reported it
     const TensorRecord& mr = ts[it->second];
-    r_.findings.push_back(
-        {Check::kMaster, Severity::kError, p.key, "",
-         "'" + p.fqn + "': its " + mr.state + " master does not round to the weight at " + std::to_string(bad) + " of " +
-             std::to_string(n) + " elements (first at flat index " + std::to_string(first) + ": weight " + Fmt(first_w) +
-             ", master " + Fmt(first_m) + "): the optimizer state is another parameter's or another step's",
-         json({{"elements", n}, {"mismatched", bad}, {"first_index", first}, {"weight", first_w}, {"master", first_m},
-               {"master_key", mr.key}})
-             .dump()});
+    r_.findings.push_back({Check::kMaster, Severity::kError, p.key, "",
+                           "'" + p.fqn + "': its " + mr.state + " master does not round to the weight at " +
+                               std::to_string(bad) + " of " + std::to_string(n) + " elements (first at flat index " +
+                               std::to_string(first) + ": weight " + Fmt(first_w) + ", master " + Fmt(first_m) +
+                               "): the optimizer state is another parameter's or another step's",
+                           json({{"elements", n},
+                                 {"mismatched", bad},
+                                 {"first_index", first},
+                                 {"weight", first_w},
+                                 {"master", first_m},
+                                 {"master_key", mr.key}})
+                               .dump()});
   }
 }
 
@@ -647,10 +681,11 @@ void Verifier::ChecksumPass() {
     for (size_t i = 0; i < sums.size(); ++i) {
       if (failed[i].empty()) continue;
       const ChecksumRange& c = sums[i];
-      r_.findings.push_back({Check::kChecksum, Severity::kError, "", files[c.file.v].rel_path,
-                             failed[i] + ": every tensor over it is unreadable",
-                             JsonText(json({{"entry", c.name}, {"offset", c.offset}, {"length", c.length},
-                                            {"recorded_crc32", c.crc32}}))});
+      r_.findings.push_back(
+          {Check::kChecksum, Severity::kError, "", files[c.file.v].rel_path,
+           failed[i] + ": every tensor over it is unreadable",
+           JsonText(
+               json({{"entry", c.name}, {"offset", c.offset}, {"length", c.length}, {"recorded_crc32", c.crc32}}))});
     }
     return Status::Ok();
   });
@@ -692,8 +727,8 @@ void Verifier::CheckLayers() {
       d["configured_from"] = r_.configured_layers_from;
     }
     d["missing_layers"] = missing;
-    std::string msg = "'" + prefix + "' holds " + std::to_string(seen.size()) + " layer(s), indices 0.." +
-                      std::to_string(top);
+    std::string msg =
+        "'" + prefix + "' holds " + std::to_string(seen.size()) + " layer(s), indices 0.." + std::to_string(top);
     if (r_.configured_layers >= 0) {
       msg += ", but " + std::to_string(r_.configured_layers) + " are configured (" + r_.configured_layers_from + ")";
     }
@@ -848,8 +883,10 @@ std::string ReportTable(const Report& r, const Index& index) {
   line(buf);
   line("");
   if (r.findings.empty()) {
-    line("no findings: coverage, name collisions, zeroed optimizer states, replica drift, ZeRO geometry, "
-         "fp32 masters" + std::string(r.deep ? ", NaN/Inf" : "") + " all clean");
+    line(
+        "no findings: coverage, name collisions, zeroed optimizer states, replica drift, ZeRO geometry, "
+        "fp32 masters" +
+        std::string(r.deep ? ", NaN/Inf" : "") + " all clean");
   } else {
     std::snprintf(buf, sizeof buf, "%-8s  %-22s  %s", "SEVERITY", "CHECK", "FINDING");
     line(buf);
@@ -880,7 +917,10 @@ std::string ReportTable(const Report& r, const Index& index) {
   for (const std::string& n : r.notes) line("note: " + n);
   const int code = r.ExitCode();
   line("");
-  line(std::string("verdict: ") + (code == 0 ? "clean" : code == 3 ? "problems found" : "some data could not be read") +
+  line(std::string("verdict: ") +
+       (code == 0   ? "clean"
+        : code == 3 ? "problems found"
+                    : "some data could not be read") +
        " (exit " + std::to_string(code) + ")");
   return out;
 }

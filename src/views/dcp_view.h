@@ -47,7 +47,6 @@ constexpr uint64_t kDcpMaxChunkBytes = 256ull << 20;
 // Items are packed into data files of about this size (__<k>_0.distcp).
 constexpr uint64_t kDcpFileBytes = 1ull << 30;
 
-
 struct DcpTree {
   std::vector<topo_files::NamedLayout> files;  // .metadata, README.txt, __<k>_0.distcp
   std::vector<std::string> left_out;           // "<key>: <why>" for each tensor not represented

@@ -2,11 +2,10 @@
 
 #include <sys/stat.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 
@@ -148,8 +147,7 @@ constexpr MapRule kMegatronDenseMlp[] = {
 // Mixtral as its Hub checkpoints name it (every transformers release loads
 // these names; 5.x fuses the experts on load).
 constexpr MapRule kMegatronMixtralMlp[] = {
-    {"decoder.layers.{L}.mlp.router.weight", "model.layers.{L}.block_sparse_moe.gate.weight", Op::kCopy,
-     When::kAlways},
+    {"decoder.layers.{L}.mlp.router.weight", "model.layers.{L}.block_sparse_moe.gate.weight", Op::kCopy, When::kAlways},
     {"decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
      "model.layers.{L}.block_sparse_moe.experts.{E}.w1.weight", Op::kGate, When::kAlways},
     {"decoder.layers.{L}.mlp.experts.local_experts.{E}.linear_fc1.weight",
@@ -177,8 +175,8 @@ constexpr MapRule kMegatronQwen3MoeMlp[] = {
      "model.layers.{L}.mlp.experts.{E}.down_proj.weight", Op::kCopy, When::kAlways},
     {"decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}", "model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
      Op::kGate, When::kAlways},
-    {"decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}", "model.layers.{L}.mlp.experts.{E}.up_proj.weight",
-     Op::kUp, When::kAlways},
+    {"decoder.layers.{L}.mlp.experts.linear_fc1.weight{E}", "model.layers.{L}.mlp.experts.{E}.up_proj.weight", Op::kUp,
+     When::kAlways},
     {"decoder.layers.{L}.mlp.experts.linear_fc2.weight{E}", "model.layers.{L}.mlp.experts.{E}.down_proj.weight",
      Op::kCopy, When::kAlways},
 };
@@ -272,8 +270,7 @@ constexpr MapRule kTorchtitanLlama[] = {
      When::kAlways},
     {"layers.{L}.attention.qkv_linear.wk.weight", "model.layers.{L}.self_attn.k_proj.weight", Op::kRopeK,
      When::kAlways},
-    {"layers.{L}.attention.qkv_linear.wv.weight", "model.layers.{L}.self_attn.v_proj.weight", Op::kCopy,
-     When::kAlways},
+    {"layers.{L}.attention.qkv_linear.wv.weight", "model.layers.{L}.self_attn.v_proj.weight", Op::kCopy, When::kAlways},
     {"layers.{L}.attention_norm.weight", "model.layers.{L}.input_layernorm.weight", Op::kCopy, When::kAlways},
     {"layers.{L}.attention.wq.weight", "model.layers.{L}.self_attn.q_proj.weight", Op::kRopeQ, When::kAlways},
     {"layers.{L}.attention.wk.weight", "model.layers.{L}.self_attn.k_proj.weight", Op::kRopeK, When::kAlways},
@@ -402,10 +399,14 @@ T Get(const json& j, const char* key, T def) {
 
 const char* ConfigDtype(DType d) {
   switch (d) {
-    case DType::kBF16: return "bfloat16";
-    case DType::kF16: return "float16";
-    case DType::kF32: return "float32";
-    default: return nullptr;
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF16:
+      return "float16";
+    case DType::kF32:
+      return "float32";
+    default:
+      return nullptr;
   }
 }
 
@@ -425,8 +426,8 @@ Shape ShapeOf(const json& c, const Arch& a) {
   s.head_dim = Get<int64_t>(c, "head_dim", s.heads > 0 ? hidden / s.heads : 0);
   s.vocab = Get<int64_t>(c, "vocab_size", 0);
   s.experts = a.moe == Moe::kMixtral ? Get<int64_t>(c, "num_local_experts", 0)
-              : a.moe == Moe::kQwen3  ? Get<int64_t>(c, "num_experts", 0)
-                                      : 0;
+              : a.moe == Moe::kQwen3 ? Get<int64_t>(c, "num_experts", 0)
+                                     : 0;
   s.tied = Get<bool>(c, "tie_word_embeddings", false);
   const std::string mt = a.model_type;
   if (mt == "llama") {
@@ -443,12 +444,18 @@ Shape ShapeOf(const json& c, const Arch& a) {
 
 bool Holds(When w, const Shape& s) {
   switch (w) {
-    case When::kAlways: return true;
-    case When::kUntied: return !s.tied;
-    case When::kQkvBias: return s.qkv_bias;
-    case When::kOBias: return s.o_bias;
-    case When::kMlpBias: return s.mlp_bias;
-    case When::kQkNorm: return s.qk_norm;
+    case When::kAlways:
+      return true;
+    case When::kUntied:
+      return !s.tied;
+    case When::kQkvBias:
+      return s.qkv_bias;
+    case When::kOBias:
+      return s.o_bias;
+    case When::kMlpBias:
+      return s.mlp_bias;
+    case When::kQkNorm:
+      return s.qk_norm;
   }
   return false;
 }
@@ -524,14 +531,16 @@ const Arch* RecogniseMegatron(const json& args, const Arch* forced, std::vector<
     // renormalised (Qwen3-MoE's norm_topk_prob), no shared experts.
     need(Get<int64_t>(args, "moe_shared_expert_intermediate_size", 0) == 0,
          "MoE shared experts (no Mixtral or Qwen3-MoE equivalent)");
-    need(!Get<bool>(args, "moe_router_pre_softmax", false), "moe_router_pre_softmax is set (Mixtral and Qwen3-MoE "
-                                                            "renormalize the top-k)");
+    need(!Get<bool>(args, "moe_router_pre_softmax", false),
+         "moe_router_pre_softmax is set (Mixtral and Qwen3-MoE "
+         "renormalize the top-k)");
     const std::string score = Get<std::string>(args, "moe_router_score_function", "softmax");
     need(score == "softmax", "moe_router_score_function is '" + score + "' (Mixtral and Qwen3-MoE use softmax)");
     need(Get<double>(args, "moe_router_topk_scaling_factor", 1.0) == 1.0, "moe_router_topk_scaling_factor is set");
     need(!linear_bias && !qkv_bias, "an MoE model with linear biases (Mixtral and Qwen3-MoE have none)");
     const auto lf = args.find("moe_layer_freq");
-    need(lf == args.end() || lf->is_null() || (lf->is_number() && lf->get<double>() == 1.0), "moe_layer_freq: not every layer is MoE");
+    need(lf == args.end() || lf->is_null() || (lf->is_number() && lf->get<double>() == 1.0),
+         "moe_layer_freq: not every layer is MoE");
   }
   const Arch* a = ArchByName("llama");
   if (experts > 0) {
@@ -565,8 +574,8 @@ const Arch* RecogniseMegatron(const json& args, const Arch* forced, std::vector<
 void SetRope(json& c, double theta, std::optional<double> llama3_factor) {
   json rope = {{"rope_type", "default"}, {"rope_theta", theta}};
   if (llama3_factor) {
-    rope = {{"rope_type", "llama3"},         {"rope_theta", theta},       {"factor", *llama3_factor},
-            {"low_freq_factor", 1.0},       {"high_freq_factor", 4.0},   {"original_max_position_embeddings", 8192}};
+    rope = {{"rope_type", "llama3"},  {"rope_theta", theta},     {"factor", *llama3_factor},
+            {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
     c["rope_scaling"] = rope;
   }
   c["rope_theta"] = theta;
@@ -669,9 +678,10 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
   c["initializer_range"] = Get<double>(args, "init_method_std", 0.02);
   c["vocab_size"] = vocab;
   c["tie_word_embeddings"] = !Get<bool>(args, "untie_embeddings_and_output_weights", false);
-  SetRope(c, theta, Get<bool>(args, "use_rope_scaling", false)
-                        ? std::optional<double>(Get<double>(args, "rope_scaling_factor", 8.0))
-                        : std::nullopt);
+  SetRope(c, theta,
+          Get<bool>(args, "use_rope_scaling", false)
+              ? std::optional<double>(Get<double>(args, "rope_scaling_factor", 8.0))
+              : std::nullopt);
   c["attention_dropout"] = AttentionDropout(args);
   c["use_cache"] = true;
   if (mt == "llama") {
@@ -749,7 +759,7 @@ json MetaParamsConfig(const json& p, const Arch& a, int64_t embedding_rows, int6
 }
 
 std::optional<Result<std::string>> ReadIfPresent(const std::string& dir, const std::string& name, uint64_t max_bytes) {
-  struct stat st{};
+  struct stat st {};
   if (::lstat((dir + "/" + name).c_str(), &st) != 0) return std::nullopt;
   return formats::ReadWholeSourceFile(dir, name, max_bytes);
 }
@@ -760,7 +770,7 @@ constexpr uint64_t kMaxConfigBytes = 16u << 20, kMaxSideFileBytes = 64u << 20;
 // weights, or (verl) in a huggingface/ directory of its own (a real
 // directory: a symlink there is not followed).
 std::string HfConfigDir(const std::string& src) {
-  struct stat st{};
+  struct stat st {};
   if (::lstat((src + "/config.json").c_str(), &st) == 0) return src;
   if (::lstat((src + "/huggingface").c_str(), &st) == 0 && S_ISDIR(st.st_mode) &&
       ::lstat((src + "/huggingface/config.json").c_str(), &st) == 0) {
@@ -777,9 +787,16 @@ Result<json> ParseConfig(const std::string& text, const std::string& path) {
 
 // What from_pretrained / AutoTokenizer read beside config.json.
 constexpr const char* kSideFiles[] = {
-    "generation_config.json", "tokenizer.json",   "tokenizer_config.json", "special_tokens_map.json",
-    "tokenizer.model",        "vocab.json",       "merges.txt",            "added_tokens.json",
-    "chat_template.jinja",    "chat_template.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
 };
 
 // The side files present in `dir` (read through OpenSourceFile: never a
@@ -916,7 +933,8 @@ Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const
     case Op::kCopy:
     case Op::kT:
     case Op::kQkv:
-    case Op::kQkvT: break;
+    case Op::kQkvT:
+      break;
   }
   return Invalid("unknown op");
 }
@@ -945,7 +963,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   const Arch* forced = nullptr;
   if (!opts.hf_arch.empty()) {
     forced = ArchByName(opts.hf_arch);
-    if (forced == nullptr) return Invalid("--hf-arch '" + opts.hf_arch + "': expected one of " + JoinNames(HfArchNames()));
+    if (forced == nullptr)
+      return Invalid("--hf-arch '" + opts.hf_arch + "': expected one of " + JoinNames(HfArchNames()));
   }
   const Sources src = CollectSources(index);
   const std::string config_dir = HfConfigDir(index.src_dir());  // config.json and the tokenizer files
@@ -1013,8 +1032,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
           // An architecture ckptfs has no table for, already under its
           // Hugging Face names: served as they are, with its config.
           const json& names = config["architectures"];
-          plan.architecture = names.is_array() && !names.empty() && names[0].is_string() ? names[0].get<std::string>()
-                                                                                         : "?";
+          plan.architecture =
+              names.is_array() && !names.empty() && names[0].is_string() ? names[0].get<std::string>() : "?";
         }
       }
     } else if (conv == Convention::kTorchtitan) {
@@ -1029,7 +1048,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
                      ? 0
                      : index.tensors()[it->second].shape[0];
         };
-        config = MetaParamsConfig(params, *arch, rows("tok_embeddings.weight"), rows("layers.0.feed_forward.w1.weight"));
+        config =
+            MetaParamsConfig(params, *arch, rows("tok_embeddings.weight"), rows("layers.0.feed_forward.w1.weight"));
       } else {
         why.push_back(params_text ? config_dir + "/params.json: not a Meta params.json (an object with dim and n_heads)"
                                   : "torchtitan names (tok_embeddings, layers.N.attention.wq), and no config beside "
@@ -1039,8 +1059,9 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
                                     "and are copied as they are)");
       }
     } else {
-      why.push_back("the checkpoint records no model architecture (no Megatron args, no config.json beside it); "
-                    "pass --hf-config FILE (a config.json) and, if needed, --hf-arch NAME");
+      why.push_back(
+          "the checkpoint records no model architecture (no Megatron args, no config.json beside it); "
+          "pass --hf-config FILE (a config.json) and, if needed, --hf-arch NAME");
     }
   }
   // torchtitan's Llama 3 and Qwen3 differ in their RoPE (interleaved pairs,
@@ -1072,8 +1093,9 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     const bool mixed = (only != config.end() && only->is_array() && !only->empty()) ||
                        Get<int64_t>(config, "decoder_sparse_step", 1) != 1;
     if (mixed) {
-      why.push_back("the config mixes dense and MoE layers (mlp_only_layers, decoder_sparse_step), which hf/ does "
-                    "not map");
+      why.push_back(
+          "the config mixes dense and MoE layers (mlp_only_layers, decoder_sparse_step), which hf/ does "
+          "not map");
       arch = nullptr;
     }
   }
@@ -1097,12 +1119,17 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   }
   auto out_dtype = [&](DType d) -> DType {
     switch (choice) {
-      case DtypeChoice::kModel: return model;
-      case DtypeChoice::kSource: return d;
+      case DtypeChoice::kModel:
+        return model;
+      case DtypeChoice::kSource:
+        return d;
       case DtypeChoice::kF32:
-      case DtypeChoice::kMaster: return DType::kF32;
-      case DtypeChoice::kBF16: return DType::kBF16;
-      case DtypeChoice::kF16: return DType::kF16;
+      case DtypeChoice::kMaster:
+        return DType::kF32;
+      case DtypeChoice::kBF16:
+        return DType::kBF16;
+      case DtypeChoice::kF16:
+        return DType::kF16;
     }
     return d;
   };
@@ -1137,9 +1164,10 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     // to bf16 / f16 with round to nearest even.
     if (!Renders(t.dtype, h.out)) {
       plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn + "' is " +
-                            std::string(DTypeName(t.dtype)) + ", and ckptfs converts only floats to float32 and "
-                            "float32 to bfloat16 / float16, not to " + std::string(DTypeName(h.out)) +
-                            " (use --hf-dtype source or fp32)");
+                            std::string(DTypeName(t.dtype)) +
+                            ", and ckptfs converts only floats to float32 and "
+                            "float32 to bfloat16 / float16, not to " +
+                            std::string(DTypeName(h.out)) + " (use --hf-dtype source or fp32)");
       plan.not_included.push_back(fqn);
       return;
     }
@@ -1151,16 +1179,16 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     }
     auto boxes = OpBoxes(op, t.shape, shape, h.shape, expert);
     if (!boxes.ok()) {
-      plan.errors.push_back("hf/: '" + hf_name + "' is not included: cannot split '" + fqn + "': " +
-                            boxes.status().message());
+      plan.errors.push_back("hf/: '" + hf_name + "' is not included: cannot split '" + fqn +
+                            "': " + boxes.status().message());
       plan.not_included.push_back(fqn);
       return;
     }
     h.pieces = std::move(*boxes);
     if (op == Op::kT || op == Op::kQkvT) {  // the pieces' rows, transposed
       if (h.shape.size() != 2) {
-        plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn + "' is not 2-D (" +
-                              ShapeStr(t.shape) + "), so it has no Conv1D transpose");
+        plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn + "' is not 2-D (" + ShapeStr(t.shape) +
+                              "), so it has no Conv1D transpose");
         plan.not_included.push_back(fqn);
         return;
       }
@@ -1200,9 +1228,15 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   } else if (arch != nullptr) {
     use(kMegatronCommon);
     switch (arch->moe) {
-      case Moe::kNone: use(kMegatronDenseMlp); break;
-      case Moe::kMixtral: use(kMegatronMixtralMlp); break;
-      case Moe::kQwen3: use(kMegatronQwen3MoeMlp); break;
+      case Moe::kNone:
+        use(kMegatronDenseMlp);
+        break;
+      case Moe::kMixtral:
+        use(kMegatronMixtralMlp);
+        break;
+      case Moe::kQwen3:
+        use(kMegatronQwen3MoeMlp);
+        break;
     }
   }
   for (const auto& [key, id] : src.param) {
@@ -1243,7 +1277,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       plan.not_included.push_back(fqn);
     } else if (!any) {
       std::string why_not = skipped ? std::string("the config has no such tensor (") + arch->cls + ", no bias)"
-                                     : std::string("no ") + arch->cls + " tensor is mapped from it";
+                                    : std::string("no ") + arch->cls + " tensor is mapped from it";
       for (const auto& [tmpl, reason] : kKnownUnmapped) {
         int64_t l = -1, e = -1;
         if (MatchTemplate(tmpl, name, l, e)) why_not = reason;
@@ -1255,8 +1289,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
 
   // Every tensor the target architecture has must be there: a pipeline stage
   // that was not saved shows here, not as a model with random layers.
-  if (arch != nullptr && (shape.layers > bound || shape.experts > bound ||
-                          shape.layers * std::max<int64_t>(shape.experts, 1) > bound)) {
+  if (arch != nullptr &&
+      (shape.layers > bound || shape.experts > bound || shape.layers * std::max<int64_t>(shape.experts, 1) > bound)) {
     plan.errors.push_back("hf/: the config's num_hidden_layers (" + std::to_string(shape.layers) + ") and experts (" +
                           std::to_string(shape.experts) + ") are far more than the checkpoint's " +
                           std::to_string(src.param.size()) + " parameters hold; completeness is not checked");
@@ -1273,7 +1307,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     }
     for (const std::string& e : expected) {
       if (!produced.count(e)) {
-        plan.errors.push_back("hf/: '" + e + "' is missing: no source tensor provides it, so transformers would "
+        plan.errors.push_back("hf/: '" + e +
+                              "' is missing: no source tensor provides it, so transformers would "
                               "initialise it at random");
       }
     }

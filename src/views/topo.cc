@@ -1,14 +1,13 @@
 #include "ckptfs/topo.h"
 
-#include <nlohmann/json.hpp>
+#include <re2/re2.h>
 
 #include <algorithm>
 #include <charconv>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
-
-#include <re2/re2.h>
 
 #include "formats/megatron/megatron_common.h"
 
@@ -21,15 +20,16 @@ bool ParseInt(std::string_view s, int* out) {
   return ec == std::errc() && p == s.data() + s.size() && *out > 0;
 }
 
-
 // Name conventions for checkpoints whose reader records no rule (DCP):
 // torchtitan Llama and Hugging Face Llama names, then Megatron's.
 std::optional<TensorSplit> ConventionSplit(const std::string& fqn) {
   TensorSplit s;
   s.kind = SplitKind::kDim;
   if (auto dim = formats::LlamaLinearSplitDim(fqn)) {
-    if (*dim < 0) s.kind = SplitKind::kReplicate;
-    else s.dim = *dim;
+    if (*dim < 0)
+      s.kind = SplitKind::kReplicate;
+    else
+      s.dim = *dim;
     return s;
   }
   for (const char* vocab : {"tok_embeddings.weight", "embed_tokens.weight", "lm_head.weight"}) {
@@ -44,12 +44,15 @@ std::optional<TensorSplit> ConventionSplit(const std::string& fqn) {
 
 std::string RuleText(const TensorSplit& s, const char* source) {
   switch (s.kind) {
-    case SplitKind::kReplicate: return std::string("replicated (") + source + ")";
+    case SplitKind::kReplicate:
+      return std::string("replicated (") + source + ")";
     case SplitKind::kDim:
       return "dim " + std::to_string(s.dim) + (s.groups ? " in " + std::to_string(s.groups) + " groups" : "") +
              (s.pad_rows ? ", vocabulary padded with zero rows" : "") + " (" + source + ")";
-    case SplitKind::kSub2: return std::string("two sub-parameters on dim 0 (") + source + ")";
-    default: return std::string("replicated (") + source + ")";
+    case SplitKind::kSub2:
+      return std::string("two sub-parameters on dim 0 (") + source + ")";
+    default:
+      return std::string("replicated (") + source + ")";
   }
 }
 
@@ -80,11 +83,22 @@ std::optional<Topology> Topology::Parse(std::string_view name) {
     int v = 0;
     if (!ParseInt(tok.substr(2), &v) || v > 1 << 20) return std::nullopt;
     // Order is fixed: tp, pp, dp, ep.
-    if (k == "tp" && part == 0) { t.tp = v; have_tp = true; part = 1; }
-    else if (k == "pp" && part == 1) { t.pp = v; have_pp = true; part = 2; }
-    else if (k == "dp" && part == 2) { t.dp = v; part = 3; }
-    else if (k == "ep" && part >= 2 && part <= 3) { t.ep = v; part = 4; }
-    else return std::nullopt;
+    if (k == "tp" && part == 0) {
+      t.tp = v;
+      have_tp = true;
+      part = 1;
+    } else if (k == "pp" && part == 1) {
+      t.pp = v;
+      have_pp = true;
+      part = 2;
+    } else if (k == "dp" && part == 2) {
+      t.dp = v;
+      part = 3;
+    } else if (k == "ep" && part >= 2 && part <= 3) {
+      t.ep = v;
+      part = 4;
+    } else
+      return std::nullopt;
   }
   if (!have_tp || !have_pp) return std::nullopt;
   return t;
@@ -104,8 +118,10 @@ Result<std::vector<int64_t>> ParsePpLayers(std::string_view text) {
     size_t c = text.find(',', pos);
     std::string_view tok = text.substr(pos, c == std::string_view::npos ? std::string_view::npos : c - pos);
     int v = 0;
-    if (tok == "0") v = 0;
-    else if (!ParseInt(tok, &v)) return Invalid("--pp-layers '" + std::string(text) + "': expected layer counts like 3,5");
+    if (tok == "0")
+      v = 0;
+    else if (!ParseInt(tok, &v))
+      return Invalid("--pp-layers '" + std::string(text) + "': expected layer counts like 3,5");
     out.push_back(v);
     if (c == std::string_view::npos) break;
     pos = c + 1;
@@ -134,7 +150,8 @@ Status ParseRulesFile(const std::string& path, TopoOptions& opts) {
   for (size_t i = 0; i < j["rules"].size(); ++i) {
     const auto& r = j["rules"][i];
     const std::string where = "rules[" + std::to_string(i) + "]";
-    if (!r.is_object() || !r.contains("match") || !r["match"].is_string()) return bad(where + " needs a \"match\" regex");
+    if (!r.is_object() || !r.contains("match") || !r["match"].is_string())
+      return bad(where + " needs a \"match\" regex");
     RuleEntry e;
     e.pattern = r["match"].get<std::string>();
     RE2::Options re_opts;
@@ -160,7 +177,8 @@ Status ParseRulesFile(const std::string& path, TopoOptions& opts) {
         return bad(where + ": split must be replicate, dim or sub2, not '" + k + "'");
       }
       if (r.contains("groups")) {
-        if (!r["groups"].is_number_integer() || r["groups"].get<int64_t>() < 1) return bad(where + ": groups must be >= 1");
+        if (!r["groups"].is_number_integer() || r["groups"].get<int64_t>() < 1)
+          return bad(where + ": groups must be >= 1");
         s.groups = r["groups"].get<int64_t>();
       }
       e.split = s;
@@ -224,8 +242,8 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
     return Invalid(view + ": the checkpoint has no MoE experts (local_experts.<i>) to place on expert-parallel ranks");
   }
   if (plan.num_experts % EP != 0) {
-    return Invalid(view + ": " + std::to_string(plan.num_experts) + " experts per layer do not divide by EP=" +
-                   std::to_string(EP));
+    return Invalid(view + ": " + std::to_string(plan.num_experts) +
+                   " experts per layer do not divide by EP=" + std::to_string(EP));
   }
   const int64_t local_experts = plan.num_experts / EP;
   if (EP > 1 && topo.dp > 0) {
@@ -236,8 +254,8 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
   const int64_t L = plan.num_layers;
   if (!opts.pp_layers.empty()) {
     if (static_cast<int>(opts.pp_layers.size()) != topo.pp) {
-      return Invalid(view + ": --pp-layers gives " + std::to_string(opts.pp_layers.size()) + " stages, the view has PP=" +
-                     std::to_string(topo.pp));
+      return Invalid(view + ": --pp-layers gives " + std::to_string(opts.pp_layers.size()) +
+                     " stages, the view has PP=" + std::to_string(topo.pp));
     }
     int64_t sum = 0;
     for (int64_t n : opts.pp_layers) sum += n;
@@ -252,20 +270,21 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
     }
   } else {
     if (topo.pp > 1 && L % topo.pp != 0) {
-      return Invalid(view + ": " + std::to_string(L) + " layers do not divide evenly into PP=" + std::to_string(topo.pp) +
-                     " stages (give --pp-layers, e.g. in a --rules file)");
+      return Invalid(view + ": " + std::to_string(L) + " layers do not divide evenly into PP=" +
+                     std::to_string(topo.pp) + " stages (give --pp-layers, e.g. in a --rules file)");
     }
     const int64_t per = topo.pp > 0 ? L / topo.pp : 0;
     for (int p = 0; p < topo.pp; ++p) plan.stage_layers.emplace_back(p * per, (p + 1) * per);
   }
-  if (topo.pp > 1 && L == 0) return Invalid(view + ": no layers.<i> (or pipeline <i>.) parameters, so there is nothing to split into stages");
+  if (topo.pp > 1 && L == 0)
+    return Invalid(view + ": no layers.<i> (or pipeline <i>.) parameters, so there is nothing to split into stages");
 
   // A lookup names the degrees: bound what it can make the daemon hold.
   constexpr uint64_t kMaxRanks = 1 << 16, kMaxSlices = 1 << 23;
   const uint64_t ranks = static_cast<uint64_t>(topo.tp) * static_cast<uint64_t>(topo.pp) * static_cast<uint64_t>(EP);
   if (ranks > kMaxRanks) {
-    return Invalid(view + ": " + std::to_string(ranks) + " model-parallel ranks (more than " + std::to_string(kMaxRanks) +
-                   ")");
+    return Invalid(view + ": " + std::to_string(ranks) + " model-parallel ranks (more than " +
+                   std::to_string(kMaxRanks) + ")");
   }
   uint64_t slices = 0;
   plan.ranks.resize(ranks);
@@ -320,8 +339,8 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
       }
       if (s.groups > 0 && s.groups % T != 0) {
         return Invalid(view + ": '" + rec.key + "' holds " + std::to_string(s.groups) +
-                       " attention query groups along dim " + std::to_string(s.dim) +
-                       ", which TP=" + std::to_string(T) + " cannot split without cutting a group (rule: " + rule + ")");
+                       " attention query groups along dim " + std::to_string(s.dim) + ", which TP=" +
+                       std::to_string(T) + " cannot split without cutting a group (rule: " + rule + ")");
       }
     }
     if (T > 1 && s.kind == SplitKind::kSub2 && rec.shape[0] % (2 * T) != 0) {

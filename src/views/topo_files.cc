@@ -1,20 +1,19 @@
 #include "views/topo_files.h"
 
-#include <cstring>
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
 
+#include "common/json_text.h"
 #include "formats/megatron/megatron_common.h"
 #include "formats/pickle_writer.h"
 #include "formats/torch_save_writer.h"
 #include "views/hf_export.h"
-#include "common/json_text.h"
 
 namespace ckptfs::topo_files {
 namespace {
@@ -53,7 +52,8 @@ FileLayout SafetensorsFile(std::string h, std::vector<Segment> body) {
 }
 
 std::string RankFile(const TopoPlan& p, const RankPlan& r) {
-  return "tp" + std::to_string(r.tp) + "-pp" + std::to_string(r.pp) + (p.topo.ep > 0 ? "-ep" + std::to_string(r.ep) : "");
+  return "tp" + std::to_string(r.tp) + "-pp" + std::to_string(r.pp) +
+         (p.topo.ep > 0 ? "-ep" + std::to_string(r.ep) : "");
 }
 
 // The flat range [a, b) of a rank tensor's local C order (its pieces
@@ -148,14 +148,18 @@ Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, j
           const TensorRecord& t = index.tensors()[rt->id.v];
           for (const Box& b : boxes) body.push_back(BoxSeg(t, rt->id, b, s.dtype));
           if (zeros > 0) body.push_back(LiteralSegment(std::string(zeros * esz, '\0')));
-          frags.push_back({{"name", rt->name}, {"local_flat_start", lo - c}, {"numel", hi - lo},
-                           {"partition_offset", lo - p0}});
+          frags.push_back(
+              {{"name", rt->name}, {"local_flat_start", lo - c}, {"numel", hi - lo}, {"partition_offset", lo - p0}});
         }
         c += n;
       }
-      if (p1 > std::max(p0, s.numel)) body.push_back(LiteralSegment(std::string((p1 - std::max(p0, s.numel)) * esz, '\0')));
-      parts[s.name] = {{"dtype", std::string(DTypeName(s.dtype))}, {"numel", part},
-                       {"group_numel", s.numel}, {"group_padded", s.padded}, {"fragments", frags}};
+      if (p1 > std::max(p0, s.numel))
+        body.push_back(LiteralSegment(std::string((p1 - std::max(p0, s.numel)) * esz, '\0')));
+      parts[s.name] = {{"dtype", std::string(DTypeName(s.dtype))},
+                       {"numel", part},
+                       {"group_numel", s.numel},
+                       {"group_padded", s.padded},
+                       {"fragments", frags}};
     }
     FileLayout l = SafetensorsFile(JsonText(header), std::move(body));
     const std::string file = RankFile(plan, r) + "-dp" + std::to_string(d) + ".safetensors";
@@ -215,7 +219,9 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
   for (const RankTensor& rt : r.tensors) {
     const TensorRecord& t = index.tensors()[rt.id.v];
     if (t.role != Role::kParam || t.state != "param") continue;
-    if (rt.zero_tail > 0) return Unsupported("'" + t.key + "' needs vocabulary padding rows, which Megatron-native files do not synthesize");
+    if (rt.zero_tail > 0)
+      return Unsupported("'" + t.key +
+                         "' needs vocabulary padding rows, which Megatron-native files do not synthesize");
     int64_t layer = -1;
     std::string local = formats::megatron::RenumberLayer(t.fqn, -first_layer, &layer);
     if (p.num_experts > 0) {  // expert indices local to the EP rank
@@ -223,15 +229,17 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
       local = formats::megatron::RenumberExpert(local, -r.ep * (p.num_experts / std::max(p.topo.ep, 1)), &expert);
     }
     if (local_spec) {
-      for (const auto& [fused, module] : {std::pair<const char*, const char*>{".self_attention.linear_qkv.layer_norm_", ".input_layernorm."},
-                                          {".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."}}) {
+      for (const auto& [fused, module] :
+           {std::pair<const char*, const char*>{".self_attention.linear_qkv.layer_norm_", ".input_layernorm."},
+            {".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."}}) {
         if (const size_t at = local.find(fused); at != std::string::npos) local.replace(at, std::strlen(fused), module);
       }
     }
     const uint64_t numel = static_cast<uint64_t>(NumelOf(rt.shape));
     flush_extra(local);
     w.Str(local);
-    RETURN_IF_ERROR(w.Tensor(std::to_string(storages.size()), t.dtype, numel, 0, rt.shape, ContiguousStrides(rt.shape)));
+    RETURN_IF_ERROR(
+        w.Tensor(std::to_string(storages.size()), t.dtype, numel, 0, rt.shape, ContiguousStrides(rt.shape)));
     formats::ArchiveStorage st{rt.id.v, t.dtype, numel * DTypeSize(t.dtype), {}};
     if (!(rt.pieces.size() == 1 && rt.pieces[0].lengths == t.shape)) st.boxes = rt.pieces;
     storages.push_back(std::move(st));
@@ -246,8 +254,8 @@ Result<NamedLayout> MegatronRankArchive(const Index& index, const TopoPlan& plan
   w.EndDict();
   w.EndDict();
   char dir[64];
-  std::snprintf(dir, sizeof dir, "iter_%07lld/mp_rank_%02d", static_cast<long long>(std::max<int64_t>(index.info().step, 0)),
-                r.tp);
+  std::snprintf(dir, sizeof dir, "iter_%07lld/mp_rank_%02d",
+                static_cast<long long>(std::max<int64_t>(index.info().step, 0)), r.tp);
   std::string path = dir;
   char suffix[16];
   if (p.topo.pp > 1) {
@@ -274,9 +282,9 @@ Result<std::vector<ExportPart>> TorchSaveTensorParts(const Index& index, uint32_
   formats::PickleWriter w;
   RETURN_IF_ERROR(w.Tensor("0", out, numel, 0, shape, ContiguousStrides(shape)));
   const bool whole = box == nullptr || box->lengths == t.shape;
-  return formats::TorchSaveParts("archive", w.Finish(),
-                                 {formats::ArchiveStorage{id, out, numel * DTypeSize(out),
-                                                          whole ? std::vector<Box>{} : std::vector<Box>{*box}}});
+  return formats::TorchSaveParts(
+      "archive", w.Finish(),
+      {formats::ArchiveStorage{id, out, numel * DTypeSize(out), whole ? std::vector<Box>{} : std::vector<Box>{*box}}});
 }
 
 Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, const std::vector<ExportPart>& parts) {
@@ -293,7 +301,8 @@ Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, co
         seg.tensor = TensorId{p.tensor};
         seg.out_dtype = p.out_dtype;
         seg.size = t.encoding == Encoding::kBytes ? t.byte_size : t.Numel() * DTypeSize(p.out_dtype);
-        if (p.boxes.size() > 1) return Invalid("cannot build the view: " + path + " has a tensor part of several boxes");
+        if (p.boxes.size() > 1)
+          return Invalid("cannot build the view: " + path + " has a tensor part of several boxes");
         if (!p.boxes.empty()) {
           seg.boxes = p.boxes;
           seg.size = static_cast<uint64_t>(NumelOf(p.boxes[0].lengths)) * DTypeSize(p.out_dtype);
@@ -333,7 +342,8 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
     const TensorRecord& t = index.tensors()[rt.id.v];
     const DType out = rt.out != DType::kInvalid ? rt.out : t.dtype;
     const std::string_view dt = SafetensorsDType(out);
-    if (dt.empty()) return Unsupported("'" + t.key + "' is " + std::string(DTypeName(out)) + ", which safetensors has no dtype for");
+    if (dt.empty())
+      return Unsupported("'" + t.key + "' is " + std::string(DTypeName(out)) + ", which safetensors has no dtype for");
     const uint64_t n = static_cast<uint64_t>(NumelOf(rt.shape)) * DTypeSize(out);
     if (!names.insert(rt.name).second) return Invalid("two tensors are both named '" + rt.name + "'");
     h += ',';
@@ -383,10 +393,12 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
   json dp_json = json::array();
   for (const RankPlan& r : plan.ranks) {
     const std::string file = RankFile(plan, r) + ".safetensors";
-    std::vector<std::pair<std::string, std::string>> meta = {
-        {"format", "pt"}, {"ckptfs_topology", name}, {"tp_rank", std::to_string(r.tp)},
-        {"pp_rank", std::to_string(r.pp)}, {"tp_size", std::to_string(plan.topo.tp)},
-        {"pp_size", std::to_string(plan.topo.pp)}};
+    std::vector<std::pair<std::string, std::string>> meta = {{"format", "pt"},
+                                                             {"ckptfs_topology", name},
+                                                             {"tp_rank", std::to_string(r.tp)},
+                                                             {"pp_rank", std::to_string(r.pp)},
+                                                             {"tp_size", std::to_string(plan.topo.tp)},
+                                                             {"pp_size", std::to_string(plan.topo.pp)}};
     if (plan.topo.ep > 0) {
       meta.emplace_back("ep_rank", std::to_string(r.ep));
       meta.emplace_back("ep_size", std::to_string(plan.topo.ep));
@@ -398,10 +410,17 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
     for (const RankTensor& rt : r.tensors) {
       const TensorRecord& t = index.tensors()[rt.id.v];
       json slices = json::array();
-      for (const Box& b : rt.pieces) slices.push_back({{"offsets", IntsJson(b.offsets)}, {"lengths", IntsJson(b.lengths)}});
-      ts.push_back({{"name", rt.name}, {"fqn", t.fqn}, {"state", t.state}, {"dtype", std::string(DTypeName(t.dtype))},
-                    {"shape", IntsJson(rt.shape)}, {"global_shape", IntsJson(t.shape)}, {"rule", rt.rule},
-                    {"slices", slices}, {"zero_padding_elements", rt.zero_tail}});
+      for (const Box& b : rt.pieces)
+        slices.push_back({{"offsets", IntsJson(b.offsets)}, {"lengths", IntsJson(b.lengths)}});
+      ts.push_back({{"name", rt.name},
+                    {"fqn", t.fqn},
+                    {"state", t.state},
+                    {"dtype", std::string(DTypeName(t.dtype))},
+                    {"shape", IntsJson(rt.shape)},
+                    {"global_shape", IntsJson(t.shape)},
+                    {"rule", rt.rule},
+                    {"slices", slices},
+                    {"zero_padding_elements", rt.zero_tail}});
     }
     json rj = {{"file", file}, {"tp", r.tp}, {"pp", r.pp}};
     if (plan.topo.ep > 0) rj["ep"] = r.ep;

@@ -1,16 +1,14 @@
-#include "ckptfs/views.h"
-
 #include <malloc.h>
 
 #include <algorithm>
 #include <chrono>
-
 #include <nlohmann/json.hpp>
 
+#include "ckptfs/views.h"
+#include "common/json_text.h"
 #include "formats/npy.h"
 #include "views/dcp_view.h"
 #include "views/topo_files.h"
-#include "common/json_text.h"
 
 namespace ckptfs {
 namespace {
@@ -34,9 +32,12 @@ Segment TensorSeg(TensorId id, const TensorRecord& t, DType out) {
 
 const char* RoleName(Role r) {
   switch (r) {
-    case Role::kParam: return "param";
-    case Role::kOptimState: return "optimizer_state";
-    default: return "other";
+    case Role::kParam:
+      return "param";
+    case Role::kOptimState:
+      return "optimizer_state";
+    default:
+      return "other";
   }
 }
 
@@ -49,8 +50,12 @@ bool HasUniversal(const Index& ix) {
 
 std::string ReadmeText(const Index& ix) {
   return "This is a ckptfs mount: a read-only, lazily computed view of the checkpoint\n"
-         "  " + ix.src_dir() + "\n"
-         "(family: " + std::string(FamilyName(ix.info().family)) + "). Nothing was converted; every byte is read from\n"
+         "  " +
+         ix.src_dir() +
+         "\n"
+         "(family: " +
+         std::string(FamilyName(ix.info().family)) +
+         "). Nothing was converted; every byte is read from\n"
          "the original shards when you read it.\n\n"
          "  checkpoint.json            what ckptfs found: family, step, ranks, counts, problems\n"
          "  params/<fqn>/param.npy     the model's tensor, full global shape (numpy.load)\n"
@@ -75,10 +80,12 @@ std::string ReadmeText(const Index& ix) {
          "                             tp<t>-pp<p>.safetensors per rank, layout.json (and Megatron's\n"
          "                             own iter_*/mp_rank_* files for Megatron checkpoints);\n"
          "                             topo/ERRORS says why a layout cannot be made\n" +
-         std::string(!HasUniversal(ix) ? "" :
-         "  universal/                 DeepSpeed universal checkpoint (ds_to_universal.py's tree),\n"
-         "                             torch.save archives generated on read; point DeepSpeed's\n"
-         "                             load_checkpoint(<mount>) with checkpoint.load_universal at it\n") +
+         std::string(
+             !HasUniversal(ix)
+                 ? ""
+                 : "  universal/                 DeepSpeed universal checkpoint (ds_to_universal.py's tree),\n"
+                   "                             torch.save archives generated on read; point DeepSpeed's\n"
+                   "                             load_checkpoint(<mount>) with checkpoint.load_universal at it\n") +
          "\n"
          ".npy files hold numpy dtypes: bfloat16 and float8 are widened to float32 (exactly);\n"
          "the .raw twin keeps the source dtype. A file whose source is damaged or changed\n"
@@ -91,9 +98,12 @@ std::string ReadmeText(const Index& ix) {
 std::string PathComponent(std::string_view key) {
   std::string out;
   for (char c : key) {
-    if (c == '/') out += "%2F";
-    else if (c == '\0') out += "%00";
-    else out.push_back(c);
+    if (c == '/')
+      out += "%2F";
+    else if (c == '\0')
+      out += "%00";
+    else
+      out.push_back(c);
   }
   if (out.empty() || out == "." || out == "..") out = "_" + out;
   if (out.size() > 250) out = out.substr(0, 233) + "~" + Hex64(std::hash<std::string_view>{}(key));
@@ -282,11 +292,15 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   j["source"] = index.src_dir();
   j["step"] = info.step >= 0 ? json(info.step) : json(nullptr);
   j["source_topology"] = {{"world_size", info.world_size}};
-  j["counts"] = {{"tensors", tensors.size()},        {"params", n_params},
-                 {"optimizer_states", n_states},     {"other", n_other},
+  j["counts"] = {{"tensors", tensors.size()},
+                 {"params", n_params},
+                 {"optimizer_states", n_states},
+                 {"other", n_other},
                  {"other_unlisted", n_unlisted},
-                 {"fragments", index.num_fragments()}, {"files", index.files().size()},
-                 {"bytes", total_bytes}, {"synthesized_files", index.exports().size()}};
+                 {"fragments", index.num_fragments()},
+                 {"files", index.files().size()},
+                 {"bytes", total_bytes},
+                 {"synthesized_files", index.exports().size()}};
   j["index"] = index.dir();
   j["broken"] = broken;
   json problems = json::array();
@@ -298,8 +312,11 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   // ones that need the data.
   json findings = json::array();
   for (const auto& f : info.findings) {
-    findings.push_back({{"check", std::string(CheckName(f.check))}, {"severity", std::string(SeverityName(f.severity))},
-                        {"tensor", f.tensor}, {"file", f.file}, {"message", f.message}});
+    findings.push_back({{"check", std::string(CheckName(f.check))},
+                        {"severity", std::string(SeverityName(f.severity))},
+                        {"tensor", f.tensor},
+                        {"file", f.file},
+                        {"message", f.message}});
   }
   j["findings"] = findings;
   FileLayout l;
@@ -595,7 +612,8 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const
     AppendJsonInts(body, t.shape);
     body += ",\"bytes\":" + std::to_string(t.byte_size);
     if (!t.error.empty()) body += ",\"error\":" + JsonEscape(t.error);
-    if (t.replicas > 1) body += ",\"mean_of_copies\":" + std::to_string(t.replicas);  // sum(copies) / n, as ds_to_universal.py averages
+    if (t.replicas > 1)
+      body += ",\"mean_of_copies\":" + std::to_string(t.replicas);  // sum(copies) / n, as ds_to_universal.py averages
     body += ",\"fragments\":[";
     if (t.error.empty() && size_only != nullptr) {
       *size_only += t.fragments_json_bytes;

@@ -3,36 +3,17 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
 #include "ckptfs/fs.h"
+#include "dir_archive.h"
 
 namespace ckptfs::fuzz {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string SafeName(std::string_view raw) {
-  std::string out;
-  int parts = 0;
-  size_t pos = 0;
-  while (pos <= raw.size() && parts < 4) {
-    size_t slash = raw.find('/', pos);
-    if (slash == std::string_view::npos) slash = raw.size();
-    std::string c(raw.substr(pos, std::min<size_t>(slash - pos, 64)));
-    for (char& ch : c) {
-      if (ch == '\0') ch = '_';
-    }
-    pos = slash + 1;
-    if (c.empty() || c == "." || c == "..") continue;
-    out += (parts++ ? "/" : "") + c;
-  }
-  return out;
-}
 
 const std::string& WorkDir() {
   static const std::string dir = [] {
@@ -80,25 +61,7 @@ void RunDirectory(const uint8_t* data, size_t size, Depth depth) {
   std::error_code ec;
   fs::remove_all(root, ec);
   fs::create_directories(ck, ec);
-  size_t p = 0;
-  while (p + 2 <= size) {
-    uint16_t nl;
-    std::memcpy(&nl, data + p, 2);
-    p += 2;
-    if (p + nl + 4 > size) break;
-    const std::string name = SafeName(std::string_view(reinterpret_cast<const char*>(data + p), nl));
-    p += nl;
-    uint32_t dl;
-    std::memcpy(&dl, data + p, 4);
-    p += 4;
-    if (dl > size - p) dl = static_cast<uint32_t>(size - p);
-    if (!name.empty()) {
-      const fs::path path = fs::path(ck) / name;
-      fs::create_directories(path.parent_path(), ec);
-      std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data + p), dl);
-    }
-    p += dl;
-  }
+  UnpackArchive(data, size, ck);
   FsOptions o;
   o.src = ck;
   o.index_dir = ix;

@@ -4,11 +4,7 @@
 // verify), so a mutant reaches every reader and view builder exactly as a
 // hostile checkpoint directory would.
 //
-// Archive format (little-endian), repeated until the input ends:
-//   u16 name_len, name (a relative path; '/'-separated), u32 data_len, data.
-// A truncated record ends the archive. Names are made safe before use: empty,
-// '.' and '..' components dropped, NUL -> '_', at most 4 components of at
-// most 64 bytes; a record whose name becomes empty is skipped.
+// Archive format: dir_archive.h.
 //
 // Seeds: tests/fuzz/corpus/<target>/, packed from real producer checkpoints
 // by tests/fuzz/make_corpus.py. Nightly-length run (1 CPU-hour per target):

@@ -46,7 +46,7 @@ inline void WriteFile(const std::string& p, const std::string& data) {
 }
 
 inline void FillStat(const std::string& dir, SourceFile* f) {
-  struct stat st{};
+  struct stat st {};
   ::stat((dir + "/" + f->rel_path).c_str(), &st);
   f->size = static_cast<uint64_t>(st.st_size);
   f->mtime_ns = StatNs(st.st_mtim);

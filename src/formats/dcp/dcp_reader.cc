@@ -1,35 +1,34 @@
 #include "formats/dcp/dcp_reader.h"
 
-#include <cstring>
 #include <dirent.h>
+#include <re2/re2.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <re2/re2.h>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
 
-#include <nlohmann/json.hpp>
-
-#include "ckptfs/geometry.h"
-#include "formats/byte_reader.h"
-#include "formats/pickle.h"
-#include "formats/state_dict_roles.h"
-#include "formats/safetensors/safetensors_header.h"
-#include "formats/tiling.h"
-#include "formats/torch_save.h"
 #include "ckptfs/formats.h"
-#include "formats/zstd.h"
+#include "ckptfs/geometry.h"
+#include "ckptfs/progress.h"
 #include "common/json_text.h"
 #include "common/varint.h"
-#include "ckptfs/progress.h"
+#include "formats/byte_reader.h"
+#include "formats/pickle.h"
+#include "formats/safetensors/safetensors_header.h"
+#include "formats/state_dict_roles.h"
+#include "formats/tiling.h"
+#include "formats/torch_save.h"
+#include "formats/zstd.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -95,9 +94,12 @@ std::vector<std::string> PathOf(const PyValue* planner, const std::string& key) 
   const PyValue* p = planner != nullptr && planner->kind == PyKind::kDict ? planner->Get(key) : nullptr;
   if (p != nullptr && p->IsSeq()) {
     for (const auto& e : p->items) {
-      if (e->kind == PyKind::kStr) path.push_back(e->s);
-      else if (e->kind == PyKind::kInt) path.push_back(std::to_string(e->i));
-      else path.push_back("?");
+      if (e->kind == PyKind::kStr)
+        path.push_back(e->s);
+      else if (e->kind == PyKind::kInt)
+        path.push_back(std::to_string(e->i));
+      else
+        path.push_back("?");
     }
   }
   if (path.empty()) path.push_back(key);
@@ -223,7 +225,8 @@ Result<Fragment> ResolveChunk(const Work& w, const int64_t* box, const TensorRec
     ASSIGN_OR_RETURN(std::string raw, ReadItem(fd, w.loc, name));
     uint64_t bound = DTypeSize(t.dtype);
     for (int64_t d : f.lengths) {
-      if (d < 0 || MulOverflow(bound, static_cast<uint64_t>(d), &bound)) return Invalid("cannot read " + name + ": bad chunk size");
+      if (d < 0 || MulOverflow(bound, static_cast<uint64_t>(d), &bound))
+        return Invalid("cannot read " + name + ": bad chunk size");
     }
     bound = std::min(bound + kTorchSaveSlack, GetReadLimits().max_item_bytes);
     ASSIGN_OR_RETURN(plain, ZstdDecompress(raw, bound, name));
@@ -241,7 +244,8 @@ Result<Fragment> ResolveChunk(const Work& w, const int64_t* box, const TensorRec
   TorchSaveArchive& a = *archive;
   if (a.root->kind != PyKind::kTensor) return Invalid("cannot read " + name + ": item is not a tensor");
   const TensorRef& ref = a.root->tensor();
-  if (ref.shape != f.lengths) return Invalid("cannot read " + name + ": item's shape differs from the chunk in .metadata");
+  if (ref.shape != f.lengths)
+    return Invalid("cannot read " + name + ": item's shape differs from the chunk in .metadata");
   if (ref.dtype != t.dtype) {
     return Invalid("cannot read " + name + ": item dtype " + std::string(DTypeName(ref.dtype)) +
                    " differs from .metadata's " + std::string(DTypeName(t.dtype)));
@@ -278,7 +282,8 @@ int64_t FindStep(const std::string& dir, const Checkpoint& ck, const OpenFiles& 
       } else if (t.encoding == Encoding::kTensor && t.shape.empty() && f.compression == Compression::kNone) {
         char buf[8] = {};
         size_t n = DTypeSize(t.dtype);
-        if (n == 0 || n > 8 || ::pread(fd, buf, n, static_cast<off_t>(f.data_offset)) != static_cast<ssize_t>(n)) continue;
+        if (n == 0 || n > 8 || ::pread(fd, buf, n, static_cast<off_t>(f.data_offset)) != static_cast<ssize_t>(n))
+          continue;
         if (t.dtype == DType::kI64) return LoadLE<int64_t>(buf);
         if (t.dtype == DType::kI32) return LoadLE<int32_t>(buf);
         if (t.dtype == DType::kF32) return static_cast<int64_t>(LoadLE<float>(buf));
@@ -309,7 +314,7 @@ DcpSave FindSave(const std::string& dir, const std::string& prefix) {
   DcpSave save;
   save.prefix = prefix;
   const std::string d = prefix.empty() ? dir : dir + "/" + prefix;
-  struct stat st{};
+  struct stat st {};
   if (::stat((d + "/.metadata").c_str(), &st) == 0) {
     save.meta = {{0, ".metadata"}};
     return save;
@@ -389,7 +394,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       offsets = *o;
     }
     const PyValue* rel = v.Attr("relative_path");
-    if (rel == nullptr || !rel->IsStr()) return Invalid("cannot parse " + meta_path + ": _StorageInfo without relative_path");
+    if (rel == nullptr || !rel->IsStr())
+      return Invalid("cannot parse " + meta_path + ": _StorageInfo without relative_path");
     if (rel->s.empty() || rel->s.find("..") != std::string::npos || rel->s[0] == '/') {
       return Invalid("cannot parse " + meta_path + ": unsafe relative_path '" + rel->s + "'");
     }
@@ -397,7 +403,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     loc.file = add_file(cur_prefix + rel->s);
     auto o = AsInt(v.Attr("offset"), "_StorageInfo.offset");
     auto l = AsInt(v.Attr("length"), "_StorageInfo.length");
-    if (!o.ok() || !l.ok() || *o < 0 || *l < 0) return Invalid("cannot parse " + meta_path + ": bad _StorageInfo offset/length");
+    if (!o.ok() || !l.ok() || *o < 0 || *l < 0)
+      return Invalid("cannot parse " + meta_path + ": bad _StorageInfo offset/length");
     loc.offset = static_cast<uint64_t>(*o);
     loc.length = static_cast<uint64_t>(*l);
     if (const PyValue* td = v.Attr("transform_descriptors"); td != nullptr && td->IsSeq()) {
@@ -463,16 +470,16 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       auto dt = PropertiesDType(md.Attr("properties"));
       auto shape = AsIntVector(md.Attr("size"), "size");
       if (!dt.ok() || !shape.ok()) {
-        return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': " +
-                       (!dt.ok() ? dt.status().message() : shape.status().message()));
+        return Invalid("cannot parse " + meta_path + ": tensor '" + t.key +
+                       "': " + (!dt.ok() ? dt.status().message() : shape.status().message()));
       }
       t.dtype = *dt;
       t.shape = *shape;
       for (int64_t s : t.shape) {
         if (s < 0) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has a negative size");
       }
-      if (earlier != nullptr && (earlier->encoding != Encoding::kTensor || earlier->dtype != t.dtype ||
-                                 earlier->shape != t.shape)) {
+      if (earlier != nullptr &&
+          (earlier->encoding != Encoding::kTensor || earlier->dtype != t.dtype || earlier->shape != t.shape)) {
         return disagree();
       }
       if (std::string why = CheckTensorGeometry(t, {}); !why.empty()) {
@@ -484,17 +491,19 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
         return Status::Ok();
       }
       const PyValue* chunks = md.Attr("chunks");
-      if (chunks == nullptr || !chunks->IsSeq()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has no chunks");
+      if (chunks == nullptr || !chunks->IsSeq())
+        return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "' has no chunks");
       TensorRecord& rec = earlier != nullptr ? *earlier : t;
       for (const auto& c : chunks->items) {
         auto offs = AsIntVector(c->Attr("offsets"), "chunk offsets");
         auto sizes = AsIntVector(c->Attr("sizes"), "chunk sizes");
-        if (!offs.ok() || !sizes.ok()) return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': bad chunk");
+        if (!offs.ok() || !sizes.ok())
+          return Invalid("cannot parse " + meta_path + ": tensor '" + t.key + "': bad chunk");
         if (offs->size() != t.shape.size() || sizes->size() != t.shape.size()) {
           if (rec.error.empty()) {
-            rec.error = "cannot index '" + t.key + "' (" + meta_path + "): a chunk has " + std::to_string(offs->size()) +
-                        " offsets and " + std::to_string(sizes->size()) + " sizes for a tensor of " +
-                        std::to_string(t.shape.size()) + " dimensions";
+            rec.error = "cannot index '" + t.key + "' (" + meta_path + "): a chunk has " +
+                        std::to_string(offs->size()) + " offsets and " + std::to_string(sizes->size()) +
+                        " sizes for a tensor of " + std::to_string(t.shape.size()) + " dimensions";
             ck.info.Flag(Check::kCoverage, Severity::kError, t.key, meta_path.substr(dir.size() + 1), rec.error);
           }
           continue;
@@ -513,7 +522,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       if (earlier != nullptr) return Status::Ok();
       t.byte_size = t.Numel() * DTypeSize(t.dtype);
     } else {
-      return Unsupported("cannot parse " + meta_path + ": unknown storage metadata class " + cls + " for '" + t.key + "'");
+      return Unsupported("cannot parse " + meta_path + ": unknown storage metadata class " + cls + " for '" + t.key +
+                         "'");
     }
     ck.tensors.push_back(std::move(t));
     return Status::Ok();
@@ -522,7 +532,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   // Each metadata file in turn (one, or one per rank when rank-local). The
   // file is read in windows by the pickle VM (it may be hundreds of MiB),
   // never held whole.
-  std::vector<std::vector<std::string>> paths;  // each tensor's state-dict path
+  std::vector<std::vector<std::string>> paths;                  // each tensor's state-dict path
   std::vector<std::pair<std::string, std::string>> meta_files;  // (folder, file name), in reading order
   for (const DcpSave& sv : saves) {
     for (const auto& [rank, name] : sv.meta) meta_files.emplace_back(sv.prefix, name);
@@ -579,7 +589,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
       return item.ClassName() == "WriteItem";
     };
     auto root_or = Unpickle(meta_size, read_meta, name, opts);
-    if (!root_or.ok()) return root_or.status().message().rfind("cannot parse ", 0) == 0 ? root_or.status() : fail(root_or.status());
+    if (!root_or.ok())
+      return root_or.status().message().rfind("cannot parse ", 0) == 0 ? root_or.status() : fail(root_or.status());
     const PyValue& root = **root_or;
     // megatron-core 0.12-0.15 pickled its own subclass of Metadata (MCoreMetadata,
     // with an `mcore_data` attribute beside torch's fields); today's mcore keeps a
@@ -594,10 +605,13 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     const PyValue* sdm = root.Attr("state_dict_metadata");
     const PyValue* storage = root.Attr("storage_data");
     const PyValue* planner = root.Attr("planner_data");
-    if (sdm == nullptr || sdm->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no state_dict_metadata");
-    if (storage == nullptr || storage->kind != PyKind::kDict) return Invalid("cannot parse " + meta_path + ": no storage_data");
+    if (sdm == nullptr || sdm->kind != PyKind::kDict)
+      return Invalid("cannot parse " + meta_path + ": no state_dict_metadata");
+    if (storage == nullptr || storage->kind != PyKind::kDict)
+      return Invalid("cannot parse " + meta_path + ": no storage_data");
     if ((sdm_seen != nullptr && sdm_seen != sdm) || (storage_seen != nullptr && storage_seen != storage)) {
-      return Invalid("cannot parse " + meta_path + ": chunk metadata outside Metadata.state_dict_metadata / storage_data");
+      return Invalid("cannot parse " + meta_path +
+                     ": chunk metadata outside Metadata.state_dict_metadata / storage_data");
     }
     // What the VM did not take: refused here with the reason.
     for (const auto& [k, v] : storage->dict) RETURN_IF_ERROR(add_storage(*k, *v));
@@ -610,7 +624,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
     // canonicalised by the VM, so the class path cannot tell the versions apart).
     const bool has_planner = planner != nullptr && planner->kind == PyKind::kDict;
     if (ck.info.format_note.empty()) {
-      ck.info.format_note = std::string("DCP metadata") + (version && version->IsStr() ? " version " + version->s : "") +
+      ck.info.format_note = std::string("DCP metadata") +
+                            (version && version->IsStr() ? " version " + version->s : "") +
                             (root.Attr("storage_meta") ? " (torch >= 2.4)"
                              : has_planner             ? " (torch 2.0-2.3)"
                                                        : " (torch 1.13 _shard.checkpoint layout)");
@@ -623,7 +638,8 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   ck.info.family = Family::kPytorchDcp;
   if (saves.size() > 1) ck.info.format_note += ", Accelerate FSDP: pytorch_model_fsdp_0/ + optimizer_0/";
   // Merged chunks arrive file by file; the work list goes back to tensor order.
-  if (merge) std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.tensor < y.tensor; });
+  if (merge)
+    std::stable_sort(work.begin(), work.end(), [](const Work& x, const Work& y) { return x.tensor < y.tensor; });
   for (const DcpSave& sv : saves) {
     if (!sv.rank_local()) continue;
     ck.info.format_note += ", rank-local" + (sv.prefix.empty() ? "" : " " + sv.prefix) + ": " +
@@ -697,11 +713,11 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   std::map<uint32_t, std::vector<std::pair<std::string, std::string>>> missing;
   for (const Work& w : work) {
     if (files.fds[w.loc.file] >= 0 || ck.files[w.loc.file].mtime_ns != -1) continue;
-    missing[w.loc.file].emplace_back(ck.tensors[w.tensor].key,
-                                     w.bytes ? "whole entry"
-                                             : BoxString(Box{{boxes.begin() + w.box, boxes.begin() + w.box + w.ndim},
-                                                             {boxes.begin() + w.box + w.ndim,
-                                                              boxes.begin() + w.box + 2 * w.ndim}}));
+    missing[w.loc.file].emplace_back(
+        ck.tensors[w.tensor].key,
+        w.bytes ? "whole entry"
+                : BoxString(Box{{boxes.begin() + w.box, boxes.begin() + w.box + w.ndim},
+                                {boxes.begin() + w.box + w.ndim, boxes.begin() + w.box + 2 * w.ndim}}));
   }
   for (const auto& [file, holes] : missing) {
     const std::string& rel = ck.files[file].rel_path;

@@ -1,9 +1,6 @@
-#include <re2/re2.h>
-
 #include "formats/deepspeed/ds_reader.h"
 
-#include <nlohmann/json.hpp>
-
+#include <re2/re2.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +8,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <tuple>
@@ -19,8 +17,8 @@
 #include "formats/byte_reader.h"
 #include "formats/pickle.h"
 #include "formats/pickle_writer.h"
-#include "formats/torch_save.h"
 #include "formats/torch_file.h"
+#include "formats/torch_save.h"
 #include "formats/torch_save_writer.h"
 #include "formats/tp_merge.h"
 
@@ -74,9 +72,8 @@ const RE2& ExpertNameRe() {
   return r;
 }
 bool Experts(const Shapes& shapes) {
-  return !shapes.empty() && std::all_of(shapes.begin(), shapes.end(), [](const auto& s) {
-    return RE2::FullMatch(s.first, ExpertNameRe());
-  });
+  return !shapes.empty() && std::all_of(shapes.begin(), shapes.end(),
+                                        [](const auto& s) { return RE2::FullMatch(s.first, ExpertNameRe()); });
 }
 // Local experts per MoE layer (per name prefix) in one group.
 std::map<std::string, int> LocalExperts(const Shapes& shapes) {
@@ -159,7 +156,7 @@ struct ModelStates {
   std::unique_ptr<Source> src;
   std::vector<Shapes> groups;
   std::vector<std::pair<std::string, const PyValue*>> module;  // state_dict entries, in order
-  std::map<std::string, const PyValue*> module_by_name;       // the same, by name
+  std::map<std::string, const PyValue*> module_by_name;        // the same, by name
   std::set<std::string> buffers;
   const PyValue* uci = nullptr;
   std::string error;
@@ -245,7 +242,8 @@ Status ParseOptim(OptimRank& o) {
     for (size_t g = 0; g < o.groups.size(); ++g) {
       OptimGroup& og = o.groups[g];
       const std::string gs = "group " + std::to_string(g);
-      ASSIGN_OR_RETURN(og.fp32, Resolve(s, fp32->items[g], "single_partition_of_fp32_groups[" + std::to_string(g) + "]"));
+      ASSIGN_OR_RETURN(og.fp32,
+                       Resolve(s, fp32->items[g], "single_partition_of_fp32_groups[" + std::to_string(g) + "]"));
       RETURN_IF_ERROR(ParseAdamState(s, state, g, gs, og));
       if (paddings && paddings->IsSeq() && g < paddings->items.size()) {
         ASSIGN_OR_RETURN(og.recorded_pad, AsInt(paddings->items[g], s.rel + ": group_paddings"));
@@ -404,8 +402,8 @@ struct Patterns {
       const PyValue* w = nullptr;
       if (shard_widths != nullptr && shard_widths->kind == PyKind::kDict) w = shard_widths->Get(pattern);
       if (w == nullptr || !w->IsSeq()) {
-        return Invalid("universal checkpoint version " + std::to_string(version) + " records no sub_param_shard_widths for '" +
-                       pattern + "'");
+        return Invalid("universal checkpoint version " + std::to_string(version) +
+                       " records no sub_param_shard_widths for '" + pattern + "'");
       }
       for (PyRef x : w->items) {
         ASSIGN_OR_RETURN(auto ws, AsIntVector(x, "sub_param_shard_widths of '" + pattern + "'"));
@@ -572,20 +570,21 @@ struct Reader {
   // Model-parallel files, indexed mp = pp * tp + t (PipelineEngine's
   // ds_model_rank; without a pipeline, mp = t).
   std::vector<ModelStates> models;
-  std::vector<std::unique_ptr<Source>> z3_copies;  // ZeRO-3 model states of DP ranks > 0 (copied, not parsed)
-  std::vector<std::unique_ptr<Source>> layer_files;  // PipelineEngine layer_XX-model_TT files
-  std::vector<ModuleCopy> module;                    // per TP rank
+  std::vector<std::unique_ptr<Source>> z3_copies;     // ZeRO-3 model states of DP ranks > 0 (copied, not parsed)
+  std::vector<std::unique_ptr<Source>> layer_files;   // PipelineEngine layer_XX-model_TT files
+  std::vector<ModuleCopy> module;                     // per TP rank
   std::vector<std::unique_ptr<Source>> expert_files;  // MoE layer_L_expert_E_mp_rank_MM files
-  std::set<std::string> experts;                     // MoE expert parameters (global names)
-  std::vector<std::vector<OptimRank>> optim;       // [dp][mp]
+  std::set<std::string> experts;                      // MoE expert parameters (global names)
+  std::vector<std::vector<OptimRank>> optim;          // [dp][mp]
   int mp = 0, tp = 0, pp = 1, dp = 0, stage = 0;
   int root = 0;  // the first readable model-states file
   bool data_before_ep = false;
-  int optim_on_disk = 0;  // optimizer state files found (readable or not)  // ds_config use_data_before_expert_parallelism (another MoE rank layout)
+  int optim_on_disk = 0;  // optimizer state files found (readable or not)  // ds_config
+                          // use_data_before_expert_parallelism (another MoE rank layout)
   bool pipeline = false;
   const struct Patterns* patterns = nullptr;  // universal_checkpoint_info, during Emit
   bool bf16_optimizer = false;
-  std::vector<Param> params;                       // flat-group order of TP rank 0
+  std::vector<Param> params;  // flat-group order of TP rank 0
   std::map<std::string, size_t> param_index;
   std::vector<std::string> problems;
 
@@ -625,7 +624,7 @@ Status Reader::Discover() {
   }
   std::map<int, std::string> model_files;
   std::map<std::pair<int, int>, std::string> z3_models, optim_files, layers;  // layers: (layer, tp)
-  std::map<std::tuple<int, int, int>, std::string> expert_names;             // (mp, layer, expert)
+  std::map<std::tuple<int, int, int>, std::string> expert_names;              // (mp, layer, expert)
   std::string opt_prefix;
   for (const auto& e : fs::directory_iterator(dir + "/" + prefix, ec)) {
     std::string n = e.path().filename().string();
@@ -652,10 +651,12 @@ Status Reader::Discover() {
   if (model_files.empty() && z3_models.empty()) {
     if (!optim_files.empty()) {
       return Invalid("cannot read " + dir + "/" + prefix + "mp_rank_00_model_states.pt: missing (" +
-                     std::to_string(optim_files.size()) + " optimizer state files are present, but the parameter "
+                     std::to_string(optim_files.size()) +
+                     " optimizer state files are present, but the parameter "
                      "shapes live in the model states)");
     }
-    return Invalid("cannot parse " + dir + "/" + prefix + ": no mp_rank_XX_model_states.pt (not a DeepSpeed checkpoint tag directory)");
+    return Invalid("cannot parse " + dir + "/" + prefix +
+                   ": no mp_rank_XX_model_states.pt (not a DeepSpeed checkpoint tag directory)");
   }
   files.dir = dir;
   files.ck = &ck;
@@ -734,7 +735,8 @@ Status Reader::Discover() {
       if (!o.error.empty()) {
         const bool missing = ck.files[o.src->file.v].mtime_ns == -1;
         ck.info.Flag(missing ? Check::kCoverage : Check::kUnreadable, Severity::kError, "", o.src->rel,
-                     missing ? o.src->rel + " is missing (DP=" + std::to_string(dp) + "): the optimizer partitions "
+                     missing ? o.src->rel + " is missing (DP=" + std::to_string(dp) +
+                                   "): the optimizer partitions "
                                    "it holds are holes in every parameter of its rank"
                              : o.error);
         continue;
@@ -932,87 +934,100 @@ void Reader::Geometry12(int mi) {
     const int64_t P = (n_total + A - 1) / A * A;
     const int64_t S = P / D;
     for (int e = 0; e < E; ++e) {
-    // The k-th member of expert-parallel rank e's expert-data-parallel group
-    // (DeepSpeed's default layout: EP groups are consecutive ranks).
-    auto rank_of = [&](int64_t k) { return static_cast<int>(k * E + e); };
-    // What the geometry puts on each rank (local names): (numel, start) per
-    // parameter, and how long the rank's saved partitions must be.
-    std::vector<std::map<std::string, std::pair<int64_t, int64_t>>> placed(D);
-    std::vector<int64_t> need(D, 0);
-    const std::map<std::string, int> local_experts = E > 1 ? LocalExperts(shapes) : std::map<std::string, int>{};
-    for (size_t k = 0; k < shapes.size(); ++k) {
-      const auto& [local_name, shape] = shapes[k];
-      const std::string name = E > 1 ? GlobalExpertName(local_name, e, local_experts) : local_name;
-      LocalParam lp;
-      lp.present = true;
-      lp.mp = mi;
-      lp.group = static_cast<int>(g);
-      lp.shape = shape;
-      const int64_t n = NumelOf(shape);
-      for (int64_t r = 0; r < D; ++r) {
-        int64_t lo = std::max(off[k], r * S), hi = std::min(off[k] + n, (r + 1) * S);
-        if (lo < hi) lp.pieces.push_back(Piece{rank_of(r), lo - off[k], hi - lo, lo - r * S});
+      // The k-th member of expert-parallel rank e's expert-data-parallel group
+      // (DeepSpeed's default layout: EP groups are consecutive ranks).
+      auto rank_of = [&](int64_t k) { return static_cast<int>(k * E + e); };
+      // What the geometry puts on each rank (local names): (numel, start) per
+      // parameter, and how long the rank's saved partitions must be.
+      std::vector<std::map<std::string, std::pair<int64_t, int64_t>>> placed(D);
+      std::vector<int64_t> need(D, 0);
+      const std::map<std::string, int> local_experts = E > 1 ? LocalExperts(shapes) : std::map<std::string, int>{};
+      for (size_t k = 0; k < shapes.size(); ++k) {
+        const auto& [local_name, shape] = shapes[k];
+        const std::string name = E > 1 ? GlobalExpertName(local_name, e, local_experts) : local_name;
+        LocalParam lp;
+        lp.present = true;
+        lp.mp = mi;
+        lp.group = static_cast<int>(g);
+        lp.shape = shape;
+        const int64_t n = NumelOf(shape);
+        for (int64_t r = 0; r < D; ++r) {
+          int64_t lo = std::max(off[k], r * S), hi = std::min(off[k] + n, (r + 1) * S);
+          if (lo < hi) lp.pieces.push_back(Piece{rank_of(r), lo - off[k], hi - lo, lo - r * S});
+        }
+        for (const Piece& pc : lp.pieces) {
+          const int64_t r = pc.dp / E;
+          placed[r][local_name] = {pc.numel, pc.at};
+          need[r] = std::max(need[r], pc.at + pc.numel);
+        }
+        auto [it, inserted] = param_index.emplace(name, params.size());
+        if (inserted) params.push_back(Param{name, std::vector<LocalParam>(tp), ""});
+        if (E > 1) experts.insert(name);
+        // A parameter several pipeline stages hold (a tied embedding) is read
+        // from the first stage, as ds_to_universal.py does for
+        // pipeline_replicated_parameter_patterns.
+        LocalParam& slot = params[it->second].tp[t];
+        if (!slot.present) slot = std::move(lp);
+        if (E > 1 && data_before_ep) {
+          Break(name, "'" + name +
+                          "' is an MoE expert of a run with use_data_before_expert_parallelism, whose "
+                          "expert-parallel rank layout ckptfs does not map yet");
+        }
       }
-      for (const Piece& pc : lp.pieces) {
-        const int64_t r = pc.dp / E;
-        placed[r][local_name] = {pc.numel, pc.at};
-        need[r] = std::max(need[r], pc.at + pc.numel);
+      for (int64_t k = 0; k < D; ++k) {
+        const int r = rank_of(k);
+        OptimRank& o = optim[r][mi];
+        if (!o.error.empty()) continue;
+        if (g >= o.groups.size()) {
+          o.error = o.src->rel + ": has " + std::to_string(o.groups.size()) + " param groups, param_shapes of " +
+                    m.src->rel + " has " + std::to_string(m.groups.size());
+          problems.push_back(o.error);
+          continue;
+        }
+        const OptimGroup& og = o.groups[g];
+        const int64_t pad = S - std::clamp<int64_t>(n_total - k * S, 0, S);
+        if (og.recorded_pad >= 0 && og.recorded_pad != pad) {
+          const bool spans = P - n_total > S;  // padding reaches below the last rank
+          ck.info.Flag(Check::kGeometry, Severity::kWarning, "", o.src->rel,
+                       o.src->rel + ": group_paddings[" + std::to_string(g) + "] records " +
+                           std::to_string(og.recorded_pad) + ", the geometry (N=" + std::to_string(n_total) +
+                           ", D=" + std::to_string(D) + ", S=" + std::to_string(S) + ") gives " + std::to_string(pad) +
+                           (spans ? " (padding spans several ranks: the DP=768 case)" : "") +
+                           "; a recorded-padding defect: ckptfs uses the recomputed value",
+                       nlohmann::json({{"group", g},
+                                       {"dp_rank", r},
+                                       {"recorded_padding", og.recorded_pad},
+                                       {"recomputed_padding", pad},
+                                       {"numel", n_total},
+                                       {"dp", D},
+                                       {"partition_size", S},
+                                       {"padding_spans_ranks", spans}})
+                           .dump());
+        }
+        CheckSliceMappings(o, g, std::move(placed[k]), [&](const std::string& local) {
+          return E > 1 ? GlobalExpertName(local, e, local_experts) : local;
+        });
+        for (const auto& [loc, what] : {std::pair{&og.fp32, "fp32 partition"}, std::pair{&og.exp_avg, "exp_avg"},
+                                        std::pair{&og.exp_avg_sq, "exp_avg_sq"}}) {
+          if (!loc->has_value() || (*loc)->Numel() >= need[k]) continue;
+          const std::string why = o.src->rel + ": group " + std::to_string(g) + " " + what + " holds " +
+                                  std::to_string((*loc)->Numel()) + " elements; param_shapes need " +
+                                  std::to_string(need[k]) + " on this rank (N=" + std::to_string(n_total) +
+                                  ", D=" + std::to_string(D) + ")";
+          ck.info.Flag(Check::kGeometry, Severity::kError, "", o.src->rel, why + ": its parameters are unreadable",
+                       nlohmann::json({{"group", g},
+                                       {"dp_rank", r},
+                                       {"state", what},
+                                       {"recorded_numel", (*loc)->Numel()},
+                                       {"recomputed_numel", need[k]},
+                                       {"numel", n_total},
+                                       {"dp", D},
+                                       {"partition_size", S}})
+                           .dump());
+          for (const auto& [local, shape] : shapes)
+            Break(E > 1 ? GlobalExpertName(local, e, local_experts) : local, why);
+        }
       }
-      auto [it, inserted] = param_index.emplace(name, params.size());
-      if (inserted) params.push_back(Param{name, std::vector<LocalParam>(tp), ""});
-      if (E > 1) experts.insert(name);
-      // A parameter several pipeline stages hold (a tied embedding) is read
-      // from the first stage, as ds_to_universal.py does for
-      // pipeline_replicated_parameter_patterns.
-      LocalParam& slot = params[it->second].tp[t];
-      if (!slot.present) slot = std::move(lp);
-      if (E > 1 && data_before_ep) {
-        Break(name, "'" + name + "' is an MoE expert of a run with use_data_before_expert_parallelism, whose "
-                    "expert-parallel rank layout ckptfs does not map yet");
-      }
-    }
-    for (int64_t k = 0; k < D; ++k) {
-      const int r = rank_of(k);
-      OptimRank& o = optim[r][mi];
-      if (!o.error.empty()) continue;
-      if (g >= o.groups.size()) {
-        o.error = o.src->rel + ": has " + std::to_string(o.groups.size()) + " param groups, param_shapes of " +
-                  m.src->rel + " has " + std::to_string(m.groups.size());
-        problems.push_back(o.error);
-        continue;
-      }
-      const OptimGroup& og = o.groups[g];
-      const int64_t pad = S - std::clamp<int64_t>(n_total - k * S, 0, S);
-      if (og.recorded_pad >= 0 && og.recorded_pad != pad) {
-        const bool spans = P - n_total > S;  // padding reaches below the last rank
-        ck.info.Flag(Check::kGeometry, Severity::kWarning, "", o.src->rel,
-                     o.src->rel + ": group_paddings[" + std::to_string(g) + "] records " +
-                         std::to_string(og.recorded_pad) + ", the geometry (N=" + std::to_string(n_total) +
-                         ", D=" + std::to_string(D) + ", S=" + std::to_string(S) + ") gives " + std::to_string(pad) +
-                         (spans ? " (padding spans several ranks: the DP=768 case)" : "") +
-                         "; a recorded-padding defect: ckptfs uses the recomputed value",
-                     nlohmann::json({{"group", g}, {"dp_rank", r}, {"recorded_padding", og.recorded_pad},
-                                     {"recomputed_padding", pad}, {"numel", n_total}, {"dp", D},
-                                     {"partition_size", S}, {"padding_spans_ranks", spans}})
-                         .dump());
-      }
-      CheckSliceMappings(o, g, std::move(placed[k]), [&](const std::string& local) {
-        return E > 1 ? GlobalExpertName(local, e, local_experts) : local;
-      });
-      for (const auto& [loc, what] : {std::pair{&og.fp32, "fp32 partition"}, std::pair{&og.exp_avg, "exp_avg"},
-                                      std::pair{&og.exp_avg_sq, "exp_avg_sq"}}) {
-        if (!loc->has_value() || (*loc)->Numel() >= need[k]) continue;
-        const std::string why = o.src->rel + ": group " + std::to_string(g) + " " + what + " holds " +
-                                std::to_string((*loc)->Numel()) + " elements; param_shapes need " +
-                                std::to_string(need[k]) + " on this rank (N=" + std::to_string(n_total) +
-                                ", D=" + std::to_string(D) + ")";
-        ck.info.Flag(Check::kGeometry, Severity::kError, "", o.src->rel, why + ": its parameters are unreadable",
-                     nlohmann::json({{"group", g}, {"dp_rank", r}, {"state", what}, {"recorded_numel", (*loc)->Numel()},
-                                     {"recomputed_numel", need[k]}, {"numel", n_total}, {"dp", D}, {"partition_size", S}})
-                         .dump());
-        for (const auto& [local, shape] : shapes) Break(E > 1 ? GlobalExpertName(local, e, local_experts) : local, why);
-      }
-    }
     }  // expert-parallel ranks
   }
 }
@@ -1025,8 +1040,7 @@ void Reader::Break(const std::string& name, const std::string& why) {
 // param_slice_mappings[g] of rank `o` (name -> fragment_address(numel, start))
 // must say exactly what the geometry placed there; a parameter it contradicts
 // is broken (which side is wrong cannot be told).
-void Reader::CheckSliceMappings(const OptimRank& o, size_t g,
-                                std::map<std::string, std::pair<int64_t, int64_t>> placed,
+void Reader::CheckSliceMappings(const OptimRank& o, size_t g, std::map<std::string, std::pair<int64_t, int64_t>> placed,
                                 const std::function<std::string(const std::string&)>& global) {
   const OptimGroup& og = o.groups[g];
   if (og.mapping == nullptr || og.mapping->kind != PyKind::kDict) return;
@@ -1043,12 +1057,13 @@ void Reader::CheckSliceMappings(const OptimRank& o, size_t g,
     if (numel == nullptr || start == nullptr || numel->kind != PyKind::kInt || start->kind != PyKind::kInt) {
       Break(global(key->s), where + "has an unreadable fragment_address for '" + key->s + "'");
     } else if (it == placed.end()) {
-      Break(global(key->s), where + "gives '" + key->s + "' a fragment (numel=" + std::to_string(numel->i) + ", start=" +
-                        std::to_string(start->i) + ") where param_shapes put none");
+      Break(global(key->s), where + "gives '" + key->s + "' a fragment (numel=" + std::to_string(numel->i) +
+                                ", start=" + std::to_string(start->i) + ") where param_shapes put none");
     } else if (it->second != std::make_pair(numel->i, start->i)) {
-      Break(global(key->s), where + "gives '" + key->s + "' (numel=" + std::to_string(numel->i) + ", start=" +
-                        std::to_string(start->i) + ") where param_shapes give (numel=" +
-                        std::to_string(it->second.first) + ", start=" + std::to_string(it->second.second) + ")");
+      Break(global(key->s), where + "gives '" + key->s + "' (numel=" + std::to_string(numel->i) +
+                                ", start=" + std::to_string(start->i) +
+                                ") where param_shapes give (numel=" + std::to_string(it->second.first) +
+                                ", start=" + std::to_string(it->second.second) + ")");
     }
     if (it != placed.end()) placed.erase(it);
   }
@@ -1197,7 +1212,7 @@ Status Reader::Emit() {
   if (const PyValue* v = root0->Get("iteration"); ck.info.step < 0 && v && v->kind == PyKind::kInt) ck.info.step = v->i;
   ck.info.world_size = static_cast<uint32_t>(std::max(tp, 1) * pp * std::max(dp, 1));
   // stage 0: no optimizer file could be read; say whether there were any.
-  std::string stage_name = stage != 0         ? "ZeRO-" + std::to_string(stage)
+  std::string stage_name = stage != 0          ? "ZeRO-" + std::to_string(stage)
                            : optim_on_disk > 0 ? std::to_string(optim_on_disk) + " ZeRO optimizer files, none readable"
                                                : "no ZeRO optimizer files";
   if (bf16_optimizer) stage_name = "BF16_Optimizer (ZeRO-1 geometry)";
@@ -1207,7 +1222,8 @@ Status Reader::Emit() {
   Patterns pats(models[root].uci);
   patterns = &pats;
   if (!pats.present && stage != 0 && stage != 3) {
-    problems.push_back(models[root].src->rel + " has no universal_checkpoint_info: every parameter is concatenated on "
+    problems.push_back(models[root].src->rel +
+                       " has no universal_checkpoint_info: every parameter is concatenated on "
                        "dim 0 across TP ranks (as ds_to_universal.py --inject_missing_state does)");
   }
   for (const auto& bad : pats.Unusable()) {
@@ -1259,7 +1275,8 @@ Status Reader::Emit() {
     }
   }
   if (ucp && !experts.empty()) {
-    problems.push_back("universal/ leaves out the " + std::to_string(experts.size()) + " MoE expert parameters: "
+    problems.push_back("universal/ leaves out the " + std::to_string(experts.size()) +
+                       " MoE expert parameters: "
                        "ds_to_universal.py merges DeepSpeed MoE experts by their expert-parallel-local names, which at "
                        "EP > 1 concatenates different experts (it fails), and DeepSpeed's universal loader looks "
                        "them up by local name; params/ serves every expert under its global name "
@@ -1276,10 +1293,11 @@ Status Reader::Emit() {
   }
   for (TensorRecord& t : ck.tensors) {
     if (t.role != Role::kParam && t.role != Role::kOptimState) continue;
-    t.split = pats.present ? SplitOf(pats.For(t.fqn)) : TensorSplit{tp > 1 ? SplitKind::kDim : SplitKind::kUnknown, 0, 0};
+    t.split =
+        pats.present ? SplitOf(pats.For(t.fqn)) : TensorSplit{tp > 1 ? SplitKind::kDim : SplitKind::kUnknown, 0, 0};
   }
-  ck.info.topology = "tp" + std::to_string(std::max(tp, 1)) + "-pp" + std::to_string(pp) + "-dp" +
-                     std::to_string(std::max(dp, 1));
+  ck.info.topology =
+      "tp" + std::to_string(std::max(tp, 1)) + "-pp" + std::to_string(pp) + "-dp" + std::to_string(std::max(dp, 1));
   if (std::string note = files.PlaceholderNote(); !note.empty()) problems.push_back(std::move(note));
   ck.info.problems = std::move(problems);
   return Status::Ok();
@@ -1344,7 +1362,9 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
           break;
         }
         const OptimGroup& og = o.groups[static_cast<size_t>(lp.group)];
-        const std::optional<Loc>& l = std::string(state) == "fp32" ? og.fp32 : std::string(state) == "exp_avg" ? og.exp_avg : og.exp_avg_sq;
+        const std::optional<Loc>& l = std::string(state) == "fp32"      ? og.fp32
+                                      : std::string(state) == "exp_avg" ? og.exp_avg
+                                                                        : og.exp_avg_sq;
         if (!l.has_value()) {
           rec.error = o.src->rel + ": group " + std::to_string(lp.group) + " has no " + state;
           break;
@@ -1452,7 +1472,9 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
       Status st = pats.ResolveSub(name, local, rule);
       if (!st.ok()) err = "'" + name + "': " + st.message();
       for (int t = 0; t < tp && err.empty(); ++t) {
-        if (!locs[t]->Contiguous()) err = "'" + name + "' on TP rank " + std::to_string(t) + " is not contiguous: its sub-parameter view cannot be taken";
+        if (!locs[t]->Contiguous())
+          err = "'" + name + "' on TP rank " + std::to_string(t) +
+                " is not contiguous: its sub-parameter view cannot be taken";
       }
     }
     Merger merger(rule, local, pats.original_vocab);
@@ -1530,22 +1552,23 @@ Status Reader::ExportOptimizerState() {
       f.dtype = DType::kU8;
       f.data_offset = rt.data_offset;
       f.data_length = rec.byte_size;
-      storages.push_back(ArchiveStorage{ck.AddTensor(std::move(rec), {std::move(f)}), DType::kU8,
-                                        storage_numel * DTypeSize(ref.dtype), {}});
+      storages.push_back(ArchiveStorage{
+          ck.AddTensor(std::move(rec), {std::move(f)}), DType::kU8, storage_numel * DTypeSize(ref.dtype), {}});
     }
     return pw.Tensor(std::to_string(it->second), ref.dtype, storage_numel, ref.storage_offset, ref.shape, ref.strides);
   };
   w.BeginDict();
   static const std::set<std::string> kSharded = {"base_optimizer_state", "param_slice_mappings",
-                                                  "single_partition_of_fp32_groups"};
+                                                 "single_partition_of_fp32_groups"};
   for (const auto& [k, v] : osd->dict) {
     if (stage != 3 && k->IsStr() && kSharded.count(k->s)) continue;
     if (k->IsStr() && k->s == "param_groups") continue;
     RETURN_IF_ERROR(w.Value(*k, tensor_fn));
     RETURN_IF_ERROR(w.Value(*v, tensor_fn));
   }
-  const PyValue* groups = stage == 3 ? (osd->Get("optimizer_state_dict") ? osd->Get("optimizer_state_dict")->Get("param_groups") : nullptr)
-                                     : (osd->Get("base_optimizer_state") ? osd->Get("base_optimizer_state")->Get("param_groups") : nullptr);
+  const PyValue* groups =
+      stage == 3 ? (osd->Get("optimizer_state_dict") ? osd->Get("optimizer_state_dict")->Get("param_groups") : nullptr)
+                 : (osd->Get("base_optimizer_state") ? osd->Get("base_optimizer_state")->Get("param_groups") : nullptr);
   if (groups == nullptr) return Invalid(o.src->rel + ": no param_groups");
   w.Str("param_groups");
   RETURN_IF_ERROR(w.Value(*groups, tensor_fn));

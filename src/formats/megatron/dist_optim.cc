@@ -1,17 +1,17 @@
 #include "formats/megatron/dist_optim.h"
 
 #include <fcntl.h>
+#include <re2/re2.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 #include <tuple>
-#include <nlohmann/json.hpp>
-#include <re2/re2.h>
 
 #include "common/json_text.h"
 #include "formats/byte_reader.h"
@@ -21,7 +21,7 @@
 namespace ckptfs::formats::megatron {
 namespace {
 
-constexpr int64_t kParamAlign = 64;          // _pad_start_of_param_if_needed
+constexpr int64_t kParamAlign = 64;  // _pad_start_of_param_if_needed
 constexpr const char* kStates[] = {"param", "exp_avg", "exp_avg_sq"};
 
 // One state (param, exp_avg, exp_avg_sq) of one bucket: 1-D fragments over
@@ -70,22 +70,34 @@ struct Placement {
 // them. Attention registers linear_proj before SelfAttention adds linear_qkv.
 int LayerRank(const std::string& suffix, bool local) {
   static const std::map<std::string, int> kCommon = {
-      {"input_layernorm.weight", 0}, {"input_layernorm.bias", 1},
-      {"self_attention.linear_proj.weight", 10}, {"self_attention.linear_proj.bias", 11},
-      {"self_attention.linear_qkv.weight", 14}, {"self_attention.linear_qkv.bias", 15},
-      {"self_attention.q_layernorm.weight", 16}, {"self_attention.q_layernorm.bias", 17},
-      {"self_attention.k_layernorm.weight", 18}, {"self_attention.k_layernorm.bias", 19},
-      {"pre_mlp_layernorm.weight", 30}, {"pre_mlp_layernorm.bias", 31},
-      {"mlp.linear_fc1.weight", 42}, {"mlp.linear_fc1.bias", 43},
-      {"mlp.linear_fc2.weight", 44}, {"mlp.linear_fc2.bias", 45},
+      {"input_layernorm.weight", 0},
+      {"input_layernorm.bias", 1},
+      {"self_attention.linear_proj.weight", 10},
+      {"self_attention.linear_proj.bias", 11},
+      {"self_attention.linear_qkv.weight", 14},
+      {"self_attention.linear_qkv.bias", 15},
+      {"self_attention.q_layernorm.weight", 16},
+      {"self_attention.q_layernorm.bias", 17},
+      {"self_attention.k_layernorm.weight", 18},
+      {"self_attention.k_layernorm.bias", 19},
+      {"pre_mlp_layernorm.weight", 30},
+      {"pre_mlp_layernorm.bias", 31},
+      {"mlp.linear_fc1.weight", 42},
+      {"mlp.linear_fc1.bias", 43},
+      {"mlp.linear_fc2.weight", 44},
+      {"mlp.linear_fc2.bias", 45},
   };
   static const std::map<std::string, int> kLocal = {
-      {"self_attention.linear_qkv.layer_norm_weight", 0}, {"self_attention.linear_qkv.layer_norm_bias", 1},
-      {"mlp.linear_fc1.layer_norm_weight", 30}, {"mlp.linear_fc1.layer_norm_bias", 31},
+      {"self_attention.linear_qkv.layer_norm_weight", 0},
+      {"self_attention.linear_qkv.layer_norm_bias", 1},
+      {"mlp.linear_fc1.layer_norm_weight", 30},
+      {"mlp.linear_fc1.layer_norm_bias", 31},
   };
   static const std::map<std::string, int> kTe = {
-      {"self_attention.linear_qkv.layer_norm_weight", 12}, {"self_attention.linear_qkv.layer_norm_bias", 13},
-      {"mlp.linear_fc1.layer_norm_weight", 40}, {"mlp.linear_fc1.layer_norm_bias", 41},
+      {"self_attention.linear_qkv.layer_norm_weight", 12},
+      {"self_attention.linear_qkv.layer_norm_bias", 13},
+      {"mlp.linear_fc1.layer_norm_weight", 40},
+      {"mlp.linear_fc1.layer_norm_bias", 41},
   };
   // MoELayer: the router, then the experts (SequentialMLP: local_experts.<i>,
   // each linear_fc1 before linear_fc2). Expert parameters live in buffers of
@@ -107,9 +119,13 @@ int LayerRank(const std::string& suffix, bool local) {
 std::optional<std::tuple<int, int64_t, int, uint32_t>> OrderOf(const std::string& fqn, uint32_t rec, bool local) {
   static const RE2 kLayer(R"(decoder\.layers\.(\d{1,9})\.(.+))", RE2::Latin1);
   static const std::map<std::string, int> kTop = {
-      {"embedding.word_embeddings.weight", 0}, {"embedding.position_embeddings.weight", 1},
-      {"embedding.tokentype_embeddings.weight", 2}, {"decoder.final_layernorm.weight", 0},
-      {"decoder.final_layernorm.bias", 1}, {"output_layer.weight", 0}, {"output_layer.bias", 1},
+      {"embedding.word_embeddings.weight", 0},
+      {"embedding.position_embeddings.weight", 1},
+      {"embedding.tokentype_embeddings.weight", 2},
+      {"decoder.final_layernorm.weight", 0},
+      {"decoder.final_layernorm.bias", 1},
+      {"output_layer.weight", 0},
+      {"output_layer.bias", 1},
   };
   int64_t layer = 0;
   std::string suffix;
@@ -155,7 +171,8 @@ Result<std::vector<int64_t>> LocalShape(const TensorRecord& t, const std::option
   if (rule->kind != Merge::kCat && rule->kind != Merge::kSub2) {
     return Invalid("'" + t.fqn + "': its split rule cannot be replayed");
   }
-  if (static_cast<size_t>(dim) >= s.size() || s[static_cast<size_t>(dim)] % (rule->kind == Merge::kSub2 ? 2 * tp : tp) != 0) {
+  if (static_cast<size_t>(dim) >= s.size() ||
+      s[static_cast<size_t>(dim)] % (rule->kind == Merge::kSub2 ? 2 * tp : tp) != 0) {
     return Invalid("'" + t.fqn + "' " + ShapeStr(s) + " does not divide among " + std::to_string(tp) + " TP ranks");
   }
   s[static_cast<size_t>(dim)] /= tp;
@@ -164,12 +181,14 @@ Result<std::vector<int64_t>> LocalShape(const TensorRecord& t, const std::option
 
 // Opens the torch.save object a bytes record holds (a ShardedObject) and hands
 // it to `use`, with the reader and the record's fragment. Returns why not.
-std::string WithObject(const std::string& dir, const Checkpoint& ck, uint32_t rec,
-                       const std::function<std::string(const ByteReader&, const TorchSaveArchive&, const Fragment&)>& use) {
+std::string WithObject(
+    const std::string& dir, const Checkpoint& ck, uint32_t rec,
+    const std::function<std::string(const ByteReader&, const TorchSaveArchive&, const Fragment&)>& use) {
   const TensorRecord& t = ck.tensors[rec];
   const std::vector<Fragment> frags = ck.fragments.Get(rec);
   if (!t.error.empty()) return t.error;
-  if (frags.size() != 1 || frags[0].compression != Compression::kNone) return "'" + t.key + "' is not an uncompressed object";
+  if (frags.size() != 1 || frags[0].compression != Compression::kNone)
+    return "'" + t.key + "' is not an uncompressed object";
   const Fragment& f = frags[0];
   const std::string& rel = ck.files[f.file.v].rel_path;
   const std::string path = dir + "/" + rel;
@@ -203,8 +222,8 @@ std::vector<const PyValue*> Flatten(const PyValue* root) {
 
 // per_bucket_numel[_unpadded] of one model-parallel rank: [gbuf][bucket]
 // (the single dtype entry of each buffer). nullopt with `why` when unreadable.
-std::optional<std::vector<std::vector<int64_t>>> ReadPerBucket(const std::string& dir, const Checkpoint& ck, uint32_t rec,
-                                                                std::string* why) {
+std::optional<std::vector<std::vector<int64_t>>> ReadPerBucket(const std::string& dir, const Checkpoint& ck,
+                                                               uint32_t rec, std::string* why) {
   std::vector<std::vector<int64_t>> out;
   const std::string& key = ck.tensors[rec].key;
   *why = WithObject(dir, ck, rec, [&](const ByteReader&, const TorchSaveArchive& a, const Fragment&) -> std::string {
@@ -231,62 +250,64 @@ std::optional<std::vector<std::vector<int64_t>>> ReadPerBucket(const std::string
 // Each buffer becomes a coalesced Buffer whose tensors are located in the file.
 std::string ReadParamState(const std::string& dir, const Checkpoint& ck, uint32_t rec, std::map<int64_t, Buffer>* out) {
   const std::string& key = ck.tensors[rec].key;
-  return WithObject(dir, ck, rec, [&](const ByteReader& r, const TorchSaveArchive& a, const Fragment& where) -> std::string {
-    for (const PyValue* inst : Flatten(a.root.get())) {
-      if (inst->kind != PyKind::kDict) return "'" + key + "' is not a dict";
-      const PyValue* coalesced = inst->Get("buckets_coalesced");
-      if (coalesced == nullptr || coalesced->kind != PyKind::kBool || !coalesced->b) {
-        return "'" + key + "' holds per-bucket lists (before buckets_coalesced), which ckptfs does not replay";
-      }
-      for (const auto& [k, v] : inst->dict) {
-        if (k->kind != PyKind::kInt) continue;
-        if (v->kind != PyKind::kDict || v->dict.size() != 1 || v->dict[0].second->kind != PyKind::kDict) {
-          return "'" + key + "': buffer " + std::to_string(k->i) + " is not {dtypes: {param, exp_avg, exp_avg_sq}}";
+  return WithObject(
+      dir, ck, rec, [&](const ByteReader& r, const TorchSaveArchive& a, const Fragment& where) -> std::string {
+        for (const PyValue* inst : Flatten(a.root.get())) {
+          if (inst->kind != PyKind::kDict) return "'" + key + "' is not a dict";
+          const PyValue* coalesced = inst->Get("buckets_coalesced");
+          if (coalesced == nullptr || coalesced->kind != PyKind::kBool || !coalesced->b) {
+            return "'" + key + "' holds per-bucket lists (before buckets_coalesced), which ckptfs does not replay";
+          }
+          for (const auto& [k, v] : inst->dict) {
+            if (k->kind != PyKind::kInt) continue;
+            if (v->kind != PyKind::kDict || v->dict.size() != 1 || v->dict[0].second->kind != PyKind::kDict) {
+              return "'" + key + "': buffer " + std::to_string(k->i) + " is not {dtypes: {param, exp_avg, exp_avg_sq}}";
+            }
+            const PyValue* d = v->dict[0].second;
+            const PyValue* n = d->Get("numel_unpadded");
+            if (n == nullptr || n->kind != PyKind::kInt || n->i < 0) return "'" + key + "': no numel_unpadded";
+            if (out->count(k->i)) return "'" + key + "': buffer " + std::to_string(k->i) + " appears twice";
+            Buffer& buf = (*out)[k->i];
+            buf.coalesced = true;
+            Bucket& bk = buf.buckets[0];
+            bk.numel = n->i;
+            for (int s = 0; s < 3; ++s) {
+              const PyValue* t = d->Get(kStates[s]);
+              StateSrc& src = bk.st[s];
+              src.present = t != nullptr;
+              if (t == nullptr) continue;
+              if (t->kind != PyKind::kTensor || t->tensor().shape.size() != 1 || t->tensor().shape[0] < bk.numel ||
+                  (t->tensor().shape[0] > 1 && t->tensor().strides[0] != 1)) {
+                src.error = "'" + key + "': " + kStates[s] + " of buffer " + std::to_string(k->i) +
+                            " is not a flat tensor of " + std::to_string(bk.numel) + " elements";
+                continue;
+              }
+              auto at = ResolveTensor(r, a, t->tensor());
+              if (!at.ok()) {
+                src.error = at.status().message();
+                continue;
+              }
+              Fragment f;
+              f.file = where.file;
+              f.dtype = t->tensor().dtype;
+              f.offsets = {0};
+              f.lengths = {bk.numel};
+              f.strides = {1};
+              f.data_offset = where.data_offset + at->data_offset;
+              const uint64_t isz = DTypeSize(f.dtype);
+              f.data_length = static_cast<uint64_t>(bk.numel) * isz;
+              if (isz == 0 ||
+                  static_cast<uint64_t>(bk.numel) > at->data_length / isz) {  // no overflow on hostile sizes
+                src.error = "'" + key + "': " + kStates[s] + " of buffer " + std::to_string(k->i) + " is cut short";
+                continue;
+              }
+              src.dtype = f.dtype;
+              src.frags.push_back(std::move(f));
+            }
+          }
         }
-        const PyValue* d = v->dict[0].second;
-        const PyValue* n = d->Get("numel_unpadded");
-        if (n == nullptr || n->kind != PyKind::kInt || n->i < 0) return "'" + key + "': no numel_unpadded";
-        if (out->count(k->i)) return "'" + key + "': buffer " + std::to_string(k->i) + " appears twice";
-        Buffer& buf = (*out)[k->i];
-        buf.coalesced = true;
-        Bucket& bk = buf.buckets[0];
-        bk.numel = n->i;
-        for (int s = 0; s < 3; ++s) {
-          const PyValue* t = d->Get(kStates[s]);
-          StateSrc& src = bk.st[s];
-          src.present = t != nullptr;
-          if (t == nullptr) continue;
-          if (t->kind != PyKind::kTensor || t->tensor().shape.size() != 1 || t->tensor().shape[0] < bk.numel ||
-              (t->tensor().shape[0] > 1 && t->tensor().strides[0] != 1)) {
-            src.error = "'" + key + "': " + kStates[s] + " of buffer " + std::to_string(k->i) + " is not a flat tensor of " +
-                        std::to_string(bk.numel) + " elements";
-            continue;
-          }
-          auto at = ResolveTensor(r, a, t->tensor());
-          if (!at.ok()) {
-            src.error = at.status().message();
-            continue;
-          }
-          Fragment f;
-          f.file = where.file;
-          f.dtype = t->tensor().dtype;
-          f.offsets = {0};
-          f.lengths = {bk.numel};
-          f.strides = {1};
-          f.data_offset = where.data_offset + at->data_offset;
-          const uint64_t isz = DTypeSize(f.dtype);
-          f.data_length = static_cast<uint64_t>(bk.numel) * isz;
-          if (isz == 0 || static_cast<uint64_t>(bk.numel) > at->data_length / isz) {  // no overflow on hostile sizes
-            src.error = "'" + key + "': " + kStates[s] + " of buffer " + std::to_string(k->i) + " is cut short";
-            continue;
-          }
-          src.dtype = f.dtype;
-          src.frags.push_back(std::move(f));
-        }
-      }
-    }
-    return "";
-  });
+        return "";
+      });
 }
 
 // With MoE, a ChainedOptimizer saves each member under chained_<i>.: the
@@ -314,9 +335,10 @@ class Mapper {
   const std::string& dir_;
   const ModelFacts& f_;
   Checkpoint& ck_;
-  std::map<std::tuple<int64_t, int64_t, int64_t>, Buffer> buffers_;    // (chain, M, gbuf)
-  std::map<std::pair<int64_t, int64_t>, uint32_t> unpadded_rec_, padded_rec_;  // (chain, M) -> per_bucket_numel[_unpadded]
-  std::map<std::pair<int64_t, int64_t>, uint32_t> param_state_rec_;            // (chain, M) -> param_state
+  std::map<std::tuple<int64_t, int64_t, int64_t>, Buffer> buffers_;  // (chain, M, gbuf)
+  std::map<std::pair<int64_t, int64_t>, uint32_t> unpadded_rec_,
+      padded_rec_;                                                   // (chain, M) -> per_bucket_numel[_unpadded]
+  std::map<std::pair<int64_t, int64_t>, uint32_t> param_state_rec_;  // (chain, M) -> param_state
   // The part being mapped: its chain and data-parallel size (experts: the
   // expert data-parallel group, DP / EP).
   int64_t chain_ = -1;
@@ -334,13 +356,14 @@ class Mapper {
 
 bool Mapper::Collect() {
   static const RE2 kBucket(
-      R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.gbuf_idx_(\d{1,6})\.dtype_(.*)\.bucket_idx_(\d{1,9})\.(param|exp_avg|exp_avg_sq))",
+      R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.gbuf_idx_(\d{1,6})\.)"
+      R"(dtype_(.*)\.bucket_idx_(\d{1,9})\.(param|exp_avg|exp_avg_sq))",
       RE2::Latin1);
-  static const RE2 kPerBucket(
-      R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.per_bucket_numel(_unpadded)?/shard_.*)",
-      RE2::Latin1);
-  static const RE2 kParamState(R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.param_state/shard_.*)",
-                               RE2::Latin1);
+  static const RE2 kPerBucket(R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6}))"
+                              R"(\.per_bucket_numel(_unpadded)?/shard_.*)",
+                              RE2::Latin1);
+  static const RE2 kParamState(
+      R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_(\d{1,6})\.param_state/shard_.*)", RE2::Latin1);
   for (uint32_t i = 0; i < ck_.tensors.size(); ++i) {
     const TensorRecord& t = ck_.tensors[i];
     int64_t m = 0, g = 0, b = 0;
@@ -369,10 +392,9 @@ bool Mapper::Collect() {
     std::map<int64_t, Buffer> bufs;
     const std::string why = ReadParamState(dir_, ck_, rec, &bufs);
     if (!why.empty()) {
-      ck_.info.Flag(Check::kUnreadable, Severity::kError, ck_.tensors[rec].key, "",
-                    "cannot read the distributed-optimizer state of dp_group_idx_" + std::to_string(cm.second) + ": " +
-                        why,
-                    "");
+      ck_.info.Flag(
+          Check::kUnreadable, Severity::kError, ck_.tensors[rec].key, "",
+          "cannot read the distributed-optimizer state of dp_group_idx_" + std::to_string(cm.second) + ": " + why, "");
       continue;
     }
     for (auto& [g, buf] : bufs) buffers_[{cm.first, cm.second, g}] = std::move(buf);
@@ -388,7 +410,8 @@ bool Mapper::Collect() {
 std::string Mapper::Split(const Buffer& buf, const std::vector<Member>& ordered, int p, Buffer* out) const {
   int64_t limit = -1;
   if (f_.overlap_grad_reduce && p == 0) {
-    limit = f_.ddp_bucket_size > 0 ? f_.ddp_bucket_size : std::max<int64_t>(40000000, 1000000 * std::max<int64_t>(dp_, 1));
+    limit =
+        f_.ddp_bucket_size > 0 ? f_.ddp_bucket_size : std::max<int64_t>(40000000, 1000000 * std::max<int64_t>(dp_, 1));
   }
   std::vector<int64_t> sizes;
   int64_t pos = 0;
@@ -482,8 +505,8 @@ std::string Mapper::Replay(const Buffer& buf, const std::vector<Member>& ordered
 // Every parameter boundary must be a recorded chunk boundary, and (DP known)
 // every chunk boundary a parameter or DP-shard boundary: padding between
 // parameters runs from one's end to the next's start.
-std::string Mapper::CheckBoundaries(const Buffer& buf, const std::vector<Member>& ordered, const std::vector<Placement>& at,
-                                    const std::vector<int64_t>* padded) const {
+std::string Mapper::CheckBoundaries(const Buffer& buf, const std::vector<Member>& ordered,
+                                    const std::vector<Placement>& at, const std::vector<int64_t>* padded) const {
   for (const auto& [b, bk] : buf.buckets) {
     for (int s = 0; s < 3; ++s) {
       if (!bk.st[s].present || !bk.st[s].error.empty()) continue;
@@ -503,7 +526,8 @@ std::string Mapper::CheckBoundaries(const Buffer& buf, const std::vector<Member>
                  std::to_string(end) + ") of bucket " + std::to_string(b) + ", which the writer's chunks do not bound";
         }
       }
-      if (padded == nullptr || dp_ <= 0 || static_cast<size_t>(b) >= padded->size() || (*padded)[b] % dp_ != 0) continue;
+      if (padded == nullptr || dp_ <= 0 || static_cast<size_t>(b) >= padded->size() || (*padded)[b] % dp_ != 0)
+        continue;
       const int64_t shard = (*padded)[b] / dp_;
       for (int64_t e : chunk_edges) {
         if (param_edges.count(e) || (shard > 0 && e % shard == 0)) continue;
@@ -541,10 +565,12 @@ void Mapper::MapBuffer(int64_t mp, int t, int p, int v, const Buffer& buf, const
       nlohmann::json d;
       d["per_bucket_numel_unpadded"] = listed ? nlohmann::json(u[static_cast<size_t>(v)]) : nlohmann::json();
       d["bucket_tensors"] = have;
-      why = "per_bucket_numel_unpadded " + (listed ? d["per_bucket_numel_unpadded"].dump() : std::string("(no entry)")) +
+      why = "per_bucket_numel_unpadded " +
+            (listed ? d["per_bucket_numel_unpadded"].dump() : std::string("(no entry)")) +
             " contradicts the bucket tensors " + d["bucket_tensors"].dump();
-      ck_.info.Flag(Check::kGeometry, Severity::kError, "", ck_.files[ck_.fragments.Get(unpadded_rec_[{chain_, mp}])[0].file.v].rel_path,
-                    where + ": " + why, JsonText(d));
+      ck_.info.Flag(Check::kGeometry, Severity::kError, "",
+                    ck_.files[ck_.fragments.Get(unpadded_rec_[{chain_, mp}])[0].file.v].rel_path, where + ": " + why,
+                    JsonText(d));
     }
   }
   const std::vector<int64_t>* pad =
@@ -572,8 +598,8 @@ void Mapper::MapBuffer(int64_t mp, int t, int p, int v, const Buffer& buf, const
       if (why.empty()) why = w;  // report the first spec's reason
     }
     if (!why.empty()) {
-      ck_.info.Flag(Check::kGeometry, Severity::kError, "", "", where + ": " + why + "; its optimizer states are unreadable",
-                    "");
+      ck_.info.Flag(Check::kGeometry, Severity::kError, "", "",
+                    where + ": " + why + "; its optimizer states are unreadable", "");
     }
   }
   for (size_t k = 0; k < ordered.size(); ++k) {
@@ -603,7 +629,8 @@ void Mapper::MapBuffer(int64_t mp, int t, int p, int v, const Buffer& buf, const
       so.dtype = src.dtype;
       const Rule replicated{Merge::kReplicated, 0, false, {}};
       Rule r = f_.tp == 1 ? replicated : rule.value_or(replicated);
-      Merger merger(r, std::vector<std::vector<int64_t>>(static_cast<size_t>(std::max<int64_t>(f_.tp, 1)), m.local_shape), -1);
+      Merger merger(
+          r, std::vector<std::vector<int64_t>>(static_cast<size_t>(std::max<int64_t>(f_.tp, 1)), m.local_shape), -1);
       const int64_t begin = at[k].start, end = at[k].start + m.numel;
       int64_t covered = 0;
       for (const Fragment& fr : src.frags) {
@@ -611,7 +638,8 @@ void Mapper::MapBuffer(int64_t mp, int t, int p, int v, const Buffer& buf, const
         if (a >= e) continue;
         const size_t first = so.frags.size();
         const uint64_t base = fr.data_offset + static_cast<uint64_t>(a - fr.offsets[0]) * DTypeSize(fr.dtype);
-        AddRangeFragments(merger, f_.tp == 1 ? 0 : t, m.local_shape, a - begin, e - a, fr.file, fr.dtype, base, so.frags);
+        AddRangeFragments(merger, f_.tp == 1 ? 0 : t, m.local_shape, a - begin, e - a, fr.file, fr.dtype, base,
+                          so.frags);
         for (size_t i = first; i < so.frags.size(); ++i) {
           so.frags[i].compression = fr.compression;
           so.frags[i].item_offset = fr.item_offset;
@@ -737,9 +765,10 @@ void Mapper::RunPart(int64_t chain, bool experts) {
     chunks[{c->first, c->second, e}].push_back(std::move(m));
   }
   if (!unplaced.empty()) {
-    ck_.info.problems.push_back("distributed-optimizer states are shown under other/ and not mapped: ckptfs does not know "
-                                "the module order of '" + unplaced.front() + "'" +
-                                (unplaced.size() > 1 ? " and " + std::to_string(unplaced.size() - 1) + " more" : ""));
+    ck_.info.problems.push_back(
+        "distributed-optimizer states are shown under other/ and not mapped: ckptfs does not know "
+        "the module order of '" +
+        unplaced.front() + "'" + (unplaced.size() > 1 ? " and " + std::to_string(unplaced.size() - 1) + " more" : ""));
     return;
   }
   for (const auto& [key, buf] : buffers_) {
@@ -750,10 +779,10 @@ void Mapper::RunPart(int64_t chain, bool experts) {
     auto it = chunks.find({p, v, e});
     if (p >= f_.pp || it == chunks.end()) {
       ck_.info.Flag(Check::kGeometry, Severity::kError, "", "",
-                    "distributed-optimizer buffer dp_group_idx_" + std::to_string(mp) + ".gbuf_idx_" + std::to_string(g) +
-                        " belongs to no model chunk of TP " + std::to_string(f_.tp) + ", PP " + std::to_string(f_.pp) +
-                        ", VP " + std::to_string(f_.vp) + (experts ? ", EP " + std::to_string(ep) : "") +
-                        " (a buffer per dtype is not replayed)",
+                    "distributed-optimizer buffer dp_group_idx_" + std::to_string(mp) + ".gbuf_idx_" +
+                        std::to_string(g) + " belongs to no model chunk of TP " + std::to_string(f_.tp) + ", PP " +
+                        std::to_string(f_.pp) + ", VP " + std::to_string(f_.vp) +
+                        (experts ? ", EP " + std::to_string(ep) : "") + " (a buffer per dtype is not replayed)",
                     "");
       continue;
     }
@@ -771,8 +800,6 @@ void Mapper::RunPart(int64_t chain, bool experts) {
 
 }  // namespace
 
-void MapBucketStates(const std::string& dir, const ModelFacts& facts, Checkpoint& ck) {
-  Mapper(dir, facts, ck).Run();
-}
+void MapBucketStates(const std::string& dir, const ModelFacts& facts, Checkpoint& ck) { Mapper(dir, facts, ck).Run(); }
 
 }  // namespace ckptfs::formats::megatron

@@ -1,11 +1,11 @@
 #include "formats/megatron/dist_reader.h"
 
+#include <re2/re2.h>
 #include <sys/stat.h>
 
 #include <map>
-#include <set>
 #include <nlohmann/json.hpp>
-#include <re2/re2.h>
+#include <set>
 
 #include "formats/byte_reader.h"
 #include "formats/dcp/dcp_reader.h"
@@ -141,8 +141,8 @@ void Classify(Checkpoint& ck) {
       t.role = Role::kOptimState;
       t.fqn = fqn;
       t.state = state == "exp_avg" || state == "exp_avg_sq" ? state : "fp32";
-    } else if (t.key.rfind("optimizer.", 0) != 0 && t.key.rfind("chained_", 0) != 0 && t.key.rfind("rng_state", 0) != 0 &&
-               t.key.rfind("rerun_state_machine", 0) != 0) {
+    } else if (t.key.rfind("optimizer.", 0) != 0 && t.key.rfind("chained_", 0) != 0 &&
+               t.key.rfind("rng_state", 0) != 0 && t.key.rfind("rerun_state_machine", 0) != 0) {
       t.role = Role::kParam;
       t.state = "param";
       if (t.fqn.rfind("module.", 0) == 0) t.fqn.erase(0, 7);
@@ -216,7 +216,7 @@ megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, C
 // still served, the distributed-optimizer states stay under other/.
 Result<std::string> ReadConfigFile(const std::string& dir, const std::string& rel) {
   ASSIGN_OR_RETURN(int fd, OpenSourceFile(dir, rel));
-  struct stat st{};
+  struct stat st {};
   const uint64_t size = ::fstat(fd, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
   if (size > (4u << 20)) {
     ::close(fd);
@@ -239,11 +239,12 @@ megatron::ModelFacts ConfigFacts(const std::string& dir, const megatron::IterDir
     candidates.push_back({context + "model.yaml", "config.", "strategy.ddp.", context + "io.json"});
   }
   for (const Candidate& c : candidates) {
-    struct stat st{};
+    struct stat st {};
     if (::stat((dir + "/" + c.rel).c_str(), &st) != 0) continue;
     auto text = ReadConfigFile(dir, c.rel);
-    Result<std::map<std::string, std::string>> kv =
-        text.ok() ? megatron::YamlScalars(*text, dir + "/" + c.rel) : Result<std::map<std::string, std::string>>(text.status());
+    Result<std::map<std::string, std::string>> kv = text.ok()
+                                                        ? megatron::YamlScalars(*text, dir + "/" + c.rel)
+                                                        : Result<std::map<std::string, std::string>>(text.status());
     if (kv.ok() && !c.strategy.empty()) {
       // NeMo 2: the parallel sizes are MegatronStrategy's (1 where the run left the default).
       auto json = ReadConfigFile(dir, c.strategy);
@@ -312,7 +313,7 @@ void InferFacts(const Checkpoint& ck, megatron::ModelFacts& facts) {
 bool LooksLikeMegatronDist(const std::string& dir) {
   auto it = megatron::FindIterDir(dir);
   if (!it.ok()) return megatron::IsNemo2Root(dir);  // none to choose: let the reader say why
-  struct stat st{};
+  struct stat st {};
   return ::stat((it->path + "/metadata.json").c_str(), &st) == 0;
 }
 
@@ -332,7 +333,8 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
     for (SourceFile& f : ck.files) f.rel_path = prefix + f.rel_path;
   } else if (backend == "zarr") {
     RETURN_IF_ERROR(ReadZarrArrays(dir, iter.rel, ck));
-    if (ck.tensors.empty()) return Invalid("cannot read " + iter.path + ": metadata.json says zarr but no array has a .zarray");
+    if (ck.tensors.empty())
+      return Invalid("cannot read " + iter.path + ": metadata.json says zarr but no array has a .zarray");
   } else {
     return Unsupported("cannot read " + iter.path + ": sharded_backend '" + backend +
                        "' (ckptfs reads torch_dist and zarr)");
@@ -341,7 +343,7 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
   ck.info.format_note = "Megatron-LM dist_checkpointing, " + backend + " backend" +
                         (ck.info.format_note.empty() ? "" : " (" + ck.info.format_note + ")") +
                         (iter.wrapper.empty() ? "" : ", " + iter.wrapper);
-  struct stat st{};
+  struct stat st {};
   megatron::ModelFacts facts;
   if (::stat((iter.path + "/common.pt").c_str(), &st) == 0) {
     facts = AddCommon(dir, prefix + "common.pt", ck);
@@ -357,10 +359,13 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
     facts.tp = seen.tp;
     facts.swiglu = seen.swiglu;
     ck.info.format_note += std::string(ck.info.format_note.empty() ? "" : "; ") + "no args or run config: TP " +
-                           std::to_string(facts.tp) + (facts.swiglu ? ", SwiGLU" : "") + " read from the chunk geometry";
+                           std::to_string(facts.tp) + (facts.swiglu ? ", SwiGLU" : "") +
+                           " read from the chunk geometry";
   } else if (facts.tp > 0 && seen.tp > 0 && seen.tp != facts.tp) {
-    ck.info.problems.push_back("the run's args or config say TP " + std::to_string(facts.tp) + ", but linear_fc2 is "
-                               "saved in " + std::to_string(seen.tp) + " tensor-parallel chunks: the chunks are used");
+    ck.info.problems.push_back("the run's args or config say TP " + std::to_string(facts.tp) +
+                               ", but linear_fc2 is "
+                               "saved in " +
+                               std::to_string(seen.tp) + " tensor-parallel chunks: the chunks are used");
     facts.tp = seen.tp;
   }
   megatron::MapBucketStates(dir, facts, ck);

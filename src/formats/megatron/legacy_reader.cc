@@ -1,22 +1,21 @@
 #include "formats/megatron/legacy_reader.h"
 
+#include <re2/re2.h>
 #include <sys/stat.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
-#include <re2/re2.h>
 #include <set>
 
-#include <nlohmann/json.hpp>
-#include <xxhash.h>
-
+#include "common/json_text.h"
 #include "formats/megatron/megatron_common.h"
 #include "formats/torch_file.h"
 #include "formats/tp_merge.h"
-#include "common/json_text.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -25,7 +24,7 @@ using megatron::ArgBool;
 using megatron::ArgInt;
 
 constexpr uint64_t kMaxCompareBytes = 256ull << 20;  // replicas larger than this are not compared
-constexpr int64_t kParamAlign = 64;                   // DDP buffer: each parameter starts at a multiple
+constexpr int64_t kParamAlign = 64;                  // DDP buffer: each parameter starts at a multiple
 
 const PickleOptions& MegatronPickleOptions() {
   static const PickleOptions o = [] {
@@ -60,11 +59,11 @@ struct RankFile {
   int tp = 0, pp = 0, ep = 0;
   std::string dir;  // relative to the iteration directory's parent (the mount source)
   std::unique_ptr<Source> src;
-  std::unique_ptr<Source> distopt;            // distrib_optim.pt, when present
-  std::vector<std::vector<Entry>> chunks;     // model / model0, model1, ...
+  std::unique_ptr<Source> distopt;                                // distrib_optim.pt, when present
+  std::vector<std::vector<Entry>> chunks;                         // model / model0, model1, ...
   std::map<std::pair<int, std::string>, const PyValue*> by_name;  // (chunk, local name) -> tensor
-  std::map<std::pair<int, std::string>, OptStates> opt;  // (chunk, local name) -> states
-  std::string opt_unavailable;                // why optimizer states are not shown
+  std::map<std::pair<int, std::string>, OptStates> opt;           // (chunk, local name) -> states
+  std::string opt_unavailable;                                    // why optimizer states are not shown
   std::string error;
 };
 
@@ -216,11 +215,12 @@ Status Reader::Discover() {
       for (int t = 0; t < tp; ++t) {
         if (by_rank.count({t, p, e})) continue;
         const std::string rel = iter.path + "/" + RankDirName(t, p, e, pp, ep) + "/model_optim_rng.pt";
-        ck.info.Flag(Check::kCoverage, Severity::kError, "", rel,
-                     rel + " is missing (TP=" + std::to_string(tp) + ", PP=" + std::to_string(pp) +
-                         (ep > 1 ? ", EP=" + std::to_string(ep) : "") + "): the parameters it holds are unreadable",
-                     nlohmann::json({{"tp_rank", t}, {"pp_rank", p}, {"ep_rank", e}, {"tp", tp}, {"pp", pp}, {"ep", ep}})
-                         .dump());
+        ck.info.Flag(
+            Check::kCoverage, Severity::kError, "", rel,
+            rel + " is missing (TP=" + std::to_string(tp) + ", PP=" + std::to_string(pp) +
+                (ep > 1 ? ", EP=" + std::to_string(ep) : "") + "): the parameters it holds are unreadable",
+            nlohmann::json({{"tp_rank", t}, {"pp_rank", p}, {"ep_rank", e}, {"tp", tp}, {"pp", pp}, {"ep", ep}})
+                .dump());
       }
     }
   }
@@ -330,14 +330,15 @@ void Reader::MapOptimizer(RankFile& r) {
   for (size_t i = 0; i < groups.size(); ++i) {
     for (size_t j = i + 1; j < groups.size(); ++j) {
       if (groups[i].no_wd == groups[j].no_wd && groups[i].expert == groups[j].expert) {
-        r.opt_unavailable = "several param groups share a weight-decay setting (lr scaling?), so their members cannot be told apart";
+        r.opt_unavailable =
+            "several param groups share a weight-decay setting (lr scaling?), so their members cannot be told apart";
         return;
       }
     }
   }
   for (const Group& grp : groups) {
-    const std::string group_name = std::string(grp.no_wd ? "no weight decay" : "weight decay") +
-                                   (grp.expert ? ", experts" : "");
+    const std::string group_name =
+        std::string(grp.no_wd ? "no weight decay" : "weight decay") + (grp.expert ? ", experts" : "");
     std::vector<const Cand*> members;
     for (const Cand& c : cands) {
       if (NoWeightDecay(c.e->local, c.shape) == grp.no_wd && IsExpert(c.e->local) == grp.expert) members.push_back(&c);
@@ -351,7 +352,8 @@ void Reader::MapOptimizer(RankFile& r) {
     }
     const PyValue* fp32_groups = grp.fp32_groups;
     const size_t g = grp.index;
-    const PyValue* fp32 = fp32_groups && fp32_groups->IsSeq() && g < fp32_groups->items.size() ? fp32_groups->items[g] : nullptr;
+    const PyValue* fp32 =
+        fp32_groups && fp32_groups->IsSeq() && g < fp32_groups->items.size() ? fp32_groups->items[g] : nullptr;
     for (size_t i = 0; i < members.size(); ++i) {
       const Cand& c = *members[i];
       const std::string what = r.src->rel + ": optimizer state of '" + c.e->local + "'";
@@ -388,7 +390,8 @@ void Reader::MapOptimizer(RankFile& r) {
       }
       if (fp32 != nullptr && fp32->IsSeq()) {
         if (i >= fp32->items.size()) {
-          bad = Invalid(r.src->rel + ": fp32_from_fp16_params[" + std::to_string(g) + "] is shorter than its param group");
+          bad = Invalid(r.src->rel + ": fp32_from_fp16_params[" + std::to_string(g) +
+                        "] is shorter than its param group");
         } else {
           take(fp32->items[i], "fp32", os.fp32);
         }
@@ -434,7 +437,8 @@ void Reader::MapDistOptBuffers(RankFile& r, const PyValue* root, bool experts) {
   }
   const PyValue* coalesced = root->Get("buckets_coalesced");
   if (coalesced == nullptr || coalesced->kind != PyKind::kBool || !coalesced->b) {
-    r.opt_unavailable = r.distopt->rel + ": per-bucket (pre-coalesced) layout; re-save with a current Megatron to map it";
+    r.opt_unavailable =
+        r.distopt->rel + ": per-bucket (pre-coalesced) layout; re-save with a current Megatron to map it";
     return;
   }
   const std::string which = experts ? "expert buffer " : "buffer ";
@@ -446,8 +450,9 @@ void Reader::MapDistOptBuffers(RankFile& r, const PyValue* root, bool experts) {
     if (members.empty()) continue;
     const PyValue* gbuf = GetInt(root, static_cast<int64_t>(c));
     if (gbuf == nullptr || gbuf->kind != PyKind::kDict || gbuf->dict.size() != 1) {
-      r.opt_unavailable = r.distopt->rel + ": " + which + std::to_string(c) +
-                          (gbuf == nullptr ? " is missing" : " holds several dtypes (mixed-precision buffers are not mapped)");
+      r.opt_unavailable =
+          r.distopt->rel + ": " + which + std::to_string(c) +
+          (gbuf == nullptr ? " is missing" : " holds several dtypes (mixed-precision buffers are not mapped)");
       return;
     }
     const PyValue* b = gbuf->dict[0].second;
@@ -532,7 +537,8 @@ void Reader::CompareReplicas(const std::string& name, const std::vector<std::pai
       if (std::equal(base->data() + e * isz, base->data() + (e + 1) * isz, other->data() + e * isz)) continue;
       ++differing;
       double a, b;
-      if (ElementAsDouble(base->data() + e * isz, l0.dtype, &a) && ElementAsDouble(other->data() + e * isz, l0.dtype, &b)) {
+      if (ElementAsDouble(base->data() + e * isz, l0.dtype, &a) &&
+          ElementAsDouble(other->data() + e * isz, l0.dtype, &b)) {
         max_diff = std::max(max_diff, std::isnan(a - b) ? INFINITY : std::fabs(a - b));
       }
     }
@@ -756,7 +762,8 @@ Status Reader::Emit() {
     rec.error = err;
     std::vector<Fragment> frags;
     for (int t = 0; t < tp && err.empty(); ++t) {
-      if (merger.UsesRank(t)) AddWholeFragments(merger, t, *locs[static_cast<size_t>(t)], by_rank.at({t, h.pp, h.ep})->src->file, frags);
+      if (merger.UsesRank(t))
+        AddWholeFragments(merger, t, *locs[static_cast<size_t>(t)], by_rank.at({t, h.pp, h.ep})->src->file, frags);
     }
     ck.AddTensor(std::move(rec), std::move(frags));
     if (!err.empty()) continue;
@@ -820,7 +827,7 @@ Status Reader::Run() {
     ParseModel(*r);
     if (!r->error.empty()) continue;
     const std::string distopt_rel = r->dir + "/distrib_optim.pt";
-    struct stat st{};
+    struct stat st {};
     if (::stat((dir + "/" + distopt_rel).c_str(), &st) == 0) {
       r->distopt = files.Open(distopt_rel);
       if (!r->distopt->error.empty()) {
@@ -872,7 +879,8 @@ Status Reader::Run() {
   ck.info.world_size = static_cast<uint32_t>(ranks.size());
   if (args != nullptr) megatron::ExportArgsJson(args, ck);
   megatron::SetSplits(megatron::FactsOf(args), ck);
-  ck.info.topology = "tp" + std::to_string(tp) + "-pp" + std::to_string(pp) + (ep > 1 ? "-ep" + std::to_string(ep) : "");
+  ck.info.topology =
+      "tp" + std::to_string(tp) + "-pp" + std::to_string(pp) + (ep > 1 ? "-ep" + std::to_string(ep) : "");
   if (std::string note = files.PlaceholderNote(); !note.empty()) problems.push_back(std::move(note));
   ck.info.problems = std::move(problems);
   return Status::Ok();

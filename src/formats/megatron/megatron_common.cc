@@ -1,12 +1,12 @@
 #include "formats/megatron/megatron_common.h"
 
 #include <dirent.h>
+#include <re2/re2.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <re2/re2.h>
 
 #include "formats/byte_reader.h"
 #include "formats/pickle_writer.h"
@@ -15,10 +15,9 @@ namespace ckptfs::formats::megatron {
 namespace {
 
 bool Exists(const std::string& p) {
-  struct stat st{};
+  struct stat st {};
   return ::stat(p.c_str(), &st) == 0;
 }
-
 
 std::string JsonStr(const std::string& s) {
   std::string o = "\"";
@@ -101,8 +100,9 @@ std::optional<Result<IterDir>> FindNemo2(const std::string& dir) {
     Candidate c;
     c.name = name;
     c.rank = EndsWith(name, "end") ? 2 : EndsWith(name, "last") ? 1 : 0;
-    struct stat st{};
-    if (::lstat((dir + "/" + name).c_str(), &st) == 0) c.mtime_ns = st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+    struct stat st {};
+    if (::lstat((dir + "/" + name).c_str(), &st) == 0)
+      c.mtime_ns = st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
     RE2::PartialMatch(name, kStep, &c.step);
     found.push_back(std::move(c));
   }
@@ -159,7 +159,8 @@ Result<IterDir> FindIterDir(const std::string& dir) {
   } else {
     static const RE2 kNum(R"(\d{1,12})");
     if (!RE2::FullMatch(text, kNum)) {
-      return Invalid("cannot parse " + tracker + ": '" + text.substr(0, 40) + "' is neither an iteration nor 'release'");
+      return Invalid("cannot parse " + tracker + ": '" + text.substr(0, 40) +
+                     "' is neither an iteration nor 'release'");
     }
     it.step = std::stoll(text);
     char buf[32];
@@ -168,7 +169,8 @@ Result<IterDir> FindIterDir(const std::string& dir) {
   }
   it.path = dir + "/" + it.rel;
   if (!Exists(it.path)) {
-    return NotFound("cannot open " + it.path + ": " + tracker + " names it, but it does not exist (an interrupted save?)");
+    return NotFound("cannot open " + it.path + ": " + tracker +
+                    " names it, but it does not exist (an interrupted save?)");
   }
   return it;
 }
@@ -185,8 +187,8 @@ std::optional<Rule> SplitRule(const std::string& name, bool swiglu) {
     r.kind = Merge::kReplicated;
     return r;
   }
-  for (const char* row : {".linear_proj.", ".self_attention.dense.", ".attention.dense.", ".linear_fc2.",
-                          ".dense_4h_to_h."}) {
+  for (const char* row :
+       {".linear_proj.", ".self_attention.dense.", ".attention.dense.", ".linear_fc2.", ".dense_4h_to_h."}) {
     if (Contains(name, row)) {
       if (bias) {
         r.kind = Merge::kReplicated;
@@ -273,8 +275,8 @@ Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp) {
   if (first && pp == 0) return s.first_stage_layers;
   if (last && pp == s.pp - 1) return s.last_stage_layers;
   const int64_t middle_stages = s.pp - (first ? 1 : 0) - (last ? 1 : 0);
-  const int64_t middle_layers = s.num_layers - std::max<int64_t>(s.first_stage_layers, 0) -
-                                std::max<int64_t>(s.last_stage_layers, 0);
+  const int64_t middle_layers =
+      s.num_layers - std::max<int64_t>(s.first_stage_layers, 0) - std::max<int64_t>(s.last_stage_layers, 0);
   if (middle_stages <= 0 || middle_layers < 0 || middle_layers % middle_stages != 0) {
     return Invalid("uneven pipeline stages do not divide num_layers " + std::to_string(s.num_layers));
   }
@@ -321,16 +323,20 @@ std::string ToJson(const PyValue* v, int indent) {
   if (v == nullptr || v->depth > 64) return "null";
   const std::string pad(static_cast<size_t>(indent + 2), ' '), end_pad(static_cast<size_t>(indent), ' ');
   switch (v->kind) {
-    case PyKind::kNone: return "null";
-    case PyKind::kBool: return v->b ? "true" : "false";
-    case PyKind::kInt: return std::to_string(v->i);
+    case PyKind::kNone:
+      return "null";
+    case PyKind::kBool:
+      return v->b ? "true" : "false";
+    case PyKind::kInt:
+      return std::to_string(v->i);
     case PyKind::kFloat: {
       if (!std::isfinite(v->f)) return JsonStr(std::isnan(v->f) ? "nan" : v->f > 0 ? "inf" : "-inf");
       char buf[40];
       std::snprintf(buf, sizeof buf, "%.17g", v->f);
       return buf;
     }
-    case PyKind::kStr: return JsonStr(v->s);
+    case PyKind::kStr:
+      return JsonStr(v->s);
     case PyKind::kTuple:
     case PyKind::kList:
     case PyKind::kSet: {
@@ -348,13 +354,15 @@ std::string ToJson(const PyValue* v, int indent) {
       }
       return o + end_pad + "}";
     }
-    case PyKind::kGlobal: return JsonStr(v->s + "." + v->name());
+    case PyKind::kGlobal:
+      return JsonStr(v->s + "." + v->name());
     case PyKind::kObject:
       if (v->state != nullptr && v->state->kind == PyKind::kDict && v->ClassName() == "Namespace") {
         return ToJson(v->state, indent);
       }
       return JsonStr(v->ClassName());
-    default: return JsonStr("<" + std::string(v->kind == PyKind::kTensor ? "tensor" : "bytes") + ">");
+    default:
+      return JsonStr("<" + std::string(v->kind == PyKind::kTensor ? "tensor" : "bytes") + ">");
   }
 }
 
@@ -374,7 +382,8 @@ void ExportArgsJson(const PyValue* args, Checkpoint& ck) {
   }
   std::string ops = w.Fragment();
   const uint64_t n = ops.size();
-  ck.exports.push_back(ExportFile{kArgsPickle, {ExportPart{PartKind::kLiteral, std::move(ops), 0, DType::kInvalid, n, {}}}});
+  ck.exports.push_back(
+      ExportFile{kArgsPickle, {ExportPart{PartKind::kLiteral, std::move(ops), 0, DType::kInvalid, n, {}}}});
 }
 
 }  // namespace ckptfs::formats::megatron

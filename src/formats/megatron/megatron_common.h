@@ -25,8 +25,8 @@ namespace ckptfs::formats::megatron {
 // checkpoints/ directory of several reads the one NeMo resumes from (see
 // FindNemo2). `step` is set from the tracker or the name.
 struct IterDir {
-  std::string path;     // absolute or as given
-  std::string rel;      // relative to the mount source ("" or "iter_0000007")
+  std::string path;  // absolute or as given
+  std::string rel;   // relative to the mount source ("" or "iter_0000007")
   int64_t step = -1;
   std::string wrapper;  // what wrote it when not Megatron-LM itself ("NeMo 2 checkpoint '<name>'")
 };

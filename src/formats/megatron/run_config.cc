@@ -111,8 +111,7 @@ Result<std::map<std::string, std::string>> YamlScalars(const std::string& text, 
         f.want_key = false;
       } else {
         if (type == YAML_SCALAR_EVENT) {
-          out[child_path()] =
-              std::string(reinterpret_cast<const char*>(ev.data.scalar.value), ev.data.scalar.length);
+          out[child_path()] = std::string(reinterpret_cast<const char*>(ev.data.scalar.value), ev.data.scalar.length);
         }
         f.want_key = true;
       }

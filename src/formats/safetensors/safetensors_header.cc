@@ -14,7 +14,8 @@ Result<std::vector<int64_t>> ShapeOf(const json& s) {
   if (!s.is_array() || s.size() > 64) return Invalid("shape is not a list of at most 64 sizes");
   std::vector<int64_t> shape;
   for (const json& d : s) {
-    if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 62)) return Invalid("shape has a size that is not a count");
+    if (!d.is_number_unsigned() || d.get<uint64_t>() > (uint64_t{1} << 62))
+      return Invalid("shape has a size that is not a count");
     shape.push_back(d.get<int64_t>());
   }
   return shape;
@@ -71,7 +72,9 @@ Result<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t base, uint64_t 
     const json& dt = v["dtype"];
     if (!dt.is_string()) return tensor("dtype is not a string");
     e.dtype = DTypeFromSafetensorsName(dt.get<std::string>());
-    if (e.dtype == DType::kInvalid) return Unsupported("cannot read " + name + ": tensor '" + key + "' has dtype " + dt.dump() + ", which ckptfs does not read");
+    if (e.dtype == DType::kInvalid)
+      return Unsupported("cannot read " + name + ": tensor '" + key + "' has dtype " + dt.dump() +
+                         ", which ckptfs does not read");
     auto shape = ShapeOf(v["shape"]);
     if (!shape.ok()) return tensor(shape.status().message());
     e.shape = std::move(*shape);
@@ -99,7 +102,8 @@ Result<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t base, uint64_t 
   return out;
 }
 
-Result<std::map<std::string, std::vector<int64_t>>> DcpShardingInfo(const SafetensorsHeader& h, const std::string& name) {
+Result<std::map<std::string, std::vector<int64_t>>> DcpShardingInfo(const SafetensorsHeader& h,
+                                                                    const std::string& name) {
   std::map<std::string, std::vector<int64_t>> out;
   auto it = h.metadata.find("DCP_SHARDING_INFO");
   if (it == h.metadata.end()) return out;

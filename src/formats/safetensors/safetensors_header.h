@@ -34,8 +34,8 @@ struct SafetensorsEntry {
 };
 
 struct SafetensorsHeader {
-  uint64_t data_start = 0;  // absolute offset of the data section
-  std::vector<SafetensorsEntry> entries;  // in header order
+  uint64_t data_start = 0;                      // absolute offset of the data section
+  std::vector<SafetensorsEntry> entries;        // in header order
   std::map<std::string, std::string> metadata;  // "__metadata__"
 };
 
@@ -46,7 +46,8 @@ Result<SafetensorsHeader> ReadSafetensorsHeader(int fd, uint64_t base, uint64_t 
 // StorageWriter with save_distributed) record where each tensor sits in the
 // global one: __metadata__["DCP_SHARDING_INFO"] = JSON {fqn: {"saved_offsets":
 // [...]}}. Empty when the header has none.
-Result<std::map<std::string, std::vector<int64_t>>> DcpShardingInfo(const SafetensorsHeader& h, const std::string& name);
+Result<std::map<std::string, std::vector<int64_t>>> DcpShardingInfo(const SafetensorsHeader& h,
+                                                                    const std::string& name);
 
 // True when the bytes at `base` could start a safetensors blob (not a ZIP
 // local header, and a header length that fits before `limit`): the blob is

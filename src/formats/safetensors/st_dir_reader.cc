@@ -1,12 +1,12 @@
 #include "formats/safetensors/st_dir_reader.h"
 
+#include <re2/re2.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <re2/re2.h>
 #include <set>
 
 #include "ckptfs/geometry.h"
@@ -93,14 +93,16 @@ Result<Checkpoint> ReadSafetensorsDir(const std::string& dir) {
                    std::to_string(kMaxFiles) + ")");
   }
   if (prefix.empty() && !SafetensorsIn(dir + "/sharded").empty()) {
-    ck.info.problems.push_back("sharded/ not read: it holds the per-rank shards of the consolidated files read here "
-                               "(mount " + dir + "/sharded to read the shards)");
+    ck.info.problems.push_back(
+        "sharded/ not read: it holds the per-rank shards of the consolidated files read here "
+        "(mount " +
+        dir + "/sharded to read the shards)");
   }
 
   // Every file's header; a file that cannot be read is a finding, and the
   // tensors the index puts in it are refused.
   std::map<std::string, std::vector<Chunk>> chunks;  // tensor name -> chunks, in file order
-  std::map<std::string, std::string> bad_files;  // file -> why it cannot be read
+  std::map<std::string, std::string> bad_files;      // file -> why it cannot be read
   bool sharded = false;
   std::set<uint32_t> ranks;
   // HuggingFaceStorageWriter names shards shard-<rank+1>-model-<k>-of-<n>.
@@ -112,7 +114,8 @@ Result<Checkpoint> ReadSafetensorsDir(const std::string& dir) {
     ck.files.push_back(SourceFile{prefix + r, 0, 0, 0});
     SourceFile& sf = ck.files.back();
     auto fd = OpenAndFingerprint(dir, sf);
-    Result<SafetensorsHeader> h = fd.ok() ? ReadSafetensorsHeader(*fd, 0, sf.size, dir + "/" + sf.rel_path) : fd.status();
+    Result<SafetensorsHeader> h =
+        fd.ok() ? ReadSafetensorsHeader(*fd, 0, sf.size, dir + "/" + sf.rel_path) : fd.status();
     Result<std::map<std::string, std::vector<int64_t>>> sharding =
         h.ok() ? DcpShardingInfo(*h, dir + "/" + sf.rel_path) : h.status();
     if (fd.ok()) ::close(*fd);
@@ -221,9 +224,10 @@ Result<Checkpoint> ReadSafetensorsDir(const std::string& dir) {
       ck.info.Flag(Check::kCoverage, Severity::kError, name, "", ck.tensors.back().error);
       continue;
     }
-    if (auto it = weight_map.find(name); it != weight_map.end() && ck.files[cs[0].file].rel_path != prefix + it->second) {
-      ck.info.problems.push_back(std::string(kIndexName) + " maps '" + name + "' to " + it->second + "; it is read from " +
-                                 ck.files[cs[0].file].rel_path);
+    if (auto it = weight_map.find(name);
+        it != weight_map.end() && ck.files[cs[0].file].rel_path != prefix + it->second) {
+      ck.info.problems.push_back(std::string(kIndexName) + " maps '" + name + "' to " + it->second +
+                                 "; it is read from " + ck.files[cs[0].file].rel_path);
     }
     std::vector<Fragment> frags;
     for (const Chunk& c : cs) {

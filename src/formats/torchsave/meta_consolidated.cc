@@ -8,8 +8,8 @@
 #include "formats/byte_reader.h"
 #include "formats/state_dict_roles.h"
 #include "formats/torch_file.h"
-#include "formats/tp_merge.h"
 #include "formats/torchsave/state_walk.h"
+#include "formats/tp_merge.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -132,8 +132,8 @@ Result<Checkpoint> ReadMetaConsolidated(const std::string& dir, std::vector<std:
       for (size_t k = 1; k < n && error.empty(); ++k) {
         for (size_t d = 0; d < locs[0].shape.size(); ++d) {
           if (static_cast<int>(d) != split && locs[k].shape[d] != locs[0].shape[d]) {
-            error = "cannot index '" + t.key + "': " + shards[k] + " gives it shape " + ShapeStr(locs[k].shape) +
-                    ", " + shards[0] + " " + ShapeStr(locs[0].shape);
+            error = "cannot index '" + t.key + "': " + shards[k] + " gives it shape " + ShapeStr(locs[k].shape) + ", " +
+                    shards[0] + " " + ShapeStr(locs[0].shape);
             break;
           }
         }

@@ -20,8 +20,8 @@ const RE2& ArchiveRe() {
 }
 // Trainer / Accelerate bookkeeping beside the weights: not model state.
 const RE2& BookkeepingRe() {
-  static const RE2 re(
-      R"((?:rng_state.*|random_states.*|training_args|scheduler.*|scaler.*|lr_scheduler.*|extra_state_world_size_.*)\.(?:pt|pth|bin|pkl))");
+  static const RE2 re(R"((?:rng_state.*|random_states.*|training_args|scheduler.*|scaler.*|lr_scheduler.*|)"
+                      R"(extra_state_world_size_.*)\.(?:pt|pth|bin|pkl))");
   return re;
 }
 const RE2& OptimizerRe() {
@@ -59,7 +59,8 @@ bool LooksLikeTorchSaveDir(const std::string& dir) { return !Archives(dir).empty
 Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
   std::vector<std::string> names = Archives(dir);
   // Model archives first, then optimizer ones (listing order of params/).
-  std::stable_partition(names.begin(), names.end(), [](const std::string& n) { return !RE2::FullMatch(n, OptimizerRe()); });
+  std::stable_partition(names.begin(), names.end(),
+                        [](const std::string& n) { return !RE2::FullMatch(n, OptimizerRe()); });
   if (names.empty()) return NotFound("cannot read " + dir + ": no torch.save archive (.pt, .pth, .bin)");
   std::vector<std::string> consolidated;
   for (const std::string& n : names) {
@@ -118,8 +119,8 @@ Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
     if (auto [it, inserted] = by_key.emplace(t.key, ck.tensors.size()); !inserted) {
       TensorRecord& first = ck.tensors[it->second];
       if (first.error.empty()) {
-        first.error = "cannot index '" + t.key + "': it is in two archives (" + record_file[it->second] + " and " +
-                      s.rel + ")";
+        first.error =
+            "cannot index '" + t.key + "': it is in two archives (" + record_file[it->second] + " and " + s.rel + ")";
         ck.info.Flag(Check::kCoverage, Severity::kError, t.key, s.rel, first.error);
       }
       continue;

@@ -179,13 +179,15 @@ Result<Piece> PieceOf(const Source& s, const PyValue* v, const std::string& what
   const PyValue* pl = placements->items[0];
   const std::string cls = pl->ClassName();
   if (cls == "Replicate") return p;
-  if (cls != "Shard") return Unsupported("cannot read " + s.rel + ": " + what + ": placement " + cls + " is not supported");
+  if (cls != "Shard")
+    return Unsupported("cannot read " + s.rel + ": " + what + ": placement " + cls + " is not supported");
   auto dim = AsInt(pl->Attr("dim"), "Shard.dim");
   if (!dim.ok() || *dim < 0 || *dim >= static_cast<int64_t>(p.global.size())) return bad("Shard with a bad dim");
   p.shard_dim = static_cast<int>(*dim);
   if (p.local.shape.size() != p.global.size()) return bad("local shard rank differs from the global shape's");
   for (size_t d = 0; d < p.global.size(); ++d) {
-    if (static_cast<int>(d) != p.shard_dim && p.local.shape[d] != p.global[d]) return bad("local shard shape disagrees");
+    if (static_cast<int>(d) != p.shard_dim && p.local.shape[d] != p.global[d])
+      return bad("local shard shape disagrees");
   }
   return p;
 }
@@ -199,7 +201,8 @@ struct RankFiles {
 
   std::string Name(bool is_model, uint32_t rank) const {
     const std::string r = std::to_string(rank);
-    if (verl) return std::string(is_model ? "model" : "optim") + "_world_size_" + std::to_string(world) + "_rank_" + r + ".pt";
+    if (verl)
+      return std::string(is_model ? "model" : "optim") + "_world_size_" + std::to_string(world) + "_rank_" + r + ".pt";
     return (is_model ? model_stem : optim_stem) + "_rank" + r + ".bin";
   }
 };
@@ -361,8 +364,9 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
     }
     if (!ok) {
       id_to_fqn.clear();
-      ck.info.problems.push_back("optimizer ids could not be matched to parameters by order and shape: its "
-                                 "states are under other/optimizer.state.<id>");
+      ck.info.problems.push_back(
+          "optimizer ids could not be matched to parameters by order and shape: its "
+          "states are under other/optimizer.state.<id>");
     }
   }
   if (!rf.optim.empty()) collect(optim, {"optimizer"}, id_to_fqn);
@@ -377,9 +381,9 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
     t.encoding = Encoding::kTensor;
     std::vector<Fragment> frags;
     std::string error;
-    int64_t next = 0;  // Shard(d): where the next rank's rows start
+    int64_t next = 0;                                          // Shard(d): where the next rank's rows start
     std::vector<std::pair<const Source*, Piece>> mesh_pieces;  // N-D mesh DTensors, placed once all are seen
-    bool seen = false;  // some rank gave the tensor's dtype and shape
+    bool seen = false;                                         // some rank gave the tensor's dtype and shape
     for (uint32_t r = 0; r < rf.world && error.empty(); ++r) {
       const auto& [src, v] = e.ranks[r];
       if (v == nullptr) {
@@ -494,24 +498,23 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
   }
   ClassifyStateDict(ck.tensors, paths);
   if (skipped > 0) {
-    ck.info.problems.push_back(std::to_string(skipped) +
-                               " non-tensor entries (param_groups, counters) are not shown");
+    ck.info.problems.push_back(std::to_string(skipped) + " non-tensor entries (param_groups, counters) are not shown");
   }
   if (too_deep) ck.info.problems.push_back("entries nested deeper than 32 levels are not shown");
   if (std::string note = files.PlaceholderNote(); !note.empty()) ck.info.problems.push_back(std::move(note));
   if (rf.verl) {
-    ck.info.format_note = "verl FSDP checkpoint: " + std::to_string(rf.world) +
-                          " ranks' model_world_size_*_rank_*.pt" + (rf.optim.empty() ? "" : " + optim_…");
+    ck.info.format_note = "verl FSDP checkpoint: " + std::to_string(rf.world) + " ranks' model_world_size_*_rank_*.pt" +
+                          (rf.optim.empty() ? "" : " + optim_…");
     static const RE2 kStepRe(R"(global_step_([0-9]{1,12}))");
     int64_t step = -1;
     if (RE2::PartialMatch(dir, kStepRe, &step)) ck.info.step = step;
   } else {
-    ck.info.format_note = "Accelerate FSDP per-rank files (use_dcp=False / LOCAL_STATE_DICT): " +
-                          std::to_string(rf.world) + " ranks' " + rf.model_stem + "_rank*.bin" +
-                          (rf.optim.empty() ? "" : " + " + rf.optim_stem + "_rank*.bin");
+    ck.info.format_note =
+        "Accelerate FSDP per-rank files (use_dcp=False / LOCAL_STATE_DICT): " + std::to_string(rf.world) + " ranks' " +
+        rf.model_stem + "_rank*.bin" + (rf.optim.empty() ? "" : " + " + rf.optim_stem + "_rank*.bin");
     for (const std::string& other : rf.other_stems) {
-      ck.info.problems.push_back(other + "_rank*.bin (another model or optimizer) is not read; only " +
-                                 rf.model_stem + (rf.optim.empty() ? "" : " and " + rf.optim_stem) + " are shown");
+      ck.info.problems.push_back(other + "_rank*.bin (another model or optimizer) is not read; only " + rf.model_stem +
+                                 (rf.optim.empty() ? "" : " and " + rf.optim_stem) + " are shown");
     }
     ck.info.step = TrainerStateStep(dir);
   }

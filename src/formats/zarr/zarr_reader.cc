@@ -7,9 +7,9 @@
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/geometry.h"
+#include "common/json_text.h"
 #include "formats/byte_reader.h"
 #include "formats/torch_file.h"
-#include "common/json_text.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -39,14 +39,15 @@ uint64_t CountChunkFiles(const std::string& dir, uint64_t cap) {
 Result<DType> ZarrDType(const std::string& d) {
   if (d == "bfloat16") return DType::kBF16;
   static const std::pair<const char*, DType> kTable[] = {
-      {"<f4", DType::kF32}, {"<f2", DType::kF16}, {"<f8", DType::kF64}, {"<i8", DType::kI64}, {"<i4", DType::kI32},
+      {"<f4", DType::kF32}, {"<f2", DType::kF16}, {"<f8", DType::kF64}, {"<i8", DType::kI64},  {"<i4", DType::kI32},
       {"<i2", DType::kI16}, {"|i1", DType::kI8},  {"|u1", DType::kU8},  {"|b1", DType::kBool}, {"<u2", DType::kU16},
       {"<u4", DType::kU32}, {"<u8", DType::kU64}, {"<c8", DType::kC64}, {"<c16", DType::kC128}};
   for (const auto& [name, dt] : kTable) {
     if (d == name) return dt;
   }
   if (d == "<V2" || d == "|V2") {
-    return Unsupported("dtype '" + d + "' is a raw 2-byte void (Megatron rewrote bf16 arrays to \"bfloat16\"; this one was not)");
+    return Unsupported("dtype '" + d +
+                       "' is a raw 2-byte void (Megatron rewrote bf16 arrays to \"bfloat16\"; this one was not)");
   }
   return Unsupported("dtype '" + d + "' is not supported");
 }
@@ -95,17 +96,20 @@ void ReadArray(Files& files, const std::string& root, const std::string& rel_pre
       grid[d] = t.shape[d] / chunks[d] + (t.shape[d] % chunks[d] != 0);
       if (MulOverflow(n_chunks, static_cast<uint64_t>(grid[d]), &n_chunks) || n_chunks > kMaxChunks) {
         return fail("shape " + JsonText(json(t.shape)) + " in chunks of " + JsonText(json(chunks)) +
-                    " is more chunks than ckptfs indexes (" + std::to_string(kMaxChunks) + ")"), finish();
+                    " is more chunks than ckptfs indexes (" + std::to_string(kMaxChunks) + ")"),
+               finish();
       }
-      if (MulOverflow(chunk_bytes, static_cast<uint64_t>(chunks[d]), &chunk_bytes) || chunk_bytes > (uint64_t{1} << 40)) {
+      if (MulOverflow(chunk_bytes, static_cast<uint64_t>(chunks[d]), &chunk_bytes) ||
+          chunk_bytes > (uint64_t{1} << 40)) {
         return fail("a chunk of " + JsonText(json(chunks)) + " elements is larger than 1 TiB"), finish();
       }
     }
     if (n_chunks > kMaxAbsentChunks) {
       const uint64_t present = CountChunkFiles(root + "/" + name, n_chunks);
       if (n_chunks > present + kMaxAbsentChunks) {
-        return fail("its shape " + JsonText(json(t.shape)) + " needs " + std::to_string(n_chunks) + " chunks, the directory holds " +
-                    std::to_string(present) + " (a damaged .zarray?)"), finish();
+        return fail("its shape " + JsonText(json(t.shape)) + " needs " + std::to_string(n_chunks) +
+                    " chunks, the directory holds " + std::to_string(present) + " (a damaged .zarray?)"),
+               finish();
       }
     }
     const auto strides = ContiguousStrides(chunks);
@@ -131,10 +135,11 @@ void ReadArray(Files& files, const std::string& root, const std::string& rel_pre
       if (missing || bad_size) {
         const std::string region = BoxString(Box{f.offsets, f.lengths});
         ck.info.Flag(Check::kCoverage, Severity::kError, name, sf.rel_path,
-                     missing ? "zarr chunk " + sf.rel_path + " is missing: a hole at " + region + " of '" + name +
-                                   "' (reads of that region fail; ckptfs never fills it with fill_value)"
-                             : "zarr chunk " + sf.rel_path + " has " + std::to_string(sf.size) + " bytes, a chunk of '" +
-                                   name + "' needs " + std::to_string(chunk_bytes) + ": left out, a hole at " + region,
+                     missing
+                         ? "zarr chunk " + sf.rel_path + " is missing: a hole at " + region + " of '" + name +
+                               "' (reads of that region fail; ckptfs never fills it with fill_value)"
+                         : "zarr chunk " + sf.rel_path + " has " + std::to_string(sf.size) + " bytes, a chunk of '" +
+                               name + "' needs " + std::to_string(chunk_bytes) + ": left out, a hole at " + region,
                      nlohmann::json({{"holes", {region}}, {"shape", t.shape}}).dump());
       }
       if (!bad_size) frags.push_back(std::move(f));
@@ -157,7 +162,7 @@ Status ReadZarrArrays(const std::string& ckpt_root, const std::string& rel_dir, 
   Files files;
   files.dir = ckpt_root;
   files.ck = &ck;
-  struct stat st{};
+  struct stat st {};
   for (const std::string& name : ListDirectory(root)) {
     const std::string sub = root + "/" + name;
     if (::stat((sub + "/.zarray").c_str(), &st) == 0) {

@@ -100,7 +100,8 @@ TEST(ChecksumSetTest, ManyRangesGoThroughASmallBudgetInRuns) {
   uint64_t last_offset = 0;
   Status st = s.ForEach([&](const ChecksumRange& r) {
     if (n > 0 && std::tie(r.file.v, r.offset) <= std::tie(last_file, last_offset)) return Invalid("out of order");
-    if (r.file.v != (r.offset / 4096) % 7 || r.crc32 != r.offset / 4096 || r.name != "d" + std::to_string(r.offset / 4096)) {
+    if (r.file.v != (r.offset / 4096) % 7 || r.crc32 != r.offset / 4096 ||
+        r.name != "d" + std::to_string(r.offset / 4096)) {
       return Invalid("fields of another range at offset " + std::to_string(r.offset));
     }
     last_file = r.file.v;
@@ -127,7 +128,10 @@ TEST(ChecksumSetTest, AnUnwritableTmpdirIsAnErrorNamingIt) {
   ::setenv("TMPDIR", "/nonexistent-ckptfs-tmpdir", 1);
   ChecksumSet s(256);
   for (uint64_t i = 0; i < 100; ++i) s.Add(ChecksumRange{FileId{0}, i, 1, 0, "x"});
-  if (old) ::setenv("TMPDIR", saved.c_str(), 1); else ::unsetenv("TMPDIR");
+  if (old)
+    ::setenv("TMPDIR", saved.c_str(), 1);
+  else
+    ::unsetenv("TMPDIR");
   Status st = s.ForEach([](const ChecksumRange&) { return Status::Ok(); });
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("/nonexistent-ckptfs-tmpdir"), std::string::npos) << st.message();

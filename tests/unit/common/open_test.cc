@@ -2,14 +2,13 @@
 // the checkpoint directory, never blocks on special files, and opens only
 // regular files.
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-
-#include <gtest/gtest.h>
 
 #include "../test_util.h"
 #include "ckptfs/common.h"
@@ -25,9 +24,9 @@ TEST(OpenSourceFileTest, StaysInsideNeverBlocksRegularOnly) {
   fs::create_directories(root / "sub");
   std::ofstream(root / "sub" / "a.distcp") << "bytes";
   std::ofstream(outside) << "not yours";
-  fs::create_symlink("sub/a.distcp", root / "inside_link");           // stays inside: followed
-  fs::create_symlink(outside, root / "abs_link");                     // absolute, leaves the tree
-  fs::create_symlink("../secret", root / "rel_link");                 // relative, leaves the tree
+  fs::create_symlink("sub/a.distcp", root / "inside_link");            // stays inside: followed
+  fs::create_symlink(outside, root / "abs_link");                      // absolute, leaves the tree
+  fs::create_symlink("../secret", root / "rel_link");                  // relative, leaves the tree
   fs::create_directory_symlink(fs::path(t.path()), root / "dirlink");  // a directory outside
   ASSERT_EQ(::mkfifo((root / "fifo").c_str(), 0600), 0);
 

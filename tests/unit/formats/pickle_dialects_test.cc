@@ -25,11 +25,16 @@ using nlohmann::json;
 // Namespace as its attribute dict, tuples and lists as arrays.
 Result<json> Mirror(const PyValue* v, const json& enums) {
   switch (v->kind) {
-    case PyKind::kNone: return json(nullptr);
-    case PyKind::kBool: return json(v->b);
-    case PyKind::kInt: return json(v->i);
-    case PyKind::kFloat: return json(v->f);
-    case PyKind::kStr: return json(v->s);
+    case PyKind::kNone:
+      return json(nullptr);
+    case PyKind::kBool:
+      return json(v->b);
+    case PyKind::kInt:
+      return json(v->i);
+    case PyKind::kFloat:
+      return json(v->f);
+    case PyKind::kStr:
+      return json(v->s);
     case PyKind::kTuple:
     case PyKind::kList: {
       json a = json::array();
@@ -63,7 +68,8 @@ Result<json> Mirror(const PyValue* v, const json& enums) {
       }
       return Invalid("an object of " + v->ClassName());
     }
-    default: return Invalid("an unexpected value kind");
+    default:
+      return Invalid("an unexpected value kind");
   }
 }
 

@@ -51,8 +51,8 @@ TEST(PickleTest, Protocol2IntAndStop) {
 
 TEST(PickleTest, DictListTupleMemo) {
   // {'a': [1, 2], 'b': ('x', 'x')} with the second 'x' via BINGET.
-  std::string p = B({0x80, 0x02, '}', 'q', 0, '(', 'X', 1, 0, 0, 0, 'a', ']', 'q', 1, '(', 'K', 1, 'K', 2, 'e',
-                     'X', 1, 0, 0, 0, 'b', 'X', 1, 0, 0, 0, 'x', 'q', 2, 'h', 2, 0x86, 'u', '.'});
+  std::string p = B({0x80, 0x02, '}', 'q', 0, '(', 'X', 1,   0, 0, 0, 'a', ']', 'q', 1, '(', 'K', 1,    'K', 2,
+                     'e',  'X',  1,   0,   0, 0,   'b', 'X', 1, 0, 0, 0,   'x', 'q', 2, 'h', 2,   0x86, 'u', '.'});
   auto r = Unpickle(p, "t");
   ASSERT_TRUE(r.ok()) << r.status().message();
   const PyValue* a = (*r)->Get("a");
@@ -73,12 +73,12 @@ TEST(PickleTest, MemoScalesWithTheInput) {
   std::string p = B({0x80, 0x04, ']', 0x94});
   for (int i = 0; i < n; ++i) {
     if (i % 1000 == 0) p += i == 0 ? "(" : "e(";  // APPENDS in batches of 1000, as pickle.py writes
-    p += B({'M', i & 0xff, (i >> 8) & 0xff});    // BININT2: i mod 65536
+    p += B({'M', i & 0xff, (i >> 8) & 0xff});     // BININT2: i mod 65536
     p.push_back(static_cast<char>(0x94));
   }
-  p += B({'e', 0x94});  // the last APPENDS; memoize the list once more
+  p += B({'e', 0x94});        // the last APPENDS; memoize the list once more
   p += B({'j', 1, 0, 0, 0});  // LONG_BINGET 1: the first element
-  p += B({0x86, '.'});  // (list, first)
+  p += B({0x86, '.'});        // (list, first)
   auto r = Unpickle(p, "t");
   ASSERT_TRUE(r.ok()) << r.status().message();
   ASSERT_EQ((*r)->items.size(), 2u);
@@ -97,7 +97,12 @@ TEST(PickleTest, NegativeLong1AndBinFloat) {
 
 TEST(PickleTest, CodecsEncodeGivesBytes) {
   // _codecs.encode(u'\u00ff\x00', 'latin1') as protocol 2 writes bytes.
-  std::string p = L("\x80\x02" "c_codecs\nencode\n" "X\x03\x00\x00\x00\xc3\xbf\x00" "X\x06\x00\x00\x00latin1" "\x86R.");
+  std::string p =
+      L("\x80\x02"
+        "c_codecs\nencode\n"
+        "X\x03\x00\x00\x00\xc3\xbf\x00"
+        "X\x06\x00\x00\x00latin1"
+        "\x86R.");
   auto r = Unpickle(p, "t");
   ASSERT_TRUE(r.ok()) << r.status().message();
   EXPECT_EQ((*r)->kind, PyKind::kBytes);
@@ -105,7 +110,10 @@ TEST(PickleTest, CodecsEncodeGivesBytes) {
 }
 
 TEST(PickleTest, UnknownGlobalIsRefusedByName) {
-  std::string p = L("\x80\x02" "cos\nsystem\n" "X\x02\x00\x00\x00ls\x85R.");
+  std::string p =
+      L("\x80\x02"
+        "cos\nsystem\n"
+        "X\x02\x00\x00\x00ls\x85R.");
   auto r = Unpickle(p, "evil.pkl");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("unknown pickle global os.system"), std::string::npos) << r.status().message();
@@ -114,9 +122,16 @@ TEST(PickleTest, UnknownGlobalIsRefusedByName) {
 
 TEST(PickleTest, EnumMemberByNameAndByValueReadTheSame) {
   // CPython 3.11.2: getattr(ZeroStageEnum, 'gradients'); 3.11.7: ZeroStageEnum(2).
-  std::string by_name = L("\x80\x02" "cbuiltins\ngetattr\n" "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
-                          "X\x09\x00\x00\x00gradients" "\x86R.");
-  std::string by_value = L("\x80\x02" "cdeepspeed.runtime.zero.config\nZeroStageEnum\n" "K\x02\x85R.");
+  std::string by_name =
+      L("\x80\x02"
+        "cbuiltins\ngetattr\n"
+        "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
+        "X\x09\x00\x00\x00gradients"
+        "\x86R.");
+  std::string by_value =
+      L("\x80\x02"
+        "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
+        "K\x02\x85R.");
   for (const std::string& p : {by_name, by_value}) {
     auto r = Unpickle(p, "t");
     ASSERT_TRUE(r.ok()) << r.status().message();
@@ -126,18 +141,33 @@ TEST(PickleTest, EnumMemberByNameAndByValueReadTheSame) {
     EXPECT_EQ(*v, 2);
   }
   // An unknown member or value is an error naming the enum.
-  auto bad = Unpickle(L("\x80\x02" "cbuiltins\ngetattr\n" "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
-                        "X\x04\x00\x00\x00huge" "\x86R."), "t");
+  auto bad = Unpickle(L("\x80\x02"
+                        "cbuiltins\ngetattr\n"
+                        "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
+                        "X\x04\x00\x00\x00huge"
+                        "\x86R."),
+                      "t");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("unknown member 'huge'"), std::string::npos) << bad.status().message();
-  auto bad_value = Unpickle(L("\x80\x02" "cdeepspeed.runtime.zero.config\nZeroStageEnum\n" "K\x09\x85R."), "t");
+  auto bad_value = Unpickle(L("\x80\x02"
+                              "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
+                              "K\x09\x85R."),
+                            "t");
   ASSERT_FALSE(bad_value.ok());
 }
 
 TEST(PickleTest, UnknownGlobalInMetadataIsAnInertPlaceholder) {
   // {'args': getattr(megatron.enums.PositionEmbeddingType, 'alibi')}: BLOOM's args.
-  std::string p = L("\x80\x02" "}X\x04\x00\x00\x00" "args" "cbuiltins\ngetattr\n"
-                    "cmegatron.enums\nPositionEmbeddingType\n" "X\x05\x00\x00\x00" "alibi" "\x86R" "s.");
+  std::string p =
+      L("\x80\x02"
+        "}X\x04\x00\x00\x00"
+        "args"
+        "cbuiltins\ngetattr\n"
+        "cmegatron.enums\nPositionEmbeddingType\n"
+        "X\x05\x00\x00\x00"
+        "alibi"
+        "\x86R"
+        "s.");
   std::vector<std::string> placeholders;
   auto r = Unpickle(p, "t", {}, &placeholders);
   ASSERT_TRUE(r.ok()) << r.status().message();
@@ -156,27 +186,36 @@ TEST(PickleTest, UnknownGlobalInMetadataIsAnInertPlaceholder) {
   strict.placeholders = false;
   auto s = Unpickle(p, "t", strict);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.status().message().find("unknown pickle global megatron.enums.PositionEmbeddingType"),
-            std::string::npos);
+  EXPECT_NE(s.status().message().find("unknown pickle global megatron.enums.PositionEmbeddingType"), std::string::npos);
 }
 
 TEST(PickleTest, GlobalsThatDecideTensorBytesStayStrict) {
   // A rebuild function or a storage class from outside torch is refused by name.
-  auto r = Unpickle(L("\x80\x02" "cevil._utils\n_rebuild_tensor_v2\n" "."), "t");
+  auto r = Unpickle(L("\x80\x02"
+                      "cevil._utils\n_rebuild_tensor_v2\n"
+                      "."),
+                    "t");
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.status().message().find("unknown pickle global evil._utils._rebuild_tensor_v2"), std::string::npos);
-  auto st = Unpickle(L("\x80\x02" "cevil\nFloatStorage\n" "."), "t");
+  auto st = Unpickle(L("\x80\x02"
+                       "cevil\nFloatStorage\n"
+                       "."),
+                     "t");
   ASSERT_FALSE(st.ok());
   // Modules that are never data are refused even where placeholders are on.
   for (const char* m : {"subprocess\ncall\n", "builtins\neval\n", "sys\nexit\n"}) {
-    auto x = Unpickle(L("\x80\x02" "c") + m + ".", "t");
+    auto x = Unpickle(L("\x80\x02"
+                        "c") +
+                          m + ".",
+                      "t");
     EXPECT_FALSE(x.ok()) << m;
   }
 }
 
 TEST(PickleTest, ModuleRenamesAreCanonical) {
   EXPECT_EQ(CanonicalModule("torch.distributed._shard.checkpoint.metadata"), "torch.distributed.checkpoint.metadata");
-  EXPECT_EQ(CanonicalModule("torch.distributed._shard.sharded_tensor.metadata"), "torch.distributed.checkpoint.metadata");
+  EXPECT_EQ(CanonicalModule("torch.distributed._shard.sharded_tensor.metadata"),
+            "torch.distributed.checkpoint.metadata");
   EXPECT_EQ(CanonicalModule("__builtin__"), "builtins");
   EXPECT_EQ(CanonicalModule("numpy.core.multiarray"), "numpy._core.multiarray");
   EXPECT_EQ(CanonicalModule("pathlib._local"), "pathlib");
@@ -184,8 +223,13 @@ TEST(PickleTest, ModuleRenamesAreCanonical) {
 
 TEST(PickleTest, StackGlobalNewobjBuild) {
   // Protocol 4: torch.Size NEWOBJ-less dataclass: Metadata() with BUILD {'x': 1}.
-  std::string p = "\x80\x04" "\x8c\x25torch.distributed.checkpoint.metadata" "\x8c\x08Metadata" "\x93)\x81"
-                  "}\x8c\x01xK\x01s" "b.";
+  std::string p =
+      "\x80\x04"
+      "\x8c\x25torch.distributed.checkpoint.metadata"
+      "\x8c\x08Metadata"
+      "\x93)\x81"
+      "}\x8c\x01xK\x01s"
+      "b.";
   auto r = Unpickle(p, "t");
   ASSERT_TRUE(r.ok()) << r.status().message();
   EXPECT_EQ((*r)->ClassName(), "Metadata");
@@ -211,9 +255,9 @@ TEST(PickleTest, FarMemoIndicesAreReadBack) {
   // [s, s, t, u] with s = 'a' at memo 4000000000 (LONG_BINPUT, LONG_BINGET),
   // t = 'b' PUT at 1, then 'c' PUT at 1 too, popped, and memo 1 read back:
   // u is 'c' (the later PUT wins).
-  const std::string p = B({0x80, 0x02, ']', '(', 'X', 1, 0, 0, 0, 'a', 'r', 0x00, 0x28, 0x6b, 0xee,
-                           'j', 0x00, 0x28, 0x6b, 0xee, 'X', 1, 0, 0, 0, 'b', 'q', 1,
-                           'X', 1, 0, 0, 0, 'c', 'q', 1, '0', 'h', 1, 'e', '.'});
+  const std::string p =
+      B({0x80, 0x02, ']', '(', 'X', 1,   0, 0,   0, 'a', 'r', 0x00, 0x28, 0x6b, 0xee, 'j', 0x00, 0x28, 0x6b, 0xee, 'X',
+         1,    0,    0,   0,   'b', 'q', 1, 'X', 1, 0,   0,   0,    'c',  'q',  1,    '0', 'h',  1,    'e',  '.'});
   for (bool streaming : {false, true}) {
     PickleOptions opts;
     if (streaming) opts.consume_item = [](const PyValue&, const PyValue&) -> Result<bool> { return false; };
@@ -269,9 +313,9 @@ struct Taker {
 TEST(PickleTest, StreamingTakesEntriesAndKeepsWhatTheMemoShares) {
   // Protocol 4: {'k1': L, 'good': L, 'k2': [3]} where L = [1, 2] is memoized
   // and read back by BINGET: taking 'k1' must not free what 'good' holds.
-  std::string p = B({0x80, 0x04, '}', 0x94, '(', 0x8c, 2, 'k', '1', 0x94, ']', 0x94, '(', 'K', 1, 'K', 2, 'e',
-                     0x8c, 4, 'g', 'o', 'o', 'd', 0x94, 'h', 2, 0x8c, 2, 'k', '2', 0x94, ']', 0x94, 'K', 3, 'a',
-                     'u', '.'});
+  std::string p =
+      B({0x80, 0x04, '}', 0x94, '(',  0x8c, 2, 'k',  '1', 0x94, ']', 0x94, '(', 'K',  1,   'K', 2,   'e', 0x8c, 4,
+         'g',  'o',  'o', 'd',  0x94, 'h',  2, 0x8c, 2,   'k',  '2', 0x94, ']', 0x94, 'K', 3,   'a', 'u', '.'});
   Taker t;
   auto r = Unpickle(p, "t", t.Options());
   ASSERT_TRUE(r.ok()) << r.status().message();
@@ -310,7 +354,9 @@ void CheckCollects(const std::function<Result<PyHandle>(const std::string&, cons
   // released lists' nodes. ASan checks nothing freed is read, and the values
   // say nothing was reused under a live reference.
   constexpr int kN = 80000, kH = 150000;
-  auto str = [](const std::string& v) { return std::string(1, static_cast<char>(0x8c)) + static_cast<char>(v.size()) + v; };
+  auto str = [](const std::string& v) {
+    return std::string(1, static_cast<char>(0x8c)) + static_cast<char>(v.size()) + v;
+  };
   auto u32 = [](uint32_t v) {
     std::string o;
     for (int i = 0; i < 4; ++i) o.push_back(static_cast<char>((v >> (8 * i)) & 0xFF));
@@ -376,7 +422,7 @@ TEST(PickleTest, AFileReadInWindowsStreamsTheSameAndIsNeverHeldWhole) {
     return r;
   });
   EXPECT_GT(size, 4u << 20);
-  EXPECT_GT(read, size);       // the memo scan (which skips what it need not see),
+  EXPECT_GT(read, size);      // the memo scan (which skips what it need not see),
   EXPECT_LE(read, 2 * size);  // then the VM
   EXPECT_EQ(largest, 4096u);
 }
@@ -426,8 +472,8 @@ TEST(PickleTest, StreamingTakesListItems) {
   // Protocol 4: [[1], [2], [3], 'x'] built by APPENDS; the consumer takes the
   // lists holding an odd int. The second list is memoized and read back
   // into the dict after it: taking it must not free it.
-  std::string p = B({0x80, 0x04, '}', 0x8c, 1, 'l', ']', '(', ']', 'K', 1, 'a', ']', 0x94, 'K', 2, 'a', ']', 'K', 3, 'a',
-                     0x8c, 1, 'x', 'e', 's', 0x8c, 1, 'r', 'h', 0, 's', '.'});
+  std::string p = B({0x80, 0x04, '}', 0x8c, 1,    'l', ']', '(', ']', 'K',  1, 'a', ']', 0x94, 'K', 2,  'a',
+                     ']',  'K',  3,   'a',  0x8c, 1,   'x', 'e', 's', 0x8c, 1, 'r', 'h', 0,    's', '.'});
   std::vector<int64_t> taken;
   PickleOptions o;
   o.consume_item = [&](const PyValue&, const PyValue& v) -> Result<bool> {
@@ -453,8 +499,8 @@ TEST(PickleTest, StreamingReleasesOnlyArgumentTuplesNothingElseHolds) {
   // with t = (1, 2) memoized and read back twice: t must survive both NEWOBJs
   // (the strings after each reuse what was released), while (3,) is released.
   std::string p = B({0x80, 0x04, ']', '(', 'c'}) + "argparse\nNamespace\n" +
-                  B({0x94, 'K', 1, 'K', 2, 0x86, 0x94, 0x81, 0x8c, 1, 'x', 0x8c, 1, 'y', 'h', 0, 'h', 1, 0x81, 'h', 1,
-                     'h', 0, 'K', 3, 0x85, 0x81, 0x8c, 1, 'z', 'e', '.'});
+                  B({0x94, 'K', 1,    'K', 2, 0x86, 0x94, 0x81, 0x8c, 1,    'x',  0x8c, 1, 'y', 'h', 0,
+                     'h',  1,   0x81, 'h', 1, 'h',  0,    'K',  3,    0x85, 0x81, 0x8c, 1, 'z', 'e', '.'});
   PickleOptions o;
   o.consume_item = [](const PyValue&, const PyValue&) -> Result<bool> { return false; };
   auto r = Unpickle(p, "t", o);

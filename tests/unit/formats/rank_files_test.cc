@@ -10,8 +10,8 @@
 #include "../test_util.h"
 #include "formats/byte_reader.h"
 #include "formats/torch_save.h"
-#include "formats/torchsave/state_walk.h"
 #include "formats/torchsave/rank_files_reader.h"
+#include "formats/torchsave/state_walk.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -76,7 +76,6 @@ TEST(VerlTest, RanksShardsArePlacedInRankOrder) {
   EXPECT_EQ(states, 63u);  // step, exp_avg, exp_avg_sq of each, under the parameter's name
 }
 
-
 TEST(RankFilesTest, Fsdp1ShardedTensorsArePlacedByTheirShardMetadata) {
   ASSERT_TRUE(LooksLikeRankFiles(kFsdp1));
   auto ck = ReadRankFiles(kFsdp1);
@@ -114,7 +113,8 @@ TEST(RankFilesTest, Fsdp1RankFileCopiedOverAnotherIsAnOverlapNotAValue) {
   testing::TempDir dir;
   CopyFsdp1(dir.path());
   // rank 1's model file replaced by rank 0's: both claim rows 0-4, nobody rows 5-9.
-  std::filesystem::copy_file(dir.path() + "/pytorch_model_fsdp_0_rank0.bin", dir.path() + "/pytorch_model_fsdp_0_rank1.bin",
+  std::filesystem::copy_file(dir.path() + "/pytorch_model_fsdp_0_rank0.bin",
+                             dir.path() + "/pytorch_model_fsdp_0_rank1.bin",
                              std::filesystem::copy_options::overwrite_existing);
   auto ck = ReadRankFiles(dir.path());
   ASSERT_TRUE(ck.ok()) << ck.status().message();
@@ -135,7 +135,8 @@ TEST(RankFilesTest, Fsdp1MissingRankZeroIsAFindingAndItsRowsAreHoles) {
   auto ck = ReadRankFiles(dir.path());
   ASSERT_TRUE(ck.ok()) << ck.status().message();
   bool named = false;
-  for (const auto& f : ck->info.findings) named |= f.message.find("pytorch_model_fsdp_0_rank0.bin is missing") != std::string::npos;
+  for (const auto& f : ck->info.findings)
+    named |= f.message.find("pytorch_model_fsdp_0_rank0.bin is missing") != std::string::npos;
   EXPECT_TRUE(named);
   const TensorRecord* w = Find(*ck, "proj.weight");
   ASSERT_NE(w, nullptr);
@@ -145,7 +146,8 @@ TEST(RankFilesTest, Fsdp1MissingRankZeroIsAFindingAndItsRowsAreHoles) {
 TEST(RankFilesTest, AWorldTheFilesCannotBackIsRefusedBeforeAnythingIsSizedByIt) {
   testing::TempDir dir;
   // One real verl rank file, renamed to claim a world of 999999 ranks.
-  std::filesystem::copy_file(kActor + "/model_world_size_2_rank_0.pt", dir.path() + "/model_world_size_999999_rank_0.pt");
+  std::filesystem::copy_file(kActor + "/model_world_size_2_rank_0.pt",
+                             dir.path() + "/model_world_size_999999_rank_0.pt");
   auto ck = ReadRankFiles(dir.path());
   ASSERT_FALSE(ck.ok());
   EXPECT_NE(ck.status().message().find("world of 999999 ranks, but only 1 rank files are present"), std::string::npos)

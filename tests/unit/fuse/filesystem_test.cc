@@ -1,15 +1,13 @@
 // The FUSE-free core driven directly: tree, sizes, reads, errors.
-#include "ckptfs/fs.h"
-
 #include <gtest/gtest.h>
-
-#include <nlohmann/json.hpp>
 
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "../test_util.h"
+#include "ckptfs/fs.h"
 #include "common/float_bits.h"
 
 namespace ckptfs {
@@ -382,7 +380,7 @@ TEST_F(FilesystemTest, ListingPagesResumeAtOffsetsAndTopoGrowsAtTheEnd) {
 TEST(LatencyHistogramTest, PercentilesAreBucketUpperEdgesCappedAtMax) {
   LatencyHistogram h;
   EXPECT_EQ(h.PercentileNs(0.5), 0u);
-  for (int i = 0; i < 90; ++i) h.Record(1000);  // bucket [512, 1024)
+  for (int i = 0; i < 90; ++i) h.Record(1000);    // bucket [512, 1024)
   for (int i = 0; i < 9; ++i) h.Record(100'000);  // bucket [65536, 131072)
   h.Record(5'000'000);
   EXPECT_EQ(h.count(), 100u);

@@ -90,7 +90,8 @@ TEST(IndexTest, ChecksumRangesAreLookedUpByFileAndOffset) {
   ckptfs::testing::WriteFile(t.path() + "/b.bin", std::string(1 << 12, 'z'));
   ckptfs::testing::FillStat(t.path(), &ck.files[1]);
   // Out of order, across files, one repeated (a reader may list a range twice).
-  for (uint64_t off : {40u, 0u, 10u, 100u, 10u}) ck.checksums.Add(ChecksumRange{FileId{0}, off, 10, 0xC0 + static_cast<uint32_t>(off), "e" + std::to_string(off)});
+  for (uint64_t off : {40u, 0u, 10u, 100u, 10u})
+    ck.checksums.Add(ChecksumRange{FileId{0}, off, 10, 0xC0 + static_cast<uint32_t>(off), "e" + std::to_string(off)});
   for (uint64_t off : {2048u, 0u}) ck.checksums.Add(ChecksumRange{FileId{1}, off, 1024, 7, "b"});
   ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
   auto ix = Index::Open(t.path() + "/ix", t.path());
@@ -107,7 +108,7 @@ TEST(IndexTest, ChecksumRangesAreLookedUpByFileAndOffset) {
   EXPECT_EQ(offsets(FileId{0}, 20, 40), (std::vector<uint64_t>{}));        // the gap between two
   EXPECT_EQ(offsets(FileId{0}, 109, 110), (std::vector<uint64_t>{100}));
   EXPECT_EQ(offsets(FileId{0}, 110, 1000), (std::vector<uint64_t>{}));
-  EXPECT_EQ(offsets(FileId{1}, 0, 1), (std::vector<uint64_t>{0}));         // not file 0's last
+  EXPECT_EQ(offsets(FileId{1}, 0, 1), (std::vector<uint64_t>{0}));  // not file 0's last
   EXPECT_EQ(offsets(FileId{1}, 1500, 4096), (std::vector<uint64_t>{2048}));
   EXPECT_EQ(offsets(FileId{2}, 0, 1u << 20), (std::vector<uint64_t>{}));
   auto one = (*ix)->ChecksumsIn(FileId{0}, 10, 11);
@@ -117,12 +118,15 @@ TEST(IndexTest, ChecksumRangesAreLookedUpByFileAndOffset) {
   EXPECT_EQ((*one)[0].name, "e10");  // the first of the repeat
   std::vector<std::pair<uint32_t, uint64_t>> all;
   size_t batches = 0;
-  ASSERT_TRUE((*ix)->ScanChecksums(4, [&](std::vector<ChecksumRange>& v) {
-    ++batches;
-    EXPECT_LE(v.size(), 4u);
-    for (const auto& c : v) all.emplace_back(c.file.v, c.offset);
-    return Status::Ok();
-  }).ok());
+  ASSERT_TRUE((*ix)
+                  ->ScanChecksums(4,
+                                  [&](std::vector<ChecksumRange>& v) {
+                                    ++batches;
+                                    EXPECT_LE(v.size(), 4u);
+                                    for (const auto& c : v) all.emplace_back(c.file.v, c.offset);
+                                    return Status::Ok();
+                                  })
+                  .ok());
   EXPECT_EQ(batches, 2u);
   EXPECT_EQ(all, (std::vector<std::pair<uint32_t, uint64_t>>{{0, 0}, {0, 10}, {0, 40}, {0, 100}, {1, 0}, {1, 2048}}));
 }

@@ -306,7 +306,8 @@ TEST(KernelEmulationTest, EveryNarrowingRoundingCase) {
       std::vector<char> src(n * 4 + shift);
       uint64_t i = 0;
       for (uint64_t top = 0; top < (1ull << c.top_bits); ++top) {
-        for (uint32_t low : c.low) StoreLE<uint32_t>(src.data() + shift + 4 * i++, static_cast<uint32_t>(top << drop) | low);
+        for (uint32_t low : c.low)
+          StoreLE<uint32_t>(src.data() + shift + 4 * i++, static_cast<uint32_t>(top << drop) | low);
       }
       GatherOp op;
       op.sdtype = DType::kF32, op.rank = 1, op.len[0] = static_cast<int64_t>(n), op.sstr[0] = 1, op.dstr[0] = 1;

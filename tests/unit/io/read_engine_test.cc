@@ -2,12 +2,11 @@
 // dimension (uneven, empty, transposed storage), written to a data file,
 // indexed, then read back in random byte ranges by every engine and compared
 // with the tensor itself. Also conversions and range decomposition.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 
-#include <cmath>
-#include <fcntl.h>
-
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include "../test_util.h"
@@ -58,14 +57,17 @@ TEST(DecomposeRangeTest, BoxesTileTheRangeInOrder) {
 TEST(ConvertTest, WideningIsExact) {
   const uint16_t bf[] = {0x3f80, 0xc020, 0x0001, 0x7f80};
   float out[4];
-  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(bf), DType::kBF16, 1, reinterpret_cast<char*>(out), DType::kF32, 4).ok());
+  ASSERT_TRUE(
+      ConvertRun(reinterpret_cast<const char*>(bf), DType::kBF16, 1, reinterpret_cast<char*>(out), DType::kF32, 4)
+          .ok());
   EXPECT_EQ(out[0], 1.0f);
   EXPECT_EQ(out[1], -2.5f);
   EXPECT_GT(out[2], 0.0f);
   EXPECT_TRUE(std::isinf(out[3]));
   const uint16_t h[] = {0x3c00, 0xc000, 0x0001, 0x7bff, 0xfc00};
   float ho[5];
-  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(h), DType::kF16, 1, reinterpret_cast<char*>(ho), DType::kF32, 5).ok());
+  ASSERT_TRUE(
+      ConvertRun(reinterpret_cast<const char*>(h), DType::kF16, 1, reinterpret_cast<char*>(ho), DType::kF32, 5).ok());
   EXPECT_EQ(ho[0], 1.0f);
   EXPECT_EQ(ho[1], -2.0f);
   EXPECT_EQ(ho[2], std::ldexp(1.0f, -24));
@@ -74,7 +76,9 @@ TEST(ConvertTest, WideningIsExact) {
   // fp8 e4m3fn: 0x38 = 1.0, 0x7e = 448 (max), 0x7f = NaN, 0x01 = 2^-9.
   const uint8_t f8[] = {0x38, 0x7e, 0x7f, 0x01, 0xb8};
   float fo[5];
-  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(f8), DType::kF8E4M3FN, 1, reinterpret_cast<char*>(fo), DType::kF32, 5).ok());
+  ASSERT_TRUE(
+      ConvertRun(reinterpret_cast<const char*>(f8), DType::kF8E4M3FN, 1, reinterpret_cast<char*>(fo), DType::kF32, 5)
+          .ok());
   EXPECT_EQ(fo[0], 1.0f);
   EXPECT_EQ(fo[1], 448.0f);
   EXPECT_TRUE(std::isnan(fo[2]));
@@ -83,7 +87,9 @@ TEST(ConvertTest, WideningIsExact) {
   // e5m2: 0x3c = 1.0, 0x7c = inf, 0x7b = 57344.
   const uint8_t e5[] = {0x3c, 0x7c, 0x7b};
   float eo[3];
-  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(e5), DType::kF8E5M2, 1, reinterpret_cast<char*>(eo), DType::kF32, 3).ok());
+  ASSERT_TRUE(
+      ConvertRun(reinterpret_cast<const char*>(e5), DType::kF8E5M2, 1, reinterpret_cast<char*>(eo), DType::kF32, 3)
+          .ok());
   EXPECT_EQ(eo[0], 1.0f);
   EXPECT_TRUE(std::isinf(eo[1]));
   EXPECT_EQ(eo[2], 57344.0f);
@@ -91,12 +97,14 @@ TEST(ConvertTest, WideningIsExact) {
   // NaN canonical), strided sources too.
   const uint32_t f[] = {0x3F801000u, 0x3F803000u, 0x477FF000u, 0x3F808000u, 0x7FC01234u, 0x3F818000u};
   uint16_t n16[3];
-  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(f), DType::kF32, 2, reinterpret_cast<char*>(n16), DType::kF16, 3).ok());
+  ASSERT_TRUE(
+      ConvertRun(reinterpret_cast<const char*>(f), DType::kF32, 2, reinterpret_cast<char*>(n16), DType::kF16, 3).ok());
   EXPECT_EQ(n16[0], 0x3C00);  // 1 + 2^-11: the tie goes to the even 1.0
   EXPECT_EQ(n16[1], 0x7C00);  // 65520: inf
   EXPECT_EQ(n16[2], 0x7E00);  // NaN
   uint16_t b16[6];
-  ASSERT_TRUE(ConvertRun(reinterpret_cast<const char*>(f), DType::kF32, 1, reinterpret_cast<char*>(b16), DType::kBF16, 6).ok());
+  ASSERT_TRUE(
+      ConvertRun(reinterpret_cast<const char*>(f), DType::kF32, 1, reinterpret_cast<char*>(b16), DType::kBF16, 6).ok());
   EXPECT_EQ(b16[1], 0x3F80);  // 1 + 2^-11 rounds down
   EXPECT_EQ(b16[3], 0x3F80);  // 1 + 2^-8: the tie goes to the even 1.0
   EXPECT_EQ(b16[5], 0x3F82);  // 1 + 3 * 2^-8: the tie goes up to the even
@@ -142,7 +150,8 @@ Synthetic MakeSynthetic(const std::string& dir, uint32_t seed, int n_tensors) {
     for (size_t d = 0; d < rank; ++d) {
       cuts[d] = {0, t.shape[d]};
       int extra = static_cast<int>(rng() % 3);
-      for (int k = 0; k < extra; ++k) cuts[d].push_back(t.shape[d] ? static_cast<int64_t>(rng() % (t.shape[d] + 1)) : 0);
+      for (int k = 0; k < extra; ++k)
+        cuts[d].push_back(t.shape[d] ? static_cast<int64_t>(rng() % (t.shape[d] + 1)) : 0);
       std::sort(cuts[d].begin(), cuts[d].end());
     }
     size_t combos = 1;
@@ -225,8 +234,8 @@ class ReadEngineConformance : public ::testing::TestWithParam<EngineKind> {
   std::string skip_;
 };
 
-#define OPEN_OR_SKIP(s)               \
-  ASSERT_NO_FATAL_FAILURE(Open(s));   \
+#define OPEN_OR_SKIP(s)             \
+  ASSERT_NO_FATAL_FAILURE(Open(s)); \
   if (!reader_) GTEST_SKIP() << skip_
 
 TEST_P(ReadEngineConformance, RandomRangesEqualTheTensor) {
@@ -463,8 +472,8 @@ TEST_P(ReadEngineConformance, MappedCopiesEqualReadsOrAreDeclined) {
   // The source changes: mapping is refused (stale), as a read is.
   uint32_t id = 0;
   while (id < s.ck.tensors.size() &&
-         (s.full[id].empty() || !reader_->PlanCopy(TensorId{id}, s.ck.tensors[id].dtype, nullptr, 0,
-                                                   s.full[id].size(), 1000, &spans))) {
+         (s.full[id].empty() ||
+          !reader_->PlanCopy(TensorId{id}, s.ck.tensors[id].dtype, nullptr, 0, s.full[id].size(), 1000, &spans))) {
     ++id;
   }
   ASSERT_LT(id, s.ck.tensors.size());
@@ -520,8 +529,8 @@ TEST_P(ReadEngineConformance, MappedConversionsEqualReads) {
       EXPECT_EQ(plan.skip, a % osz);
       Status st = reader_->ConvertMapped(plan, got.data());
       ASSERT_TRUE(st.ok()) << st.message();
-      EXPECT_EQ(got, want) << "tensor " << i << " as " << DTypeName(out) << " box " << BoxString(box) << " bytes "
-                           << a << "-" << b;
+      EXPECT_EQ(got, want) << "tensor " << i << " as " << DTypeName(out) << " box " << BoxString(box) << " bytes " << a
+                           << "-" << b;
     }
   }
   EXPECT_GT(accepted, 20);
@@ -565,7 +574,8 @@ TEST_P(ReadEngineConformance, HoleIsAnErrorNotZeros) {
   ASSERT_NE(victim, SIZE_MAX);
   OPEN_OR_SKIP(s);
   std::vector<char> out(s.full[victim].size());
-  Status st = reader_->Read(TensorId{static_cast<uint32_t>(victim)}, s.ck.tensors[victim].dtype, 0, out.size(), out.data());
+  Status st =
+      reader_->Read(TensorId{static_cast<uint32_t>(victim)}, s.ck.tensors[victim].dtype, 0, out.size(), out.data());
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("hole"), std::string::npos) << st.message();
   std::vector<SourceSpan> spans;

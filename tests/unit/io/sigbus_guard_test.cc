@@ -1,9 +1,8 @@
 // The SIGBUS guard under mapped conversions: a read of a mapping whose file
 // was cut short is reported to the guarded call, and the process goes on; a
 // fault outside a guarded call still kills the process as it would have.
-#include <gtest/gtest.h>
-
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -46,11 +45,11 @@ struct Touch {
 };
 
 // Skips where there is no guard (a ThreadSanitizer build).
-#define INSTALL_OR_SKIP()                                                      \
-  do {                                                                         \
-    Status installed = InstallSigbusGuard();                                   \
+#define INSTALL_OR_SKIP()                                                            \
+  do {                                                                               \
+    Status installed = InstallSigbusGuard();                                         \
     if (installed.code() == Code::kUnsupported) GTEST_SKIP() << installed.message(); \
-    ASSERT_TRUE(installed.ok()) << installed.message();                        \
+    ASSERT_TRUE(installed.ok()) << installed.message();                              \
   } while (0)
 
 TEST(SigbusGuardTest, AFaultInAGuardedReadIsReportedAndTheProcessGoesOn) {

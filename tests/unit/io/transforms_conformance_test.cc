@@ -6,16 +6,16 @@
 // flat partitions with padding across partition boundaries, every widening
 // bit pattern, offsets beyond 4 GiB, CRC-32C of ranges; and the read engine
 // through a pipeline of several chunks.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <fcntl.h>
 #include <random>
 #include <thread>
-#include <unistd.h>
 
 #include "../test_util.h"
 #include "ckptfs/geometry.h"
@@ -56,10 +56,10 @@ Handle Get(Backend b, uint64_t idle_ms = 2000) {
   return h;
 }
 
-#define GET_BACKEND(h, ...)                          \
-  Handle h = Get(GetParam(), ##__VA_ARGS__);          \
-  if (h.t == nullptr) {                               \
-    GTEST_SKIP() << h.skip;                           \
+#define GET_BACKEND(h, ...)                  \
+  Handle h = Get(GetParam(), ##__VA_ARGS__); \
+  if (h.t == nullptr) {                      \
+    GTEST_SKIP() << h.skip;                  \
   }
 
 // --- Reference: a global tensor, fragments stored in a source buffer, ops
@@ -87,7 +87,8 @@ void Store(const std::vector<char>& full, const std::vector<int64_t>& shape, siz
       g += (f.off[d] + i) * gs[d];
       s += i * f.str[d];
     }
-    std::memcpy(src.data() + f.src_off + static_cast<uint64_t>(s) * esz, full.data() + static_cast<uint64_t>(g) * esz, esz);
+    std::memcpy(src.data() + f.src_off + static_cast<uint64_t>(s) * esz, full.data() + static_cast<uint64_t>(g) * esz,
+                esz);
   }
 }
 
@@ -196,9 +197,9 @@ class TransformsConformance : public ::testing::TestWithParam<Backend> {};
 TEST_P(TransformsConformance, RandomSplitsAndDtypesEqualTheReference) {
   GET_BACKEND(h);
   std::mt19937_64 rng(7);
-  const DType dtypes[] = {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2,
-                          DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ, DType::kI64, DType::kU8, DType::kBool,
-                          DType::kC64, DType::kC128, DType::kI16};
+  const DType dtypes[] = {DType::kF32,        DType::kBF16,       DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2,
+                          DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ, DType::kI64, DType::kU8,       DType::kBool,
+                          DType::kC64,        DType::kC128,       DType::kI16};
   for (int it = 0; it < 300; ++it) {
     const DType sd = dtypes[rng() % std::size(dtypes)];
     const DType out = CanConvert(sd, DType::kF32) && sd != DType::kF32 && rng() % 2 ? DType::kF32 : sd;
@@ -212,7 +213,8 @@ TEST_P(TransformsConformance, RandomSplitsAndDtypesEqualTheReference) {
     std::vector<std::vector<int64_t>> cuts(rank);
     for (size_t d = 0; d < rank; ++d) {
       cuts[d] = {0, shape[d]};
-      for (int k = static_cast<int>(rng() % 3); k > 0; --k) cuts[d].push_back(static_cast<int64_t>(rng() % (shape[d] + 1)));
+      for (int k = static_cast<int>(rng() % 3); k > 0; --k)
+        cuts[d].push_back(static_cast<int64_t>(rng() % (shape[d] + 1)));
       std::sort(cuts[d].begin(), cuts[d].end());  // repeated cuts: empty fragments
     }
     std::vector<Frag> frags = GridSplit(cuts);
@@ -268,7 +270,8 @@ TEST_P(TransformsConformance, TensorParallelMergesAndSwigluRegrouping) {
         }
         auto src = Pack(full, shape, esz, frags, rng, false);
         if (layer == 2) {  // the two halves of one shard are adjacent in its storage
-          for (size_t i = 1; i < frags.size(); i += 2) frags[i].src_off = frags[i - 1].src_off + Numel(frags[i - 1].len) * esz;
+          for (size_t i = 1; i < frags.size(); i += 2)
+            frags[i].src_off = frags[i - 1].src_off + Numel(frags[i - 1].len) * esz;
           src.assign(src.size(), '\0');
           for (const Frag& f : frags) Store(full, shape, esz, f, src);
         }
@@ -343,13 +346,15 @@ TEST_P(TransformsConformance, ZeroPaddingStripAcrossPartitions) {
 // widened to float32, bit for bit as the CPU does (NaN payloads included).
 TEST_P(TransformsConformance, EveryWideningBitPattern) {
   GET_BACKEND(h);
-  for (DType sd : {DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ,
-                   DType::kF8E5M2FNUZ}) {
+  for (DType sd :
+       {DType::kBF16, DType::kF16, DType::kF8E4M3FN, DType::kF8E5M2, DType::kF8E4M3FNUZ, DType::kF8E5M2FNUZ}) {
     const uint64_t n = DTypeSize(sd) == 2 ? 65536 : 256;
     std::vector<char> src(n * DTypeSize(sd));
     for (uint64_t i = 0; i < n; ++i) {
-      if (DTypeSize(sd) == 2) StoreLE<uint16_t>(src.data() + 2 * i, static_cast<uint16_t>(i));
-      else src[i] = static_cast<char>(i);
+      if (DTypeSize(sd) == 2)
+        StoreLE<uint16_t>(src.data() + 2 * i, static_cast<uint16_t>(i));
+      else
+        src[i] = static_cast<char>(i);
     }
     GatherOp op;
     op.sdtype = sd;
@@ -357,7 +362,9 @@ TEST_P(TransformsConformance, EveryWideningBitPattern) {
     op.len[0] = static_cast<int64_t>(n), op.sstr[0] = 1, op.dstr[0] = 1;
     std::vector<char> want(n * 4), got(n * 4);
     ASSERT_TRUE(ConvertRun(src.data(), sd, 1, want.data(), DType::kF32, n).ok());
-    ASSERT_TRUE(h.t->Gather(src.data(), src.size(), std::span<const GatherOp>(&op, 1), DType::kF32, got.data(), got.size()).ok());
+    ASSERT_TRUE(
+        h.t->Gather(src.data(), src.size(), std::span<const GatherOp>(&op, 1), DType::kF32, got.data(), got.size())
+            .ok());
     EXPECT_EQ(got, want) << DTypeName(sd);
   }
 }
@@ -539,7 +546,9 @@ TEST_P(TransformsConformance, MeanOfCopiesIsPythonSumOverN) {
             std::memcpy(&f, &b, 4);
             return f;
           };
-          auto round = [&](float f) { return dt == DType::kBF16 ? FloatBitsToBFloat16Bits(f32(f)) : FloatBitsToHalfBits(f32(f)); };
+          auto round = [&](float f) {
+            return dt == DType::kBF16 ? FloatBitsToBFloat16Bits(f32(f)) : FloatBitsToHalfBits(f32(f));
+          };
           uint16_t acc = 0, v;
           for (uint32_t k = 0; k < copies; ++k) std::memcpy(&v, at(k), 2), acc = round(widen(acc) + widen(v));
           acc = round(widen(acc) / static_cast<float>(copies));
@@ -599,7 +608,8 @@ TEST_P(TransformsConformance, TwoSlotPipelineKeepsChunksApart) {
     GatherOp op;
     op.sdtype = DType::kBF16, op.rank = 1, op.len[0] = static_cast<int64_t>(chunk), op.sstr[0] = 1, op.dstr[0] = 1;
     op.dst_off = static_cast<uint64_t>(c) * chunk * 4;
-    ASSERT_TRUE((*pipe)->Submit(slot, chunk * 2, std::span<const GatherOp>(&op, 1), DType::kF32, got.data(), got.size()).ok());
+    ASSERT_TRUE(
+        (*pipe)->Submit(slot, chunk * 2, std::span<const GatherOp>(&op, 1), DType::kF32, got.data(), got.size()).ok());
     pending[slot] = true;
   }
   for (int s = 0; s < 2; ++s) ASSERT_TRUE((*pipe)->Wait(s).ok());
@@ -690,7 +700,8 @@ TEST_P(TransformsConformance, IdleBackendHoldsNoMemory) {
   std::vector<char> src(1 << 20, 1), dst(2 << 20);
   GatherOp op;
   op.sdtype = DType::kBF16, op.rank = 1, op.len[0] = 1 << 19, op.sstr[0] = 1, op.dstr[0] = 1;
-  ASSERT_TRUE(h.t->Gather(src.data(), src.size(), std::span<const GatherOp>(&op, 1), DType::kF32, dst.data(), dst.size()).ok());
+  ASSERT_TRUE(
+      h.t->Gather(src.data(), src.size(), std::span<const GatherOp>(&op, 1), DType::kF32, dst.data(), dst.size()).ok());
   if (GetParam() == Backend::kCuda) {
     EXPECT_GT(h.t->HeldBytes(), 0u);
   }
@@ -698,7 +709,9 @@ TEST_P(TransformsConformance, IdleBackendHoldsNoMemory) {
   EXPECT_EQ(h.t->HeldBytes(), 0u);
   // And takes it again on the next use, with the same bytes.
   std::vector<char> again(dst.size());
-  ASSERT_TRUE(h.t->Gather(src.data(), src.size(), std::span<const GatherOp>(&op, 1), DType::kF32, again.data(), again.size()).ok());
+  ASSERT_TRUE(
+      h.t->Gather(src.data(), src.size(), std::span<const GatherOp>(&op, 1), DType::kF32, again.data(), again.size())
+          .ok());
   EXPECT_EQ(again, dst);
 }
 

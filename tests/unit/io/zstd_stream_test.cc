@@ -85,8 +85,8 @@ TEST(ZstdStreamTest, RangesInAnyOrderAndSubBoxesEqualTheTensor) {
   EXPECT_EQ(0, std::memcmp(got.data(), want, size));
   Box box{{100, 7}, {50, 11}};  // strided: many small spans
   std::vector<float> sub(50 * 11);
-  ASSERT_TRUE(fx.reader->ReadBox(TensorId{0}, DType::kF32, &box, 0, sub.size() * 4,
-                                 reinterpret_cast<char*>(sub.data())).ok());
+  ASSERT_TRUE(
+      fx.reader->ReadBox(TensorId{0}, DType::kF32, &box, 0, sub.size() * 4, reinterpret_cast<char*>(sub.data())).ok());
   for (int r = 0; r < 50; ++r) {
     for (int c = 0; c < 11; ++c) ASSERT_EQ(sub[r * 11 + c], fx.values[(100 + r) * 384 + 7 + c]);
   }

@@ -2,6 +2,8 @@
 // random tilings, and Verify() over synthetic checkpoints whose defects are
 // placed by hand (zeroed chunks judged against sibling states, layer gaps,
 // missing files, NaN/Inf), plus findings surviving the index round trip.
+#include "ckptfs/verify.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,7 +14,6 @@
 #include "ckptfs/geometry.h"
 #include "ckptfs/index.h"
 #include "ckptfs/io.h"
-#include "ckptfs/verify.h"
 
 namespace ckptfs {
 namespace {
@@ -108,9 +109,11 @@ TEST(CoverageTest, ScalarsEmptyTensorsAndTheCutFallback) {
 
   // The words and JSON both the DCP reader and verify report.
   Coverage both = AnalyzeCoverage({4, 2}, {Box{{0, 0}, {2, 2}}, Box{{1, 0}, {2, 2}}});
-  CoverageText t = DescribeCoverage(both, {4, 2}, [](size_t i) { return "f" + std::to_string(i); }, "chunks");
-  EXPECT_EQ(t.message, "2 of 8 elements are in no chunk (first hole [3:4, 0:2]); 1 pair(s) of chunks overlap "
-                       "(first [1:2, 0:2], in f0 and f1)");
+  CoverageText t = DescribeCoverage(
+      both, {4, 2}, [](size_t i) { return "f" + std::to_string(i); }, "chunks");
+  EXPECT_EQ(t.message,
+            "2 of 8 elements are in no chunk (first hole [3:4, 0:2]); 1 pair(s) of chunks overlap "
+            "(first [1:2, 0:2], in f0 and f1)");
   EXPECT_EQ(t.detail, R"({"shape":[4,2],"uncovered_elements":2,"holes":["[3:4, 0:2]"],)"
                       R"("overlaps":[{"region":"[1:2, 0:2]","files":["f0","f1"]}]})");
 }

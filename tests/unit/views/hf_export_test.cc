@@ -1,9 +1,9 @@
 #include "views/hf_export.h"
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include <map>
+#include <nlohmann/json.hpp>
 
 #include "../test_util.h"
 
@@ -17,12 +17,23 @@ using ckptfs::testing::TempDir;
 class HfExportTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    args_ = {{"num_layers", 1},          {"hidden_size", 8},        {"num_attention_heads", 4},
-             {"num_query_groups", 2},    {"group_query_attention", true}, {"kv_channels", 2},
-             {"ffn_hidden_size", 6},     {"swiglu", true},          {"vocab_size", 10},
-             {"padded_vocab_size", 12},  {"add_bias_linear", false}, {"normalization", "RMSNorm"},
-             {"position_embedding_type", "rope"}, {"rotary_base", 500000}, {"norm_epsilon", 1e-6},
-             {"untie_embeddings_and_output_weights", true}, {"bf16", true}};
+    args_ = {{"num_layers", 1},
+             {"hidden_size", 8},
+             {"num_attention_heads", 4},
+             {"num_query_groups", 2},
+             {"group_query_attention", true},
+             {"kv_channels", 2},
+             {"ffn_hidden_size", 6},
+             {"swiglu", true},
+             {"vocab_size", 10},
+             {"padded_vocab_size", 12},
+             {"add_bias_linear", false},
+             {"normalization", "RMSNorm"},
+             {"position_embedding_type", "rope"},
+             {"rotary_base", 500000},
+             {"norm_epsilon", 1e-6},
+             {"untie_embeddings_and_output_weights", true},
+             {"bf16", true}};
     params_ = {{"embedding.word_embeddings.weight", {12, 8}},
                {"decoder.layers.0.input_layernorm.weight", {8}},
                {"decoder.layers.0.self_attention.linear_qkv.weight", {16, 8}},
@@ -214,9 +225,14 @@ TEST_F(HfExportTest, AMissingLayerTensorIsNamedNotRandomlyInitialised) {
 // head: GPT-NeoX, whose query_key_value is Megatron's fused QKV as it is; with
 // learned positions, GPT-2.
 TEST_F(HfExportTest, MegatronGeluRunsAreGptNeoxOrGpt2) {
-  args_.update({{"swiglu", false}, {"normalization", "LayerNorm"}, {"add_bias_linear", true},
-                {"num_query_groups", 4}, {"group_query_attention", false}, {"rotary_percent", 0.5},
-                {"norm_epsilon", 1e-5}, {"ffn_hidden_size", 16}});
+  args_.update({{"swiglu", false},
+                {"normalization", "LayerNorm"},
+                {"add_bias_linear", true},
+                {"num_query_groups", 4},
+                {"group_query_attention", false},
+                {"rotary_percent", 0.5},
+                {"norm_epsilon", 1e-5},
+                {"ffn_hidden_size", 16}});
   params_ = {{"embedding.word_embeddings.weight", {12, 8}},
              {"decoder.layers.0.input_layernorm.weight", {8}},
              {"decoder.layers.0.input_layernorm.bias", {8}},
@@ -269,8 +285,11 @@ TEST_F(HfExportTest, MegatronGeluRunsAreGptNeoxOrGpt2) {
       << Errors(*p);
   // Learned absolute positions instead of RoPE: GPT-2, whose Conv1D weights
   // are transposes, and c_attn the per-head [q | k | v] rows regrouped.
-  args_.update({{"num_query_groups", 4}, {"group_query_attention", false}, {"openai_gelu", false},
-                {"position_embedding_type", "learned_absolute"}, {"max_position_embeddings", 16}});
+  args_.update({{"num_query_groups", 4},
+                {"group_query_attention", false},
+                {"openai_gelu", false},
+                {"position_embedding_type", "learned_absolute"},
+                {"max_position_embeddings", 16}});
   params_["embedding.position_embeddings.weight"] = {16, 8};
   p = Plan();
   ASSERT_TRUE(p.ok());
@@ -281,8 +300,18 @@ TEST_F(HfExportTest, MegatronGeluRunsAreGptNeoxOrGpt2) {
   EXPECT_TRUE(attn->transposed);
   EXPECT_EQ(attn->shape, (std::vector<int64_t>{8, 24}));
   // 4 heads of 2 rows, per head [q | k | v]: q rows 0-1, 6-7, 12-13, 18-19 first.
-  EXPECT_EQ(Rows(*attn), (R{{0, 2}, {6, 8}, {12, 14}, {18, 20}, {2, 4}, {8, 10}, {14, 16}, {20, 22}, {4, 6},
-                            {10, 12}, {16, 18}, {22, 24}}));
+  EXPECT_EQ(Rows(*attn), (R{{0, 2},
+                            {6, 8},
+                            {12, 14},
+                            {18, 20},
+                            {2, 4},
+                            {8, 10},
+                            {14, 16},
+                            {20, 22},
+                            {4, 6},
+                            {10, 12},
+                            {16, 18},
+                            {22, 24}}));
   const HfTensor* attn_b = Find(*p, "transformer.h.0.attn.c_attn.bias");
   ASSERT_TRUE(attn_b);
   EXPECT_FALSE(attn_b->transposed);
@@ -363,8 +392,9 @@ TEST_F(HfExportTest, ConfigFileDecidesForOtherFamilies) {
   EXPECT_NE(Errors(*p).find("'model.layers.0.self_attn.q_proj.weight' is missing"), std::string::npos);
   EXPECT_NE(Errors(*p).find("'lm_head.weight' is missing"), std::string::npos);
   // Counts no checkpoint this size could hold are not looped over.
-  ckptfs::testing::WriteFile(dir_.path() + "/config.json",
-                             R"({"model_type": "mixtral", "num_hidden_layers": 1000000000, "num_local_experts": 99999})");
+  ckptfs::testing::WriteFile(
+      dir_.path() + "/config.json",
+      R"({"model_type": "mixtral", "num_hidden_layers": 1000000000, "num_local_experts": 99999})");
   p = Plan();
   ASSERT_TRUE(p.ok());
   EXPECT_NE(Errors(*p).find("completeness is not checked"), std::string::npos) << Errors(*p);
@@ -378,12 +408,18 @@ TEST_F(HfExportTest, TorchtitanNamesWithTheirRopePermutation) {
   family_ = Family::kPytorchDcp;
   args_ = nullptr;
   // dim 8, 2 query heads and 1 key-value head of head_dim 4, ffn 6, vocabulary 10.
-  params_ = {{"tok_embeddings.weight", {10, 8}},          {"norm.weight", {8}},
-             {"output.weight", {10, 8}},                  {"layers.0.attention_norm.weight", {8}},
-             {"layers.0.attention.wq.weight", {8, 8}},    {"layers.0.attention.wk.weight", {4, 8}},
-             {"layers.0.attention.wv.weight", {4, 8}},    {"layers.0.attention.wo.weight", {8, 8}},
-             {"layers.0.ffn_norm.weight", {8}},           {"layers.0.feed_forward.w1.weight", {6, 8}},
-             {"layers.0.feed_forward.w2.weight", {8, 6}}, {"layers.0.feed_forward.w3.weight", {6, 8}}};
+  params_ = {{"tok_embeddings.weight", {10, 8}},
+             {"norm.weight", {8}},
+             {"output.weight", {10, 8}},
+             {"layers.0.attention_norm.weight", {8}},
+             {"layers.0.attention.wq.weight", {8, 8}},
+             {"layers.0.attention.wk.weight", {4, 8}},
+             {"layers.0.attention.wv.weight", {4, 8}},
+             {"layers.0.attention.wo.weight", {8, 8}},
+             {"layers.0.ffn_norm.weight", {8}},
+             {"layers.0.feed_forward.w1.weight", {6, 8}},
+             {"layers.0.feed_forward.w2.weight", {8, 6}},
+             {"layers.0.feed_forward.w3.weight", {6, 8}}};
   auto p = Plan();
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->architecture, "");
@@ -415,7 +451,6 @@ TEST_F(HfExportTest, TorchtitanNamesWithTheirRopePermutation) {
   ASSERT_TRUE(p.ok());
   EXPECT_NE(Errors(*p).find("8 rows are not 2 heads of an even head_dim 3"), std::string::npos) << Errors(*p);
 }
-
 
 TEST_F(HfExportTest, TorchtitanQwen3IsCopiedAndItsGroupedExpertsSplitPerExpert) {
   family_ = Family::kPytorchDcp;
@@ -472,14 +507,14 @@ TEST_F(HfExportTest, TorchtitanQwen3IsCopiedAndItsGroupedExpertsSplitPerExpert) 
   // Tied: lm_head left out; the load-balancing bias left out with its reason.
   EXPECT_FALSE(Find(*p, "lm_head.weight"));
   const std::string e = Errors(*p);
-  EXPECT_NE(e.find("'layers.0.moe.expert_bias_E' is not included: torchtitan's load-balancing bias"),
-            std::string::npos) << e;
+  EXPECT_NE(e.find("'layers.0.moe.expert_bias_E' is not included: torchtitan's load-balancing bias"), std::string::npos)
+      << e;
   EXPECT_EQ(e.find("is missing"), std::string::npos) << e;
   EXPECT_EQ(p->tensors.size(), 11u + 9u);
 
   // The config's expert count must be the grouped weights' first dimension.
-  ckptfs::testing::WriteFile(cfg, std::string(kConfig).replace(std::string(kConfig).find("\"num_experts\": 3"), 16,
-                                                               "\"num_experts\": 4"));
+  ckptfs::testing::WriteFile(
+      cfg, std::string(kConfig).replace(std::string(kConfig).find("\"num_experts\": 3"), 16, "\"num_experts\": 4"));
   p = Plan(o);
   ASSERT_TRUE(p.ok());
   EXPECT_NE(Errors(*p).find("its shape [3, 6, 8] is not the 4 experts the config has"), std::string::npos)
@@ -493,7 +528,8 @@ TEST_F(HfExportTest, TorchtitanQwen3IsCopiedAndItsGroupedExpertsSplitPerExpert) 
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->architecture, "");
   EXPECT_NE(Errors(*p).find("the checkpoint has QK norms (torchtitan's Qwen3), and the config is llama"),
-            std::string::npos) << Errors(*p);
+            std::string::npos)
+      << Errors(*p);
   // Dense Qwen3-MoE layers are not mapped.
   ckptfs::testing::WriteFile(cfg, R"({"model_type": "qwen3_moe", "num_hidden_layers": 1, "hidden_size": 8,
       "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts": 3, "vocab_size": 10,
@@ -503,10 +539,10 @@ TEST_F(HfExportTest, TorchtitanQwen3IsCopiedAndItsGroupedExpertsSplitPerExpert) 
   EXPECT_NE(Errors(*p).find("mixes dense and MoE layers"), std::string::npos) << Errors(*p);
 
   // Dense torchtitan Qwen3: feed_forward w1 / w3 / w2.
-  for (const char* k : {"layers.0.moe.router.gate.weight", "layers.0.moe.expert_bias_E",
-                        "layers.0.moe.routed_experts.inner_experts.w1_EFD",
-                        "layers.0.moe.routed_experts.inner_experts.w3_EFD",
-                        "layers.0.moe.routed_experts.inner_experts.w2_EDF"}) {
+  for (const char* k :
+       {"layers.0.moe.router.gate.weight", "layers.0.moe.expert_bias_E",
+        "layers.0.moe.routed_experts.inner_experts.w1_EFD", "layers.0.moe.routed_experts.inner_experts.w3_EFD",
+        "layers.0.moe.routed_experts.inner_experts.w2_EDF"}) {
     params_.erase(k);
   }
   params_["layers.0.feed_forward.w1.weight"] = {6, 8};
@@ -522,7 +558,6 @@ TEST_F(HfExportTest, TorchtitanQwen3IsCopiedAndItsGroupedExpertsSplitPerExpert) 
   EXPECT_EQ(p->tensors.size(), 14u);
   EXPECT_EQ(Rows(*Find(*p, "model.layers.0.self_attn.q_proj.weight")), (R{{0, 8}}));
 }
-
 
 TEST_F(HfExportTest, MegatronMoeRunsAreMixtralOrQwen3MoeByTheirQkNorms) {
   args_["num_experts"] = 2;
@@ -570,7 +605,8 @@ TEST_F(HfExportTest, MegatronMoeRunsAreMixtralOrQwen3MoeByTheirQkNorms) {
   p = Plan(o);
   ASSERT_TRUE(p.ok());
   EXPECT_NE(Errors(*p).find("--hf-arch mixtral does not fit: the run's args describe a qwen3_moe model"),
-            std::string::npos) << Errors(*p);
+            std::string::npos)
+      << Errors(*p);
 }
 
 }  // namespace

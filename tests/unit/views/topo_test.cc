@@ -1,10 +1,10 @@
 #include "ckptfs/topo.h"
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "../test_util.h"
@@ -25,7 +25,8 @@ TEST(TopologyTest, ParsesCanonicalNames) {
   EXPECT_EQ(Topology::Parse("tp2-pp1-dp8")->dp, 8);
   EXPECT_EQ(Topology::Parse("tp1-pp1-ep2")->ep, 2);
   EXPECT_EQ(Topology::Parse("tp2-pp1-dp4-ep2")->Name(), "tp2-pp1-dp4-ep2");
-  for (const char* bad : {"tp2", "pp2-tp1", "tp0-pp1", "tp2-pp1-", "tp2-pp1-xx3", "tp-pp1", "tp2-pp1-ep2-dp2", "ERRORS"}) {
+  for (const char* bad :
+       {"tp2", "pp2-tp1", "tp0-pp1", "tp2-pp1-", "tp2-pp1-xx3", "tp-pp1", "tp2-pp1-ep2-dp2", "ERRORS"}) {
     EXPECT_FALSE(Topology::Parse(bad)) << bad;
   }
   EXPECT_EQ(Topology::Parse("tp02-pp1")->Name(), "tp2-pp1");  // View::Lookup serves only the canonical spelling
@@ -99,7 +100,8 @@ TEST_F(TopoTest, ExpertParallelRanks) {
   auto none = PlanTopology(*ix_, *Topology::Parse("tp1-pp1-ep2"), TopoOptions{});
   ASSERT_FALSE(none.ok());
   EXPECT_NE(none.status().message().find("no MoE experts"), std::string::npos) << none.status().message();
-  for (int e = 0; e < 4; ++e) Add("layers.1.mlp.experts.local_experts." + std::to_string(e) + ".w1.weight", "param", {4, 2});
+  for (int e = 0; e < 4; ++e)
+    Add("layers.1.mlp.experts.local_experts." + std::to_string(e) + ".w1.weight", "param", {4, 2});
   Rebuild();
   auto plan = PlanTopology(*ix_, *Topology::Parse("tp2-pp1-ep2"), TopoOptions{});
   ASSERT_TRUE(plan.ok()) << plan.status().message();
@@ -168,10 +170,14 @@ TEST_F(TopoTest, SplitsStagesAndRules) {
   EXPECT_NE(bad.status().message().find("does not divide by TP=3"), std::string::npos) << bad.status().message();
   // Query groups: 2 groups cannot go to 4 ranks although 8 rows could.
   TopoOptions rep;
-  ASSERT_TRUE(ParseRulesFile([&] {
-    ckptfs::testing::WriteFile(dir_.path() + "/r.json", R"({"rules": [{"match": "w1|w2|fc1|tok_emb", "split": "replicate"}]})");
-    return dir_.path() + "/r.json";
-  }(), rep).ok());
+  ASSERT_TRUE(ParseRulesFile(
+                  [&] {
+                    ckptfs::testing::WriteFile(dir_.path() + "/r.json",
+                                               R"({"rules": [{"match": "w1|w2|fc1|tok_emb", "split": "replicate"}]})");
+                    return dir_.path() + "/r.json";
+                  }(),
+                  rep)
+                  .ok());
   auto groups = PlanTopology(*ix_, *Topology::Parse("tp4-pp1"), rep);
   ASSERT_FALSE(groups.ok());
   EXPECT_NE(groups.status().message().find("2 attention query groups"), std::string::npos) << groups.status().message();
@@ -189,9 +195,10 @@ TEST_F(TopoTest, SplitsStagesAndRules) {
 
 TEST_F(TopoTest, RulesFileErrorsNameTheFile) {
   const std::string p = dir_.path() + "/bad.json";
-  for (const char* text : {"[1]", R"({"rules": [{"split": "dim"}]})", R"({"rules": [{"match": "(", "split": "replicate"}]})",
-                           R"({"rules": [{"match": "x", "split": "dim"}]})", R"({"rules": [{"match": "x", "split": "zz"}]})",
-                           R"({"rules": [{"match": "x"}]})", R"({"pp_layers": "3"})"}) {
+  for (const char* text :
+       {"[1]", R"({"rules": [{"split": "dim"}]})", R"({"rules": [{"match": "(", "split": "replicate"}]})",
+        R"({"rules": [{"match": "x", "split": "dim"}]})", R"({"rules": [{"match": "x", "split": "zz"}]})",
+        R"({"rules": [{"match": "x"}]})", R"({"pp_layers": "3"})"}) {
     ckptfs::testing::WriteFile(p, text);
     TopoOptions o;
     Status s = ParseRulesFile(p, o);

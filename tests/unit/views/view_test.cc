@@ -1,13 +1,11 @@
-#include "ckptfs/views.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
-
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "../test_util.h"
+#include "ckptfs/views.h"
 
 namespace ckptfs {
 namespace {
@@ -163,7 +161,8 @@ TEST(ViewTest, InfoJsonSizeComesFromTheRecordsAndMatchesItsBytes) {
   EXPECT_EQ((*l)->size, *size);
   EXPECT_EQ(*(*v)->Size(*ino), *size);
   std::string text;
-  for (const Segment& seg : (*l)->segments) text += seg.kind == SegmentKind::kLiteral ? seg.literal : std::string(seg.size, '0');
+  for (const Segment& seg : (*l)->segments)
+    text += seg.kind == SegmentKind::kLiteral ? seg.literal : std::string(seg.size, '0');
   auto j = nlohmann::json::parse(text, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << text;
   EXPECT_EQ(j["tensors"]["exp_avg"]["fragments"].size(), 6u);
@@ -215,7 +214,6 @@ TEST(ViewTest, ExportPathComponentsAreEscaped) {
   }
   EXPECT_EQ(n, 4u);
 }
-
 
 // hf/'s safetensors headers and model.safetensors.index.json are written as
 // text, not through a JSON tree (a 100k-tensor mount spent seconds in it): the
@@ -312,13 +310,14 @@ TEST(ViewTest, BigDirectoriesLazyFilesAndLateChildren) {
   std::vector<std::string> other = names("other");
   EXPECT_TRUE(std::is_sorted(other.begin(), other.end()));
   EXPECT_EQ(other.size(), 26u);  // 13 x (.npy, .raw)
-  auto renamed = std::find_if(other.begin(), other.end(), [](const std::string& n) { return n.rfind("x3.npy~", 0) == 0; });
+  auto renamed =
+      std::find_if(other.begin(), other.end(), [](const std::string& n) { return n.rfind("x3.npy~", 0) == 0; });
   ASSERT_NE(renamed, other.end());
   EXPECT_TRUE((*v)->Resolve("other/" + *renamed).ok());
   EXPECT_TRUE((*v)->Resolve("other/x11.raw").ok());
   for (const std::string& fqn : {std::string("layers.00.w"), std::string("layers.29.w")}) {
-    EXPECT_EQ(names("params/" + fqn), (std::vector<std::string>{"exp_avg.npy", "exp_avg.raw", "info.json", "param.npy",
-                                                                "param.raw"}));
+    EXPECT_EQ(names("params/" + fqn),
+              (std::vector<std::string>{"exp_avg.npy", "exp_avg.raw", "info.json", "param.npy", "param.raw"}));
     for (const char* f : {"param.npy", "param.raw", "exp_avg.npy", "info.json"}) {
       auto ino = (*v)->Resolve("params/" + fqn + "/" + f);
       ASSERT_TRUE(ino.ok()) << f;
