@@ -6,8 +6,10 @@
 // A family's *traits* are what generic code (views, verify) may ask about a
 // checkpoint without knowing its family: they say what the family's reader
 // already did or what its names follow. Detection (which reader recognises a
-// directory, in which priority) is the formats layer's table
-// (formats.h FamilyReaders); a family id belongs to exactly one reader.
+// directory, in which priority) and the hooks a family gives the views (its
+// split rules by name, its native files at a new layout) are the formats
+// layer's table (formats.h FamilyReaders); a family id belongs to exactly one
+// reader.
 #ifndef CKPTFS_FAMILY_H_
 #define CKPTFS_FAMILY_H_
 
@@ -49,10 +51,6 @@ struct FamilyTraits {
   // configuration (num_layers, PP): verify's name-based gap heuristic is
   // skipped, it would only repeat (or contradict) a better check.
   bool layers_checked_by_reader = false;
-  // The family has native per-rank files that topo/ can lay out at a new
-  // topology from what the reader exported (Megatron's model_optim_rng.pt
-  // from its args pickle).
-  bool native_rank_files = false;
 };
 
 // Every family except kUnknown, in id order.

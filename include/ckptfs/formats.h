@@ -11,12 +11,14 @@
 #ifndef CKPTFS_FORMATS_H_
 #define CKPTFS_FORMATS_H_
 
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "ckptfs/common.h"
 #include "ckptfs/model.h"
+#include "ckptfs/topo_plan.h"
 
 namespace ckptfs {
 
@@ -36,9 +38,26 @@ struct ReadLimits {
 void SetReadLimits(const ReadLimits& limits);
 const ReadLimits& GetReadLimits();
 
-// The detection table: one row per reader, in priority order. A reader may
-// yield several families (the rank-files reader: verl or Accelerate); a
-// family belongs to exactly one reader.
+// What a family's native-files hook reads: the index's records (it runs at
+// lookup time, from the index alone) and the plan of the new layout.
+struct NativeFilesInput {
+  const CheckpointInfo& info;
+  const std::vector<TensorRecord>& tensors;
+  const std::vector<ExportFile>& exports;  // what the reader exported (e.g. a run's args)
+  const TopoPlan& plan;
+};
+// A family's own files at a new layout, laid out like every synthesized
+// file (ExportFile: literal bytes and sub-boxes of tensors).
+struct NativeFiles {
+  std::vector<ExportFile> rank_files;  // one per rank of the plan, listed in layout.json
+  std::vector<ExportFile> others;      // e.g. an iteration tracker
+};
+
+// The family table's readers: one row per reader, in priority order, with
+// the hooks a family may give the generic views (src/views knows no family:
+// what it needs from one comes through these). A reader may yield several
+// families (the rank-files reader: verl or Accelerate); a family belongs to
+// exactly one reader.
 struct FamilyReader {
   std::string_view name;  // for tests and docs: "megatron-dist"
   int priority = 0;       // lower first; unique
@@ -50,6 +69,19 @@ struct FamilyReader {
   bool (*looks)(const std::string& dir) = nullptr;  // names only, no parsing
   Result<Checkpoint> (*read)(const std::string& dir) = nullptr;
   std::vector<Family> yields;
+
+  // Hooks (null: the family has none).
+  // topo/: the TP split of a parameter by its name alone, for tensors whose
+  // reader recorded no rule. Tried for every checkpoint, in table order
+  // after the generic Llama names: a DCP's names often follow a family's
+  // conventions (Megatron's). nullopt: no rule for that name.
+  std::optional<TensorSplit> (*split_by_name)(const std::string& fqn) = nullptr;
+  // topo/: the family's native files at the plan's degrees (Megatron's
+  // model_optim_rng.pt per rank and its tracker), from the index alone.
+  // Empty when the index lacks what they need (a run without args).
+  Result<NativeFiles> (*native_files)(const NativeFilesInput& in) = nullptr;
+  // The layout.json key listing native_files' rank files.
+  std::string_view native_files_key;
 };
 const std::vector<FamilyReader>& FamilyReaders();
 // The reader that yields `f`; nullptr for kUnknown.

@@ -31,20 +31,13 @@
 #include "ckptfs/geometry.h"
 #include "ckptfs/index.h"
 #include "ckptfs/model.h"
+#include "ckptfs/topo_plan.h"
 
 namespace re2 {
 class RE2;
 }  // namespace re2
 
 namespace ckptfs {
-
-struct Topology {
-  int tp = 1, pp = 1;
-  int dp = 0, ep = 0;  // 0: not part of the name
-  // "tp4-pp2", "tp2-pp1-dp4", "tp1-pp1-ep2"; nullopt for anything else.
-  static std::optional<Topology> Parse(std::string_view name);
-  std::string Name() const;
-};
 
 // One override of the --rules file: the first entry whose regex (RE2 syntax,
 // searched anywhere in the FQN, linear time) decides its split and/or stage.
@@ -74,31 +67,6 @@ Status ParseRulesFile(const std::string& path, TopoOptions& opts);
 // "3,5" -> {3, 5}.
 Result<std::vector<int64_t>> ParsePpLayers(std::string_view text);
 
-// A tensor as rank (tp, pp[, ep]) holds it.
-struct RankTensor {
-  TensorId id;
-  std::string name;             // safetensors key: <fqn> or optimizer.state.<fqn>.<state>
-  std::vector<int64_t> shape;   // the rank's local shape
-  std::vector<Box> pieces;      // global boxes, concatenated along dim 0 in order
-  uint64_t zero_tail = 0;       // then this many zero elements (vocabulary padding rows)
-  std::string rule;             // "dim 0 (megatron)", "replicated (no rule)", ...
-  DType out = DType::kInvalid;  // rendered as (kInvalid: the source dtype)
-  // The pieces (whole rows of a 2-D tensor) concatenated, then transposed:
-  // `shape` is [columns, rows] (hf/ GPT-2 Conv1D weights).
-  bool transposed = false;
-};
-struct RankPlan {
-  int tp = 0, pp = 0, ep = 0;
-  std::vector<RankTensor> tensors;
-};
-struct TopoPlan {
-  Topology topo;
-  std::vector<std::pair<int64_t, int64_t>> stage_layers;  // [first, end) global layers per stage
-  int64_t num_layers = 0;
-  int64_t num_experts = 0;      // MoE experts per layer (local_experts.<i>.), 0: none
-  std::vector<RankPlan> ranks;  // index (pp * EP + ep) * TP + tp, EP = max(topo.ep, 1)
-  std::vector<std::string> notes;
-};
 Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const TopoOptions& opts);
 
 // Layer index of "...layers.<i>..." (also layer, h, blocks); -1 when none.

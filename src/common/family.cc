@@ -13,23 +13,23 @@ using NC = NameConvention;
 const std::vector<FamilyTraits>& Table() {
   // clang-format off
   static const std::vector<FamilyTraits> kTable = {
-    // id, name (checkpoint.json, --family), title, names, layers_checked_by_reader, native_rank_files
-    {Family::kPytorchDcp,        "pytorch-dcp",         "PyTorch DCP",                     NC::kTorch,    false, false},
-    {Family::kMegatronTorchDist, "megatron-torch_dist", "Megatron-LM torch_dist",          NC::kMegatron, true,  true},
-    {Family::kMegatronZarr,      "megatron-zarr",       "Megatron-LM zarr",                NC::kMegatron, true,  true},
-    {Family::kMegatronLegacy,    "megatron-legacy",     "Megatron-LM legacy torch format", NC::kMegatron, true,  true},
-    {Family::kDeepSpeed,         "deepspeed",           "DeepSpeed (ZeRO, pipeline, MoE)", NC::kTorch,    false, false},
-    {Family::kSafetensors,       "safetensors",         "Hugging Face safetensors",        NC::kTorch,    false, false},
-    {Family::kAccelerateFsdp,    "accelerate-fsdp",     "Accelerate FSDP rank files",      NC::kTorch,    false, false},
-    {Family::kVerl,              "verl",                "verl FSDP rank files",            NC::kTorch,    false, false},
-    {Family::kMetaConsolidated,  "meta-consolidated",   "Meta consolidated.NN.pth",        NC::kTorch,    false, false},
-    {Family::kTorchSave,         "torch-save",          "torch.save files",                NC::kTorch,    false, false},
+    // id, name (checkpoint.json, --family), title, names, layers_checked_by_reader
+    {Family::kPytorchDcp,        "pytorch-dcp",         "PyTorch DCP",                     NC::kTorch,    false},
+    {Family::kMegatronTorchDist, "megatron-torch_dist", "Megatron-LM torch_dist",          NC::kMegatron, true},
+    {Family::kMegatronZarr,      "megatron-zarr",       "Megatron-LM zarr",                NC::kMegatron, true},
+    {Family::kMegatronLegacy,    "megatron-legacy",     "Megatron-LM legacy torch format", NC::kMegatron, true},
+    {Family::kDeepSpeed,         "deepspeed",           "DeepSpeed (ZeRO, pipeline, MoE)", NC::kTorch,    false},
+    {Family::kSafetensors,       "safetensors",         "Hugging Face safetensors",        NC::kTorch,    false},
+    {Family::kAccelerateFsdp,    "accelerate-fsdp",     "Accelerate FSDP rank files",      NC::kTorch,    false},
+    {Family::kVerl,              "verl",                "verl FSDP rank files",            NC::kTorch,    false},
+    {Family::kMetaConsolidated,  "meta-consolidated",   "Meta consolidated.NN.pth",        NC::kTorch,    false},
+    {Family::kTorchSave,         "torch-save",          "torch.save files",                NC::kTorch,    false},
   };
   // clang-format on
   return kTable;
 }
 
-const FamilyTraits kUnknownTraits{Family::kUnknown, "unknown", "unknown", NC::kTorch, false, false};
+const FamilyTraits kUnknownTraits{Family::kUnknown, "unknown", "unknown", NC::kTorch, false};
 
 }  // namespace
 

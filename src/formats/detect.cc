@@ -3,6 +3,7 @@
 #include "formats/deepspeed/ds_reader.h"
 #include "formats/megatron/dist_reader.h"
 #include "formats/megatron/legacy_reader.h"
+#include "formats/megatron/native_files.h"
 #include "formats/safetensors/st_dir_reader.h"
 #include "formats/torchsave/pt_reader.h"
 #include "formats/torchsave/rank_files_reader.h"
@@ -55,63 +56,63 @@ Checkpoint Sanitized(Checkpoint ck) {
   return ck;
 }
 
+FamilyReader Row(std::string_view name, int priority, std::string_view marks, std::string_view after,
+                 bool (*looks)(const std::string&), Result<Checkpoint> (*read)(const std::string&),
+                 std::vector<Family> yields) {
+  FamilyReader r;
+  r.name = name;
+  r.priority = priority;
+  r.marks = marks;
+  r.after = after;
+  r.looks = looks;
+  r.read = read;
+  r.yields = std::move(yields);
+  return r;
+}
+
+// A reader row with the hooks its family gives the views.
+FamilyReader WithMegatronHooks(FamilyReader r) {
+  r.split_by_name = &formats::megatron::SplitByName;
+  r.native_files = &formats::megatron::NativeRankFiles;
+  r.native_files_key = "megatron_native";
+  return r;
+}
+
 // The readers in detection order (FamilyReader::priority, ascending): the
 // first whose probe (names only) recognises a directory reads it. Where two
 // probes can both match, `after` says why this one comes later; the order is
-// checked by tests/unit/formats/family_table_test.cc and the conformance suite.
+// checked by tests/unit/conformance/reader_conformance_test.cc.
 const std::vector<FamilyReader>& Table() {
+  using F = Family;
+  // clang-format off
   static const std::vector<FamilyReader> kReaders = {
-      {"megatron-dist",
-       10,
-       "metadata.json with sharded_backend (Megatron-LM dist_checkpointing), or a NeMo / Megatron-Bridge run holding "
-       "one",
-       "",
-       &formats::LooksLikeMegatronDist,
-       &formats::ReadMegatronDist,
-       {Family::kMegatronTorchDist, Family::kMegatronZarr}},
-      {"pytorch-dcp",
-       20,
+      WithMegatronHooks(Row("megatron-dist", 10,
+       "metadata.json with sharded_backend (Megatron-LM dist_checkpointing), or a NeMo / Megatron-Bridge run "
+       "holding one",
+       "", &formats::LooksLikeMegatronDist, &formats::ReadMegatronDist, {F::kMegatronTorchDist, F::kMegatronZarr})),
+      Row("pytorch-dcp", 20,
        ".metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp)",
        "Megatron's torch_dist is a DCP checkpoint with metadata.json beside it",
-       &formats::LooksLikeDcp,
-       &formats::ReadDcp,
-       {Family::kPytorchDcp}},
-      {"deepspeed",
-       30,
+       &formats::LooksLikeDcp, &formats::ReadDcp, {F::kPytorchDcp}),
+      Row("deepspeed", 30,
        "latest / mp_rank_XX_model_states.pt (DeepSpeed)",
-       "",
-       &formats::LooksLikeDeepSpeed,
-       &formats::ReadDeepSpeed,
-       {Family::kDeepSpeed}},
-      {"megatron-legacy",
-       40,
+       "", &formats::LooksLikeDeepSpeed, &formats::ReadDeepSpeed, {F::kDeepSpeed}),
+      WithMegatronHooks(Row("megatron-legacy", 40,
        "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM)",
-       "",
-       &formats::LooksLikeMegatronLegacy,
-       &formats::ReadMegatronLegacy,
-       {Family::kMegatronLegacy}},
-      {"safetensors",
-       50,
+       "", &formats::LooksLikeMegatronLegacy, &formats::ReadMegatronLegacy, {F::kMegatronLegacy})),
+      Row("safetensors", 50,
        "*.safetensors",
        "an HF Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files",
-       &formats::LooksLikeSafetensorsDir,
-       &formats::ReadSafetensorsDir,
-       {Family::kSafetensors}},
-      {"rank-files",
-       60,
+       &formats::LooksLikeSafetensorsDir, &formats::ReadSafetensorsDir, {F::kSafetensors}),
+      Row("rank-files", 60,
        "per-rank torch.save files (verl model_world_size_W_rank_R.pt, Accelerate pytorch_model_fsdp_0_rank<R>.bin)",
        "a directory of rank files is also a directory of torch.save files",
-       &formats::LooksLikeRankFiles,
-       &formats::ReadRankFiles,
-       {Family::kVerl, Family::kAccelerateFsdp}},
-      {"torch-save",
-       70,
+       &formats::LooksLikeRankFiles, &formats::ReadRankFiles, {F::kVerl, F::kAccelerateFsdp}),
+      Row("torch-save", 70,
        "torch.save .pt / .pth / .bin (Meta consolidated.NN.pth included)",
-       "",
-       &formats::LooksLikeTorchSaveDir,
-       &formats::ReadTorchSaveDir,
-       {Family::kTorchSave, Family::kMetaConsolidated}},
+       "", &formats::LooksLikeTorchSaveDir, &formats::ReadTorchSaveDir, {F::kTorchSave, F::kMetaConsolidated}),
   };
+  // clang-format on
   return kReaders;
 }
 

@@ -9,7 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "formats/megatron/megatron_common.h"
+#include "ckptfs/formats.h"
+#include "formats/tp_merge.h"
 
 namespace ckptfs {
 namespace {
@@ -36,8 +37,9 @@ std::optional<TensorSplit> ConventionSplit(const std::string& fqn) {
     if (EndsWith(fqn, vocab)) return s;
   }
   if (fqn == "output.weight") return s;
-  if (auto r = formats::megatron::SplitRule(fqn, false); r && r->kind != formats::Merge::kSub2) {
-    return formats::SplitOf(*r);
+  for (const FamilyReader& reader : FamilyReaders()) {  // the families' own names (Megatron's)
+    if (reader.split_by_name == nullptr) continue;
+    if (auto s = reader.split_by_name(fqn)) return s;
   }
   return std::nullopt;
 }
