@@ -55,7 +55,7 @@ beside() {
     stage "fuzz smoke (libFuzzer, 20 s per target)"
     CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPTFS_FUZZ=ON \
       -DCKPTFS_BUILD_TESTS=OFF -DCKPTFS_CUDA=OFF >/dev/null
-    dirs=(dcp_dir deepspeed_dir megatron_legacy_dir megatron_dist_dir views)
+    mapfile -t dirs < <(ls tests/fuzz/corpus)  # one target per seed directory (CMakeLists.txt)
     cmake --build build-fuzz -j"$JOBS" --target fuzz_zip fuzz_pickle fuzz_torch_save "${dirs[@]/#/fuzz_}"
     work=$(mktemp -d)
     mkdir "$work/parsers"

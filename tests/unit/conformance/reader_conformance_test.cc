@@ -371,6 +371,18 @@ TEST(ReaderConformanceTable, EverySeedIsListed) {
   }
 }
 
+// Every reader of the family table is fuzzed: some seed of the fuzz corpus
+// (whose directory names a fuzz target, tests/fuzz/corpus/<target>/) is
+// picked by it. A new family adds its seeds there (tests/fuzz/make_corpus.py).
+TEST(ReaderConformanceTable, EveryReaderIsFuzzed) {
+  std::map<std::string_view, int> seeds;
+  for (const Case& c : AllCases()) {
+    if (c.seed.empty() || c.family == Family::kUnknown) continue;
+    if (const FamilyReader* r = ReaderFor(c.family)) ++seeds[r->name];
+  }
+  for (const FamilyReader& r : FamilyReaders()) EXPECT_GT(seeds[r.name], 0) << r.name << " has no fuzz seed";
+}
+
 // The detection table's order is data: priorities unique and ascending,
 // every family yielded by exactly one reader, every reader named.
 TEST(FamilyTable, PrioritiesAndYields) {
