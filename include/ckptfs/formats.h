@@ -22,6 +22,10 @@
 
 namespace ckptfs {
 
+namespace hf {
+struct HfConvention;  // ckptfs/hf_names.h
+}  // namespace hf
+
 // Directory entries the readers and the fingerprint ignore (ckptfs's own index).
 inline constexpr const char* kIndexDirName = ".ckptfs";
 
@@ -82,6 +86,10 @@ struct FamilyReader {
   Result<NativeFiles> (*native_files)(const NativeFilesInput& in) = nullptr;
   // The layout.json key listing native_files' rank files.
   std::string_view native_files_key;
+  // hf/: the family's source convention (its names, its record of the
+  // model, where it keeps config.json); hf/ asks every row's, in table
+  // order, so one family's names are recognised in another's checkpoints.
+  const hf::HfConvention* hf = nullptr;
 };
 const std::vector<FamilyReader>& FamilyReaders();
 // The reader that yields `f`; nullptr for kUnknown.

@@ -1,12 +1,16 @@
 #include "ckptfs/formats.h"
 #include "formats/dcp/dcp_reader.h"
+#include "formats/dcp/torchtitan_hf.h"
 #include "formats/deepspeed/ds_reader.h"
 #include "formats/megatron/dist_reader.h"
+#include "formats/megatron/hf_convention.h"
 #include "formats/megatron/legacy_reader.h"
 #include "formats/megatron/native_files.h"
 #include "formats/safetensors/st_dir_reader.h"
+#include "formats/torchsave/meta_hf.h"
 #include "formats/torchsave/pt_reader.h"
 #include "formats/torchsave/rank_files_reader.h"
+#include "formats/torchsave/verl_hf.h"
 
 namespace ckptfs {
 
@@ -75,6 +79,13 @@ FamilyReader WithMegatronHooks(FamilyReader r) {
   r.split_by_name = &formats::megatron::SplitByName;
   r.native_files = &formats::megatron::NativeRankFiles;
   r.native_files_key = "megatron_native";
+  r.hf = &formats::megatron::MegatronHfConvention();
+  return r;
+}
+
+// A reader row with its family's hf/ convention.
+FamilyReader WithHf(FamilyReader r, const hf::HfConvention& c) {
+  r.hf = &c;
   return r;
 }
 
@@ -90,10 +101,10 @@ const std::vector<FamilyReader>& Table() {
        "metadata.json with sharded_backend (Megatron-LM dist_checkpointing), or a NeMo / Megatron-Bridge run "
        "holding one",
        "", &formats::LooksLikeMegatronDist, &formats::ReadMegatronDist, {F::kMegatronTorchDist, F::kMegatronZarr})),
-      Row("pytorch-dcp", 20,
+      WithHf(Row("pytorch-dcp", 20,
        ".metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp)",
        "Megatron's torch_dist is a DCP checkpoint with metadata.json beside it",
-       &formats::LooksLikeDcp, &formats::ReadDcp, {F::kPytorchDcp}),
+       &formats::LooksLikeDcp, &formats::ReadDcp, {F::kPytorchDcp}), formats::TorchtitanHfConvention()),
       Row("deepspeed", 30,
        "latest / mp_rank_XX_model_states.pt (DeepSpeed)",
        "", &formats::LooksLikeDeepSpeed, &formats::ReadDeepSpeed, {F::kDeepSpeed}),
@@ -104,13 +115,15 @@ const std::vector<FamilyReader>& Table() {
        "*.safetensors",
        "an HF Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files",
        &formats::LooksLikeSafetensorsDir, &formats::ReadSafetensorsDir, {F::kSafetensors}),
-      Row("rank-files", 60,
+      WithHf(Row("rank-files", 60,
        "per-rank torch.save files (verl model_world_size_W_rank_R.pt, Accelerate pytorch_model_fsdp_0_rank<R>.bin)",
        "a directory of rank files is also a directory of torch.save files",
        &formats::LooksLikeRankFiles, &formats::ReadRankFiles, {F::kVerl, F::kAccelerateFsdp}),
-      Row("torch-save", 70,
+       formats::VerlHfConvention()),
+      WithHf(Row("torch-save", 70,
        "torch.save .pt / .pth / .bin (Meta consolidated.NN.pth included)",
        "", &formats::LooksLikeTorchSaveDir, &formats::ReadTorchSaveDir, {F::kTorchSave, F::kMetaConsolidated}),
+       formats::MetaHfConvention()),
   };
   // clang-format on
   return kReaders;

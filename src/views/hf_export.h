@@ -5,10 +5,11 @@
 // rows cut). Nothing is copied: the planned boxes are read through the
 // engine like any other view file.
 //
-// The name mapping is data (kConventions in hf_export.cc): one table per
-// source convention (Megatron mcore names; legacy GPTModel names are first
-// rewritten to mcore's) and target architecture. Documented in docs/views.md,
-// "hf/ for transformers" section.
+// The name mapping is data: each source convention (Megatron's mcore names,
+// torchtitan's / Meta's) gives its rule tables per target architecture
+// through the family table (ckptfs/hf_names.h HfConvention, registered in
+// src/formats/detect.cc). Documented in docs/views.md, "hf/ for
+// transformers" section.
 #ifndef CKPTFS_VIEWS_HF_EXPORT_H_
 #define CKPTFS_VIEWS_HF_EXPORT_H_
 

@@ -1,6 +1,8 @@
 #include "views/hf_export.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <map>
 #include <nlohmann/json.hpp>
@@ -607,6 +609,167 @@ TEST_F(HfExportTest, MegatronMoeRunsAreMixtralOrQwen3MoeByTheirQkNorms) {
   EXPECT_NE(Errors(*p).find("--hf-arch mixtral does not fit: the run's args describe a qwen3_moe model"),
             std::string::npos)
       << Errors(*p);
+}
+
+// Meta's reference names (consolidated.NN.pth, torchtitan's too): config.json
+// from the params.json beside them, when no config.json is there.
+TEST_F(HfExportTest, MetaParamsJsonGivesTheConfig) {
+  family_ = Family::kMetaConsolidated;
+  args_ = nullptr;
+  params_ = {{"tok_embeddings.weight", {10, 8}},
+             {"norm.weight", {8}},
+             {"output.weight", {10, 8}},
+             {"layers.0.attention_norm.weight", {8}},
+             {"layers.0.attention.wq.weight", {8, 8}},
+             {"layers.0.attention.wk.weight", {4, 8}},
+             {"layers.0.attention.wv.weight", {4, 8}},
+             {"layers.0.attention.wo.weight", {8, 8}},
+             {"layers.0.ffn_norm.weight", {8}},
+             {"layers.0.feed_forward.w1.weight", {6, 8}},
+             {"layers.0.feed_forward.w2.weight", {8, 6}},
+             {"layers.0.feed_forward.w3.weight", {6, 8}}};
+  ckptfs::testing::WriteFile(dir_.path() + "/params.json",
+                             R"({"dim": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "vocab_size": -1,
+                                 "norm_eps": 1e-05, "rope_theta": 500000.0, "use_scaled_rope": true})");
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "LlamaForCausalLM");
+  EXPECT_EQ(Errors(*p), "");
+  EXPECT_EQ(p->tensors.size(), 12u);
+  EXPECT_EQ(p->config_json, R"({
+  "architectures": [
+    "LlamaForCausalLM"
+  ],
+  "model_type": "llama",
+  "hidden_size": 8,
+  "intermediate_size": 6,
+  "num_hidden_layers": 1,
+  "num_attention_heads": 2,
+  "num_key_value_heads": 1,
+  "head_dim": 4,
+  "hidden_act": "silu",
+  "max_position_embeddings": 131072,
+  "rms_norm_eps": 1e-05,
+  "initializer_range": 0.02,
+  "vocab_size": 10,
+  "tie_word_embeddings": false,
+  "rope_scaling": {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192
+  },
+  "rope_theta": 500000.0,
+  "rope_parameters": {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192
+  },
+  "attention_bias": false,
+  "mlp_bias": false,
+  "attention_dropout": 0.0,
+  "use_cache": true,
+  "torch_dtype": "bfloat16",
+  "dtype": "bfloat16"
+}
+)");
+  // The same names as a torch.save directory's: the same path.
+  family_ = Family::kTorchSave;
+  auto q = Plan();
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(q->config_json, p->config_json);
+  // A config.json beside the weights comes first.
+  ckptfs::testing::WriteFile(dir_.path() + "/config.json", R"({"model_type": "qwen2"})");
+  q = Plan();
+  ASSERT_TRUE(q.ok());
+  EXPECT_NE(Errors(*q).find("torchtitan's names map to llama, mistral, qwen3 or qwen3_moe, not qwen2"),
+            std::string::npos)
+      << Errors(*q);
+  ASSERT_EQ(::unlink((dir_.path() + "/config.json").c_str()), 0);
+  ckptfs::testing::WriteFile(dir_.path() + "/params.json", R"({"dim": 8})");
+  q = Plan();
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(Errors(*q), "hf/: not a transformers model directory: " + dir_.path() +
+                            "/params.json: not a Meta params.json (an object with dim and n_heads)\n"
+                            "hf/: the parameters are served under their source names, without config.json\n");
+  // Megatron's names are not Meta's, whatever the files beside them.
+  family_ = Family::kMegatronLegacy;
+  q = Plan();
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(Errors(*q),
+            "hf/: not a transformers model directory: the checkpoint records no Megatron args; pass --hf-config FILE "
+            "(a config.json)\n"
+            "hf/: the parameters are served under their source names, without config.json\n");
+}
+
+// verl keeps the model's config.json and tokenizer in huggingface/; one
+// beside the weights comes first.
+TEST_F(HfExportTest, ConfigAndTokenizerFromHuggingfaceDirectory) {
+  family_ = Family::kVerl;
+  args_ = nullptr;
+  params_ = {{"model.embed_tokens.weight", {10, 8}}, {"model.norm.weight", {8}}};
+  ASSERT_EQ(::mkdir((dir_.path() + "/huggingface").c_str(), 0755), 0);
+  ckptfs::testing::WriteFile(dir_.path() + "/huggingface/config.json",
+                             R"({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]})");
+  ckptfs::testing::WriteFile(dir_.path() + "/huggingface/tokenizer.json", "{}");
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "GPTNeoXForCausalLM");
+  ASSERT_EQ(p->side_files.size(), 1u);
+  EXPECT_EQ(p->side_files[0].first, "tokenizer.json");
+  ckptfs::testing::WriteFile(dir_.path() + "/config.json", R"({"model_type": "x", "architectures": ["XForY"]})");
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "XForY");
+  EXPECT_TRUE(p->side_files.empty());
+  // Any family's directory is looked at the same way.
+  ASSERT_EQ(::unlink((dir_.path() + "/config.json").c_str()), 0);
+  family_ = Family::kDeepSpeed;
+  p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->architecture, "GPTNeoXForCausalLM");
+}
+
+// The Megatron fixture's config.json, whole.
+TEST_F(HfExportTest, MegatronConfigJsonText) {
+  auto p = Plan();
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->config_json, R"({
+  "architectures": [
+    "LlamaForCausalLM"
+  ],
+  "model_type": "llama",
+  "hidden_size": 8,
+  "intermediate_size": 6,
+  "num_hidden_layers": 1,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
+  "head_dim": 2,
+  "hidden_act": "silu",
+  "max_position_embeddings": 4096,
+  "rms_norm_eps": 1e-06,
+  "initializer_range": 0.02,
+  "vocab_size": 10,
+  "tie_word_embeddings": false,
+  "rope_theta": 500000.0,
+  "rope_parameters": {
+    "rope_type": "default",
+    "rope_theta": 500000.0
+  },
+  "attention_dropout": 0.1,
+  "use_cache": true,
+  "attention_bias": false,
+  "mlp_bias": false,
+  "ckptfs_source": "megatron",
+  "torch_dtype": "bfloat16",
+  "dtype": "bfloat16"
+}
+)");
 }
 
 }  // namespace
