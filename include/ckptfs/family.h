@@ -1,7 +1,8 @@
-// The checkpoint families ckptfs reads, as one typed id and one row of data
-// each (src/common/family.cc). Everything that names or lists families takes
-// it from here: checkpoint.json's "family", the index, `--family`, the CLI
-// help, the Python package, the fuzz targets and the conformance suite.
+// The checkpoint families ckptfs reads, as a typed id each. The family table
+// (formats.h FamilyReaders, rows in src/formats/detect.cc) gives each id its
+// traits, its reader and its hooks; everything that names or lists families
+// takes them from there: checkpoint.json's "family", the index, `--family`,
+// the CLI help, the Python package and the conformance suite.
 //
 // A family's *traits* are what generic code (views, verify) may ask about a
 // checkpoint without knowing its family: they say what the family's reader
@@ -14,15 +15,12 @@
 #define CKPTFS_FAMILY_H_
 
 #include <cstdint>
-#include <optional>
-#include <string>
 #include <string_view>
-#include <vector>
 
 namespace ckptfs {
 
 enum class Family : uint8_t {
-  kUnknown = 0,  // synthetic checkpoints (tests) and an index that names none
+  kUnknown = 0,  // synthetic checkpoints (tests); named "unknown"
   kPytorchDcp,
   kMegatronTorchDist,
   kMegatronZarr,
@@ -52,15 +50,6 @@ struct FamilyTraits {
   // skipped, it would only repeat (or contradict) a better check.
   bool layers_checked_by_reader = false;
 };
-
-// Every family except kUnknown, in id order.
-const std::vector<FamilyTraits>& AllFamilies();
-const FamilyTraits& Traits(Family f);
-std::string_view FamilyName(Family f);  // "unknown" for kUnknown
-// The id named `name` (a FamilyTraits::name), or nullopt.
-std::optional<Family> FamilyFromName(std::string_view name);
-// "pytorch-dcp, megatron-torch_dist, ...": for help texts and errors.
-std::string FamilyNameList();
 
 }  // namespace ckptfs
 

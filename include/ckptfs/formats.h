@@ -72,7 +72,8 @@ struct FamilyReader {
   std::string_view after;
   bool (*looks)(const std::string& dir) = nullptr;  // names only, no parsing
   Result<Checkpoint> (*read)(const std::string& dir) = nullptr;
-  std::vector<Family> yields;
+  // The families it yields, each with its traits (family.h).
+  std::vector<FamilyTraits> yields;
 
   // Hooks (null: the family has none).
   // topo/: the TP split of a parameter by its name alone, for tensors whose
@@ -94,6 +95,15 @@ struct FamilyReader {
 const std::vector<FamilyReader>& FamilyReaders();
 // The reader that yields `f`; nullptr for kUnknown.
 const FamilyReader* ReaderFor(Family f);
+
+// Every family of the table, in table order (the readers' priority, then
+// each reader's yields).
+const std::vector<FamilyTraits>& AllFamilies();
+const FamilyTraits& Traits(Family f);   // kUnknown: {"unknown", ...}
+std::string_view FamilyName(Family f);  // checkpoint.json "family": "pytorch-dcp"
+std::optional<Family> FamilyFromName(std::string_view name);
+// "megatron-torch_dist, megatron-zarr, ...": for help texts and errors.
+std::string FamilyNameList();
 
 // Detects the family of `dir` and reads it; `forced` (--family) picks that
 // family's reader instead of the first that recognises `dir`, and fails if

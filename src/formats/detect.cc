@@ -62,7 +62,7 @@ Checkpoint Sanitized(Checkpoint ck) {
 
 FamilyReader Row(std::string_view name, int priority, std::string_view marks, std::string_view after,
                  bool (*looks)(const std::string&), Result<Checkpoint> (*read)(const std::string&),
-                 std::vector<Family> yields) {
+                 std::vector<FamilyTraits> yields) {
   FamilyReader r;
   r.name = name;
   r.priority = priority;
@@ -95,34 +95,46 @@ FamilyReader WithHf(FamilyReader r, const hf::HfConvention& c) {
 // checked by tests/unit/conformance/reader_conformance_test.cc.
 const std::vector<FamilyReader>& Table() {
   using F = Family;
+  using NC = NameConvention;
   // clang-format off
   static const std::vector<FamilyReader> kReaders = {
       WithMegatronHooks(Row("megatron-dist", 10,
        "metadata.json with sharded_backend (Megatron-LM dist_checkpointing), or a NeMo / Megatron-Bridge run "
        "holding one",
-       "", &formats::LooksLikeMegatronDist, &formats::ReadMegatronDist, {F::kMegatronTorchDist, F::kMegatronZarr})),
+       "", &formats::LooksLikeMegatronDist, &formats::ReadMegatronDist,
+       // id                    name (checkpoint.json, --family)  title                     names        layers checked
+       {{F::kMegatronTorchDist, "megatron-torch_dist",            "Megatron-LM torch_dist", NC::kMegatron, true},
+        {F::kMegatronZarr,      "megatron-zarr",                  "Megatron-LM zarr",       NC::kMegatron, true}})),
       WithHf(Row("pytorch-dcp", 20,
        ".metadata / __<rank>.metadata (PyTorch DCP; an incomplete DCP save leaves only .metadata.tmp)",
        "Megatron's torch_dist is a DCP checkpoint with metadata.json beside it",
-       &formats::LooksLikeDcp, &formats::ReadDcp, {F::kPytorchDcp}), formats::TorchtitanHfConvention()),
+       &formats::LooksLikeDcp, &formats::ReadDcp,
+       {{F::kPytorchDcp, "pytorch-dcp", "PyTorch DCP", NC::kTorch, false}}), formats::TorchtitanHfConvention()),
       Row("deepspeed", 30,
        "latest / mp_rank_XX_model_states.pt (DeepSpeed)",
-       "", &formats::LooksLikeDeepSpeed, &formats::ReadDeepSpeed, {F::kDeepSpeed}),
+       "", &formats::LooksLikeDeepSpeed, &formats::ReadDeepSpeed,
+       {{F::kDeepSpeed, "deepspeed", "DeepSpeed (ZeRO, pipeline, MoE)", NC::kTorch, false}}),
       WithMegatronHooks(Row("megatron-legacy", 40,
        "latest_checkpointed_iteration.txt / mp_rank_XX/model_optim_rng.pt (Megatron-LM)",
-       "", &formats::LooksLikeMegatronLegacy, &formats::ReadMegatronLegacy, {F::kMegatronLegacy})),
+       "", &formats::LooksLikeMegatronLegacy, &formats::ReadMegatronLegacy,
+       {{F::kMegatronLegacy, "megatron-legacy", "Megatron-LM legacy torch format", NC::kMegatron, true}})),
       Row("safetensors", 50,
        "*.safetensors",
        "an HF Trainer checkpoint-N/ holds model.safetensors beside its DeepSpeed files",
-       &formats::LooksLikeSafetensorsDir, &formats::ReadSafetensorsDir, {F::kSafetensors}),
+       &formats::LooksLikeSafetensorsDir, &formats::ReadSafetensorsDir,
+       {{F::kSafetensors, "safetensors", "Hugging Face safetensors", NC::kTorch, false}}),
       WithHf(Row("rank-files", 60,
        "per-rank torch.save files (verl model_world_size_W_rank_R.pt, Accelerate pytorch_model_fsdp_0_rank<R>.bin)",
        "a directory of rank files is also a directory of torch.save files",
-       &formats::LooksLikeRankFiles, &formats::ReadRankFiles, {F::kVerl, F::kAccelerateFsdp}),
+       &formats::LooksLikeRankFiles, &formats::ReadRankFiles,
+       {{F::kVerl,           "verl",            "verl FSDP rank files",       NC::kTorch, false},
+        {F::kAccelerateFsdp, "accelerate-fsdp", "Accelerate FSDP rank files", NC::kTorch, false}}),
        formats::VerlHfConvention()),
       WithHf(Row("torch-save", 70,
        "torch.save .pt / .pth / .bin (Meta consolidated.NN.pth included)",
-       "", &formats::LooksLikeTorchSaveDir, &formats::ReadTorchSaveDir, {F::kTorchSave, F::kMetaConsolidated}),
+       "", &formats::LooksLikeTorchSaveDir, &formats::ReadTorchSaveDir,
+       {{F::kTorchSave,        "torch-save",        "torch.save files",         NC::kTorch, false},
+        {F::kMetaConsolidated, "meta-consolidated", "Meta consolidated.NN.pth", NC::kTorch, false}}),
        formats::MetaHfConvention()),
   };
   // clang-format on
@@ -168,11 +180,43 @@ const std::vector<FamilyReader>& FamilyReaders() { return Table(); }
 
 const FamilyReader* ReaderFor(Family f) {
   for (const FamilyReader& r : Table()) {
-    for (Family y : r.yields) {
-      if (y == f) return &r;
+    for (const FamilyTraits& y : r.yields) {
+      if (y.id == f) return &r;
     }
   }
   return nullptr;
+}
+
+const std::vector<FamilyTraits>& AllFamilies() {
+  static const std::vector<FamilyTraits> all = [] {
+    std::vector<FamilyTraits> v;
+    for (const FamilyReader& r : Table()) v.insert(v.end(), r.yields.begin(), r.yields.end());
+    return v;
+  }();
+  return all;
+}
+
+const FamilyTraits& Traits(Family f) {
+  static const FamilyTraits unknown{Family::kUnknown, "unknown", "unknown", NameConvention::kTorch, false};
+  for (const FamilyTraits& t : AllFamilies()) {
+    if (t.id == f) return t;
+  }
+  return unknown;
+}
+
+std::string_view FamilyName(Family f) { return Traits(f).name; }
+
+std::optional<Family> FamilyFromName(std::string_view name) {
+  for (const FamilyTraits& t : AllFamilies()) {
+    if (t.name == name) return t.id;
+  }
+  return std::nullopt;
+}
+
+std::string FamilyNameList() {
+  std::string s;
+  for (const FamilyTraits& t : AllFamilies()) s += (s.empty() ? "" : ", ") + std::string(t.name);
+  return s;
 }
 
 Status Recognise(const std::string& dir, Family forced) { return Pick(dir, forced).status(); }

@@ -2,6 +2,8 @@
 
 #include <vector>
 
+#include "ckptfs/formats.h"
+
 namespace ckptfs::index {
 namespace {
 

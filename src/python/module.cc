@@ -30,6 +30,7 @@
 #include <tuple>
 #include <vector>
 
+#include "ckptfs/formats.h"
 #include "ckptfs/fs.h"
 #include "ckptfs/io.h"
 #include "ckptfs/transforms.h"

@@ -1,3 +1,4 @@
+#include "ckptfs/formats.h"
 #include "ckptfs/verify.h"
 
 #include <re2/re2.h>

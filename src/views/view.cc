@@ -4,6 +4,7 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "ckptfs/formats.h"
 #include "ckptfs/views.h"
 #include "common/json_text.h"
 #include "formats/npy.h"

@@ -12,8 +12,9 @@ from conftest import ROOT, ckptfs_bin, run
 
 # Committed, written by megatron-core 0.15.0 (tests/data/megatron_versions/VERSIONS.txt).
 SRC = ROOT / "tests" / "data" / "megatron_versions" / "mcore0.15.0-dist_tp2_pp2" / "iter_0000007"
-FAMILIES = ["pytorch-dcp", "megatron-torch_dist", "megatron-zarr", "megatron-legacy", "deepspeed", "safetensors",
-            "accelerate-fsdp", "verl", "meta-consolidated", "torch-save"]
+# The family table's order (detection priority, then each reader's families).
+FAMILIES = ["megatron-torch_dist", "megatron-zarr", "pytorch-dcp", "deepspeed", "megatron-legacy", "safetensors",
+            "verl", "accelerate-fsdp", "torch-save", "meta-consolidated"]
 
 
 def info(index, *extra):
@@ -75,7 +76,7 @@ def test_python_package_takes_the_same_names(tmp_path):
     meg = ckptfs.open(SRC, index=tmp_path / "ix2")
     assert meg.info()["family"] == "megatron-torch_dist"
     np.testing.assert_array_equal(stack[1], meg.read("decoder.layers.1.self_attention.linear_qkv.weight", dtype="float32"))
-    with pytest.raises(ValueError, match="expected one of pytorch-dcp, megatron-torch_dist"):
+    with pytest.raises(ValueError, match="expected one of megatron-torch_dist, megatron-zarr, pytorch-dcp"):
         ckptfs.open(SRC, index=tmp_path / "ix3", family="megatron")
     with pytest.raises(ckptfs.Error, match="--family verl"):
         ckptfs.open(SRC, index=tmp_path / "ix4", family="verl")

@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -395,8 +396,14 @@ TEST(FamilyTable, PrioritiesAndYields) {
     EXPECT_FALSE(r.marks.empty()) << r.name;
     EXPECT_NE(r.looks, nullptr) << r.name;
     EXPECT_NE(r.read, nullptr) << r.name;
-    for (Family f : r.yields) ++yielded[f];
+    for (const FamilyTraits& f : r.yields) ++yielded[f.id];
   }
+  // Every id of family.h has its row (kTorchSave is the last id).
+  for (int i = 1; i <= static_cast<int>(Family::kTorchSave); ++i) {
+    EXPECT_NE(ReaderFor(static_cast<Family>(i)), nullptr) << "family id " << i << " has no row";
+  }
+  std::set<std::string_view> names;
+  for (const FamilyTraits& t : AllFamilies()) EXPECT_TRUE(names.insert(t.name).second) << t.name;
   for (const FamilyTraits& t : AllFamilies()) {
     EXPECT_EQ(yielded[t.id], 1) << t.name;
     EXPECT_EQ(FamilyFromName(t.name), t.id);
