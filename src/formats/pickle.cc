@@ -421,7 +421,7 @@ class Vm {
     }
     auto v = Make(PyKind::kGlobal);
     v->s = std::move(module);
-    v->X().name = std::move(name);
+    v->MutableExt().name = std::move(name);
     if (!allowed) {
       v->placeholder = true;
       std::string full = v->s + "." + v->name();
@@ -491,7 +491,7 @@ class Vm {
   PyRef EnumMember(const PyRef& cls, int64_t value) {
     auto o = Make(PyKind::kObject);
     o->callable = cls;
-    o->X().args = {MakeInt(value)};
+    o->MutableExt().args = {MakeInt(value)};
     o->depth = 1;
     return o;
   }
@@ -601,11 +601,11 @@ Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
       return Err("storage class " + cls.s + "." + cls.name() + " is not torch's");
     }
     if (cls.name() == "UntypedStorage") {
-      v->Parts().untyped = true;
-      v->Parts().storage_dtype = DType::kU8;
+      v->MutableParts().untyped = true;
+      v->MutableParts().storage_dtype = DType::kU8;
     } else {
-      v->Parts().storage_dtype = DTypeFromTorchName(cls.name());
-      if (v->Parts().storage_dtype == DType::kInvalid) return Err("unknown storage class torch." + cls.name());
+      v->MutableParts().storage_dtype = DTypeFromTorchName(cls.name());
+      if (v->MutableParts().storage_dtype == DType::kInvalid) return Err("unknown storage class torch." + cls.name());
     }
   } else if (cls.kind == PyKind::kObject) {
     return Err("quantized or custom storage types are not supported");
@@ -622,7 +622,7 @@ Result<PyRef> Vm::PersistentLoad(const PyRef& pid) {
   }
   ASSIGN_OR_RETURN(int64_t numel, AsInt(pid->items[4], "storage numel"));
   if (numel < 0) return Err("negative storage size");
-  v->Parts().storage_numel = static_cast<uint64_t>(numel);
+  v->MutableParts().storage_numel = static_cast<uint64_t>(numel);
   return v;
 }
 
@@ -634,15 +634,15 @@ Result<PyRef> Vm::RebuildTensor(const std::string& fn, const std::vector<PyRef>&
   if (a.size() < need) return Err(fn + " with " + std::to_string(a.size()) + " arguments");
   if (a[0]->kind != PyKind::kStorage) return Err(fn + ": first argument is not a storage");
   auto v = Make(PyKind::kTensor);
-  TensorRef& t = v->Parts().tensor;
+  TensorRef& t = v->MutableParts().tensor;
   t.storage_key = a[0]->s;
-  t.dtype = a[0]->Parts().storage_dtype;
+  t.dtype = a[0]->MutableParts().storage_dtype;
   if (fn == "_rebuild_tensor_v3") {
     if (a[6]->kind != PyKind::kGlobal || a[6]->s != "torch")
       return Err("_rebuild_tensor_v3: dtype is not a torch dtype");
     t.dtype = DTypeFromTorchName(a[6]->name());
     if (t.dtype == DType::kInvalid) return Err("unsupported dtype torch." + a[6]->name());
-  } else if (a[0]->Parts().untyped) {
+  } else if (a[0]->MutableParts().untyped) {
     return Err(fn + " on an UntypedStorage without a dtype");
   }
   ASSIGN_OR_RETURN(int64_t off, AsInt(a[1], "storage_offset"));
@@ -683,7 +683,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
         o->callable = a[1];
         RETURN_IF_ERROR(Adopt(o, a[1]));
         for (const auto& x : a[2]->items) RETURN_IF_ERROR(Adopt(o, x));
-        o->X().args = a[2]->items;
+        o->MutableExt().args = a[2]->items;
         if (a.size() > 3) {
           RETURN_IF_ERROR(Adopt(o, a[3]));
           o->state = a[3];
@@ -763,7 +763,7 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
   auto o = Make(PyKind::kObject);
   o->callable = callable;
   for (const auto& x : a) RETURN_IF_ERROR(Adopt(o, x));
-  if (!a.empty()) o->X().args = a;
+  if (!a.empty()) o->MutableExt().args = a;
   return o;
 }
 
@@ -1142,7 +1142,7 @@ Result<PyRef> Vm::Run() {
           o->callable = cls;
           o->newobj = true;
           for (const auto& x : args->items) RETURN_IF_ERROR(Adopt(o, x));
-          if (!args->items.empty()) o->X().args = args->items;
+          if (!args->items.empty()) o->MutableExt().args = args->items;
         }
         Release(args);
         RETURN_IF_ERROR(Push(o));
@@ -1257,13 +1257,13 @@ const TensorRef& PyValue::tensor() const {
   return ext && ext->parts ? ext->parts->tensor : kNone;
 }
 
-PyValue::Ext& PyValue::X() {
+PyValue::Ext& PyValue::MutableExt() {
   if (!ext) ext = std::make_unique<Ext>();
   return *ext;
 }
 
-PyValue::TensorParts& PyValue::Parts() {
-  if (!X().parts) ext->parts = std::make_unique<TensorParts>();
+PyValue::TensorParts& PyValue::MutableParts() {
+  if (!MutableExt().parts) ext->parts = std::make_unique<TensorParts>();
   return *ext->parts;
 }
 

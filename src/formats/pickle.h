@@ -136,8 +136,8 @@ struct PyValue {
   // A tensor's view of its storage (empty for any other kind).
   const TensorRef& tensor() const;
   // The out-of-line fields, made on first use.
-  Ext& X();
-  TensorParts& Parts();
+  Ext& MutableExt();
+  TensorParts& MutableParts();
 
   // Convenience accessors (nullptr / empty when absent or of another kind).
   const PyValue* Get(std::string_view key) const;  // dict lookup by str key

@@ -15,7 +15,8 @@
 // ds_to_universal.py merges them (replicated, cat dim 0/1, two sub-params on
 // dim 0, vocabulary padding stripped); the results are both params/<name>/
 // tensors and the archives of universal/ (ExportFile), which are laid out
-// here with the torch.save writer.
+// in universal_export.cc with the torch.save writer (ds_internal.h maps the
+// reader's steps to its files).
 #ifndef CKPTFS_FORMATS_DEEPSPEED_DS_READER_H_
 #define CKPTFS_FORMATS_DEEPSPEED_DS_READER_H_
 
