@@ -1,4 +1,3 @@
-#include "ckptfs/formats.h"
 #include "ckptfs/verify.h"
 
 #include <re2/re2.h>
@@ -16,6 +15,7 @@
 #include <set>
 #include <thread>
 
+#include "ckptfs/formats.h"
 #include "ckptfs/geometry.h"
 #include "ckptfs/progress.h"
 #include "common/float_bits.h"

@@ -3,12 +3,13 @@
 // (RoPE layout, biases), and the tensors Hugging Face has no place for.
 // Recognised by name in any checkpoint whose family keeps module paths
 // (torchtitan saves DCPs; Meta's consolidated.NN.pth share the names).
-#include "ckptfs/formats.h"
 #include "formats/dcp/torchtitan_hf.h"
 
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "ckptfs/formats.h"
 
 namespace ckptfs::formats {
 namespace {

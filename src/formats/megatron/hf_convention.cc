@@ -3,13 +3,14 @@
 // run is by its args (argparse defaults where a field is absent) and the
 // config.json it gets. Registered on the Megatron readers' rows (detect.cc
 // WithMegatronHooks); recognised by the family's naming trait.
-#include "ckptfs/formats.h"
 #include "formats/megatron/hf_convention.h"
 
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "ckptfs/formats.h"
 
 namespace ckptfs::formats::megatron {
 namespace {

@@ -2,7 +2,6 @@
 // (which torchtitan keeps, so its tables in dcp/torchtitan_hf.cc name the
 // tensors). params.json is read only when no config.json is beside the
 // checkpoint, as transformers' convert_llama_weights_to_hf.py reads it.
-#include "ckptfs/formats.h"
 #include "formats/torchsave/meta_hf.h"
 
 #include <sys/stat.h>
@@ -11,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "ckptfs/formats.h"
 #include "formats/byte_reader.h"
 
 namespace ckptfs::formats {
