@@ -179,31 +179,6 @@ class Cursor {
   std::string window_;
 };
 
-// Enum classes whose members the readers need as numbers, with each member's
-// value: `getattr(Cls, 'name')` (CPython 3.11.0-3.11.4, bpo-44342 until
-// gh-105332) and `Cls(value)` (every other release) read the same.
-struct KnownEnum {
-  const char* module;
-  const char* cls;
-  std::vector<std::pair<const char*, int64_t>> members;
-};
-const std::vector<KnownEnum>& KnownEnums() {
-  static const std::vector<KnownEnum> k = {
-      // deepspeed/runtime/zero/config.py
-      {"deepspeed.runtime.zero.config",
-       "ZeroStageEnum",
-       {{"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}}},
-  };
-  return k;
-}
-const KnownEnum* FindEnum(const PyValue& cls) {
-  if (cls.kind != PyKind::kGlobal) return nullptr;
-  for (const KnownEnum& e : KnownEnums()) {
-    if (cls.s == e.module && cls.name() == e.cls) return &e;
-  }
-  return nullptr;
-}
-
 // Memo indices are small and dense (MEMOIZE numbers entries 0, 1, 2, ...;
 // picklers PUT the same numbers), so they index a vector; an index far past
 // the entries there are (a PUT of 4294967295, or the few entries a DCP
@@ -487,6 +462,15 @@ class Vm {
     return Status::Ok();
   }
   Result<PyRef> Call(const PyRef& callable, const PyRef& args);
+  // The options' enum whose class `cls` is, or null.
+  const PickleEnum* FindEnum(const PyValue& cls) const {
+    if (cls.kind != PyKind::kGlobal) return nullptr;
+    for (const PickleEnum& e : opts_.enums) {
+      if (cls.s == e.module && cls.name() == e.cls) return &e;
+    }
+    return nullptr;
+  }
+
   // The canonical form of a known enum member: an Object Cls(value).
   PyRef EnumMember(const PyRef& cls, int64_t value) {
     auto o = Make(PyKind::kObject);
@@ -694,15 +678,15 @@ Result<PyRef> Vm::Call(const PyRef& callable, const PyRef& args) {
     }
     if (m == "builtins" && n == "getattr" && a.size() == 2 && a[1]->IsStr()) {
       // getattr(EnumCls, 'member'): a known enum becomes EnumCls(value).
-      if (const KnownEnum* e = FindEnum(*a[0])) {
+      if (const PickleEnum* e = FindEnum(*a[0])) {
         for (const auto& [member, value] : e->members) {
           if (a[1]->s == member) return EnumMember(a[0], value);
         }
         return Err("unknown member '" + a[1]->s + "' of enum " + a[0]->s + "." + a[0]->name());
       }
     }
-    if (const KnownEnum* e = FindEnum(*callable)) {
-      if (a.size() != 1 || a[0]->kind != PyKind::kInt) return Err(std::string(e->cls) + "() argument is not an int");
+    if (const PickleEnum* e = FindEnum(*callable)) {
+      if (a.size() != 1 || a[0]->kind != PyKind::kInt) return Err(e->cls + "() argument is not an int");
       for (const auto& [member, value] : e->members) {
         if (a[0]->i == value) return EnumMember(callable, value);
       }
@@ -1299,8 +1283,10 @@ Result<int64_t> AsInt(const PyValue* v, std::string_view what) {
 
 Result<int64_t> EnumValue(const PyValue* v, std::string_view what) {
   if (v == nullptr) return Invalid(std::string(what) + " is missing");
-  if (v->kind == PyKind::kObject && v->callable != nullptr && FindEnum(*v->callable) != nullptr &&
-      v->args().size() == 1 && v->args()[0]->kind == PyKind::kInt) {
+  // The VM's canonical enum member (the options' enums only): Cls(value),
+  // Cls an allowed global (a placeholder never is).
+  if (v->kind == PyKind::kObject && v->callable != nullptr && v->callable->kind == PyKind::kGlobal &&
+      !v->callable->placeholder && v->args().size() == 1 && v->args()[0]->kind == PyKind::kInt) {
     return v->args()[0]->i;
   }
   if (v->kind == PyKind::kInt) return v->i;

@@ -24,9 +24,10 @@
 // subprocess, builtins other than the constructors above, ...).
 //
 // Enums. CPython 3.11.0-3.11.4 pickle an Enum member as
-// getattr(Cls, 'name'), every other release as Cls(value). For the enums the
-// readers use (ZeroStageEnum) both become the object Cls(value); EnumValue
-// reads it.
+// getattr(Cls, 'name'), every other release as Cls(value). For the enums a
+// family reader names in PickleOptions::enums (DeepSpeed's ZeroStageEnum)
+// both become the object Cls(value); EnumValue reads it. The VM itself knows
+// no family's enum.
 //
 // Limits: the input size bounds the number of values; the stack and memo are
 // bounded; out-of-band buffers (protocol 5 NEXT_BUFFER) and extension codes
@@ -149,9 +150,18 @@ struct PyValue {
   const PyValue* Attr(std::string_view key) const;
 };
 
+// An Enum class whose members a family reader needs as numbers.
+struct PickleEnum {
+  std::string module, cls;                               // "deepspeed.runtime.zero.config", "ZeroStageEnum"
+  std::vector<std::pair<std::string, int64_t>> members;  // name, value
+};
+
 struct PickleOptions {
   // Extra allowed module prefixes for a family reader (e.g. "deepspeed").
   std::vector<std::string> extra_modules;
+  // Enums read in either pickle form (see the header note); a member or
+  // value outside `members` is an error naming the enum. Default: none.
+  std::vector<PickleEnum> enums;
   // Unknown globals (outside the strict classes in the header note) become
   // placeholders instead of failing the pickle. Default: on.
   bool placeholders = true;
@@ -186,7 +196,8 @@ std::string CanonicalModule(std::string_view module);
 
 // Integer value of an Int / Bool; error otherwise.
 Result<int64_t> AsInt(const PyValue* v, std::string_view what);
-// Value of a known enum member (either pickle form) or a plain int; an error
+// Value of an enum member of PickleOptions::enums (either pickle form: the
+// VM made it Cls(value), Cls an allowed global) or a plain int; an error
 // naming the class otherwise.
 Result<int64_t> EnumValue(const PyValue* v, std::string_view what);
 // Tuple/list of ints (torch.Size is a tuple after unpickling).

@@ -21,19 +21,27 @@
 #include "formats/pickle.h"
 #include "formats/torch_file.h"
 
-namespace ckptfs::formats::deepspeed {
-namespace {
+namespace ckptfs::formats {
 
-namespace fs = std::filesystem;
-
-const PickleOptions& DsPickleOptions() {
+const PickleOptions& DeepSpeedPickleOptions() {
   static const PickleOptions o = [] {
     PickleOptions p;
     p.extra_modules = {"deepspeed"};
+    // deepspeed/runtime/zero/config.py; CPython 3.11.0-3.11.4 pickle it by name.
+    p.enums = {{"deepspeed.runtime.zero.config",
+                "ZeroStageEnum",
+                {{"disabled", 0}, {"optimizer_states", 1}, {"gradients", 2}, {"weights", 3}, {"max_stage", 3}}}};
     return p;
   }();
   return o;
 }
+
+}  // namespace ckptfs::formats
+
+namespace ckptfs::formats::deepspeed {
+namespace {
+
+namespace fs = std::filesystem;
 
 }  // namespace
 
@@ -167,7 +175,7 @@ Status Reader::Discover() {
   }
   files.dir = dir;
   files.ck = &ck;
-  files.pickle = DsPickleOptions();
+  files.pickle = DeepSpeedPickleOptions();
   // TP ranks: the model-states files (stage 3: those of DP rank 0).
   std::set<int> mps;
   for (const auto& [mp, n] : model_files) mps.insert(mp);

@@ -24,11 +24,15 @@
 
 #include "ckptfs/common.h"
 #include "ckptfs/model.h"
+#include "formats/pickle.h"
 
 namespace ckptfs::formats {
 
 bool LooksLikeDeepSpeed(const std::string& dir);
 Result<Checkpoint> ReadDeepSpeed(const std::string& dir);
+// How DeepSpeed's pickles are read: its modules allowed, its enums known
+// (ZeroStageEnum, pickled by name or by value).
+const PickleOptions& DeepSpeedPickleOptions();
 
 }  // namespace ckptfs::formats
 

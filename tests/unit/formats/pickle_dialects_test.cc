@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "../test_util.h"
+#include "formats/deepspeed/ds_reader.h"
 #include "formats/pickle.h"
 
 namespace ckptfs::formats {
@@ -83,8 +84,7 @@ TEST(PickleDialectsTest, EveryInterpreterAndProtocolReadsTheSameState) {
       const std::string what = f.filename().string() + " of " + dir.path().filename().string();
       const std::string data = ckptfs::testing::ReadFile(f.string());
       std::vector<std::string> placeholders;
-      PickleOptions ds;  // as the DeepSpeed reader reads
-      ds.extra_modules = {"deepspeed"};
+      PickleOptions ds = DeepSpeedPickleOptions();  // as the DeepSpeed reader reads
       auto r = Unpickle(data, what, ds, &placeholders);
       ASSERT_TRUE(r.ok()) << r.status().message();
       EXPECT_EQ(placeholders, std::vector<std::string>{"megatron.enums.PositionEmbeddingType"}) << what;

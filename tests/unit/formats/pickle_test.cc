@@ -122,6 +122,10 @@ TEST(PickleTest, UnknownGlobalIsRefusedByName) {
 
 TEST(PickleTest, EnumMemberByNameAndByValueReadTheSame) {
   // CPython 3.11.2: getattr(ZeroStageEnum, 'gradients'); 3.11.7: ZeroStageEnum(2).
+  // The enum is the reader's (PickleOptions::enums), not the VM's.
+  PickleOptions with_enum;
+  with_enum.extra_modules = {"deepspeed"};
+  with_enum.enums = {{"deepspeed.runtime.zero.config", "ZeroStageEnum", {{"optimizer_states", 1}, {"gradients", 2}}}};
   std::string by_name =
       L("\x80\x02"
         "cbuiltins\ngetattr\n"
@@ -133,7 +137,7 @@ TEST(PickleTest, EnumMemberByNameAndByValueReadTheSame) {
         "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
         "K\x02\x85R.");
   for (const std::string& p : {by_name, by_value}) {
-    auto r = Unpickle(p, "t");
+    auto r = Unpickle(p, "t", with_enum);
     ASSERT_TRUE(r.ok()) << r.status().message();
     EXPECT_EQ((*r)->ClassName(), "ZeroStageEnum");
     auto v = EnumValue(r->get(), "zero_stage");
@@ -146,14 +150,23 @@ TEST(PickleTest, EnumMemberByNameAndByValueReadTheSame) {
                         "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
                         "X\x04\x00\x00\x00huge"
                         "\x86R."),
-                      "t");
+                      "t", with_enum);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("unknown member 'huge'"), std::string::npos) << bad.status().message();
   auto bad_value = Unpickle(L("\x80\x02"
                               "cdeepspeed.runtime.zero.config\nZeroStageEnum\n"
                               "K\x09\x85R."),
-                            "t");
+                            "t", with_enum);
   ASSERT_FALSE(bad_value.ok());
+  // Without the reader's enum the class is an allowed global like any other
+  // (deepspeed's modules are allowed): no member names are resolved.
+  PickleOptions no_enums;
+  no_enums.extra_modules = {"deepspeed"};
+  auto no_enum = Unpickle(by_value, "t", no_enums);
+  ASSERT_TRUE(no_enum.ok()) << no_enum.status().message();
+  EXPECT_EQ(*EnumValue(no_enum->get(), "zero_stage"), 2);  // Cls(2): the value is the argument
+  auto by_name_unknown = Unpickle(by_name, "t", no_enums);
+  EXPECT_FALSE(by_name_unknown.ok() && EnumValue(by_name_unknown->get(), "zero_stage").ok());
 }
 
 TEST(PickleTest, UnknownGlobalInMetadataIsAnInertPlaceholder) {
