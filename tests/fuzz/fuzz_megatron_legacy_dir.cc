@@ -1,8 +1,0 @@
-// libFuzzer target: a checkpoint directory seeded with real megatron_legacy checkpoints
-// (tests/fuzz/corpus/megatron_legacy_dir); see dir_harness.h for the input format.
-#include "dir_harness.h"
-
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  ckptfs::fuzz::RunDirectory(data, size, ckptfs::fuzz::Depth::kReader);
-  return 0;
-}
