@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import FIXTURES, fixture_lock, run, run_producer
+from conftest import FIXTURES, ROOT, ckptfs_bin, fixture_lock, run, run_producer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
@@ -88,6 +88,35 @@ def test_every_expert_is_served_under_its_global_name(scenario, mounter):
         # At EP > 1 universal/ holds the dense parameters and no expert (see checkpoint.json).
         zero = {p.name for p in (m.path / "universal" / "zero").iterdir()} - {"optimizer_state.pt"}
         assert zero == (set(want) - experts if ep > 1 else set(want))
+
+
+# Written by DeepSpeed 0.15.4 under Debian's CPython 3.11.2 (tests/fixtures/make_ds_py3112.sh): its MoE saves
+# carry no param_shapes in mp_rank_00_model_states.pt and add expp_rank_<r>_mp_rank_00_optim_states.pt
+# ({'optimizer': None} under ZeRO).
+DS015_MOE = ROOT / "tests" / "data" / "ds_py3112" / "moe_z2_bf16_dp2_ep2"
+
+
+def test_deepspeed_015_moe_serves_every_master_and_moment(mounter, tmp_path):
+    want = engine_states(DS015_MOE)
+    assert len([n for n in want if ".deepspeed_experts." in n]) == 2 * 4 * 4
+    with mounter(DS015_MOE, index=tmp_path / "ix") as m:
+        cj = json.loads((m.path / "checkpoint.json").read_text())
+        assert cj["broken"] == [], cj["broken"][:3]
+        assert not any("expp_rank" in p for p in cj["problems"]), cj["problems"]
+        assert any("records no param_shapes" in p and "rebuilt from the optimizer files" in p
+                   for p in cj["problems"]), cj["problems"]
+        assert {p.name for p in (m.path / "params").iterdir()} == set(want)
+        n = 0
+        for g, (states, module) in want.items():
+            d = m.path / "params" / g
+            for state, v in states.items():
+                assert np.array_equal(np.load(d / f"{state}.npy"), v.float().numpy()), (g, state)
+                n += 1
+            assert (d / "param.raw").read_bytes() == module.contiguous().view(torch.uint8).numpy().tobytes(), g
+        assert n == 3 * len(want)  # every dense and expert fp32 master, exp_avg and exp_avg_sq
+    r = run([ckptfs_bin(), "verify", "--index", str(tmp_path / "ix"), str(DS015_MOE), "--json"])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert json.loads(r.stdout)["findings"] == []
 
 
 def test_verify_finds_nothing(scenario, bin_path):

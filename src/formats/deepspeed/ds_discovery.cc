@@ -140,6 +140,8 @@ Status Reader::Discover() {
   std::map<int, std::string> model_files;
   std::map<std::pair<int, int>, std::string> z3_models, optim_files, layers;  // layers: (layer, tp)
   std::map<std::tuple<int, int, int>, std::string> expert_names;              // (mp, layer, expert)
+  // expp_rank_<r>_mp_rank_XX_optim_states.pt: DeepSpeed <= 0.15's MoE saves.
+  std::vector<std::string> expp_names;
   std::string opt_prefix;
   for (const auto& e : fs::directory_iterator(dir + "/" + prefix, ec)) {
     std::string n = e.path().filename().string();
@@ -158,7 +160,7 @@ Status Reader::Discover() {
     } else if (RE2::FullMatch(n, ExpertFileRe(), &a, &b, &c)) {
       expert_names[{c, a, b}] = n;
     } else if (n.starts_with("expp_rank_")) {
-      problems.push_back("MoE expert optimizer file " + prefix + n + " is not read (MoE is not supported yet)");
+      expp_names.push_back(n);
     }
   }
   if (ec) return ErrnoStatus("list", dir + "/" + prefix, ec.value());
@@ -281,6 +283,39 @@ Status Reader::Discover() {
     }
     for (const auto& [k, v] : sd->dict) {
       if (k->IsStr() && v->kind == PyKind::kTensor) module[m % tp].Add(k->s, ModuleEntry{&src, v, ""});
+    }
+  }
+  // DeepSpeed <= 0.15's MoE saves add expp_rank_<r>_mp_rank_XX_optim_states.pt:
+  // {'optimizer': None} under ZeRO (the ZeRO files hold the state), else the
+  // engine's own optimizer.state_dict() (MoE without ZeRO), which is not read.
+  std::sort(expp_names.begin(), expp_names.end());
+  for (const std::string& n : expp_names) {
+    const Source& s = *expert_files.emplace_back(files.Open(prefix + n));
+    const PyValue* root_v = s.error.empty() ? s.root() : nullptr;
+    const PyValue* opt = root_v != nullptr && root_v->kind == PyKind::kDict ? root_v->Get("optimizer") : nullptr;
+    if (!s.error.empty()) {
+      problems.push_back(s.error);
+    } else if (opt == nullptr || opt->kind != PyKind::kNone || stage == 0) {
+      problems.push_back(s.rel +
+                         " holds the MoE run's optimizer state_dict without ZeRO (by parameter id, not "
+                         "partitioned), which ckptfs does not map: its parameters have no optimizer state");
+    }
+  }
+  // DeepSpeed <= 0.15 wrote MoE model states without param_shapes.
+  if (stage == 1 || stage == 2) {
+    for (int m = 0; m < mp; ++m) {
+      if (!models[m].error.empty() || !models[m].groups.empty()) continue;
+      Status st = SynthesizeParamShapes(m);
+      if (st.ok()) {
+        problems.push_back(models[m].src->rel +
+                           " records no param_shapes (DeepSpeed <= 0.15 MoE saves): the flat groups' layout is "
+                           "rebuilt from the optimizer files' param_slice_mappings and the module's shapes");
+      } else {
+        problems.push_back(models[m].src->rel +
+                           " records no param_shapes, and they cannot be rebuilt from the "
+                           "optimizer files (" +
+                           st.message() + "): its parameters have no optimizer state");
+      }
     }
   }
   return Status::Ok();

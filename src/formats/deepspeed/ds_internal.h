@@ -219,6 +219,9 @@ struct Reader {
   Status Discover();
   Status Topology(const std::map<std::pair<int, int>, std::string>& layers);
   void ReadModule(const std::map<std::pair<int, int>, std::string>& layers);
+  // ds_param_shapes.cc: a model-states file without param_shapes (DeepSpeed
+  // <= 0.15's MoE saves), rebuilt from the optimizer files' slice mappings.
+  Status SynthesizeParamShapes(int mi);
 
   // zero_geometry.cc: where every fragment of every parameter lies.
   void ComputeGeometry();
