@@ -38,6 +38,10 @@ SCENARIOS = {
     # (several buckets per buffer: overlap_grad_reduce with a small bucket size).
     "dist_dpreshard_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--dist-opt",
                                    "--optim", "dp_reshardable", "--bucket-size", "2000"],
+    # megatron-core driven without Megatron-LM's loop: no args in common.pt, no
+    # run config; the layout is read from the checkpoint and checked per bucket.
+    "dist_noargs_dpreshard_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--dist-opt",
+                                          "--optim", "dp_reshardable", "--bucket-size", "2000", "--no-args"],
     # The older default: DP rank 0's gathered buffers in one ShardedObject, buckets
     # coalesced (their sizes come from the replay and args.ddp_bucket_size).
     "dist_dpzero_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16", "--dist-opt",
@@ -518,17 +522,20 @@ def read_errno(p):
     return 0
 
 
-def copy_fixture(megatron_fixtures, tmp_path):
+def copy_fixture(megatron_fixtures, tmp_path, scenario=DPRESHARD):
     src = tmp_path / "ck"
-    shutil.copytree(megatron_fixtures / DPRESHARD, src, ignore=shutil.ignore_patterns(".ckptfs"))
+    shutil.copytree(megatron_fixtures / scenario, src, ignore=shutil.ignore_patterns(".ckptfs"))
     return src
 
 
-def test_dp_reshardable_per_bucket_numel_contradicting_the_buffer(megatron_fixtures, mounter, tmp_path):
+@pytest.mark.parametrize("scenario", [DPRESHARD, "dist_noargs_dpreshard_tp2_pp2_dp2"])
+def test_dp_reshardable_per_bucket_numel_contradicting_the_buffer(megatron_fixtures, mounter, tmp_path, scenario):
     """per_bucket_numel_unpadded of TP 0 / PP 1 rewritten (torch.save, same length)
     to disagree with its bucket tensor: that stage's optimizer states are EIO with
-    the reason (log and checkpoint.json), its weights and stage 0's states are served."""
-    src = copy_fixture(megatron_fixtures, tmp_path)
+    the reason (log and checkpoint.json), its weights and stage 0's states are served.
+    Without args (the layout read from the checkpoint) the check refuses the same
+    bucket, and only it."""
+    src = copy_fixture(megatron_fixtures, tmp_path, scenario)
     path, off, n = storage_item(src, "optimizer.distributed.dp_group_idx_2.per_bucket_numel_unpadded/shard_0_1")
     data = bytearray(path.read_bytes())
     obj = torch.load(io.BytesIO(bytes(data[off:off + n])), weights_only=False)
@@ -539,7 +546,7 @@ def test_dp_reshardable_per_bucket_numel_contradicting_the_buffer(megatron_fixtu
     assert len(buf.getvalue()) == n
     data[off:off + n] = buf.getvalue()
     path.write_bytes(bytes(data))
-    ref = reference(src, SCENARIOS[DPRESHARD])
+    ref = reference(src, SCENARIOS[scenario])
     with mounter(src) as m:
         params = m.path / "params"
         assert read_errno(params / STAGE1 / "exp_avg.npy") == errno.EIO

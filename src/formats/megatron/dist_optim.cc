@@ -332,8 +332,12 @@ class Mapper {
                               const std::vector<int64_t>* padded) const;
   void Emit();
 
+  // No args and no run config (megatron-core driven by a loop of its own):
+  // the layout facts the replay needs, read from the checkpoint itself.
+  std::string InferLayout();
+
   const std::string& dir_;
-  const ModelFacts& f_;
+  ModelFacts f_;  // a copy: InferLayout fills in what the run did not record
   Checkpoint& ck_;
   std::map<std::tuple<int64_t, int64_t, int64_t>, Buffer> buffers_;  // (chain, M, gbuf)
   std::map<std::pair<int64_t, int64_t>, uint32_t> unpadded_rec_,
@@ -680,8 +684,60 @@ void Mapper::Emit() {
   }
 }
 
+// The facts a run without args or a run config leaves out, from the
+// checkpoint: num_layers from the layer numbers of the parameters, PP from the
+// model-parallel ranks that saved optimizer buffers (dp_group_idx_<M>, M over
+// PP x TP), the embedding tied when no output_layer.weight was saved, the
+// local layer spec when its norms are modules of their own; megatron-core's
+// DDP defaults for the rest (no virtual pipeline, even stages, buckets as
+// recorded). The replay checks every bucket against per_bucket_numel_unpadded,
+// so a wrong guess is refused there, naming the bucket. Empty on success,
+// else why nothing is inferred.
+std::string Mapper::InferLayout() {
+  int64_t layers = -1;
+  bool output_layer = false, fused_norms = false, separate_norms = false, experts = false;
+  for (const TensorRecord& t : ck_.tensors) {
+    if (t.role != Role::kParam) continue;
+    int64_t layer = -1;
+    RenumberLayer(t.fqn, 0, &layer);
+    layers = std::max(layers, layer);
+    output_layer |= t.fqn == "output_layer.weight";
+    fused_norms |= t.fqn.find(".linear_qkv.layer_norm_weight") != std::string::npos;
+    separate_norms |= t.fqn.find(".input_layernorm.weight") != std::string::npos;
+    experts |= t.fqn.find(".experts.") != std::string::npos;
+  }
+  if (layers < 0) return "no parameter has a layer number";
+  if (experts) return "an MoE model: the experts' parallel sizes are not in the checkpoint";
+  std::set<int64_t> ranks;
+  for (const auto& [key, buf] : buffers_) ranks.insert(std::get<1>(key));
+  const int64_t mps = static_cast<int64_t>(ranks.size());
+  if (mps == 0 || mps % f_.tp != 0 || *ranks.rbegin() != mps - 1) {
+    return std::to_string(mps) + " model-parallel ranks saved optimizer buffers, not a multiple of TP " +
+           std::to_string(f_.tp);
+  }
+  f_.num_layers = layers + 1;
+  f_.pp = mps / f_.tp;
+  f_.vp = 1;
+  f_.tied = !output_layer;
+  f_.local_impl = separate_norms && !fused_norms;
+  ck_.info.format_note += std::string(ck_.info.format_note.empty() ? "" : "; ") + "distributed-optimizer layout " +
+                          "read from the checkpoint: " + std::to_string(f_.num_layers) + " layers, PP " +
+                          std::to_string(f_.pp) + (f_.tied ? ", tied embeddings" : "") +
+                          ", megatron-core's DDP defaults, checked against per_bucket_numel_unpadded";
+  return "";
+}
+
 void Mapper::Run() {
   if (!Collect()) return;
+  if (f_.tp > 0 && f_.num_layers < 0) {
+    if (std::string why = InferLayout(); !why.empty()) {
+      ck_.info.problems.push_back(
+          "distributed-optimizer states are shown under other/ and not mapped: neither args in common.pt nor a run "
+          "config give the layout to replay the buffers, and it cannot be read from the checkpoint: " +
+          why);
+      return;
+    }
+  }
   if (f_.tp <= 0 || f_.num_layers < 0) {
     ck_.info.problems.push_back(
         "distributed-optimizer states are shown under other/ and not mapped: neither args in common.pt nor a run "
