@@ -30,7 +30,8 @@ PY=.venv/bin/python
 want=(numpy:numpy)
 [[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout pytest-xdist:xdist
                                      deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors transformers:transformers
-                                     accelerate:accelerate scikit-build-core:scikit_build_core nanobind:nanobind)
+                                     accelerate:accelerate scikit-build-core:scikit_build_core nanobind:nanobind
+                                     lightning:lightning)
 need=()
 for w in "${want[@]}"; do
   req=${w%%:*}

@@ -16,7 +16,16 @@ std::string Join(const std::vector<std::string>& v, size_t from) {
   return out;
 }
 
-bool IsOptimizerRoot(const std::string& s) { return s == "optimizer" || s == "optim" || s == "optimizers"; }
+// "optimizer" (torch's get_state_dict, Fabric, Accelerate), "optim"
+// (torchtitan), "optimizer_<k>" (Lightning's Trainer: its k-th optimizer).
+bool IsOptimizerRoot(const std::string& s) {
+  if (s == "optimizer" || s == "optim" || s == "optimizers") return true;
+  return s.size() > 10 && s.rfind("optimizer_", 0) == 0 &&
+         std::all_of(s.begin() + 10, s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+// The roots a model's state dict sits under: "model" (torch's get_state_dict,
+// Fabric, Accelerate), "state_dict" (Lightning's Trainer).
+bool IsModelRoot(const std::string& s) { return s == "model" || s == "state_dict"; }
 bool IsNonModelRoot(const std::string& s) {
   static const std::set<std::string> kRoots = {"lr_scheduler", "scheduler",   "dataloader", "train_state",
                                                "extra",        "extra_state", "rng",        "rng_state",
@@ -43,7 +52,7 @@ bool SplitByKnownFqn(const std::string& rest, const std::set<std::string>& fqns,
 void ClassifyStateDict(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths) {
   bool has_model_root = false;
   for (const auto& p : paths) {
-    if (p.size() > 1 && p[0] == "model") has_model_root = true;
+    if (p.size() > 1 && IsModelRoot(p[0])) has_model_root = true;
   }
   std::set<std::string> fqns;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -53,7 +62,7 @@ void ClassifyStateDict(std::vector<TensorRecord>& tensors, const std::vector<std
     t.fqn = t.key;
     t.state.clear();
     if (t.encoding != Encoding::kTensor) continue;
-    if (p.size() > 1 && p[0] == "model") {
+    if (p.size() > 1 && IsModelRoot(p[0])) {
       t.role = Role::kParam;
       t.fqn = Join(p, 1);
     } else if (p.size() == 1 && !has_model_root && !IsNonModelRoot(p[0].substr(0, p[0].find('.'))) &&
@@ -81,9 +90,9 @@ void ClassifyStateDict(std::vector<TensorRecord>& tensors, const std::vector<std
       if (rest.rfind("state.", 0) == 0) ok = SplitByKnownFqn(rest.substr(6), fqns, &fqn, &state);
     } else if (p.size() == 1) {
       const std::string& k = p[0];
-      for (const char* root : {"optimizer.state.", "optim.state."}) {
-        if (k.rfind(root, 0) == 0) ok = SplitByKnownFqn(k.substr(std::strlen(root)), fqns, &fqn, &state);
-        if (ok) break;
+      const size_t dot = k.find(".state.");
+      if (dot != std::string::npos && IsOptimizerRoot(k.substr(0, dot))) {
+        ok = SplitByKnownFqn(k.substr(dot + 7), fqns, &fqn, &state);
       }
     }
     if (ok && !state.empty()) {

@@ -14,11 +14,14 @@ namespace ckptfs::formats {
 
 // Sets role / fqn / state of every tensor-encoded record; `paths[i]` is
 // tensors[i]'s path (dict keys; list indices as decimal strings).
-//  - ("model", <fqn parts>...) -> parameter <fqn>;
-//  - a bare top-level key (no "model" root, not a known non-model root such
+//  - ("model"|"state_dict", <fqn parts>...) -> parameter <fqn> ("state_dict":
+//    Lightning's Trainer);
+//  - a bare top-level key (no model root, not a known non-model root such
 //    as optimizer / lr_scheduler / train_state) -> parameter <key>;
-//  - ("optimizer"|"optim", "state", <fqn>, <state>...) and the flattened
-//    "optimizer.state.<fqn>.<state>" -> optimizer state <state> of <fqn>;
+//  - ("optimizer"|"optim"|"optimizer_<k>", "state", <fqn>, <state>...) and the
+//    flattened "optimizer.state.<fqn>.<state>" (also optim., optimizer_<k>.:
+//    Lightning's Trainer names its k-th optimizer so) -> optimizer state
+//    <state> of <fqn>;
 //  - anything else -> other/.
 void ClassifyStateDict(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths);
 

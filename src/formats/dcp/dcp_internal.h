@@ -66,13 +66,20 @@ struct DcpSave {
   std::string prefix;
   std::vector<std::pair<uint32_t, std::string>> meta;  // (rank, file name)
   std::set<uint32_t> data_ranks;                       // ranks of its __<rank>_<n>.distcp files
+  // A folder of Lightning checkpoints (a Trainer's checkpoints/): the other
+  // checkpoint directories there, which this mount does not read.
+  std::vector<std::string> others;
   bool rank_local() const { return !meta.empty() && meta[0].second != ".metadata"; }
 };
 
 // The DCP saves that make up the checkpoint at `dir`: the directory itself,
 // or Accelerate's FSDP layout (what HF Trainer's checkpoint-N/ holds with
 // SHARDED_STATE_DICT): the model in pytorch_model_fsdp_0/ and its optimizer
-// in optimizer_0/, two DCP saves read as one checkpoint. Empty when none.
+// in optimizer_0/, two DCP saves read as one checkpoint; or a folder of
+// Lightning checkpoints (a Trainer's checkpoints/ of `<name>.ckpt/`
+// directories, each a DCP save with meta.pt): the latest by the step in its
+// name (Lightning's `step=<N>`), else by its .metadata's mtime. Names only.
+// Empty when none.
 std::vector<DcpSave> FindSaves(const std::string& dir);
 
 // Streaming: the dicts whose entries the pickle VM handed over (they must be

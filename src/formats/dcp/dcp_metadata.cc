@@ -138,6 +138,35 @@ std::vector<DcpSave> FindSaves(const std::string& dir) {
     if (!s.meta.empty()) out.push_back(std::move(s));
   }
   if (!out.empty() && out[0].prefix != "pytorch_model_fsdp_0/") out.clear();  // an optimizer without its model
+  if (!out.empty()) return out;
+  // Lightning's checkpoints/ folder: real directories (a symlink, such as a
+  // last.ckpt link, is not followed) holding a DCP save and meta.pt.
+  static const RE2 kStepRe(R"((?:^|[-_=.])step=([0-9]{1,18})(?:[-_.]|$))");
+  struct Candidate {
+    int64_t step;
+    int64_t mtime_ns;
+    std::string name;
+  };
+  std::vector<Candidate> found;
+  for (const std::string& name : ListDirectory(dir)) {
+    struct stat st {
+    }, meta{}, lmeta{};
+    const std::string d = dir + "/" + name;
+    if (::lstat(d.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) continue;
+    if (::lstat((d + "/meta.pt").c_str(), &lmeta) != 0 || !S_ISREG(lmeta.st_mode)) continue;
+    if (::lstat((d + "/.metadata").c_str(), &meta) != 0 || !S_ISREG(meta.st_mode)) continue;
+    int64_t step = -1;
+    RE2::PartialMatch(name, kStepRe, &step);
+    found.push_back({step, static_cast<int64_t>(meta.st_mtim.tv_sec) * 1000000000 + meta.st_mtim.tv_nsec, name});
+    if (found.size() > 100000) break;  // bounded: a folder of checkpoints, not of files
+  }
+  if (found.empty()) return out;
+  std::sort(found.begin(), found.end(), [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.step, a.mtime_ns, a.name) > std::tie(b.step, b.mtime_ns, b.name);
+  });
+  DcpSave latest = FindSave(dir, found[0].name + "/");
+  for (size_t i = 1; i < found.size(); ++i) latest.others.push_back(found[i].name);
+  out.push_back(std::move(latest));
   return out;
 }
 

@@ -4,6 +4,7 @@
 #include "formats/dcp/dcp_reader.h"
 
 #include <re2/re2.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "formats/dcp/dcp_internal.h"
 #include "formats/pickle.h"
 #include "formats/state_dict_roles.h"
+#include "formats/torch_file.h"
 #include "formats/torch_save.h"
 
 namespace ckptfs::formats::dcp {
@@ -54,6 +56,39 @@ int64_t FindStep(const std::string& dir, const Checkpoint& ck, const OpenFiles& 
   return -1;
 }
 
+// Lightning's sharded checkpoints (Trainer with ModelParallelStrategy or FSDP
+// sharded state dicts, Fabric) keep the loop state beside the DCP files in
+// meta.pt: {global_step, epoch, loops, callbacks, ...}. Served as
+// other/meta.pt; its global_step is the checkpoint's step.
+void ReadLightningMeta(DcpReader& r) {
+  const std::string prefix = r.saves.size() == 1 ? r.saves[0].prefix : "";
+  if (r.saves.size() == 1 && !r.saves[0].others.empty()) {
+    std::string names;
+    for (size_t i = 0; i < r.saves[0].others.size() && i < 8; ++i) names += (i ? ", " : "") + r.saves[0].others[i];
+    if (r.saves[0].others.size() > 8) names += ", ...";
+    r.ck.info.problems.push_back(r.dir + " is a folder of " + std::to_string(r.saves[0].others.size() + 1) +
+                                 " Lightning checkpoints: this mount reads the latest, " +
+                                 prefix.substr(0, prefix.size() - 1) + "; the others (" + names +
+                                 ") are read by mounting them");
+  }
+  struct stat st {};
+  if (::lstat((r.dir + "/" + prefix + "meta.pt").c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  Files files;
+  files.dir = r.dir;
+  files.ck = &r.ck;
+  auto src = files.Open(prefix + "meta.pt");
+  const PyValue* root = src->error.empty() ? src->root() : nullptr;
+  if (root != nullptr && root->kind == PyKind::kDict) {
+    if (const PyValue* g = root->Get("global_step"); g != nullptr && g->kind == PyKind::kInt) r.ck.info.step = g->i;
+  } else if (!src->error.empty()) {
+    r.ck.info.problems.push_back(src->error);
+  }
+  TensorRecord t;
+  t.key = "meta.pt";
+  if (src->fd < 0) t.error = src->error;
+  r.ck.AddFileBytes(src->file, std::move(t));
+}
+
 // What follows from the finished records: each entry's state-dict role, the
 // world size (from the data files' names) and the training step.
 void Conclude(DcpReader& r) {
@@ -69,6 +104,7 @@ void Conclude(DcpReader& r) {
     }
   }
   ck.info.step = FindStep(r.dir, ck, r.files);
+  ReadLightningMeta(r);
 }
 
 }  // namespace

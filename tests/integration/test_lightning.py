@@ -1,0 +1,68 @@
+"""PyTorch Lightning Trainer checkpoints (tests/fixtures/make_lightning.py: the
+real Trainer, ModelParallelStrategy / FSDP2 on 2 gloo ranks, a checkpoint
+after every step): the model under `state_dict.` and AdamW's state under
+`optimizer_0.state.<fqn>.<state>` land under params/, the step comes from
+Lightning's meta.pt, and the Trainer's checkpoints/ folder mounts its latest
+checkpoint and names the others."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, fixture_lock, run_producer
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lightning")
+
+STEPS = 3
+
+
+@pytest.fixture(scope="session")
+def lightning_run(tmp_path_factory):
+    base = os.environ.get("CKPTFS_FIXTURE_CACHE")
+    out = Path(base) / "lightning" if base else tmp_path_factory.mktemp("lightning")
+    with fixture_lock(out):
+        if not (out / "reference.pt").exists():
+            run_producer([sys.executable, str(FIXTURES / "make_lightning.py"), str(out), "--steps", str(STEPS)], out,
+                         dict(os.environ, PYTHONWARNINGS="ignore"))
+    return out
+
+
+def check_against_reference(mnt, ref):
+    params = mnt / "params"
+    assert {p.name for p in params.iterdir()} == set(ref["model"])
+    for fqn, w in ref["model"].items():
+        np.testing.assert_array_equal(np.load(params / fqn / "param.npy"), w.numpy(), err_msg=fqn)
+        for state in ("exp_avg", "exp_avg_sq", "step"):
+            want = ref["optim"][fqn][state]
+            np.testing.assert_array_equal(np.load(params / fqn / f"{state}.npy"), want.numpy(), err_msg=(fqn, state))
+
+
+def test_trainer_checkpoint_states_under_params_and_step_from_meta(lightning_run, mounter, tmp_path):
+    ref = torch.load(lightning_run / "reference.pt", weights_only=False)
+    ck = lightning_run / "checkpoints" / f"epoch=0-step={STEPS}.ckpt"
+    with mounter(ck, index=tmp_path / "ix") as m:
+        cj = json.loads((m.path / "checkpoint.json").read_text())
+        assert cj["step"] == ref["global_step"] == STEPS
+        assert not any(p.name.startswith("optimizer_0.state.") for p in (m.path / "other").iterdir())
+        check_against_reference(m.path, ref)
+        meta = torch.load(m.path / "other" / "meta.pt", weights_only=False)  # Lightning's own, verbatim
+        assert meta["global_step"] == STEPS and "loops" in meta
+
+
+def test_trainer_checkpoints_folder_mounts_the_latest(lightning_run, mounter, tmp_path):
+    ref = torch.load(lightning_run / "reference.pt", weights_only=False)
+    with mounter(lightning_run / "checkpoints", index=tmp_path / "ix") as m:
+        cj = json.loads((m.path / "checkpoint.json").read_text())
+        assert cj["step"] == STEPS
+        note = [p for p in cj["problems"] if "Lightning checkpoints" in p]
+        assert len(note) == 1 and f"epoch=0-step={STEPS}.ckpt;" in note[0], cj["problems"]
+        assert "epoch=0-step=1.ckpt" in note[0] and "epoch=0-step=2.ckpt" in note[0]
+        check_against_reference(m.path, ref)
+        # dcp/ hands the same state to torch's own DCP reader.
+        from torch.distributed.checkpoint import FileSystemReader
+        md = FileSystemReader(str(m.path / "dcp")).read_metadata()
+        assert {f"optim.state.{fqn}.exp_avg" for fqn in ref["model"]} <= set(md.state_dict_metadata)
