@@ -406,22 +406,28 @@ TEST_F(HfExportTest, ConfigFileDecidesForOtherFamilies) {
   EXPECT_NE(Errors(*p).find("cannot parse " + dir_.path() + "/config.json"), std::string::npos) << Errors(*p);
 }
 
+// Meta's reference names (torchtitan 0.2's too) of one layer: dim 8, 2 query
+// heads and 1 key-value head of head_dim 4, ffn 6, vocabulary 10.
+std::map<std::string, std::vector<int64_t>> MetaLayerNames() {
+  return {{"tok_embeddings.weight", {10, 8}},
+          {"norm.weight", {8}},
+          {"output.weight", {10, 8}},
+          {"layers.0.attention_norm.weight", {8}},
+          {"layers.0.attention.wq.weight", {8, 8}},
+          {"layers.0.attention.wk.weight", {4, 8}},
+          {"layers.0.attention.wv.weight", {4, 8}},
+          {"layers.0.attention.wo.weight", {8, 8}},
+          {"layers.0.ffn_norm.weight", {8}},
+          {"layers.0.feed_forward.w1.weight", {6, 8}},
+          {"layers.0.feed_forward.w2.weight", {8, 6}},
+          {"layers.0.feed_forward.w3.weight", {6, 8}}};
+}
+
 TEST_F(HfExportTest, TorchtitanNamesWithTheirRopePermutation) {
   family_ = Family::kPytorchDcp;
   args_ = nullptr;
   // dim 8, 2 query heads and 1 key-value head of head_dim 4, ffn 6, vocabulary 10.
-  params_ = {{"tok_embeddings.weight", {10, 8}},
-             {"norm.weight", {8}},
-             {"output.weight", {10, 8}},
-             {"layers.0.attention_norm.weight", {8}},
-             {"layers.0.attention.wq.weight", {8, 8}},
-             {"layers.0.attention.wk.weight", {4, 8}},
-             {"layers.0.attention.wv.weight", {4, 8}},
-             {"layers.0.attention.wo.weight", {8, 8}},
-             {"layers.0.ffn_norm.weight", {8}},
-             {"layers.0.feed_forward.w1.weight", {6, 8}},
-             {"layers.0.feed_forward.w2.weight", {8, 6}},
-             {"layers.0.feed_forward.w3.weight", {6, 8}}};
+  params_ = MetaLayerNames();
   auto p = Plan();
   ASSERT_TRUE(p.ok());
   EXPECT_EQ(p->architecture, "");
@@ -616,18 +622,7 @@ TEST_F(HfExportTest, MegatronMoeRunsAreMixtralOrQwen3MoeByTheirQkNorms) {
 TEST_F(HfExportTest, MetaParamsJsonGivesTheConfig) {
   family_ = Family::kMetaConsolidated;
   args_ = nullptr;
-  params_ = {{"tok_embeddings.weight", {10, 8}},
-             {"norm.weight", {8}},
-             {"output.weight", {10, 8}},
-             {"layers.0.attention_norm.weight", {8}},
-             {"layers.0.attention.wq.weight", {8, 8}},
-             {"layers.0.attention.wk.weight", {4, 8}},
-             {"layers.0.attention.wv.weight", {4, 8}},
-             {"layers.0.attention.wo.weight", {8, 8}},
-             {"layers.0.ffn_norm.weight", {8}},
-             {"layers.0.feed_forward.w1.weight", {6, 8}},
-             {"layers.0.feed_forward.w2.weight", {8, 6}},
-             {"layers.0.feed_forward.w3.weight", {6, 8}}};
+  params_ = MetaLayerNames();
   ckptfs::testing::WriteFile(dir_.path() + "/params.json",
                              R"({"dim": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "vocab_size": -1,
                                  "norm_eps": 1e-05, "rope_theta": 500000.0, "use_scaled_rope": true})");
