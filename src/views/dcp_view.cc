@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <string_view>
 #include <unordered_map>
 #include <variant>
@@ -198,7 +199,8 @@ std::string Readme(const DcpTree& tree, size_t keys, size_t masters) {
       "else the weight (params/<fqn>/info.json says which); optim.state.<fqn>.<state> for every\n"
       "other optimizer state (exp_avg, exp_avg_sq, step, ...), also offered as\n"
       "optimizer.state.<fqn>.<state> (Lightning Fabric, Accelerate; the same bytes, read once);\n"
-      "other entries under their own keys.\n"
+      "the optimizer's param groups, where the source saved them, as optim.param_groups.<i>.<name>\n"
+      "(and optimizer.param_groups.<i>.<name>); other entries under their own keys.\n"
       "Each tensor's chunks are the source's row blocks where those tile it, else row blocks of\n"
       "at most 256 MiB. Nothing is converted ahead: every item is rendered from the source\n"
       "shards when it is read.\n\n";
@@ -211,6 +213,19 @@ std::string Readme(const DcpTree& tree, size_t keys, size_t masters) {
     for (const std::string& l : tree.left_out) s += "  " + l + "\n";
   }
   return s;
+}
+
+}  // namespace
+
+namespace {
+
+// "<i>.<hyperparameter>" of a source key optimizer.param_groups.<i>.<h>
+// (also optim., Lightning's optimizer_0.); empty for any other key.
+std::string_view ParamGroupsRest(std::string_view key) {
+  for (std::string_view root : {"optimizer.param_groups.", "optim.param_groups.", "optimizer_0.param_groups."}) {
+    if (key.size() > root.size() && key.substr(0, root.size()) == root) return key.substr(root.size());
+  }
+  return {};
 }
 
 }  // namespace
@@ -228,6 +243,7 @@ Result<DcpPlan> PlanDcp(const Index& index) {
     if (t.role == Role::kOptimState && t.state == "fp32" && t.dtype == DType::kF32) masters.emplace(t.fqn, i);
   }
   std::map<std::string, DcpEntry> entries;  // by key: the items' order
+  std::set<std::string> groups_seen;
   auto add = [&](std::string key, std::vector<PathElem> path, uint32_t id) {
     const TensorRecord& t = ts[id];
     auto [it, fresh] = entries.try_emplace(key);
@@ -280,20 +296,35 @@ Result<DcpPlan> PlanDcp(const Index& index) {
       add("optim.state." + name + "." + t.state, {std::string("optim"), std::string("state"), name, t.state}, i);
       continue;
     }
+    // The optimizer's param groups as torch's get_state_dict names them
+    // (optim.param_groups.<i>.<hyperparameter>, ".params" the FQNs), from a
+    // DCP source that saved them under optimizer / optim / optimizer_0
+    // (Lightning's first optimizer); the same bytes.
+    if (const std::string_view rest = ParamGroupsRest(t.key); !rest.empty() && t.encoding == Encoding::kBytes) {
+      const std::string key = "optim.param_groups." + std::string(rest);
+      if (!groups_seen.insert(key).second) continue;  // optimizer. and optim. both: the first
+      add(key, {key}, i);
+      continue;
+    }
     // Other entries keep their source key, flattened as it is: its nesting
     // cannot be told from the dots (a DCP source's "rng_state/shard_0.0_1").
     add(t.key, {t.key}, i);
   }
 
-  // optimizer.state.<fqn>.<state> beside optim.state.<fqn>.<state>, where no
-  // entry of the checkpoint has that key already.
+  // optimizer.state.<fqn>.<state> beside optim.state.<fqn>.<state> (and the
+  // same for param_groups), where no entry of the checkpoint has that key
+  // already.
   for (auto& [key, e] : entries) {
-    constexpr std::string_view kOptim = "optim.state.";
+    constexpr std::string_view kOptim = "optim.";
     if (key.compare(0, kOptim.size(), kOptim) != 0) continue;
-    std::string alias = "optimizer.state." + key.substr(kOptim.size());
+    std::string alias = "optimizer." + key.substr(kOptim.size());
     if (entries.count(alias)) continue;
     e.alias_path = e.path;
-    e.alias_path[0] = std::string("optimizer");
+    if (e.alias_path.size() == 1) {
+      e.alias_path[0] = alias;  // a flattened key (param_groups)
+    } else {
+      e.alias_path[0] = std::string("optimizer");
+    }
     e.alias = std::move(alias);
   }
   plan.entries.reserve(entries.size());

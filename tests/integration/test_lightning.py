@@ -66,3 +66,28 @@ def test_trainer_checkpoints_folder_mounts_the_latest(lightning_run, mounter, tm
         from torch.distributed.checkpoint import FileSystemReader
         md = FileSystemReader(str(m.path / "dcp")).read_metadata()
         assert {f"optim.state.{fqn}.exp_avg" for fqn in ref["model"]} <= set(md.state_dict_metadata)
+
+
+def test_a_plain_torch_loop_resumes_from_dcp_view(lightning_run, mounter, tmp_path):
+    """The resume a framework does with torch's own API, unmodified: get_state_dict
+    of a fresh model and AdamW, dcp.load from the mount's dcp/ with the default
+    (strict) planner, set_state_dict. Weights, Adam moments, step counts and the
+    param groups' hyperparameters all come back as the Trainer left them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    sys.path.insert(0, str(FIXTURES))
+    from make_lightning import Net
+    ref = torch.load(lightning_run / "reference.pt", weights_only=False)
+    model = Net()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, foreach=False)
+    msd, osd = get_state_dict(model, optim)
+    sd = {"model": msd, "optim": osd}
+    with mounter(lightning_run / "checkpoints", index=tmp_path / "ix") as m:
+        dcp.load(sd, storage_reader=FileSystemReader(str(m.path / "dcp")), no_dist=True)
+    set_state_dict(model, optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.1
+    for fqn, p in model.named_parameters():
+        assert torch.equal(p.detach(), ref["model"][fqn]), fqn
+        for state in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optim.state[p][state], ref["optim"][fqn][state]), (fqn, state)
