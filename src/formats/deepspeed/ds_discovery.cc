@@ -290,7 +290,7 @@ Status Reader::Discover() {
   // engine's own optimizer.state_dict() (MoE without ZeRO), which is not read.
   std::sort(expp_names.begin(), expp_names.end());
   for (const std::string& n : expp_names) {
-    const Source& s = *expert_files.emplace_back(files.Open(prefix + n));
+    const Source& s = *expp_files.emplace_back(files.Open(prefix + n));
     const PyValue* root_v = s.error.empty() ? s.root() : nullptr;
     const PyValue* opt = root_v != nullptr && root_v->kind == PyKind::kDict ? root_v->Get("optimizer") : nullptr;
     if (!s.error.empty()) {

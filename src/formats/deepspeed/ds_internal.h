@@ -197,6 +197,7 @@ struct Reader {
   std::vector<std::unique_ptr<Source>> layer_files;   // PipelineEngine layer_XX-model_TT files
   std::vector<ModuleCopy> module;                     // per TP rank
   std::vector<std::unique_ptr<Source>> expert_files;  // MoE layer_L_expert_E_mp_rank_MM files
+  std::vector<std::unique_ptr<Source>> expp_files;    // DeepSpeed <= 0.15's expp_rank_<r>_mp_rank_MM optim files
   std::set<std::string> experts;                      // MoE expert parameters (global names)
   std::vector<std::vector<OptimRank>> optim;          // [dp][mp]
   int mp = 0, tp = 0, pp = 1, dp = 0, stage = 0;
