@@ -27,7 +27,7 @@ DATA = ROOT / "tests" / "data"
 COMMITTED = [
     "dcp_single", "dcp_torch113/ckpt", "dcp_torch2x/2.0.1/ckpt", "dcp_torch2x/2.14.1/ckpt", "dcp_hf_sharded",
     "ds_py3112/z1_fp32_dp1", "ds_py3112/z2_fp32_dp3", "ds_py3112/z1_bf16_dp4", "ds_py3112/z2_bf16_tp2_dp2",
-    "ds_py3112/bf16opt_dp2", "ds_py3112/padspan_z2_dp4", "ds_py3112/padspan_bf16opt_dp4",
+    "ds_py3112/bf16opt_dp2", "ds_py3112/padspan_z2_dp4", "ds_py3112/padspan_bf16opt_dp4", "ds_py3112/moe_z2_bf16_dp2_ep2",
     "meta_llama_mp2/mp2", "verl_fsdp2/global_step_1/actor", "verl_fsdp1/global_step_1/actor",
     "verl_hsdp/global_step_1/actor", "accelerate_fsdp1_rank",
     "megatron_versions/mcore0.14.0-dist_distopt_tp2_pp2_dp2", "megatron_versions/mcore0.15.0-dist_tp2_pp2",
