@@ -69,6 +69,8 @@ def main():
                         (data / "dcp_torch2x" / "2.0.1" / "ckpt", 300_000, ())],
             "deepspeed_dir": [(data / "ds_py3112" / "padspan_z2_dp4", 300_000, ()),
                               (data / "ds_py3112" / "z1_fp32_dp1", 300_000, ()),
+                              # DeepSpeed 0.15's MoE: no param_shapes, expp_rank files.
+                              (data / "ds_py3112" / "moe_z2_bf16_dp2_ep2", 300_000, ()),
                               (fx / "deepspeed_moe" / "dp2_ep2_s2_fp32", 300_000, ()),
                               (fx / "deepspeed_pipe" / "pp2_dp2_fp32", 300_000, ())],
             "megatron_legacy_dir": [(fx / "megatron" / "legacy_tp1_pp1", 1_200_000, ())],

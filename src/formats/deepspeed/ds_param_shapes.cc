@@ -66,6 +66,10 @@ Status Reader::SynthesizeParamShapes(int mi) {
         if (!key->IsStr() || !FragmentAddress(addr, &numel, &start) || numel < 0 || start < 0) {
           return Invalid(o.src->rel + ": param_slice_mappings[" + std::to_string(g) + "] has an unreadable entry");
         }
+        if (start > S || numel > S - start) {  // also keeps the sums below from overflowing
+          return Invalid(o.src->rel + ": param_slice_mappings[" + std::to_string(g) + "] puts '" + key->s +
+                         "' outside the rank's " + std::to_string(S) + "-element partition");
+        }
         auto [it, fresh] = at.emplace(key->s, std::make_pair(k * S + start, numel));
         if (!fresh) {
           it->second.first = std::min(it->second.first, k * S + start);

@@ -707,6 +707,9 @@ std::string Mapper::InferLayout() {
     experts |= t.fqn.find(".experts.") != std::string::npos;
   }
   if (layers < 0) return "no parameter has a layer number";
+  if (layers >= static_cast<int64_t>(ck_.tensors.size())) {
+    return "the layer numbers reach " + std::to_string(layers) + ", more than the checkpoint has records";
+  }
   if (experts) return "an MoE model: the experts' parallel sizes are not in the checkpoint";
   std::set<int64_t> ranks;
   for (const auto& [key, buf] : buffers_) ranks.insert(std::get<1>(key));

@@ -122,6 +122,7 @@ const std::map<std::string, Seed>& SeedFamilies() {
       {"deepspeed_pipe_pp2_dp2_fp32", Family::kDeepSpeed},
       {"ds_py3112_padspan_z2_dp4", Family::kDeepSpeed},
       {"ds_py3112_z1_fp32_dp1", Family::kDeepSpeed},
+      {"ds_py3112_moe_z2_bf16_dp2_ep2", Family::kDeepSpeed},
       {"megatron_dist_moe_dpreshard_tp2_pp2_ep2", Family::kMegatronTorchDist},
       {"megatron_dist_tp2_pp2_dp2", Family::kMegatronTorchDist},
       {"megatron_zarr_tp2_pp2", Family::kMegatronZarr},
