@@ -237,8 +237,8 @@ def test_megatron_wrapper_roots(mounter, bin_path, tmp_path, root):
 def test_nemo2_checkpoint_without_context(mounter, tmp_path):
     """weights/ without context/ (copied alone, or a NeMo that did not write
     it): TP and SwiGLU come from how mcore sharded the weights, which all map;
-    the distributed-optimizer buckets need the pipeline layout, so they stay
-    under other/ and checkpoint.json says why."""
+    the distributed-optimizer layout (layers, PP, tied embeddings) is read from
+    the checkpoint too and checked per bucket, so every state maps as well."""
     fx = tmp_path / NEMO2
     shutil.copytree(WRAPPED_DIR / NEMO2, fx)
     shutil.rmtree(fx / "checkpoints" / NEMO2_LAST / "context")
@@ -247,10 +247,13 @@ def test_nemo2_checkpoint_without_context(mounter, tmp_path):
         info = json.loads((m.path / "checkpoint.json").read_text())
         assert info["step"] == 7
         assert "NeMo 2 checkpoint" in info["format"] and "TP 2, SwiGLU read from the chunk geometry" in info["format"]
+        assert "distributed-optimizer layout read from the checkpoint" in info["format"], info["format"]
+        assert not any("not mapped" in p for p in info["problems"]), info["problems"]
         for name, r in ref.items():
             np.testing.assert_array_equal(np.load(m.path / "params" / name / "param.npy"), r["param"].float().numpy())
-        assert any("run config" in p and "not mapped" in p for p in info["problems"]), info["problems"]
-        assert not (m.path / "params/embedding.word_embeddings.weight/exp_avg.npy").exists()
+            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+                np.testing.assert_array_equal(np.load(m.path / "params" / name / f"{state}.npy"),
+                                              r[state].float().numpy(), err_msg=(name, state))
         # topo/ splits linear_fc1 as two SwiGLU halves: each TP=4 rank holds [W_r; V_r].
         from safetensors.torch import load_file
         layout = json.loads((m.path / "topo/tp4-pp1/layout.json").read_text())
