@@ -66,6 +66,8 @@ std::vector<Case> FixtureCases() {
     out.push_back({TestName(rel), kData + "/" + rel, "", f, refused, ""});
   };
   add("dcp_single", Family::kPytorchDcp);
+  // The README's bundled sample (samples/, beside tests/).
+  out.push_back({"samples_dcp_tiny", kData + "/../../samples/dcp-tiny", "", Family::kPytorchDcp, 0, ""});
   add("dcp_torch113/ckpt", Family::kPytorchDcp);
   for (const auto& e : fs::directory_iterator(kData + "/dcp_torch2x")) {
     add("dcp_torch2x/" + e.path().filename().string() + "/ckpt", Family::kPytorchDcp);
