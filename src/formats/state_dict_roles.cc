@@ -16,13 +16,15 @@ std::string Join(const std::vector<std::string>& v, size_t from) {
   return out;
 }
 
-// "optimizer" (torch's get_state_dict, Fabric, Accelerate), "optim"
-// (torchtitan), "optimizer_<k>" (Lightning's Trainer: its k-th optimizer).
-bool IsOptimizerRoot(const std::string& s) {
+}  // namespace
+
+bool IsOptimizerRoot(std::string_view s) {
   if (s == "optimizer" || s == "optim" || s == "optimizers") return true;
   return s.size() > 10 && s.rfind("optimizer_", 0) == 0 &&
          std::all_of(s.begin() + 10, s.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
+namespace {
+
 // The roots a model's state dict sits under: "model" (torch's get_state_dict,
 // Fabric, Accelerate), "state_dict" (Lightning's Trainer).
 bool IsModelRoot(const std::string& s) { return s == "model" || s == "state_dict"; }

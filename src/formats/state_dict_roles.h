@@ -6,6 +6,7 @@
 #define CKPTFS_FORMATS_STATE_DICT_ROLES_H_
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ckptfs/model.h"
@@ -23,6 +24,11 @@ namespace ckptfs::formats {
 //    Lightning's Trainer names its k-th optimizer so) -> optimizer state
 //    <state> of <fqn>;
 //  - anything else -> other/.
+// Whether `s` is the top-level key of an optimizer's state dict: "optimizer"
+// (torch's get_state_dict, Fabric, Accelerate), "optim" (torchtitan),
+// "optimizers", "optimizer_<k>" (Lightning's Trainer: its k-th optimizer).
+bool IsOptimizerRoot(std::string_view s);
+
 void ClassifyStateDict(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths);
 
 }  // namespace ckptfs::formats

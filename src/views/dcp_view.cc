@@ -15,6 +15,7 @@
 #include <variant>
 
 #include "formats/pickle_writer.h"
+#include "formats/state_dict_roles.h"
 #include "formats/torch_save_writer.h"
 
 namespace ckptfs::dcp_view {
@@ -219,13 +220,16 @@ std::string Readme(const DcpTree& tree, size_t keys, size_t masters) {
 
 namespace {
 
-// "<i>.<hyperparameter>" of a source key optimizer.param_groups.<i>.<h>
-// (also optim., Lightning's optimizer_0.); empty for any other key.
+// "<i>.<hyperparameter>" of a source key <root>.param_groups.<i>.<h>, root an
+// optimizer's (formats::IsOptimizerRoot) other than Lightning's second and
+// later optimizers; empty for any other key.
 std::string_view ParamGroupsRest(std::string_view key) {
-  for (std::string_view root : {"optimizer.param_groups.", "optim.param_groups.", "optimizer_0.param_groups."}) {
-    if (key.size() > root.size() && key.substr(0, root.size()) == root) return key.substr(root.size());
-  }
-  return {};
+  constexpr std::string_view kGroups = ".param_groups.";
+  const size_t at = key.find(kGroups);
+  if (at == std::string_view::npos || at + kGroups.size() >= key.size()) return {};
+  const std::string_view root = key.substr(0, at);
+  if (!formats::IsOptimizerRoot(root) || (root.rfind("optimizer_", 0) == 0 && root != "optimizer_0")) return {};
+  return key.substr(at + kGroups.size());
 }
 
 }  // namespace

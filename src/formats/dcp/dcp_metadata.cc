@@ -149,6 +149,8 @@ std::vector<DcpSave> FindSaves(const std::string& dir) {
   };
   std::vector<Candidate> found;
   for (const std::string& name : ListDirectory(dir)) {
+    // ModelCheckpoint names every save <filename>.ckpt: nothing else is stat'ed.
+    if (name.size() <= 5 || name.compare(name.size() - 5, 5, ".ckpt") != 0) continue;
     struct stat st {
     }, meta{}, lmeta{};
     const std::string d = dir + "/" + name;

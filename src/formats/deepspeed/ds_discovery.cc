@@ -295,7 +295,7 @@ Status Reader::Discover() {
     const PyValue* opt = root_v != nullptr && root_v->kind == PyKind::kDict ? root_v->Get("optimizer") : nullptr;
     if (!s.error.empty()) {
       problems.push_back(s.error);
-    } else if (opt == nullptr || opt->kind != PyKind::kNone || stage == 0) {
+    } else if (opt == nullptr || opt->kind != PyKind::kNone) {
       problems.push_back(s.rel +
                          " holds the MoE run's optimizer state_dict without ZeRO (by parameter id, not "
                          "partitioned), which ckptfs does not map: its parameters have no optimizer state");
