@@ -31,6 +31,7 @@ enum class Family : uint8_t {
   kVerl,
   kMetaConsolidated,
   kTorchSave,
+  kOrbax,
 };
 
 // The parameter-naming convention a family's names follow; hf/ picks its
@@ -38,6 +39,7 @@ enum class Family : uint8_t {
 enum class NameConvention : uint8_t {
   kTorch,     // module paths as the model defines them (HF, torchtitan, Meta: hf/ tells them apart by name)
   kMegatron,  // Megatron-LM / megatron-core (mcore and legacy language_model names)
+  kJax,       // JAX pytree paths joined with '.' (orbax's param names; Flax module names)
 };
 
 struct FamilyTraits {

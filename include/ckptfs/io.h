@@ -258,7 +258,10 @@ class TensorReader {
   std::shared_ptr<const std::vector<Fragment>> SpanFragments(TensorId id);
   bool CollectRuns(TensorId id, DType src, uint64_t osz, const Box* box, uint64_t offset, uint64_t len,
                    size_t max_spans, std::vector<std::pair<uint64_t, SourceSpan>>* runs, uint64_t* e0);
+  // f's item decompressed whole (for kZstdNested, its container too), cached.
   Result<std::shared_ptr<const std::string>> Item(const Fragment& f);
+  std::shared_ptr<const std::string> CachedItem(const std::string& key);
+  void KeepItem(const std::string& key, std::shared_ptr<const std::string> v);
   // Decompressed bytes [off, off + len) of f's item, as (bytes, where `off`
   // lies in them): the whole cached item when it is small (no copy), else
   // just the span, streamed through a cursor (ZstdCursor).

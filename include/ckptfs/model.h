@@ -93,7 +93,11 @@ enum class Encoding : uint8_t {
   kTensor = 0,  // fragments are N-d boxes of elements
   kBytes = 1,   // one fragment: an opaque byte range served verbatim
 };
-enum class Compression : uint8_t { kNone = 0, kZstd = 1 };
+// kZstd: the fragment's item is one zstd frame at [item_offset, +item_length)
+// of its file. kZstdNested: that frame decompresses to a container (an OCDBT
+// B+tree node) holding, at [inner_offset, +inner_length), the item's own zstd
+// frame (a value stored inline in the node); data_offset is inside the item.
+enum class Compression : uint8_t { kNone = 0, kZstd = 1, kZstdNested = 2 };
 
 struct SourceFile {
   std::string rel_path;  // relative to the checkpoint directory
@@ -125,6 +129,9 @@ struct Fragment {
   Compression compression = Compression::kNone;
   uint64_t item_offset = 0;
   uint64_t item_length = 0;
+  // kZstdNested: the item's frame inside the decompressed container.
+  uint64_t inner_offset = 0;
+  uint64_t inner_length = 0;
   // Which copy of the tensor this fragment belongs to when the tensor is a
   // mean of copies (TensorRecord::replicas > 1); 0 otherwise.
   uint32_t replica = 0;

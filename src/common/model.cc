@@ -266,6 +266,8 @@ std::string Pack(const std::vector<Fragment>& frags) {
     PutVarint(out, static_cast<uint64_t>(f.compression));
     PutVarint(out, f.item_offset);
     PutVarint(out, f.item_length);
+    PutVarint(out, f.inner_offset);
+    PutVarint(out, f.inner_length);
     PutVarint(out, f.replica);
   }
   out.shrink_to_fit();
@@ -298,6 +300,8 @@ std::vector<Fragment> FragmentTable::Get(size_t tensor) const {
     f.compression = static_cast<Compression>(GetVarint(s, &pos));
     f.item_offset = GetVarint(s, &pos);
     f.item_length = GetVarint(s, &pos);
+    f.inner_offset = GetVarint(s, &pos);
+    f.inner_length = GetVarint(s, &pos);
     f.replica = static_cast<uint32_t>(GetVarint(s, &pos));
   }
   return out;
@@ -336,8 +340,11 @@ void AppendFragmentsJson(std::string& out, const std::vector<Fragment>& frags, c
     out += ",\"strides\":";
     AppendJsonInts(out, f.strides);
     out += ",\"byte_offset\":" + std::to_string(f.data_offset);
-    if (f.compression == Compression::kZstd) {
+    if (f.compression != Compression::kNone) {
       out += ",\"zstd_item\":[" + std::to_string(f.item_offset) + "," + std::to_string(f.item_length) + "]";
+    }
+    if (f.compression == Compression::kZstdNested) {
+      out += ",\"zstd_inner\":[" + std::to_string(f.inner_offset) + "," + std::to_string(f.inner_length) + "]";
     }
     if (replicas > 1) out += ",\"copy\":" + std::to_string(f.replica);
     out += '}';

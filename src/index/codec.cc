@@ -148,6 +148,8 @@ std::string EncodeFragment(const Fragment& f) {
   w.Num(static_cast<uint8_t>(f.compression));
   w.Num(f.item_offset);
   w.Num(f.item_length);
+  w.Num(f.inner_offset);
+  w.Num(f.inner_length);
   w.Num(f.replica);
   return w.Take();
 }
@@ -157,8 +159,8 @@ Result<Fragment> DecodeFragment(std::string_view s) {
   Fragment f;
   if (!r.Num(&f.file.v) || !r.Ints(&f.offsets) || !r.Ints(&f.lengths) || !r.Ints(&f.strides) ||
       !Enum(r, &f.dtype, static_cast<uint8_t>(DType::kF8E5M2FNUZ)) || !r.Num(&f.data_offset) ||
-      !r.Num(&f.data_length) || !Enum(r, &f.compression, 1) || !r.Num(&f.item_offset) || !r.Num(&f.item_length) ||
-      !r.Num(&f.replica) || !r.Done()) {
+      !r.Num(&f.data_length) || !Enum(r, &f.compression, 2) || !r.Num(&f.item_offset) || !r.Num(&f.item_length) ||
+      !r.Num(&f.inner_offset) || !r.Num(&f.inner_length) || !r.Num(&f.replica) || !r.Done()) {
     return Corrupt("fragment");
   }
   return f;

@@ -14,42 +14,71 @@ namespace ckptfs {
 namespace {
 
 constexpr uint64_t kItemCacheBytes = 64ull << 20;
+// A decompressed container of inline items (an OCDBT node: orbax bounds its
+// nodes at max_decoded_node_bytes = 100 MB).
+constexpr uint64_t kMaxContainerBytes = 128ull << 20;
 
 }  // namespace
 
-Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f) {
-  std::string key = std::to_string(f.file.v) + ":" + std::to_string(f.item_offset);
-  {
-    std::lock_guard<std::mutex> lock(item_mu_);
-    for (auto it = item_cache_.begin(); it != item_cache_.end(); ++it) {
-      if (it->first == key) {
-        auto v = it->second;
-        item_cache_.erase(it);
-        item_cache_.emplace_back(key, v);
-        return v;
-      }
+// A cached decoded item, or nullptr.
+std::shared_ptr<const std::string> TensorReader::CachedItem(const std::string& key) {
+  std::lock_guard<std::mutex> lock(item_mu_);
+  for (auto it = item_cache_.begin(); it != item_cache_.end(); ++it) {
+    if (it->first == key) {
+      auto v = it->second;
+      item_cache_.erase(it);
+      item_cache_.emplace_back(key, v);
+      return v;
     }
   }
+  return nullptr;
+}
+
+void TensorReader::KeepItem(const std::string& key, std::shared_ptr<const std::string> v) {
+  std::lock_guard<std::mutex> lock(item_mu_);
+  item_cache_bytes_ += v->size();
+  item_cache_.emplace_back(key, std::move(v));
+  while (item_cache_bytes_ > kItemCacheBytes && item_cache_.size() > 1) {
+    item_cache_bytes_ -= item_cache_.front().second->size();
+    item_cache_.erase(item_cache_.begin());
+  }
+}
+
+Result<std::shared_ptr<const std::string>> TensorReader::Item(const Fragment& f) {
+  const bool nested = f.compression == Compression::kZstdNested;
+  const std::string outer_key = std::to_string(f.file.v) + ":" + std::to_string(f.item_offset);
+  const std::string key = nested ? outer_key + ":" + std::to_string(f.inner_offset) : outer_key;
+  if (auto v = CachedItem(key)) return v;
   const std::string& rel = index_.files()[f.file.v].rel_path;
-  RETURN_IF_ERROR(CheckFd(f.file));
-  std::string raw(f.item_length, '\0');
-  IoRequest req{fds_[f.file.v], f.item_offset, f.item_length, raw.data()};
-  RETURN_IF_ERROR(ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel));
   // The index says how many bytes the item holds; more is a bomb, refused
   // before allocating when the frame declares its size.
   uint64_t bound = 0;
   if (AddOverflow(f.data_offset, f.data_length, &bound) || AddOverflow(bound, uint64_t{1} << 20, &bound)) {
     return Invalid("cannot read " + rel + ": bad item bounds");
   }
-  ASSIGN_OR_RETURN(std::string plain, formats::ZstdDecompress(raw, bound, rel + " @ " + std::to_string(f.item_offset)));
-  auto v = std::make_shared<const std::string>(std::move(plain));
-  std::lock_guard<std::mutex> lock(item_mu_);
-  item_cache_.emplace_back(key, v);
-  item_cache_bytes_ += v->size();
-  while (item_cache_bytes_ > kItemCacheBytes && item_cache_.size() > 1) {
-    item_cache_bytes_ -= item_cache_.front().second->size();
-    item_cache_.erase(item_cache_.begin());
+  std::shared_ptr<const std::string> outer = nested ? CachedItem(outer_key) : nullptr;
+  if (outer == nullptr) {
+    RETURN_IF_ERROR(CheckFd(f.file));
+    std::string raw(f.item_length, '\0');
+    IoRequest req{fds_[f.file.v], f.item_offset, f.item_length, raw.data()};
+    RETURN_IF_ERROR(ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel));
+    ASSIGN_OR_RETURN(std::string plain, formats::ZstdDecompress(raw, nested ? kMaxContainerBytes : bound,
+                                                                rel + " @ " + std::to_string(f.item_offset)));
+    outer = std::make_shared<const std::string>(std::move(plain));
+    KeepItem(outer_key, outer);
+    if (!nested) return outer;
   }
+  if (f.inner_offset > outer->size() || f.inner_length > outer->size() - f.inner_offset) {
+    return Invalid("cannot read " + rel + " @ " + std::to_string(f.item_offset) + ": the value at " +
+                   std::to_string(f.inner_offset) + " (" + std::to_string(f.inner_length) +
+                   " bytes) is past the node's " + std::to_string(outer->size()) + " bytes");
+  }
+  ASSIGN_OR_RETURN(
+      std::string plain,
+      formats::ZstdDecompress(std::string_view(*outer).substr(f.inner_offset, f.inner_length), bound,
+                              rel + " @ " + std::to_string(f.item_offset) + "+" + std::to_string(f.inner_offset)));
+  auto v = std::make_shared<const std::string>(std::move(plain));
+  KeepItem(key, v);
   return v;
 }
 
@@ -61,7 +90,7 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
   if (AddOverflow(f.data_offset, f.data_length, &bound) || AddOverflow(off, len, &end) || end > bound) {
     return Invalid("cannot read " + what + ": range past the item");
   }
-  if (bound <= stream_items_above_) {
+  if (bound <= stream_items_above_ || f.compression == Compression::kZstdNested) {
     ASSIGN_OR_RETURN(auto item, Item(f));
     if (end > item->size()) {
       return Invalid("cannot read " + what + ": the item holds " + std::to_string(item->size()) +

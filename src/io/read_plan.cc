@@ -143,7 +143,7 @@ Status TensorReader::PlanChunk(const TensorRecord& t, const std::vector<Fragment
     op.dst_off = dst_off;
     op.sdtype = f.dtype;
     PushOp(op, p.len, p.sstr, p.dstr, 0, DTypeSize(f.dtype), osz, plan->ops);
-    if (f.compression == Compression::kZstd) {
+    if (f.compression != Compression::kNone) {
       auto span = ItemSpan(f, f.data_offset + p.src_byte, p.span_bytes);
       if (!span.ok()) return span.status().Annotate("cannot read '" + t.key + "'");
       plan->items.push_back(Chunk::ItemCopy{span->first, span->second, p.span_bytes, plan->staging});

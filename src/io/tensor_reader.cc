@@ -142,7 +142,7 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
     if (frags.size() != 1) return Invalid("cannot read '" + t.key + "': bytes entry without its item");
     const Fragment& f = frags[0];
     if (offset + len > f.data_length) return Invalid("cannot read '" + t.key + "': range past the entry");
-    if (f.compression == Compression::kZstd) {
+    if (f.compression != Compression::kNone) {
       auto span = ItemSpan(f, f.data_offset + offset, len);
       if (!span.ok()) return fail(span.status());
       std::memcpy(dst, span->first->data() + span->second, len);

@@ -8,6 +8,7 @@
 #include <span>
 
 #include "ckptfs/transforms.h"
+#include "common/crc32c.h"
 #include "common/float_bits.h"
 
 namespace ckptfs {
@@ -35,8 +36,7 @@ Status CheckMean(uint32_t copies, DType dt);
 
 // CRC-32C, reflected polynomial 0x82F63B78.
 constexpr uint32_t kCrc32cPoly = 0x82F63B78u;
-// Standard CRC-32C (init and final xor ~0) continuing from `crc`.
-uint32_t Crc32cUpdate(uint32_t crc, const char* p, uint64_t n);
+// Crc32cUpdate: common/crc32c.h.
 
 // a(x) * b(x) mod P(x) in the reflected representation (zlib's multmodp).
 CKPTFS_HD inline uint32_t Crc32cMulModP(uint32_t a, uint32_t b) {
