@@ -56,7 +56,7 @@ beside() {
     CC=clang CXX=clang++ cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCKPTFS_FUZZ=ON \
       -DCKPTFS_BUILD_TESTS=OFF -DCKPTFS_CUDA=OFF >/dev/null
     mapfile -t dirs < <(ls tests/fuzz/corpus)  # one target per seed directory (CMakeLists.txt)
-    cmake --build build-fuzz -j"$JOBS" --target fuzz_zip fuzz_pickle fuzz_torch_save "${dirs[@]/#/fuzz_}"
+    cmake --build build-fuzz -j"$JOBS" --target fuzz_zip fuzz_pickle fuzz_torch_save fuzz_ocdbt "${dirs[@]/#/fuzz_}"
     work=$(mktemp -d)
     mkdir "$work/parsers"
     cp tests/data/sample.pt tests/data/dcp_single/.metadata "$work/parsers/"
@@ -66,6 +66,8 @@ beside() {
       echo "fuzz_$1: $(grep -o 'cov: [0-9]*' "build-fuzz/fuzz_$1.log" | tail -1), $(grep -c . "build-fuzz/fuzz_$1.log") log lines, no crash"
     }
     for f in zip pickle torch_save; do fuzz "$f" "$work/parsers" 65536; done
+    cp -r tests/fuzz/ocdbt_seeds "$work/ocdbt"  # real orbax databases (tests/fuzz/make_corpus.py)
+    fuzz ocdbt "$work/ocdbt" 1500000
     for f in "${dirs[@]}"; do  # seeds: real producer checkpoints (tests/fuzz/make_corpus.py)
       cp -r "tests/fuzz/corpus/$f" "$work/$f"
       fuzz "$f" "$work/$f" 1500000

@@ -78,7 +78,17 @@ def main():
                                   (fx / "megatron" / "dist_moe_dpreshard_tp2_pp2_ep2", 1_000_000, (".distcp",)),
                                   (fx / "megatron" / "zarr_tp2_pp2", 100_000, ())],
             "views": [(hostile, 300_000, ()), (data / "ds_py3112" / "padspan_z2_dp4", 300_000, ())],
+            # Orbax (committed saves of orbax-checkpoint): OCDBT with every value inline
+            # (bf16), zarr v3 shards, two processes' databases merged, plain zarr v3 dirs.
+            "orbax_dir": [(data / "orbax" / "v0_bf16" / "ckpt", 300_000, ()),
+                          (data / "orbax" / "v0_zarr3" / "ckpt" / "2", 300_000, ()),
+                          (data / "orbax" / "multiprocess" / "ckpt" / "2" / "default", 300_000, ()),
+                          (data / "orbax" / "no_ocdbt_zarr3" / "ckpt" / "2" / "default", 300_000, ())],
         }
+        # The OCDBT parser alone (fuzz_ocdbt): one database directory each.
+        seeds_ocdbt = [data / "orbax" / "v0_bf16" / "ckpt" / "2" / "default",
+                       data / "orbax" / "multiprocess" / "ckpt" / "2" / "default" / "ocdbt.process_1",
+                       data / "orbax" / "v1" / "ckpt" / "2" / "state"]
         for target, srcs in seeds.items():
             d = Path(a.out) / target
             shutil.rmtree(d, ignore_errors=True)
@@ -89,11 +99,20 @@ def main():
                     sys.exit(f"{src}: not found (run the integration tests once to write build/fixtures)")
                 blob = pack(src, max_file, skip)
                 name = f"{src.parent.name}_{src.name}.bin"
+                if "orbax" in src.parts:  # tests/data/orbax/<fixture>/ckpt/...
+                    name = f"orbax_{src.parts[src.parts.index('orbax') + 1]}.bin"
                 if name in used:  # verl_fsdp2 and verl_hsdp both end in global_step_1/actor
                     name = f"{src.parents[1].name}_{name}"
                 used.add(name)
                 (d / name).write_bytes(blob)
                 print(f"{target}: {src.name} {len(blob)} bytes")
+        d = ROOT / "tests" / "fuzz" / "ocdbt_seeds"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        for src in seeds_ocdbt:
+            blob = pack(src, 300_000, ("_METADATA", "_sharding", "commit_success.txt"))
+            (d / f"{src.parts[src.parts.index('orbax') + 1]}_{src.name}.bin").write_bytes(blob)
+            print(f"ocdbt: {src} {len(blob)} bytes")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,9 @@ std::vector<Case> FixtureCases() {
   add("verl_fsdp2/merged", Family::kSafetensors);
   add("verl_hsdp/global_step_1/actor", Family::kVerl);
   add("verl_hsdp/merged", Family::kSafetensors);
+  for (const auto& e : fs::directory_iterator(kData + "/orbax")) {
+    if (e.is_directory()) add("orbax/" + e.path().filename().string() + "/ckpt", Family::kOrbax);
+  }
   return out;
 }
 
@@ -129,6 +132,10 @@ const std::map<std::string, Seed>& SeedFamilies() {
       {"megatron_dist_tp2_pp2_dp2", Family::kMegatronTorchDist},
       {"megatron_zarr_tp2_pp2", Family::kMegatronZarr},
       {"megatron_legacy_tp1_pp1", Family::kMegatronLegacy},
+      {"orbax_v0_bf16", Family::kOrbax},
+      {"orbax_v0_zarr3", Family::kOrbax},
+      {"orbax_multiprocess", Family::kOrbax},
+      {"orbax_no_ocdbt_zarr3", Family::kOrbax},
   };
   return kSeeds;
 }
