@@ -141,6 +141,71 @@ Result<std::vector<Leaf>> ReadTreeMetadata(const std::string& path, json* top) {
   return leaves;
 }
 
+std::string Base64Decode(std::string_view in) {
+  std::string out;
+  uint32_t acc = 0;
+  int bits = 0;
+  for (char ch : in) {
+    int v = ch >= 'A' && ch <= 'Z'   ? ch - 'A'
+            : ch >= 'a' && ch <= 'z' ? ch - 'a' + 26
+            : ch >= '0' && ch <= '9' ? ch - '0' + 52
+            : ch == '+' || ch == '-' ? 62
+            : ch == '/' || ch == '_' ? 63
+                                     : -1;
+    if (v < 0) continue;  // '=' padding
+    acc = (acc << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((acc >> bits) & 0xFF));
+    }
+  }
+  return out;
+}
+
+// Mesh axes that are tensor parallelism by name (MaxText's "tensor" family,
+// the "model" axis of the JAX docs, "tp" / "mp").
+bool IsTensorAxis(const std::string& a) {
+  return a == "model" || a == "tensor" || a == "tp" || a == "mp" || a == "tensor_transpose" ||
+         a == "tensor_sequence";
+}
+
+// topo/'s split of each array by its PartitionSpec (_sharding): the dimension
+// sharded over a tensor-parallel mesh axis, or replicated when none is.
+std::map<std::string, TensorSplit> SplitsOf(const std::string& path) {
+  std::map<std::string, TensorSplit> out;
+  auto text = ReadWholeFile(path, kMaxMetadataFile);
+  if (!text.ok()) return out;
+  json s = json::parse(*text, nullptr, false);
+  if (!s.is_object()) return out;
+  for (const auto& [k, v] : s.items()) {
+    if (!v.is_string()) continue;
+    json one = json::parse(v.get<std::string>(), nullptr, false);
+    if (!one.is_object() || !one.contains("partition_spec") || !one["partition_spec"].is_array()) continue;
+    TensorSplit split;
+    split.kind = SplitKind::kReplicate;
+    int dim = 0;
+    for (const json& e : one["partition_spec"]) {
+      std::vector<std::string> axes;
+      if (e.is_string()) axes.push_back(e.get<std::string>());
+      if (e.is_array()) {
+        for (const json& a : e) {
+          if (a.is_string()) axes.push_back(a.get<std::string>());
+        }
+      }
+      for (const std::string& a : axes) {
+        if (IsTensorAxis(a) && split.kind == SplitKind::kReplicate) {
+          split.kind = SplitKind::kDim;
+          split.dim = dim;
+        }
+      }
+      ++dim;
+    }
+    out[Base64Decode(k)] = split;
+  }
+  return out;
+}
+
 // "data=2 x model=4" from the first NamedSharding of _sharding.
 std::string MeshOf(const std::string& path, uint32_t* devices) {
   auto text = ReadWholeFile(path, kMaxMetadataFile);
@@ -460,6 +525,7 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
               std::to_string(listing_.values.size()) + " keys) + zarr";
   }
   size_t arrays = 0, skipped = 0, v3 = 0;
+  const size_t first_record = ck_.tensors.size();
   std::set<std::string> unread;
   for (const Leaf& leaf : leaves) {
     if (leaf.skip || leaf.value_type == "None") {
@@ -474,6 +540,15 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
     }
     ++arrays;
     ReadArray(leaf, paths);
+  }
+  // topo/ split rules from the PartitionSpecs (a record keeps its own name's).
+  const auto splits = SplitsOf(Abs("_sharding"));
+  for (size_t i = first_record; i < ck_.tensors.size(); ++i) {
+    TensorRecord& t = ck_.tensors[i];
+    auto it = splits.find(label_.empty() ? t.key : t.key.substr(label_.size() + 1));
+    if (it != splits.end() && (it->second.kind != SplitKind::kDim || it->second.dim < static_cast<int>(t.shape.size()))) {
+      t.split = it->second;
+    }
   }
   storage += v3 == 0 ? " v2" : v3 == arrays ? " v3" : " v2/v3";
   *note = storage;

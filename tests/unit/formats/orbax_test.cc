@@ -385,6 +385,13 @@ TEST(OrbaxReaderTest, TreeFollowsTheProjectConventions) {
   EXPECT_EQ(w->role, Role::kParam);
   EXPECT_EQ(w->fqn, "layers.layers_0.attention.wq");
   EXPECT_EQ(w->num_fragments, 8u);  // one per shard of the 2x4 mesh
+  // topo/'s split from the PartitionSpec: P("data", "model") -> dim 1 over "model";
+  // P("model", "data") -> dim 0; P() -> replicated.
+  EXPECT_EQ(w->split.kind, SplitKind::kDim);
+  EXPECT_EQ(w->split.dim, 1);
+  EXPECT_EQ(by_key.at("params.layers.layers_0.attention.wo")->split.dim, 0);
+  EXPECT_EQ(by_key.at("opt_state.0.mu.layers.layers_0.attention.wq")->split.dim, 1);
+  EXPECT_EQ(by_key.at("params.norm")->split.kind, SplitKind::kReplicate);
   const TensorRecord* mu = by_key.at("opt_state.0.mu.layers.layers_0.attention.wq");
   EXPECT_EQ(mu->role, Role::kOptimState);
   EXPECT_EQ(mu->fqn, "layers.layers_0.attention.wq");
