@@ -176,6 +176,14 @@ struct TensorRecord {
   // also appears per layer): `ckptfs verify` reads the others, so every source
   // byte is read once.
   bool alias = false;
+  // Non-empty: the values are not stored as such but derived from another
+  // copy (why, for info.json "derived"): ZeRO-3's weight rebuilt from the fp32
+  // master as the engine gathers it. Fragments wider than `dtype` (float32
+  // for a bf16 record) are rounded to `dtype` first, whatever the output.
+  std::string derived;
+  // kBytes: the bytes are not a torch.save / pickle payload (an Orbax JSON
+  // file): dcp/ leaves them out, torch's loader would torch.load them.
+  bool raw_bytes = false;
   TensorSplit split;
   // > 1: the tensor is the elementwise mean of this many full copies (the
   // fragments of copy r carry replica = r), computed as Python's

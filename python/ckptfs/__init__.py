@@ -47,6 +47,8 @@ try:  # optional: numpy dtypes for bfloat16 and fp8
                    "float8_e4m3fnuz": _ml.float8_e4m3fnuz, "float8_e5m2fnuz": _ml.float8_e5m2fnuz})
 except ImportError:
     pass
+# The dtypes numpy holds only through ml_dtypes (read passes their arrays as unsigned views).
+_ML_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,10 @@ class Checkpoint:
                 raise TypeError(f"numpy has no {dt} (install ml_dtypes, pass dtype='float32', "
                                 f"or use ckptfs.torch.read)")
             out = np.empty(tuple(lengths) if lengths is not None else t.shape, dtype=np_dtype)
-        self._c.read_into(t.id, dt, offsets, lengths, out, stream)
+        buf = out
+        if isinstance(out, np.ndarray) and dt in _ML_DTYPES and out.dtype == _NUMPY.get(dt):
+            buf = out.view(np.uint16 if out.dtype.itemsize == 2 else np.uint8)  # DLPack has no ml_dtypes
+        self._c.read_into(t.id, dt, offsets, lengths, buf, stream)
         return out
 
     def open_file(self, path: str) -> io.BufferedReader:

@@ -139,7 +139,7 @@ const std::vector<FamilyReader>& Table() {
        formats::MetaHfConvention()),
       Row("orbax", 80,
        "_CHECKPOINT_METADATA / _METADATA with manifest.ocdbt or array_metadatas/ (orbax-checkpoint: a "
-       "CheckpointManager root, a step or an item directory)",
+       "CheckpointManager root, a step or an item directory; unfinished *.orbax-checkpoint-tmp saves are never read)",
        "", &formats::LooksLikeOrbax, &formats::ReadOrbax,
        {{F::kOrbax, "orbax", "Orbax (JAX: OCDBT, zarr v2/v3)", NC::kJax, false}}),
   };

@@ -104,6 +104,8 @@ std::string EncodeTensor(const TensorRecord& t) {
   w.Num(t.num_fragments);
   w.Str(t.error);
   w.Num<uint8_t>(t.alias ? 1 : 0);
+  w.Str(t.derived);
+  w.Num<uint8_t>(t.raw_bytes ? 1 : 0);
   w.Num(static_cast<uint8_t>(t.split.kind));
   w.Num(t.split.dim);
   w.Num(t.split.groups);
@@ -122,8 +124,10 @@ Result<TensorRecord> DecodeTensor(std::string_view s) {
     return Corrupt("tensor");
   }
   uint8_t alias = 0;
-  if (!r.Num(&alias) || alias > 1 || !Enum(r, &t.split.kind, static_cast<uint8_t>(SplitKind::kSub2)) ||
-      !r.Num(&t.split.dim) || !r.Num(&t.split.groups)) {
+  uint8_t raw = 0;
+  if (!r.Num(&alias) || alias > 1 || !r.Str(&t.derived) || !r.Num(&raw) || raw > 1 ||
+      !Enum(r, &t.split.kind, static_cast<uint8_t>(SplitKind::kSub2)) || !r.Num(&t.split.dim) ||
+      !r.Num(&t.split.groups)) {
     return Corrupt("tensor");
   }
   uint8_t pad = 0;
@@ -133,6 +137,7 @@ Result<TensorRecord> DecodeTensor(std::string_view s) {
   }
   t.split.pad_rows = pad == 1;
   t.alias = alias == 1;
+  t.raw_bytes = raw == 1;
   return t;
 }
 

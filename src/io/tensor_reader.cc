@@ -172,6 +172,16 @@ Status TensorReader::ReadBox(TensorId id, DType out, const Box* box, uint64_t of
     base = unaligned.data();
   }
 
+  if (!t.derived.empty() && out != t.dtype) {
+    // Derived values are the record dtype's (a ZeRO-3 weight: the fp32
+    // master rounded as the engine casts it): render those, then widen.
+    const uint64_t tsz = DTypeSize(t.dtype);
+    std::string narrow((e1 - e0) * tsz, '\0');
+    RETURN_IF_ERROR(ReadBox(id, t.dtype, box, e0 * tsz, (e1 - e0) * tsz, narrow.data()));
+    RETURN_IF_ERROR(ConvertRun(narrow.data(), t.dtype, 1, base, out, e1 - e0));
+    if (base != dst) std::memcpy(dst, base + (offset - e0 * osz), len);
+    return Status::Ok();
+  }
   if (t.replicas > 1) {
     Status ms = ReadMean(t, frags, view, out, e0, e1, base);
     if (!ms.ok()) return ms;
@@ -224,7 +234,7 @@ Status TensorReader::ReadToDevice(TensorId id, DType out, const Box* box, const 
   if (!frags_or.ok()) return fail(frags_or.status());
   const std::vector<Fragment>& frags = **frags_or;
   Transforms& dev = *target.backend;
-  if (target.kernels_trusted) {
+  if (target.kernels_trusted && (t.derived.empty() || out == t.dtype)) {
     bool gpu_failed = false;
     Status s = t.replicas > 1 ? MeanToDevice(t, frags, view, out, numel, target, dst, &gpu_failed)
                               : RunChunks(t, frags, view, out, 0, numel, std::max<uint64_t>(1, kChunkBytes / osz), dev,

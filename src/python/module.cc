@@ -165,7 +165,12 @@ class PyCheckpoint {
                 const std::optional<std::vector<int64_t>>& lengths, Buffer out, uintptr_t stream) {
     const DType d = ParseDType(out_dtype);
     const auto [code, bits] = DlpackOf(d);
-    if (out.dtype().code != code || out.dtype().bits != bits || out.dtype().lanes != 1) {
+    // numpy has no bfloat16 / fp8 that DLPack can carry: ml_dtypes arrays come
+    // as a view of unsigned integers of the same width (ckptfs/__init__.py).
+    const bool bits_view =
+        (d == DType::kBF16 || DTypeSize(d) == 1) && d != DType::kU8 && d != DType::kI8 && d != DType::kBool &&
+        out.dtype().code == static_cast<uint8_t>(nb::dlpack::dtype_code::UInt) && out.dtype().bits == bits;
+    if (!bits_view && (out.dtype().code != code || out.dtype().bits != bits || out.dtype().lanes != 1)) {
       throw nb::type_error(("the output buffer's element type does not hold " + std::string(DTypeName(d))).c_str());
     }
     const int dev = out.device_type();

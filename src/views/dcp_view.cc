@@ -273,6 +273,10 @@ Result<DcpPlan> PlanDcp(const Index& index) {
       plan.left_out.push_back(t.key + ": " + t.error);
       continue;
     }
+    if (t.encoding == Encoding::kBytes && t.raw_bytes) {
+      plan.left_out.push_back(t.key + ": not a torch.save payload (torch's loader would torch.load it); under other/");
+      continue;
+    }
     if (t.encoding == Encoding::kTensor && StorageClassName(t.dtype).empty()) {
       plan.left_out.push_back(t.key + ": torch.save has no storage for " + std::string(DTypeName(t.dtype)));
       continue;

@@ -613,6 +613,7 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const
     AppendJsonInts(body, t.shape);
     body += ",\"bytes\":" + std::to_string(t.byte_size);
     if (!t.error.empty()) body += ",\"error\":" + JsonEscape(t.error);
+    if (!t.derived.empty()) body += ",\"derived\":" + JsonEscape(t.derived);
     if (t.replicas > 1)
       body += ",\"mean_of_copies\":" + std::to_string(t.replicas);  // sum(copies) / n, as ds_to_universal.py averages
     body += ",\"fragments\":[";

@@ -41,6 +41,7 @@ SCENARIOS = {
     "padspan_bf16opt_dp4": ["--stage", "1", "--dtype", "bf16", "--bf16-optimizer", "--dp", "4", "--model", "padspan"],
     "z3_fp32_dp2": ["--stage", "3", "--dp", "2"],
     "z3_fp32_dp3": ["--stage", "3", "--dp", "3"],
+    "z3_bf16_dp2": ["--stage", "3", "--dtype", "bf16", "--dp", "2"],
 }
 UCP_CRASHES = {"padspan_bf16opt_dp4"}
 
@@ -198,6 +199,26 @@ def test_params_equal_engine_states(scenario, mounter):
                 assert (d / f"{state}.raw").read_bytes() == got.tobytes()
         cj = json.loads((m.path / "checkpoint.json").read_text())
         assert cj["family"] == "deepspeed" and cj["broken"] == []
+
+
+def test_zero3_weight_is_the_gathered_weight(scenario, mounter):
+    """ZeRO-3 saves no weights: params/<p>/param is the weight the engine
+    gathers (the fp32 master in the model dtype), marked derived."""
+    name, ck, _ = scenario
+    if not name.startswith("z3_"):
+        pytest.skip("ZeRO-1/2 save the module's weights")
+    refs = [torch.load(p, weights_only=False) for p in sorted(ck.glob("reference_tp*.pt"))]
+    with mounter(ck) as m:
+        for pname, states in refs[0].items():
+            want = states["gathered_weight"]
+            d = m.path / "params" / pname
+            raw = (d / "param.raw").read_bytes()
+            assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), pname
+            assert np.array_equal(np.load(d / "param.npy"), want.float().numpy()), pname
+            info = json.loads((d / "info.json").read_text())["tensors"]["param"]
+            assert info["dtype"] == str(want.dtype).replace("torch.", "") and "ZeRO-3" in info["derived"]
+            # the master it is derived from is served unchanged beside it
+            assert np.array_equal(np.load(d / "fp32.npy"), states["fp32"].numpy())
 
 
 def test_param_npy_is_the_module_copy(scenario, mounter):

@@ -99,10 +99,13 @@ def test_boxes_dtypes_and_out_buffers(z2, z1bf16):
     assert as_bf16.dtype == torch.bfloat16 and tuple(as_bf16.shape) == t.shape
     assert torch.equal(ctorch.read(bf, t.name, dtype=torch.float32), as_bf16.float())
     assert np.array_equal(bf.read(t.name, dtype="float32"), as_bf16.float().numpy())
-    with pytest.raises(TypeError, match="numpy has no bfloat16"):
-        if "bfloat16" in ckptfs._NUMPY:
-            raise TypeError("numpy has no bfloat16 (ml_dtypes is installed: nothing to check)")
-        bf.read(t.name)
+    if "bfloat16" in ckptfs._NUMPY:  # ml_dtypes installed (jax brings it): numpy arrays of its bfloat16
+        got = bf.read(t.name)
+        assert got.dtype == ckptfs._NUMPY["bfloat16"] and got.shape == t.shape
+        assert np.array_equal(got.view(np.uint16), as_bf16.view(torch.int16).numpy().view(np.uint16))
+    else:
+        with pytest.raises(TypeError, match="numpy has no bfloat16"):
+            bf.read(t.name)
     # float32 rounds to bfloat16 / float16 as torch's .to() does (nearest even);
     # numpy's own float16 cast agrees. Other conversions are refused by name.
     full_t = torch.from_numpy(full)

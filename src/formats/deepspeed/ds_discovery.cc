@@ -117,6 +117,23 @@ Status ParseModel(ModelStates& m, bool want_module) {
     }
   }
   for (const auto& b : StrList(root->Get("buffer_names"))) m.buffers.insert(b);
+  // The model dtype (ZeRO-3 keeps only empty placeholders of the parameters).
+  if (const PyValue* mod = root->Get("module"); mod != nullptr && mod->kind == PyKind::kDict) {
+    for (const auto& [k, v] : mod->dict) {
+      if (!k->IsStr() || v->kind != PyKind::kTensor || m.buffers.count(k->s)) continue;
+      if (auto l = Resolve(s, v, "module['" + k->s + "']"); l.ok()) m.model_dtype = l->dtype;
+      break;
+    }
+  }
+  if (m.model_dtype == DType::kInvalid) {
+    if (const PyValue* cfg = root->Get("ds_config"); cfg != nullptr && cfg->kind == PyKind::kDict) {
+      for (const auto& [name, dt] : {std::pair("bf16", DType::kBF16), std::pair("fp16", DType::kF16)}) {
+        const PyValue* sec = cfg->Get(name);
+        const PyValue* en = sec != nullptr && sec->kind == PyKind::kDict ? sec->Get("enabled") : nullptr;
+        if (en != nullptr && en->kind == PyKind::kBool && en->b) m.model_dtype = dt;
+      }
+    }
+  }
   m.uci = root->Get("universal_checkpoint_info");
   if (m.uci != nullptr && m.uci->kind != PyKind::kDict) m.uci = nullptr;
   return Status::Ok();

@@ -56,6 +56,9 @@ struct ModelStates {
   std::map<std::string, const PyValue*> module_by_name;        // the same, by name
   std::set<std::string> buffers;
   const PyValue* uci = nullptr;
+  // The model's dtype: its parameters' (ZeRO-3's empty placeholders
+  // included), else ds_config's bf16 / fp16; kInvalid when neither says.
+  DType model_dtype = DType::kInvalid;
   std::string error;
 };
 
@@ -235,6 +238,8 @@ struct Reader {
   // ds_params.cc: the records of params/ (optimizer states, step, module copy).
   Status EmitStep(const Param& p, bool ucp);
   void EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::string>& have_fp32);
+  void EmitZero3Weight(const Param& p, const std::vector<int64_t>& shape, uint32_t copies,
+                       std::vector<Fragment> master);
   std::map<std::string, uint32_t> EmitModule(const Patterns& pats);
   void EmitLostStages();
 

@@ -100,6 +100,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
       gshape = *gs;
     }
   }
+  std::vector<Fragment> fp32_frags;  // ZeRO-3: the master the weight is rebuilt from
   for (const char* state : {"fp32", "exp_avg", "exp_avg_sq"}) {
     TensorRecord rec;
     rec.key = DictKey(p.name, state);
@@ -143,6 +144,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     }
     if (!rec.error.empty()) frags.clear();
     const bool bad = !rec.error.empty();
+    if (!bad && stage == 3 && std::string(state) == "fp32" && rec.dtype == DType::kF32) fp32_frags = frags;
     uint32_t id = ck.AddTensor(std::move(rec), std::move(frags));
     if (!bad && ucp && ck.tensors[id].dtype == DType::kF32 && !experts.count(p.name)) {
       Status st = ExportState(p.name, state, id, rule, as_dict);
@@ -152,6 +154,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
       have_fp32.insert(p.name);  // ds_to_universal would fail here too: no silent substitute
     }
   }
+  if (!fp32_frags.empty()) EmitZero3Weight(p, gshape, merger.Copies(), std::move(fp32_frags));
   if (stage != 3 && err.empty() && p.tp[0].present && p.tp[0].group >= 0) {
     Status st = EmitStep(p, ucp && !experts.count(p.name));
     if (!st.ok()) problems.push_back("no step for '" + p.name + "': " + st.message());
@@ -183,6 +186,29 @@ void Reader::EmitLostStages() {
       }
     }
   }
+}
+
+// ZeRO-3 saves no weights (the module holds empty placeholders): the weight
+// is what the engine rebuilds when it gathers a parameter, the fp32 master
+// cast to the model's dtype (round to nearest even), served as `param`,
+// derived and marked so in info.json.
+void Reader::EmitZero3Weight(const Param& p, const std::vector<int64_t>& shape, uint32_t copies,
+                             std::vector<Fragment> master) {
+  const DType model = models[p.tp[0].mp].model_dtype;
+  TensorRecord rec;
+  rec.key = DictKey(p.name, "param");
+  rec.role = Role::kParam;
+  rec.fqn = p.name;
+  rec.state = "param";
+  rec.dtype = model == DType::kInvalid ? DType::kF32 : model;
+  rec.shape = shape;
+  rec.replicas = copies;
+  rec.derived = rec.dtype == DType::kF32
+                    ? "ZeRO-3 saves no weights: the fp32 master, which the engine gathers as the weight" +
+                          std::string(model == DType::kInvalid ? " (the checkpoint records no model dtype)" : "")
+                    : "ZeRO-3 saves no weights: the fp32 master cast to " + std::string(DTypeName(rec.dtype)) +
+                          " (round to nearest even), as the engine gathers it";
+  ck.AddTensor(std::move(rec), std::move(master));
 }
 
 // The model's own copy (module): param per parameter, TP-merged like the

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -21,6 +22,7 @@ namespace ckptfs::formats {
 namespace {
 
 using json = nlohmann::json;
+namespace fs = std::filesystem;
 using orbax::ZarrArray;
 
 constexpr uint64_t kMaxMetadataFile = uint64_t{256} << 20;  // _METADATA, _sharding, .zarray ...
@@ -46,7 +48,9 @@ bool IsItemDir(const std::string& d) {
 std::vector<std::string> ItemsOf(const std::string& step_dir) {
   std::vector<std::string> items;
   for (const std::string& n : ListDirectory(step_dir)) {
-    if (n != kIndexDirName && IsItemDir(step_dir + "/" + n)) items.push_back(n);
+    if (n != kIndexDirName && n.find(kTmpMark) == std::string::npos && IsItemDir(step_dir + "/" + n)) {
+      items.push_back(n);
+    }
   }
   return items;
 }
@@ -74,7 +78,6 @@ Result<Layout> Discover(const std::string& dir) {
   Layout l;
   if (IsItemDir(dir)) {
     l.items.push_back("");
-    const std::string name = dir.substr(dir.find_last_of('/') + 1);
     return l;
   }
   if (IsStepDir(dir)) {
@@ -166,8 +169,7 @@ std::string Base64Decode(std::string_view in) {
 // Mesh axes that are tensor parallelism by name (MaxText's "tensor" family,
 // the "model" axis of the JAX docs, "tp" / "mp").
 bool IsTensorAxis(const std::string& a) {
-  return a == "model" || a == "tensor" || a == "tp" || a == "mp" || a == "tensor_transpose" ||
-         a == "tensor_sequence";
+  return a == "model" || a == "tensor" || a == "tp" || a == "mp" || a == "tensor_transpose" || a == "tensor_sequence";
 }
 
 // topo/'s split of each array by its PartitionSpec (_sharding): the dimension
@@ -348,6 +350,13 @@ Status ItemReader::ChunkFragments(const ZarrArray& a, const Stored& s, const std
   const std::vector<int64_t>& cs = a.sharded ? a.inner : a.chunks;
   const auto strides = ContiguousStrides(cs);
   const uint64_t value_len = s.inline_value ? s.inline_value->length : s.length;
+  if (s.inline_value == nullptr) {
+    const SourceFile& sf = ck_.files[s.file.v];
+    if (s.offset > sf.size || value_len > sf.size - s.offset) {
+      return Invalid(where + " is bytes [" + std::to_string(s.offset) + ", +" + std::to_string(value_len) + ") of " +
+                     sf.rel_path + ", which has " + std::to_string(sf.size) + " (truncated?)");
+    }
+  }
   // One payload [off, +len) of the stored value -> one fragment at `at`.
   auto add = [&](uint64_t off, uint64_t len, const std::vector<int64_t>& at) -> Status {
     Fragment f;
@@ -518,7 +527,9 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
       return out;
     };
     auto listing = orbax::ReadOcdbt(io, "manifest.ocdbt");
-    if (!listing.ok()) return listing.status().Annotate("cannot read the OCDBT database of " + Rel("."));
+    if (!listing.ok())
+      return listing.status().Annotate("cannot read the OCDBT database of " +
+                                       (item_rel_.empty() ? std::string(".") : item_rel_));
     listing_ = std::move(listing).value();
     for (size_t i = 0; i < listing_.values.size(); ++i) by_key_.emplace(listing_.values[i].key, i);
     storage = "OCDBT (generation " + std::to_string(listing_.generation) + ", " +
@@ -546,7 +557,8 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
   for (size_t i = first_record; i < ck_.tensors.size(); ++i) {
     TensorRecord& t = ck_.tensors[i];
     auto it = splits.find(label_.empty() ? t.key : t.key.substr(label_.size() + 1));
-    if (it != splits.end() && (it->second.kind != SplitKind::kDim || it->second.dim < static_cast<int>(t.shape.size()))) {
+    if (it != splits.end() &&
+        (it->second.kind != SplitKind::kDim || it->second.dim < static_cast<int>(t.shape.size()))) {
       t.split = it->second;
     }
   }
@@ -572,6 +584,7 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
     TensorRecord t;
     t.key = label_.empty() ? f : label_ + "/" + f;
     t.error = src->error;
+    t.raw_bytes = true;  // JSON
     ck_.AddFileBytes(src->file, std::move(t));
     std::vector<std::string> p;
     if (!label_.empty()) p.push_back(label_);
@@ -594,13 +607,17 @@ uint32_t ProcessCount(const std::string& item_dir) {
 }  // namespace
 
 bool LooksLikeOrbax(const std::string& dir) {
+  // An unfinished save (`<step>.orbax-checkpoint-tmp*`, or an item inside
+  // one) is never read: not even recognised, so nothing is written into it.
+  std::string d = dir;
+  while (d.size() > 1 && d.back() == '/') d.pop_back();
+  const fs::path p(d);
+  for (const fs::path& part : {p.filename(), p.parent_path().filename()}) {
+    if (part.string().find(kTmpMark) != std::string::npos) return false;
+  }
   if (IsItemDir(dir) || IsStepDir(dir)) return true;
   for (const std::string& n : ListDirectory(dir)) {
-    if (n.find(kTmpMark) != std::string::npos) {
-      if (IsStepDir(dir + "/" + n)) return true;
-      continue;
-    }
-    if (StepNumber(n) >= 0 && IsStepDir(dir + "/" + n)) return true;
+    if (n.find(kTmpMark) == std::string::npos && StepNumber(n) >= 0 && IsStepDir(dir + "/" + n)) return true;
   }
   return false;
 }
@@ -627,14 +644,16 @@ Result<Checkpoint> ReadOrbax(const std::string& dir) {
   const std::string first_item = l.items.front().empty() ? dir : dir + "/" + l.items.front();
   if (l.step >= 0) {
     ck.info.step = l.step;
-  } else if (!l.items.front().empty()) {
-    ck.info.step = StepNumber(dir.substr(dir.find_last_of('/') + 1));
+  } else {  // a step directory's number, or an item directory's step's
+    const fs::path p(dir);
+    ck.info.step = StepNumber((l.items.front().empty() ? p.parent_path().filename() : p.filename()).string());
   }
   if (IsFile(step_dir + "/_CHECKPOINT_METADATA") && !l.items.front().empty()) {
     auto src = files.Open(l.step_rel.empty() ? "_CHECKPOINT_METADATA" : l.step_rel + "/_CHECKPOINT_METADATA", false);
     TensorRecord t;
-    t.key = "_CHECKPOINT_METADATA";
+    t.key = t.fqn = "_CHECKPOINT_METADATA";
     t.error = src->error;
+    t.raw_bytes = true;  // JSON
     ck.AddFileBytes(src->file, std::move(t));
   }
   uint32_t devices = 0;

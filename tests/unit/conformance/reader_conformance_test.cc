@@ -59,7 +59,7 @@ std::string TestName(std::string s) {
 
 // The committed fixtures, with the family each must read as. A new fixture
 // directory is added here (the suite fails on a recognised directory under
-// tests/data that no row names: see EveryFixtureDirectoryIsListed).
+// tests/data that no row names).
 std::vector<Case> FixtureCases() {
   std::vector<Case> out;
   auto add = [&](const std::string& rel, Family f, size_t refused = 0) {
@@ -96,6 +96,12 @@ std::vector<Case> FixtureCases() {
   for (const auto& e : fs::directory_iterator(kData + "/orbax")) {
     if (e.is_directory()) add("orbax/" + e.path().filename().string() + "/ckpt", Family::kOrbax);
   }
+  // MaxText's own saves (OCDBT + zarr3, scanned layers, RNG keys) and the
+  // Hugging Face directories made from them.
+  add("orbax_maxtext/llama_tiny/checkpoints", Family::kOrbax);
+  add("orbax_maxtext/llama31_tiny/checkpoints", Family::kOrbax);
+  add("orbax_maxtext/llama_tiny/hf_from_mapping", Family::kSafetensors);
+  add("orbax_maxtext/llama31_tiny/hf_reference", Family::kSafetensors);
   return out;
 }
 

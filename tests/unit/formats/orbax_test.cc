@@ -364,14 +364,22 @@ TEST(OrbaxReaderTest, RootReadsTheLatestFinishedStep) {
   EXPECT_TRUE(noted);
   for (const SourceFile& f : ck->files) EXPECT_EQ(f.rel_path.find("3.orbax"), std::string::npos) << f.rel_path;
 
-  // Only the unfinished step: recognised, and refused saying why.
+  // Only the unfinished step, or the unfinished step itself (or its item):
+  // not recognised, so nothing is ever written into them.
   const std::string only = tmp.path() + "/only_tmp";
   fs::create_directories(only);
   fs::rename(root + "/3.orbax-checkpoint-tmp", only + "/3.orbax-checkpoint-tmp");
-  EXPECT_TRUE(Recognise(only).ok());
-  auto none = ReadCheckpoint(only);
-  ASSERT_FALSE(none.ok());
-  EXPECT_NE(none.status().message().find("no finished orbax step"), std::string::npos) << none.status().message();
+  for (const std::string& d : {only, only + "/3.orbax-checkpoint-tmp", only + "/3.orbax-checkpoint-tmp/default/"}) {
+    EXPECT_FALSE(Recognise(d).ok()) << d;
+    auto none = ReadCheckpoint(d);
+    ASSERT_FALSE(none.ok());
+    EXPECT_NE(none.status().message().find("orbax-checkpoint-tmp saves are never read"), std::string::npos)
+        << none.status().message();
+  }
+  // An item directory's step is its step directory's number.
+  auto item = ReadCheckpoint(root + "/2/default");
+  ASSERT_TRUE(item.ok()) << item.status().message();
+  EXPECT_EQ(item->info.step, 2);
 }
 
 TEST(OrbaxReaderTest, TreeFollowsTheProjectConventions) {
@@ -425,6 +433,29 @@ TEST(OrbaxReaderTest, DamageIsNamed) {
   ASSERT_FALSE(ck.ok());
   EXPECT_NE(ck.status().message().find(fs::path(biggest).filename().string()), std::string::npos)
       << ck.status().message();
+
+  // A truncated data file of out-of-line values: the arrays there are
+  // unreadable (named), the database and the other arrays are not.
+  const std::string root2 = CopyFixture(tmp, "multiprocess");
+  std::string values;
+  for (const auto& e : fs::directory_iterator(root2 + "/2/default/ocdbt.process_0/d")) {
+    if (values.empty() || fs::file_size(e.path()) > fs::file_size(values)) values = e.path().string();
+  }
+  fs::resize_file(values, 2000);
+  auto ck3 = ReadCheckpoint(root2);
+  ASSERT_TRUE(ck3.ok()) << ck3.status().message();
+  size_t broken = 0, fine = 0;
+  for (const TensorRecord& t : ck3->tensors) {
+    if (t.error.empty()) {
+      ++fine;
+      continue;
+    }
+    ++broken;
+    EXPECT_NE(t.error.find(fs::path(values).filename().string()), std::string::npos) << t.error;
+    EXPECT_NE(t.error.find("truncated"), std::string::npos) << t.error;
+  }
+  EXPECT_GT(broken, 0u);
+  EXPECT_GT(fine, broken);
 
   // A missing chunk file of a plain zarr array: a hole, flagged, other arrays served.
   const std::string plain = CopyFixture(tmp, "no_ocdbt_zarr2");
