@@ -37,10 +37,9 @@ inline std::string SafeArchiveName(std::string_view raw) {
   return out;
 }
 
-// Writes the archive's files under `dir` (which exists).
-inline void UnpackArchive(const uint8_t* data, size_t size, const std::string& dir) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
+// Calls fn(safe name, data) for each record whose name stays non-empty.
+template <typename Fn>
+void ForEachArchiveFile(const uint8_t* data, size_t size, Fn&& fn) {
   size_t p = 0;
   while (p + 2 <= size) {
     uint16_t nl;
@@ -53,13 +52,20 @@ inline void UnpackArchive(const uint8_t* data, size_t size, const std::string& d
     std::memcpy(&dl, data + p, 4);
     p += 4;
     if (dl > size - p) dl = static_cast<uint32_t>(size - p);
-    if (!name.empty()) {
-      const fs::path path = fs::path(dir) / name;
-      fs::create_directories(path.parent_path(), ec);
-      std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data + p), dl);
-    }
+    if (!name.empty()) fn(name, std::string_view(reinterpret_cast<const char*>(data + p), dl));
     p += dl;
   }
+}
+
+// Writes the archive's files under `dir` (which exists).
+inline void UnpackArchive(const uint8_t* data, size_t size, const std::string& dir) {
+  namespace fs = std::filesystem;
+  ForEachArchiveFile(data, size, [&](const std::string& name, std::string_view bytes) {
+    std::error_code ec;
+    const fs::path path = fs::path(dir) / name;
+    fs::create_directories(path.parent_path(), ec);
+    std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  });
 }
 
 }  // namespace ckptfs::fuzz

@@ -4,7 +4,6 @@
 // manifest.ocdbt and its d/ files (seeds: real orbax saves, packed by
 // tests/fuzz/make_corpus.py into tests/fuzz/ocdbt_seeds/).
 #include <cstdint>
-#include <cstring>
 #include <map>
 #include <string>
 #include <string_view>
@@ -16,21 +15,7 @@
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace ckptfs;
   std::map<std::string, std::string_view> files;
-  size_t p = 0;
-  while (p + 2 <= size) {
-    uint16_t nl;
-    std::memcpy(&nl, data + p, 2);
-    p += 2;
-    if (p + nl + 4 > size) break;
-    const std::string name = fuzz::SafeArchiveName(std::string_view(reinterpret_cast<const char*>(data + p), nl));
-    p += nl;
-    uint32_t dl;
-    std::memcpy(&dl, data + p, 4);
-    p += 4;
-    if (dl > size - p) dl = static_cast<uint32_t>(size - p);
-    if (!name.empty()) files[name] = std::string_view(reinterpret_cast<const char*>(data + p), dl);
-    p += dl;
-  }
+  fuzz::ForEachArchiveFile(data, size, [&](const std::string& name, std::string_view bytes) { files[name] = bytes; });
   formats::orbax::OcdbtFiles io;
   io.size_of = [&](const std::string& rel) -> Result<uint64_t> {
     auto it = files.find(rel);

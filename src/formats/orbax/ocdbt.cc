@@ -83,6 +83,20 @@ Status Column(Cursor& c, uint64_t n, uint64_t max, const char* name, std::vector
   return Status::Ok();
 }
 
+// A column-major array of node references (interior entries, manifest
+// versions): data file id, offset, length, then the subtree statistics.
+struct RefColumns {
+  std::vector<uint64_t> ids, offs, lens, nkeys, ntree, nind;
+};
+Status ReadRefColumns(Cursor& c, uint64_t n, RefColumns* r) {
+  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "data_file_id", &r->ids));
+  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "offset", &r->offs));
+  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "length", &r->lens));
+  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "num_keys", &r->nkeys));
+  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "num_tree_bytes", &r->ntree));
+  return Column(c, n, UINT64_MAX, "num_indirect_value_bytes", &r->nind);
+}
+
 struct DataFile {
   std::string path;  // base_path + relative_path, relative to the database directory
   std::string base;  // base_path: what the paths of a node read from this file are relative to
@@ -179,19 +193,14 @@ Status ReadNode(Walk& w, const DataFile& df, uint64_t offset, uint64_t length, u
     return Status::Ok();
   };
   if (h > 0) {
-    std::vector<uint64_t> ids, offs, lens, nkeys, ntree, nind;
-    RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "data_file_id", &ids));
-    RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "offset", &offs));
-    RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "length", &lens));
-    RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "num_keys", &nkeys));
-    RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "num_tree_bytes", &ntree));
-    RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "num_indirect_value_bytes", &nind));
+    RefColumns refs;
+    RETURN_IF_ERROR(ReadRefColumns(c, n, &refs));
     RETURN_IF_ERROR(c.End());
     for (uint64_t i = 0; i < n; ++i) {
       if (common[i] > keys[i].size()) return c.Fail("a subtree prefix is longer than its key");
       const DataFile* child = nullptr;
-      RETURN_IF_ERROR(file_of(ids[i], &child));
-      RETURN_IF_ERROR(ReadNode(w, *child, offs[i], lens[i], h - 1, prefix + keys[i].substr(0, common[i])));
+      RETURN_IF_ERROR(file_of(refs.ids[i], &child));
+      RETURN_IF_ERROR(ReadNode(w, *child, refs.offs[i], refs.lens[i], h - 1, prefix + keys[i].substr(0, common[i])));
     }
     return Status::Ok();
   }
@@ -336,15 +345,12 @@ Result<OcdbtListing> ReadOcdbt(const OcdbtFiles& files, const std::string& manif
   RETURN_IF_ERROR(ReadDataFileTable(c, "", c.left(), &table));
   uint64_t n = 0;
   RETURN_IF_ERROR(c.Count(&n, c.left(), "num_versions"));
-  std::vector<uint64_t> gen, height, ids, offs, lens, nkeys, ntree, nind;
+  std::vector<uint64_t> gen, height;
   RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "generation_number", &gen));
   RETURN_IF_ERROR(ByteColumn(c, n, 255, "root_height", &height));
-  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "data_file_id", &ids));
-  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "offset", &offs));
-  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "length", &lens));
-  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "num_keys", &nkeys));
-  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "num_tree_bytes", &ntree));
-  RETURN_IF_ERROR(Column(c, n, UINT64_MAX, "num_indirect_value_bytes", &nind));
+  RefColumns refs;
+  RETURN_IF_ERROR(ReadRefColumns(c, n, &refs));
+  const auto& [ids, offs, lens, nkeys, ntree, nind] = refs;
   std::vector<uint64_t> times(n);
   for (uint64_t i = 0; i < n; ++i) RETURN_IF_ERROR(c.Le(8, &times[i]));
   // Version-tree node references follow (older generations): not needed,
