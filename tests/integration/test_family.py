@@ -14,7 +14,7 @@ from conftest import ROOT, ckptfs_bin, run
 SRC = ROOT / "tests" / "data" / "megatron_versions" / "mcore0.15.0-dist_tp2_pp2" / "iter_0000007"
 # The family table's order (detection priority, then each reader's families).
 FAMILIES = ["megatron-torch_dist", "megatron-zarr", "pytorch-dcp", "deepspeed", "megatron-legacy", "safetensors",
-            "verl", "accelerate-fsdp", "torch-save", "meta-consolidated"]
+            "verl", "accelerate-fsdp", "torch-save", "meta-consolidated", "orbax"]
 
 
 def info(index, *extra):

@@ -1,6 +1,7 @@
 #include "formats/orbax/ocdbt.h"
 
 #include <cstring>
+#include <set>
 #include <utility>
 
 #include "common/crc32c.h"
@@ -136,7 +137,11 @@ struct Walk {
   const OcdbtLimits& limits;
   uint64_t max_decoded = 0;
   uint64_t nodes = 0;
+  uint64_t decoded = 0;  // node bytes decoded so far
   OcdbtListing* out = nullptr;
+  // A B+tree is a tree: a node referenced twice is a hostile DAG (work
+  // exponential in its height), refused.
+  std::set<std::pair<std::string, uint64_t>> seen;
 };
 
 Result<std::string> ReadRange(const OcdbtFiles& files, const std::string& rel, uint64_t off, uint64_t len,
@@ -160,8 +165,14 @@ Status ReadNode(Walk& w, const DataFile& df, uint64_t offset, uint64_t length, u
     return Invalid("corrupt OCDBT tree: more than " + std::to_string(w.limits.max_nodes) + " nodes");
   }
   const std::string what = "OCDBT B+tree node " + df.path + " @ " + std::to_string(offset);
+  if (!w.seen.emplace(df.path, offset).second) return Invalid("corrupt " + what + ": referenced twice in the tree");
   ASSIGN_OR_RETURN(std::string raw, ReadRange(w.files, df.path, offset, length, w.limits.max_encoded_bytes, what));
   ASSIGN_OR_RETURN(OcdbtEnvelope env, DecodeOcdbtEnvelope(raw, kOcdbtBtreeNodeMagic, w.max_decoded, what));
+  w.decoded += env.body.size();
+  if (w.decoded > w.limits.max_total_decoded_bytes) {
+    return Invalid("corrupt OCDBT tree: its nodes decode to more than " +
+                   std::to_string(w.limits.max_total_decoded_bytes) + " bytes");
+  }
   Cursor c(env.body, what);
   uint8_t h = 0;
   RETURN_IF_ERROR(c.Byte(&h));
@@ -369,8 +380,10 @@ Result<OcdbtListing> ReadOcdbt(const OcdbtFiles& files, const std::string& manif
   }
   if (height[last] > limits.max_height) return c.Fail("root height " + std::to_string(height[last]));
   if (ids[last] >= table.size()) return c.Fail("root data file id " + std::to_string(ids[last]));
-  Walk w{files, limits,
-         std::min(limits.max_decoded_node_bytes, std::max<uint64_t>(cfg.max_decoded_node_bytes, 1 << 20)), 0, &out};
+  Walk w{
+      files, limits, std::min(limits.max_decoded_node_bytes, std::max<uint64_t>(cfg.max_decoded_node_bytes, 1 << 20)),
+      0,     0,      &out,
+      {}};
   const DataFile& root = table[ids[last]];
   RETURN_IF_ERROR(ReadNode(w, root, offs[last], lens[last], static_cast<uint32_t>(height[last]), ""));
   if (out.values.size() != nkeys[last]) {

@@ -29,6 +29,8 @@ struct OcdbtLimits {
   // Keys over the whole tree, and nodes visited.
   uint64_t max_entries = uint64_t{64} << 20;
   uint64_t max_nodes = uint64_t{1} << 20;
+  // All nodes of the tree together, decoded.
+  uint64_t max_total_decoded_bytes = uint64_t{4} << 30;
   uint32_t max_height = 32;
 };
 

@@ -27,6 +27,10 @@ using orbax::ZarrArray;
 
 constexpr uint64_t kMaxMetadataFile = uint64_t{256} << 20;  // _METADATA, _sharding, .zarray ...
 constexpr uint64_t kMaxChunksPerArray = uint64_t{1} << 22;
+// An array is indexed chunk by chunk, absent chunks included (each a hole):
+// a grid with far more chunks than the database or directory holds (a
+// damaged or hostile shape) is refused before that loop.
+constexpr uint64_t kMaxAbsentChunks = 4096;
 constexpr const char* kTmpMark = ".orbax-checkpoint-tmp";
 
 bool IsFile(const std::string& p) {
@@ -262,6 +266,8 @@ class ItemReader {
   Result<std::string> ArrayMetadataText(const std::string& name, bool* found_v3);
   bool Lookup(const std::string& key, Stored* out);
   void ReadArray(const Leaf& leaf, std::vector<std::vector<std::string>>* paths);
+  // Stored chunks of array `name` (keys or files under it), counted up to `cap`.
+  uint64_t StoredChunks(const std::string& name, uint64_t cap) const;
   Status ChunkFragments(const ZarrArray& a, const Stored& s, const std::string& where,
                         const std::vector<int64_t>& origin, std::vector<Fragment>* frags);
 
@@ -329,6 +335,23 @@ bool ItemReader::Lookup(const std::string& key, Stored* out) {
   out->file = src->file;
   out->length = ck_.files[src->file.v].size;
   return true;
+}
+
+uint64_t ItemReader::StoredChunks(const std::string& name, uint64_t cap) const {
+  const std::string prefix = name + "/";
+  uint64_t n = 0;
+  if (ocdbt_) {
+    auto it = std::lower_bound(listing_.values.begin(), listing_.values.end(), prefix,
+                               [](const orbax::OcdbtValue& v, const std::string& k) { return v.key < k; });
+    for (; it != listing_.values.end() && n <= cap && it->key.compare(0, prefix.size(), prefix) == 0; ++it) ++n;
+    return n;
+  }
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(Abs(name), fs::directory_options::none, ec);
+       !ec && it != fs::recursive_directory_iterator() && n <= cap; it.increment(ec)) {
+    if (it->is_regular_file(ec)) ++n;
+  }
+  return n;
 }
 
 Result<std::string> ItemReader::ArrayMetadataText(const std::string& name, bool* v3) {
@@ -468,6 +491,14 @@ void ItemReader::ReadArray(const Leaf& leaf, std::vector<std::vector<std::string
     if (MulOverflow(n, static_cast<uint64_t>(grid[d]), &n) || n > kMaxChunksPerArray) {
       t.error = "cannot read array '" + leaf.name + "': its shape " + JsonText(json(a.shape)) + " in chunks of " +
                 JsonText(json(a.chunks)) + " is more chunks than ckptfs indexes";
+      return finish();
+    }
+  }
+  if (n > kMaxAbsentChunks) {
+    const uint64_t present = StoredChunks(leaf.name, n);
+    if (n > present + kMaxAbsentChunks) {
+      t.error = "cannot read array '" + leaf.name + "': its shape " + JsonText(json(a.shape)) + " needs " +
+                std::to_string(n) + " chunks, " + std::to_string(present) + " are stored (a damaged zarr metadata?)";
       return finish();
     }
   }

@@ -290,6 +290,34 @@ TEST(OcdbtTest, ChecksumAndMagicAndKeyCountAreChecked) {
   EXPECT_NE(l.status().message().find("height"), std::string::npos) << l.status().message();
 }
 
+TEST(OcdbtTest, ANodeReferencedTwiceIsRefused) {
+  // An interior root whose two children are the same leaf: a DAG, whose
+  // repeated references would make the work exponential in the height.
+  const std::string leaf = Envelope(kOcdbtBtreeNodeMagic, Leaf({{"k", "v"}}));
+  std::string b(1, '\1');  // height 1
+  b += OneFileTable("d/leaf", 0);
+  PutVarint(b, 2);  // entries
+  PutVarint(b, 0);  // key prefix of entry 1
+  PutVarint(b, 1);  // key suffix lengths
+  PutVarint(b, 1);
+  PutVarint(b, 0);  // subtree common prefixes
+  PutVarint(b, 0);
+  b += "ab";
+  for (int i = 0; i < 2; ++i) PutVarint(b, 0);  // data file ids
+  for (int i = 0; i < 2; ++i) PutVarint(b, 0);  // offsets
+  for (int i = 0; i < 2; ++i) PutVarint(b, leaf.size());
+  for (int i = 0; i < 2; ++i) PutVarint(b, 1);  // num_keys
+  for (int i = 0; i < 2; ++i) PutVarint(b, leaf.size());
+  for (int i = 0; i < 2; ++i) PutVarint(b, 0);
+  MemDb db;
+  db.files["d/leaf"] = leaf;
+  db.files["d/root"] = Envelope(kOcdbtBtreeNodeMagic, b);
+  db.files["manifest.ocdbt"] = Manifest("d/root", 0, db.files["d/root"].size(), 2, /*height=*/1);
+  auto l = ReadOcdbt(db.Io(), "manifest.ocdbt");
+  ASSERT_FALSE(l.ok());
+  EXPECT_NE(l.status().message().find("referenced twice"), std::string::npos) << l.status().message();
+}
+
 TEST(OcdbtTest, EveryTruncationOfARealDatabaseIsAnErrorNotACrash) {
   const std::string item = kData + "/v0_bf16/ckpt/2/default";
   const std::string manifest = ReadFile(item + "/manifest.ocdbt");
@@ -467,6 +495,23 @@ TEST(OrbaxReaderTest, DamageIsNamed) {
     flagged |= f.check == Check::kCoverage && f.message.find("params.output/1.2") != std::string::npos;
   }
   EXPECT_TRUE(flagged);
+
+  // A shape that needs thousands of chunks the directory does not hold: refused
+  // before the chunk loop, naming the array.
+  const std::string zarray = plain + "/2/default/params.output/.zarray";
+  std::string meta = ReadFile(zarray);
+  const std::string shape = "\"shape\":[32,64]";
+  const size_t at = meta.find(shape);
+  ASSERT_NE(at, std::string::npos) << meta;
+  meta.replace(at, shape.size(), "\"shape\":[3200,640]");
+  WriteFile(zarray, meta);
+  auto ck4 = ReadCheckpoint(plain);
+  ASSERT_TRUE(ck4.ok()) << ck4.status().message();
+  bool refused = false;
+  for (const TensorRecord& t : ck4->tensors) {
+    if (t.key == "params.output") refused = t.error.find("are stored") != std::string::npos;
+  }
+  EXPECT_TRUE(refused);
 }
 
 }  // namespace
