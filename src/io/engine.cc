@@ -19,8 +19,8 @@ class PreadEngine final : public ReadEngine {
           return IoError(std::string("cannot read source: ") + std::strerror(errno));
         }
         if (n == 0) {
-          return Invalid("cannot read source: file ends at " + std::to_string(r.offset + done) + ", wanted " +
-                         std::to_string(r.offset + r.length) + " (truncated?)");
+          return Invalid("cannot read source: the file ends before byte " + std::to_string(r.offset + done) +
+                         ", wanted up to " + std::to_string(r.offset + r.length) + " (truncated?)");
         }
         done += static_cast<uint64_t>(n);
       }

@@ -67,8 +67,8 @@ class UringEngine final : public ReadEngine {
         }
         if (res == 0) {
           if (err.ok()) {
-            err = Invalid("cannot read source: file ends at " + std::to_string(reqs[i].offset + done[i]) + ", wanted " +
-                          std::to_string(reqs[i].offset + reqs[i].length) + " (truncated?)");
+            err = Invalid("cannot read source: the file ends before byte " + std::to_string(reqs[i].offset + done[i]) +
+                          ", wanted up to " + std::to_string(reqs[i].offset + reqs[i].length) + " (truncated?)");
           }
           ++finished;
           continue;
