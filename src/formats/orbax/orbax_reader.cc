@@ -15,6 +15,7 @@
 #include "common/json_text.h"
 #include "formats/byte_reader.h"
 #include "formats/orbax/ocdbt.h"
+#include "formats/orbax/orbax_tree.h"
 #include "formats/orbax/zarr_arrays.h"
 #include "formats/torch_file.h"
 
@@ -146,99 +147,6 @@ Result<std::vector<Leaf>> ReadTreeMetadata(const std::string& path, json* top) {
   }
   std::sort(leaves.begin(), leaves.end(), [](const Leaf& a, const Leaf& b) { return a.name < b.name; });
   return leaves;
-}
-
-std::string Base64Decode(std::string_view in) {
-  std::string out;
-  uint32_t acc = 0;
-  int bits = 0;
-  for (char ch : in) {
-    int v = ch >= 'A' && ch <= 'Z'   ? ch - 'A'
-            : ch >= 'a' && ch <= 'z' ? ch - 'a' + 26
-            : ch >= '0' && ch <= '9' ? ch - '0' + 52
-            : ch == '+' || ch == '-' ? 62
-            : ch == '/' || ch == '_' ? 63
-                                     : -1;
-    if (v < 0) continue;  // '=' padding
-    acc = (acc << 6) | static_cast<uint32_t>(v);
-    bits += 6;
-    if (bits >= 8) {
-      bits -= 8;
-      out.push_back(static_cast<char>((acc >> bits) & 0xFF));
-    }
-  }
-  return out;
-}
-
-// Mesh axes that are tensor parallelism by name (MaxText's "tensor" family,
-// the "model" axis of the JAX docs, "tp" / "mp").
-bool IsTensorAxis(const std::string& a) {
-  return a == "model" || a == "tensor" || a == "tp" || a == "mp" || a == "tensor_transpose" || a == "tensor_sequence";
-}
-
-// topo/'s split of each array by its PartitionSpec (_sharding): the dimension
-// sharded over a tensor-parallel mesh axis, or replicated when none is.
-std::map<std::string, TensorSplit> SplitsOf(const std::string& path) {
-  std::map<std::string, TensorSplit> out;
-  auto text = ReadWholeFile(path, kMaxMetadataFile);
-  if (!text.ok()) return out;
-  json s = json::parse(*text, nullptr, false);
-  if (!s.is_object()) return out;
-  for (const auto& [k, v] : s.items()) {
-    if (!v.is_string()) continue;
-    json one = json::parse(v.get<std::string>(), nullptr, false);
-    if (!one.is_object() || !one.contains("partition_spec") || !one["partition_spec"].is_array()) continue;
-    TensorSplit split;
-    split.kind = SplitKind::kReplicate;
-    int dim = 0;
-    for (const json& e : one["partition_spec"]) {
-      std::vector<std::string> axes;
-      if (e.is_string()) axes.push_back(e.get<std::string>());
-      if (e.is_array()) {
-        for (const json& a : e) {
-          if (a.is_string()) axes.push_back(a.get<std::string>());
-        }
-      }
-      for (const std::string& a : axes) {
-        if (IsTensorAxis(a) && split.kind == SplitKind::kReplicate) {
-          split.kind = SplitKind::kDim;
-          split.dim = dim;
-        }
-      }
-      ++dim;
-    }
-    out[Base64Decode(k)] = split;
-  }
-  return out;
-}
-
-// "data=2 x model=4" from the first NamedSharding of _sharding.
-std::string MeshOf(const std::string& path, uint32_t* devices) {
-  auto text = ReadWholeFile(path, kMaxMetadataFile);
-  if (!text.ok()) return "";
-  json s = json::parse(*text, nullptr, false);
-  if (!s.is_object()) return "";
-  for (const auto& [k, v] : s.items()) {
-    if (!v.is_string()) continue;
-    json one = json::parse(v.get<std::string>(), nullptr, false);
-    if (!one.is_object() || !one.contains("shape") || !one.contains("axis_names")) continue;
-    try {
-      auto shape = one["shape"].get<std::vector<int64_t>>();
-      auto names = one["axis_names"].get<std::vector<std::string>>();
-      if (shape.size() != names.size()) continue;
-      std::string out;
-      uint64_t n = 1;
-      for (size_t i = 0; i < shape.size(); ++i) {
-        out += (i ? " x " : "") + names[i] + "=" + std::to_string(shape[i]);
-        n *= static_cast<uint64_t>(std::max<int64_t>(shape[i], 0));
-      }
-      *devices = static_cast<uint32_t>(std::min<uint64_t>(n, UINT32_MAX));
-      return out;
-    } catch (const json::exception&) {
-      continue;
-    }
-  }
-  return "";
 }
 
 // Where a chunk's stored bytes are: an OCDBT value (out-of-line or inline in
@@ -584,7 +492,7 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
     ReadArray(leaf, paths);
   }
   // topo/ split rules from the PartitionSpecs (a record keeps its own name's).
-  const auto splits = SplitsOf(Abs("_sharding"));
+  const auto splits = orbax::SplitsOf(Abs("_sharding"));
   for (size_t i = first_record; i < ck_.tensors.size(); ++i) {
     TensorRecord& t = ck_.tensors[i];
     auto it = splits.find(label_.empty() ? t.key : t.key.substr(label_.size() + 1));
@@ -688,7 +596,7 @@ Result<Checkpoint> ReadOrbax(const std::string& dir) {
     ck.AddFileBytes(src->file, std::move(t));
   }
   uint32_t devices = 0;
-  const std::string mesh = MeshOf(first_item + "/_sharding", &devices);
+  const std::string mesh = orbax::MeshOf(first_item + "/_sharding", &devices);
   ck.info.world_size = std::max<uint32_t>(ProcessCount(first_item), 1);
   ck.info.format_note = "orbax-checkpoint: " + notes;
   if (!mesh.empty()) {
@@ -709,52 +617,4 @@ Result<Checkpoint> ReadOrbax(const std::string& dir) {
   return ck;
 }
 
-namespace orbax {
-
-void ClassifyPytree(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths) {
-  // Flax variables: {"params": {"params": ...}} (MaxText's TrainState) when
-  // every parameter's path repeats it.
-  bool flax = false, any = false;
-  for (size_t i = 0; i < tensors.size() && i < paths.size(); ++i) {
-    const auto& p = paths[i];
-    if (tensors[i].encoding != Encoding::kTensor || p.empty() || p[0] != "params") continue;
-    any = true;
-    flax = p.size() > 2 && p[1] == "params";
-    if (!flax) break;
-  }
-  flax = flax && any;
-  auto join = [](const std::vector<std::string>& p, size_t from) {
-    std::string s;
-    for (size_t i = from; i < p.size(); ++i) s += (i > from ? "." : "") + p[i];
-    return s;
-  };
-  static const std::map<std::string, std::string> kStates = {
-      {"mu", "exp_avg"}, {"nu", "exp_avg_sq"}, {"trace", "momentum_buffer"}};
-  for (size_t i = 0; i < tensors.size() && i < paths.size(); ++i) {
-    TensorRecord& t = tensors[i];
-    const auto& p = paths[i];
-    t.role = Role::kOther;
-    t.fqn = t.key;
-    t.state.clear();
-    if (t.encoding != Encoding::kTensor || p.size() < 2) continue;
-    if (p[0] == "params") {
-      t.role = Role::kParam;
-      t.fqn = join(p, flax ? 2 : 1);
-      t.state = "param";
-      continue;
-    }
-    if (p[0] != "opt_state") continue;
-    for (size_t k = 1; k + 1 < p.size(); ++k) {
-      auto it = kStates.find(p[k]);
-      if (it == kStates.end()) continue;
-      const size_t from = k + 1 + ((flax && p[k + 1] == "params" && k + 2 < p.size()) ? 1 : 0);
-      t.role = Role::kOptimState;
-      t.fqn = join(p, from);
-      t.state = it->second;
-      break;
-    }
-  }
-}
-
-}  // namespace orbax
 }  // namespace ckptfs::formats

@@ -13,7 +13,6 @@
 #define CKPTFS_FORMATS_ORBAX_ORBAX_READER_H_
 
 #include <string>
-#include <vector>
 
 #include "ckptfs/common.h"
 #include "ckptfs/model.h"
@@ -23,16 +22,6 @@ namespace ckptfs::formats {
 bool LooksLikeOrbax(const std::string& dir);
 Result<Checkpoint> ReadOrbax(const std::string& dir);
 
-namespace orbax {
-
-// The project's tree for an orbax pytree path (the keys of one leaf):
-// params.<path> -> parameter <path> ("params.params.<path>", flax's variables,
-// when every parameter has it); opt_state.<...>.mu|nu|trace.<path> -> optimizer
-// state exp_avg | exp_avg_sq | momentum_buffer of <path>; anything else
-// other/. Sets role, fqn and state of each record.
-void ClassifyPytree(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths);
-
-}  // namespace orbax
 }  // namespace ckptfs::formats
 
 #endif  // CKPTFS_FORMATS_ORBAX_ORBAX_READER_H_

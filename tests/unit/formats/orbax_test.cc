@@ -16,6 +16,7 @@
 #include "common/varint.h"
 #include "formats/orbax/ocdbt.h"
 #include "formats/orbax/orbax_reader.h"
+#include "formats/orbax/orbax_tree.h"
 #include "formats/orbax/zarr_arrays.h"
 
 namespace ckptfs::formats::orbax {
