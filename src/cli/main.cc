@@ -261,6 +261,7 @@ int CmdInfo(const Args& a) {
     j["step"] = info.step;
     j["world_size"] = info.world_size;
     j["index"] = ix.dir();
+    j["notes"] = info.problems;
     j["tensors"] = nlohmann::ordered_json::array();
     for (const auto& t : ix.tensors()) {
       nlohmann::ordered_json e = {{"key", t.key},
@@ -282,6 +283,21 @@ int CmdInfo(const Args& a) {
     std::printf("entries     %zu (%llu fragments), %s\nindex       %s%s\n\n", ix.tensors().size(),
                 static_cast<unsigned long long>(ix.num_fragments()), HumanBytes(bytes).c_str(), ix.dir().c_str(),
                 r->built ? " (built now)" : "");
+    // What the reader could not do or chose to do (checkpoint.json "problems"),
+    // the first few; each on one line.
+    constexpr size_t kShownNotes = 8;
+    for (size_t i = 0; i < info.problems.size() && i < kShownNotes; ++i) {
+      std::string line = info.problems[i];
+      for (char& c : line) {
+        if (c == '\n') c = ' ';
+      }
+      if (line.size() > 300) line = line.substr(0, 280) + "... (checkpoint.json has it whole)";
+      std::printf("%s%s\n", i == 0 ? "notes       " : "            ", line.c_str());
+    }
+    if (info.problems.size() > kShownNotes) {
+      std::printf("            and %zu more notes in checkpoint.json\n", info.problems.size() - kShownNotes);
+    }
+    if (!info.problems.empty()) std::printf("\n");
     size_t w = 3;
     for (const auto& t : ix.tensors()) w = std::max(w, t.key.size());
     w = std::min<size_t>(w, 72);

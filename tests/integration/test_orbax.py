@@ -237,12 +237,14 @@ def test_mount_serves_what_orbax_restores(name, copies, restored, mounter):
 def test_other_steps_and_unfinished_save_are_named(copies, bin_path):
     """The root mounts the latest finished step (2, never the unfinished 3); the
     other finished steps and the unfinished save are named in checkpoint.json's
-    problems and in verify's notes. (`ckptfs info` prints no notes, for any family.)"""
+    problems, in `ckptfs info`'s notes and in verify's notes."""
     for name, step, named in (("v0_f32", 2, "1"), ("tmp_step", 2, "3.orbax-checkpoint-tmp")):
         src = copies(name) / "ckpt"
         r = run([bin_path, "info", str(src)])
         assert r.returncode == 0, r.stderr
         assert f"\nstep        {step}\n" in r.stdout, r.stdout[:600]
+        notes = r.stdout.split("\nKEY ")[0]
+        assert "\nnotes       " in notes and named in notes, notes
         r = run([bin_path, "cat", str(src), "checkpoint.json"])
         assert r.returncode == 0, r.stderr
         cj = json.loads(r.stdout)
