@@ -163,7 +163,9 @@ class ItemReader {
   ItemReader(Files& files, std::string item_rel, std::string label)
       : files_(files), ck_(*files.ck), item_rel_(std::move(item_rel)), label_(std::move(label)) {}
 
-  Status Read(std::vector<std::vector<std::string>>* paths, std::string* note);
+  // Reads the item's arrays into the checkpoint (their pytree paths into
+  // `paths`); `note` says its storage, `sharding` is its _sharding.
+  Status Read(std::vector<std::vector<std::string>>* paths, std::string* note, orbax::Sharding* sharding);
 
  private:
   std::string Rel(const std::string& in_item) const { return item_rel_.empty() ? in_item : item_rel_ + "/" + in_item; }
@@ -173,7 +175,9 @@ class ItemReader {
   Result<std::string> ReadValue(const Stored& s, uint64_t off, uint64_t len);
   Result<std::string> ArrayMetadataText(const std::string& name, bool* found_v3);
   bool Lookup(const std::string& key, Stored* out);
-  void ReadArray(const Leaf& leaf, std::vector<std::vector<std::string>>* paths);
+  // One array whose zarr metadata (`v3`: zarr.json) is `text`, or could not be read.
+  void ReadArray(const Leaf& leaf, const Result<std::string>& text, bool v3,
+                 std::vector<std::vector<std::string>>* paths);
   // Stored chunks of array `name` (keys or files under it), counted up to `cap`.
   uint64_t StoredChunks(const std::string& name, uint64_t cap) const;
   Status ChunkFragments(const ZarrArray& a, const Stored& s, const std::string& where,
@@ -360,7 +364,8 @@ Status ItemReader::ChunkFragments(const ZarrArray& a, const Stored& s, const std
   return Status::Ok();
 }
 
-void ItemReader::ReadArray(const Leaf& leaf, std::vector<std::vector<std::string>>* paths) {
+void ItemReader::ReadArray(const Leaf& leaf, const Result<std::string>& text, bool v3,
+                           std::vector<std::vector<std::string>>* paths) {
   TensorRecord t;
   t.key = label_.empty() ? leaf.name : label_ + "/" + leaf.name;
   t.encoding = Encoding::kTensor;
@@ -377,8 +382,6 @@ void ItemReader::ReadArray(const Leaf& leaf, std::vector<std::vector<std::string
     p.insert(p.end(), leaf.path.begin(), leaf.path.end());
     paths->push_back(std::move(p));
   };
-  bool v3 = false;
-  auto text = ArrayMetadataText(leaf.name, &v3);
   if (!text.ok()) {
     t.error = "cannot read array '" + leaf.name + "' of " + (item_rel_.empty() ? "." : item_rel_) + ": " +
               text.status().message();
@@ -443,7 +446,7 @@ void ItemReader::ReadArray(const Leaf& leaf, std::vector<std::vector<std::string
   finish();
 }
 
-Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::string* note) {
+Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::string* note, orbax::Sharding* sharding) {
   json top;
   ASSIGN_OR_RETURN(std::vector<Leaf> leaves, ReadTreeMetadata(Abs("_METADATA"), &top));
   ocdbt_ = IsFile(Abs("manifest.ocdbt"));
@@ -474,25 +477,24 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
     storage = "OCDBT (generation " + std::to_string(listing_.generation) + ", " +
               std::to_string(listing_.values.size()) + " keys) + zarr";
   }
-  size_t arrays = 0, skipped = 0, v3 = 0;
+  size_t arrays = 0, v3_arrays = 0;
   const size_t first_record = ck_.tensors.size();
   std::set<std::string> unread;
   for (const Leaf& leaf : leaves) {
-    if (leaf.skip || leaf.value_type == "None") {
-      ++skipped;
-      continue;
-    }
-    Stored s;
-    const bool has_array = Lookup(leaf.name + "/.zarray", &s) || (Lookup(leaf.name + "/zarr.json", &s) && ++v3);
-    if (!has_array) {
+    if (leaf.skip || leaf.value_type == "None") continue;  // optax EmptyState: no array written
+    bool v3 = false;
+    const auto text = ArrayMetadataText(leaf.name, &v3);
+    if (!text.ok() && text.status().code() == Code::kNotFound) {
       unread.insert(leaf.value_type.empty() ? leaf.name : leaf.name + " (" + leaf.value_type + ")");
       continue;
     }
     ++arrays;
-    ReadArray(leaf, paths);
+    v3_arrays += v3;
+    ReadArray(leaf, text, v3, paths);
   }
   // topo/ split rules from the PartitionSpecs (a record keeps its own name's).
-  const auto splits = orbax::SplitsOf(Abs("_sharding"));
+  *sharding = orbax::ReadSharding(Abs("_sharding"));
+  const auto& splits = sharding->splits;
   for (size_t i = first_record; i < ck_.tensors.size(); ++i) {
     TensorRecord& t = ck_.tensors[i];
     auto it = splits.find(label_.empty() ? t.key : t.key.substr(label_.size() + 1));
@@ -501,7 +503,7 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
       t.split = it->second;
     }
   }
-  storage += v3 == 0 ? " v2" : v3 == arrays ? " v3" : " v2/v3";
+  storage += v3_arrays == 0 ? " v2" : v3_arrays == arrays ? " v3" : " v2/v3";
   *note = storage;
   if (!unread.empty()) {
     std::string list;
@@ -530,7 +532,6 @@ Status ItemReader::Read(std::vector<std::vector<std::string>>* paths, std::strin
     p.push_back(f);
     paths->push_back(std::move(p));
   }
-  (void)skipped;
   return Status::Ok();
 }
 
@@ -571,11 +572,14 @@ Result<Checkpoint> ReadOrbax(const std::string& dir) {
   const bool several = l.items.size() > 1;
   std::vector<std::vector<std::string>> paths;
   std::string notes;
+  orbax::Sharding first_sharding;  // the first item's: checkpoint.json's mesh
   for (const std::string& item : l.items) {
     const std::string label = several ? item.substr(item.find_last_of('/') + 1) : "";
     ItemReader r(files, item, label);
     std::string note;
-    RETURN_IF_ERROR(r.Read(&paths, &note));
+    orbax::Sharding sharding;
+    RETURN_IF_ERROR(r.Read(&paths, &note, &sharding));
+    if (item == l.items.front()) first_sharding = std::move(sharding);
     notes += (notes.empty() ? "" : "; ") + (several ? label + ": " : "") + note;
   }
   orbax::ClassifyPytree(ck.tensors, paths);
@@ -595,8 +599,8 @@ Result<Checkpoint> ReadOrbax(const std::string& dir) {
     t.raw_bytes = true;  // JSON
     ck.AddFileBytes(src->file, std::move(t));
   }
-  uint32_t devices = 0;
-  const std::string mesh = orbax::MeshOf(first_item + "/_sharding", &devices);
+  const std::string& mesh = first_sharding.mesh;
+  const uint32_t devices = first_sharding.devices;
   ck.info.world_size = std::max<uint32_t>(ProcessCount(first_item), 1);
   ck.info.format_note = "orbax-checkpoint: " + notes;
   if (!mesh.empty()) {

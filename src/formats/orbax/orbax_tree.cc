@@ -43,10 +43,51 @@ bool IsTensorAxis(const std::string& a) {
 
 }  // namespace
 
-// topo/'s split of each array by its PartitionSpec (_sharding): the dimension
-// sharded over a tensor-parallel mesh axis, or replicated when none is.
-std::map<std::string, TensorSplit> SplitsOf(const std::string& path) {
-  std::map<std::string, TensorSplit> out;
+namespace {
+
+// The PartitionSpec's split: the first dimension over a tensor-parallel axis.
+TensorSplit SplitOfSpec(const json& spec) {
+  TensorSplit split;
+  split.kind = SplitKind::kReplicate;
+  int dim = 0;
+  for (const json& e : spec) {
+    const json axes = e.is_array() ? e : json::array({e});
+    for (const json& a : axes) {
+      if (a.is_string() && IsTensorAxis(a.get<std::string>()) && split.kind == SplitKind::kReplicate) {
+        split.kind = SplitKind::kDim;
+        split.dim = dim;
+      }
+    }
+    ++dim;
+  }
+  return split;
+}
+
+// "data=2 x model=4" and the device count of one NamedSharding; empty when
+// it names no mesh.
+std::string MeshOf(const json& one, uint32_t* devices) {
+  if (!one.contains("shape") || !one.contains("axis_names")) return "";
+  try {
+    auto shape = one["shape"].get<std::vector<int64_t>>();
+    auto names = one["axis_names"].get<std::vector<std::string>>();
+    if (shape.size() != names.size()) return "";
+    std::string out;
+    uint64_t n = 1;
+    for (size_t i = 0; i < shape.size(); ++i) {
+      out += (i ? " x " : "") + names[i] + "=" + std::to_string(shape[i]);
+      n *= static_cast<uint64_t>(std::max<int64_t>(shape[i], 0));
+    }
+    *devices = static_cast<uint32_t>(std::min<uint64_t>(n, UINT32_MAX));
+    return out;
+  } catch (const json::exception&) {
+    return "";
+  }
+}
+
+}  // namespace
+
+Sharding ReadSharding(const std::string& path) {
+  Sharding out;
   auto text = ReadWholeFile(path, kMaxMetadataFile);
   if (!text.ok()) return out;
   json s = json::parse(*text, nullptr, false);
@@ -54,58 +95,13 @@ std::map<std::string, TensorSplit> SplitsOf(const std::string& path) {
   for (const auto& [k, v] : s.items()) {
     if (!v.is_string()) continue;
     json one = json::parse(v.get<std::string>(), nullptr, false);
-    if (!one.is_object() || !one.contains("partition_spec") || !one["partition_spec"].is_array()) continue;
-    TensorSplit split;
-    split.kind = SplitKind::kReplicate;
-    int dim = 0;
-    for (const json& e : one["partition_spec"]) {
-      std::vector<std::string> axes;
-      if (e.is_string()) axes.push_back(e.get<std::string>());
-      if (e.is_array()) {
-        for (const json& a : e) {
-          if (a.is_string()) axes.push_back(a.get<std::string>());
-        }
-      }
-      for (const std::string& a : axes) {
-        if (IsTensorAxis(a) && split.kind == SplitKind::kReplicate) {
-          split.kind = SplitKind::kDim;
-          split.dim = dim;
-        }
-      }
-      ++dim;
+    if (!one.is_object()) continue;
+    if (out.mesh.empty()) out.mesh = MeshOf(one, &out.devices);
+    if (one.contains("partition_spec") && one["partition_spec"].is_array()) {
+      out.splits[Base64Decode(k)] = SplitOfSpec(one["partition_spec"]);
     }
-    out[Base64Decode(k)] = split;
   }
   return out;
-}
-
-// "data=2 x model=4" from the first NamedSharding of _sharding.
-std::string MeshOf(const std::string& path, uint32_t* devices) {
-  auto text = ReadWholeFile(path, kMaxMetadataFile);
-  if (!text.ok()) return "";
-  json s = json::parse(*text, nullptr, false);
-  if (!s.is_object()) return "";
-  for (const auto& [k, v] : s.items()) {
-    if (!v.is_string()) continue;
-    json one = json::parse(v.get<std::string>(), nullptr, false);
-    if (!one.is_object() || !one.contains("shape") || !one.contains("axis_names")) continue;
-    try {
-      auto shape = one["shape"].get<std::vector<int64_t>>();
-      auto names = one["axis_names"].get<std::vector<std::string>>();
-      if (shape.size() != names.size()) continue;
-      std::string out;
-      uint64_t n = 1;
-      for (size_t i = 0; i < shape.size(); ++i) {
-        out += (i ? " x " : "") + names[i] + "=" + std::to_string(shape[i]);
-        n *= static_cast<uint64_t>(std::max<int64_t>(shape[i], 0));
-      }
-      *devices = static_cast<uint32_t>(std::min<uint64_t>(n, UINT32_MAX));
-      return out;
-    } catch (const json::exception&) {
-      continue;
-    }
-  }
-  return "";
 }
 
 void ClassifyPytree(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths) {

@@ -20,15 +20,17 @@ namespace ckptfs::formats::orbax {
 // other/. Sets role, fqn and state of each record.
 void ClassifyPytree(std::vector<TensorRecord>& tensors, const std::vector<std::vector<std::string>>& paths);
 
-// topo/'s split of each array of the item whose `_sharding` is at `path`, by
-// param name: the dimension sharded over a tensor-parallel mesh axis (by
-// name: model, tensor, tensor_transpose, tensor_sequence, tp, mp), or
-// replicated when none is. Empty when the file is absent or unreadable.
-std::map<std::string, TensorSplit> SplitsOf(const std::string& path);
-
-// "data=2 x model=4" from the first NamedSharding of `_sharding` at `path`,
-// and its device count; empty when there is none.
-std::string MeshOf(const std::string& path, uint32_t* devices);
+// An item's `_sharding` (at `path`): topo/'s split of each array by param
+// name, from its PartitionSpec (the dimension sharded over a tensor-parallel
+// mesh axis, by name: model, tensor, tensor_transpose, tensor_sequence, tp,
+// mp; else replicated), and the mesh ("data=2 x model=4") with its device
+// count. Empty when the file is absent or unreadable.
+struct Sharding {
+  std::map<std::string, TensorSplit> splits;
+  std::string mesh;
+  uint32_t devices = 0;
+};
+Sharding ReadSharding(const std::string& path);
 
 }  // namespace ckptfs::formats::orbax
 

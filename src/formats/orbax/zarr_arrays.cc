@@ -4,6 +4,7 @@
 
 #include "common/crc32c.h"
 #include "common/json_text.h"
+#include "formats/zarr/zarr_reader.h"
 
 namespace ckptfs::formats::orbax {
 namespace {
@@ -13,51 +14,25 @@ using json = nlohmann::json;
 constexpr uint64_t kMaxChunkBytes = uint64_t{1} << 40;
 constexpr uint64_t kMaxInnerPerShard = uint64_t{1} << 20;
 
-// zarr v2 dtype strings (tensorstore's extensions have no byte-order char)
-// and zarr v3 data_type names.
+// zarr v2 dtype strings (numpy's, bfloat16: ZarrV2DType; tensorstore's fp8
+// extensions) and zarr v3 data_type names.
 Result<DType> DTypeOf(const std::string& d, int format) {
-  static const std::pair<const char*, DType> kV2[] = {{"<f4", DType::kF32},
-                                                      {"<f2", DType::kF16},
-                                                      {"<f8", DType::kF64},
-                                                      {"<i8", DType::kI64},
-                                                      {"<i4", DType::kI32},
-                                                      {"<i2", DType::kI16},
-                                                      {"|i1", DType::kI8},
-                                                      {"|u1", DType::kU8},
-                                                      {"|b1", DType::kBool},
-                                                      {"<u2", DType::kU16},
-                                                      {"<u4", DType::kU32},
-                                                      {"<u8", DType::kU64},
-                                                      {"<c8", DType::kC64},
-                                                      {"<c16", DType::kC128},
-                                                      {"bfloat16", DType::kBF16},
-                                                      {"float8_e4m3fn", DType::kF8E4M3FN},
-                                                      {"float8_e5m2", DType::kF8E5M2},
-                                                      {"float8_e4m3fnuz", DType::kF8E4M3FNUZ},
-                                                      {"float8_e5m2fnuz", DType::kF8E5M2FNUZ}};
-  static const std::pair<const char*, DType> kV3[] = {{"float32", DType::kF32},
-                                                      {"float16", DType::kF16},
-                                                      {"float64", DType::kF64},
-                                                      {"int64", DType::kI64},
-                                                      {"int32", DType::kI32},
-                                                      {"int16", DType::kI16},
-                                                      {"int8", DType::kI8},
-                                                      {"uint8", DType::kU8},
-                                                      {"bool", DType::kBool},
-                                                      {"uint16", DType::kU16},
-                                                      {"uint32", DType::kU32},
-                                                      {"uint64", DType::kU64},
-                                                      {"complex64", DType::kC64},
-                                                      {"complex128", DType::kC128},
-                                                      {"bfloat16", DType::kBF16},
-                                                      {"float8_e4m3fn", DType::kF8E4M3FN},
-                                                      {"float8_e5m2", DType::kF8E5M2},
-                                                      {"float8_e4m3fnuz", DType::kF8E4M3FNUZ},
-                                                      {"float8_e5m2fnuz", DType::kF8E5M2FNUZ}};
-  for (const auto& [name, dt] : (format == 2 ? std::span(kV2) : std::span(kV3))) {
+  static const std::pair<const char*, DType> kFloat8[] = {{"float8_e4m3fn", DType::kF8E4M3FN},
+                                                          {"float8_e5m2", DType::kF8E5M2},
+                                                          {"float8_e4m3fnuz", DType::kF8E4M3FNUZ},
+                                                          {"float8_e5m2fnuz", DType::kF8E5M2FNUZ}};
+  static const std::pair<const char*, DType> kV3[] = {
+      {"float32", DType::kF32},   {"float16", DType::kF16},     {"float64", DType::kF64},  {"int64", DType::kI64},
+      {"int32", DType::kI32},     {"int16", DType::kI16},       {"int8", DType::kI8},      {"uint8", DType::kU8},
+      {"bool", DType::kBool},     {"uint16", DType::kU16},      {"uint32", DType::kU32},   {"uint64", DType::kU64},
+      {"complex64", DType::kC64}, {"complex128", DType::kC128}, {"bfloat16", DType::kBF16}};
+  for (const auto& [name, dt] : kFloat8) {
     if (d == name) return dt;
   }
-  if (format == 2 && !d.empty() && d[0] == '>') return Unsupported("big-endian dtype '" + d + "' is not supported");
+  if (format == 2) return ZarrV2DType(d);
+  for (const auto& [name, dt] : kV3) {
+    if (d == name) return dt;
+  }
   return Unsupported("dtype '" + d + "' is not supported");
 }
 

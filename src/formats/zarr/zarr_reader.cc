@@ -36,22 +36,6 @@ uint64_t CountChunkFiles(const std::string& dir, uint64_t cap) {
   return n;
 }
 
-Result<DType> ZarrDType(const std::string& d) {
-  if (d == "bfloat16") return DType::kBF16;
-  static const std::pair<const char*, DType> kTable[] = {
-      {"<f4", DType::kF32}, {"<f2", DType::kF16}, {"<f8", DType::kF64}, {"<i8", DType::kI64},  {"<i4", DType::kI32},
-      {"<i2", DType::kI16}, {"|i1", DType::kI8},  {"|u1", DType::kU8},  {"|b1", DType::kBool}, {"<u2", DType::kU16},
-      {"<u4", DType::kU32}, {"<u8", DType::kU64}, {"<c8", DType::kC64}, {"<c16", DType::kC128}};
-  for (const auto& [name, dt] : kTable) {
-    if (d == name) return dt;
-  }
-  if (d == "<V2" || d == "|V2") {
-    return Unsupported("dtype '" + d +
-                       "' is a raw 2-byte void (Megatron rewrote bf16 arrays to \"bfloat16\"; this one was not)");
-  }
-  return Unsupported("dtype '" + d + "' is not supported");
-}
-
 // One array: its record and fragments (or a per-array error).
 void ReadArray(Files& files, const std::string& root, const std::string& rel_prefix, const std::string& name) {
   Checkpoint& ck = *files.ck;
@@ -72,7 +56,7 @@ void ReadArray(Files& files, const std::string& root, const std::string& rel_pre
   if (z.is_discarded() || !z.is_object()) return fail("not JSON"), finish();
   try {
     if (z.value("zarr_format", 0) != 2) return fail("zarr_format is not 2"), finish();
-    auto dt = ZarrDType(z.at("dtype").get<std::string>());
+    auto dt = ZarrV2DType(z.at("dtype").get<std::string>());
     if (!dt.ok()) return fail(dt.status().message()), finish();
     t.dtype = *dt;
     t.shape = z.at("shape").get<std::vector<int64_t>>();
@@ -155,6 +139,22 @@ void ReadArray(Files& files, const std::string& root, const std::string& rel_pre
 }
 
 }  // namespace
+
+Result<DType> ZarrV2DType(const std::string& d) {
+  if (d == "bfloat16") return DType::kBF16;
+  static const std::pair<const char*, DType> kTable[] = {
+      {"<f4", DType::kF32}, {"<f2", DType::kF16}, {"<f8", DType::kF64}, {"<i8", DType::kI64},  {"<i4", DType::kI32},
+      {"<i2", DType::kI16}, {"|i1", DType::kI8},  {"|u1", DType::kU8},  {"|b1", DType::kBool}, {"<u2", DType::kU16},
+      {"<u4", DType::kU32}, {"<u8", DType::kU64}, {"<c8", DType::kC64}, {"<c16", DType::kC128}};
+  for (const auto& [name, dt] : kTable) {
+    if (d == name) return dt;
+  }
+  if (d == "<V2" || d == "|V2") {
+    return Unsupported("dtype '" + d +
+                       "' is a raw 2-byte void (Megatron rewrote bf16 arrays to \"bfloat16\"; this one was not)");
+  }
+  return Unsupported("dtype '" + d + "' is not supported");
+}
 
 Status ReadZarrArrays(const std::string& ckpt_root, const std::string& rel_dir, Checkpoint& ck) {
   const std::string root = rel_dir.empty() ? ckpt_root : ckpt_root + "/" + rel_dir;

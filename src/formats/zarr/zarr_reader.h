@@ -20,6 +20,11 @@
 
 namespace ckptfs::formats {
 
+// A zarr v2 `.zarray` dtype string: numpy's little-endian descrs and
+// "bfloat16" (tensorstore's extension, also Megatron's rewrite of a 2-byte
+// void); a bare "<V2" is refused rather than guessed.
+Result<DType> ZarrV2DType(const std::string& d);
+
 // Arrays `<ckpt_root>/<rel_dir>/<name>/.zarray` (rel_dir may be empty); file
 // paths are recorded relative to ckpt_root. Problems (holes, bad chunk files,
 // unsupported arrays) are appended to ck.info.problems.
