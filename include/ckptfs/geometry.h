@@ -17,6 +17,17 @@ struct Box {
   bool operator==(const Box&) const = default;
 };
 
+// A transposed rendering of boxes of one tensor: each box, in C order, is a
+// matrix whose columns are its last `col_axes` axes (the rest are its rows);
+// the boxes' rows are concatenated and the whole transposed. `rope_group` > 0:
+// then each group of that many output rows (a rotary head's dimensions) is
+// reordered from interleaved pairs to halves: rows 0, 2, .., g-2, 1, 3, .., g-1.
+struct Transpose {
+  uint32_t col_axes = 1;
+  uint32_t rope_group = 0;
+  bool operator==(const Transpose&) const = default;
+};
+
 // Row-major (C order) element strides of `shape`.
 std::vector<int64_t> ContiguousStrides(const std::vector<int64_t>& shape);
 int64_t NumelOf(const std::vector<int64_t>& shape);

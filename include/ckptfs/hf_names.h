@@ -89,6 +89,26 @@ enum class Op : uint8_t {
   // Grouped experts [E, out, in]: expert E's [out, in] slice (one source
   // tensor gives every {E} of the rule's dst).
   kExpert,
+  // A Flax kernel (stored [in..., out...]) as a Linear weight [out, in]:
+  // kFlaxT takes axis 0 as the input (MaxText's q/k/v [emb, heads, head_dim],
+  // wi [emb, mlp]), kFlaxOutT the last axis as the output (out [heads,
+  // head_dim, emb], wo [mlp, emb]); the rest flattened in C order. One piece
+  // per output row, so nothing is transposed when read. kFlaxRopeQT /
+  // kFlaxRopeKT: kFlaxT whose last axis is a query / key-value head's
+  // dimensions, rotated in interleaved pairs (MaxText's LLaMARotaryEmbedding):
+  // each head's rows in the order 0, 2, .., hd-2, 1, 3, .., hd-1, as kRopeQ.
+  kFlaxT,
+  kFlaxOutT,
+  kFlaxRopeQT,
+  kFlaxRopeKT,
+};
+
+// A factor every element of a tensor is multiplied by.
+enum class Scale : uint8_t {
+  kOne,
+  // sqrt(head_dim): MaxText folds 1/sqrt(head_dim) into its query kernel and
+  // never scales QK^T; transformers scales QK^T at run time.
+  kSqrtHeadDim,
 };
 
 struct MapRule {
@@ -96,6 +116,11 @@ struct MapRule {
   const char* dst;
   Op op;
   When when;
+  // >= 0: the source stacks every layer on this axis (MaxText's scanned
+  // layers: 1), and one source tensor gives each {L} of dst; src then has no
+  // {L}. The op applies to the layer's slice.
+  int8_t stack_axis = -1;
+  Scale scale = Scale::kOne;
 };
 
 // Matches `name` against a template with {L} / {E} (decimal numbers, no
@@ -152,7 +177,13 @@ struct HfTarget {
 // A convention's rules for one target architecture, in the order tried.
 struct HfRules {
   std::vector<const MapRule*> rules;
-  bool permute_rope = true;  // kRopeQ / kRopeK: Meta's interleaved pairs; false: copied
+  // kRopeQ / kRopeK / kFlaxRope*: the source rotates interleaved pairs (Meta's
+  // convention), so rows are permuted; false: it rotates halves, as
+  // transformers does (kRope* copied, kFlaxRope* as kFlaxT).
+  bool permute_rope = true;
+  // Non-empty: which pairing the source used is not recorded, and why; hf/
+  // needs --hf-rope then.
+  std::string rope_undecided;
 };
 
 // A source naming convention (a family's, or one a family's checkpoints may
@@ -170,8 +201,9 @@ struct HfConvention {
   // A source name rewritten before the rules match it (Megatron's legacy
   // names to mcore's).
   std::string (*normalize)(std::string name) = nullptr;
-  // The rules mapping this convention's names onto `arch`'s.
-  HfRules (*rules)(const Arch& arch) = nullptr;
+  // The rules mapping this convention's names onto `arch`'s, under the
+  // target `config`.
+  HfRules (*rules)(const Arch& arch, const json& config) = nullptr;
   // Checks of a target (from any config) against the checkpoint; false with
   // lines in `why` when it does not fit.
   bool (*fits)(const HfSource& in, const Arch& arch, const json& config, std::vector<std::string>& why) = nullptr;

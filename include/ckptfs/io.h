@@ -154,16 +154,20 @@ class TensorReader {
   // the checkpoint) is logged and the read done again on the host, in
   // bounded pieces uploaded to `dst` (counted in gpu_fallbacks).
   Status ReadToDevice(TensorId id, DType out, const Box* box, const DeviceTarget& target, char* dst, uint64_t len);
-  // Bytes [offset, offset+len) of the transpose of a 2-D tensor's row boxes
-  // `rows` (whole rows, concatenated along dim 0 in order), in C order of
-  // that transpose: [columns, total rows]. Hugging Face Conv1D weights (GPT-2)
-  // are stored so. The engine reads each box's column slice (ReadBox: merges,
-  // conversions, checks as usual) into a slab of about 4 MiB of output rows,
-  // transposed here; the last few slabs are kept (kTransposedSlabs), so the
-  // requests of a sequential read (FUSE's 128 KiB..1 MiB) read each source
-  // byte once. A kept slab is served after its source files are checked.
-  Status ReadTransposedRows(TensorId id, DType out, const std::vector<Box>& rows, uint64_t offset, uint64_t len,
-                            char* dst);
+  // Bytes [offset, offset+len) of the transpose of boxes `rows` under `how`
+  // (geometry.h Transpose: each box a matrix whose columns are its last
+  // `how.col_axes` axes, the boxes' rows concatenated), in C order of that
+  // transpose: [columns, total rows]. Hugging Face Conv1D weights (GPT-2: rows
+  // of a 2-D tensor) and Flax kernels as Linear weights (MaxText's [emb,
+  // heads, head_dim] query) are stored so. Every box must have the same
+  // columns, and its axes after the first column axis whole. The engine reads
+  // each box's column slice (ReadBox: merges, conversions, checks as usual)
+  // into a slab of about 4 MiB of output rows, transposed here; the last few
+  // slabs are kept (kTransposedSlabs), so the requests of a sequential read
+  // (FUSE's 128 KiB..1 MiB) read each source byte once. A kept slab is served
+  // after its source files are checked.
+  Status ReadTransposedRows(TensorId id, DType out, const std::vector<Box>& rows, const Transpose& how, uint64_t offset,
+                            uint64_t len, char* dst);
   // The source spans whose bytes, concatenated, are bytes [offset, offset+len)
   // of ReadBox(id, out, box, ...) when that rendering is a plain copy of
   // source bytes (the tensor's dtype, uncompressed, not a mean of copies) in
@@ -274,11 +278,12 @@ class TensorReader {
     TensorId id;
     DType out;
     std::vector<Box> rows;
+    Transpose how;
     uint64_t r0 = 0, r1 = 0;
     std::vector<char> bytes;
   };
-  Result<std::shared_ptr<const TransposedSlab>> Slab(TensorId id, DType out, const std::vector<Box>& rows, uint64_t r0,
-                                                     uint64_t r1, uint64_t total);
+  Result<std::shared_ptr<const TransposedSlab>> Slab(TensorId id, DType out, const std::vector<Box>& rows,
+                                                     const Transpose& how, uint64_t r0, uint64_t r1, uint64_t total);
   // The checksummed ranges `frags` overlap: failed ones are an error;
   // unchecked ones are checked when verify_on_read_.
   Status CheckRanges(const std::vector<Fragment>& frags);

@@ -52,8 +52,9 @@ struct TopoOptions {
   std::vector<int64_t> pp_layers;  // layers per stage (--pp-layers); empty: even split
   uint64_t hf_shard_bytes = 5'000'000'000;
   // hf/ (views/hf_export.h): --hf-arch NAME, --hf-config FILE (a config.json
-  // used as the target), --hf-dtype model|source|fp32|bf16|fp16|master.
-  std::string hf_arch, hf_config, hf_dtype;
+  // used as the target), --hf-dtype model|source|fp32|bf16|fp16|master,
+  // --hf-rope auto|interleaved|halves (how the source pairs RoPE dimensions).
+  std::string hf_arch, hf_config, hf_dtype, hf_rope;
 };
 // The names --hf-arch ("llama", "mistral", ...) and --hf-dtype take.
 std::vector<std::string> HfArchNames();

@@ -36,9 +36,14 @@ struct RankTensor {
   uint64_t zero_tail = 0;       // then this many zero elements (vocabulary padding rows)
   std::string rule;             // "dim 0 (megatron)", "replicated (no rule)", ...
   DType out = DType::kInvalid;  // rendered as (kInvalid: the source dtype)
-  // The pieces (whole rows of a 2-D tensor) concatenated, then transposed:
-  // `shape` is [columns, rows] (hf/ GPT-2 Conv1D weights).
+  // The pieces as matrices under `how` (geometry.h Transpose), their rows
+  // concatenated, then transposed: `shape` is [columns, rows] (hf/ GPT-2
+  // Conv1D weights, Flax kernels).
   bool transposed = false;
+  Transpose how;
+  // Every element multiplied by this, in double, rounded once to `out`
+  // (hf/: MaxText's query kernels).
+  double scale = 1.0;
 };
 struct RankPlan {
   int tp = 0, pp = 0, ep = 0;

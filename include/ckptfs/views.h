@@ -56,9 +56,14 @@ struct Segment {
   // kCrc32: the boxes whose concatenated renderings the CRC covers (none:
   // the whole tensor).
   std::vector<Box> boxes;
-  // kTensor over a 2-D tensor: `boxes` (whole rows) concatenated along dim 0,
-  // rendered in C order of the transpose (TensorReader::ReadTransposedRows).
+  // kTensor: `boxes` as matrices under `how` (geometry.h Transpose), their
+  // rows concatenated, rendered in C order of the transpose
+  // (TensorReader::ReadTransposedRows).
   bool transposed = false;
+  Transpose how;
+  // kTensor: every element multiplied by this (in double, rounded once to
+  // out_dtype); 1: none.
+  double scale = 1.0;
   const Box* box_or_null() const { return boxes.empty() ? nullptr : &boxes[0]; }
 };
 

@@ -65,10 +65,12 @@ split rules and stages (JSON, see docs/views.md), --pp-layers sets layers per st
 --hf-shard-size the hf/ shard size (default 5000000000; K/M/G ok).
 hf/ is a transformers model directory (config.json, safetensors with Hugging Face names)
 when the architecture is known: Megatron Llama/Mistral/Qwen2/Qwen3/Mixtral/GPT-NeoX/GPT-2
-from its args, or a config.json beside the checkpoint. --hf-arch NAME (llama, mistral,
+from its args, or a config.json beside the checkpoint (MaxText: --hf-config). --hf-arch NAME (llama, mistral,
 qwen2, qwen3, mixtral, gpt_neox, gpt2) picks one the args allow; --hf-config FILE supplies config.json; --hf-dtype
 model (default), source, fp32 (widened), bf16/fp16 (float32 rounded to nearest even),
-master (the fp32 master weights). hf/ERRORS says what is left out or missing, and why.
+master (the fp32 master weights). --hf-rope interleaved|halves says how the source pairs
+RoPE dimensions where the checkpoint does not record it (MaxText with a Llama 3.x config:
+llama3.1-* interleaved, llama3.3 halves). hf/ERRORS says what is left out or missing, and why.
 --gpu: where merges, padding strips and dtype casts run (same bytes either way).
 auto (default): on a CUDA GPU for plans a calibration measured faster there, else
 the CPU; on: every plan with such work on the GPU (an error without one); off: the CPU.
@@ -164,6 +166,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   }
   o.topo.hf_arch = a.Get("--hf-arch", "");
   o.topo.hf_dtype = a.Get("--hf-dtype", "");
+  o.topo.hf_rope = a.Get("--hf-rope", "");
   if (a.Has("--hf-config")) {
     o.topo.hf_config = std::filesystem::absolute(a.Get("--hf-config"), ec).string();
     ASSIGN_OR_RETURN(int fd, OpenRegularFile(o.topo.hf_config));  // a missing file is a command-line error now
@@ -723,6 +726,10 @@ int Main(std::vector<std::string> raw) {
     c->add_option("--hf-dtype", str["--hf-dtype"], "hf/ dtype (default model: the parameters' dtype)")
         ->check(CLI::IsMember(HfDtypeNames()))
         ->option_text("DTYPE");
+    c->add_option("--hf-rope", str["--hf-rope"],
+                  "how the source pairs RoPE dimensions, when it does not record it (default auto)")
+        ->check(CLI::IsMember({"auto", "interleaved", "halves"}))
+        ->option_text("PAIRS");
   };
   auto add_read = [&](CLI::App* c) {
     c->add_option("--engine", str["--engine"], "read engine (default auto)")

@@ -45,6 +45,8 @@ Result<std::vector<std::string>> MountOptionFlags(const std::string& opts) {
                                                              {"hf-config", "--hf-config"},
                                                              {"hf_dtype", "--hf-dtype"},
                                                              {"hf-dtype", "--hf-dtype"},
+                                                             {"hf_rope", "--hf-rope"},
+                                                             {"hf-rope", "--hf-rope"},
                                                              {"mapped_reads", "--mapped-reads"},
                                                              {"mapped-reads", "--mapped-reads"},
                                                              {"max_metadata_bytes", "--max-metadata-bytes"},

@@ -6,6 +6,7 @@
 #include "formats/megatron/hf_convention.h"
 #include "formats/megatron/legacy_reader.h"
 #include "formats/megatron/native_files.h"
+#include "formats/orbax/maxtext_hf.h"
 #include "formats/orbax/orbax_reader.h"
 #include "formats/safetensors/st_dir_reader.h"
 #include "formats/torchsave/meta_hf.h"
@@ -137,11 +138,12 @@ const std::vector<FamilyReader>& Table() {
        {{F::kTorchSave,        "torch-save",        "torch.save files",         NC::kTorch, false},
         {F::kMetaConsolidated, "meta-consolidated", "Meta consolidated.NN.pth", NC::kTorch, false}}),
        formats::MetaHfConvention()),
-      Row("orbax", 80,
+      WithHf(Row("orbax", 80,
        "_CHECKPOINT_METADATA / _METADATA with manifest.ocdbt or array_metadatas/ (orbax-checkpoint: a "
        "CheckpointManager root, a step or an item directory; unfinished *.orbax-checkpoint-tmp saves are never read)",
        "", &formats::LooksLikeOrbax, &formats::ReadOrbax,
        {{F::kOrbax, "orbax", "Orbax (JAX: OCDBT, zarr v2/v3)", NC::kJax, false}}),
+       formats::MaxTextHfConvention()),
   };
   // clang-format on
   return kReaders;

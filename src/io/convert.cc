@@ -5,8 +5,10 @@
 // .to(dtype) does (float_bits.h; overflow gives inf, NaN the canonical quiet
 // NaN: bf16 0x7FC0, f16 sign | 0x7E00).
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "ckptfs/io.h"
 #include "io/transform_internal.h"
@@ -140,6 +142,31 @@ Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd
     WidenLoop(dst, n, [&](uint64_t i) { return bits[static_cast<uint8_t>(src[static_cast<int64_t>(i) * step])]; });
   } else {
     return Internal("no conversion from " + std::string(DTypeName(sd)) + " to float32");
+  }
+  return Status::Ok();
+}
+
+Status ScaleFloats(const char* f32, uint64_t n, double scale, DType out, char* dst) {
+  const uint64_t osz = DTypeSize(out);
+  if (out != DType::kF32 && out != DType::kBF16 && out != DType::kF16) {
+    return Internal("a scaled tensor is rendered as float32, bfloat16 or float16, not " + std::string(DTypeName(out)));
+  }
+  for (uint64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(std::bit_cast<float>(LoadLE<uint32_t>(f32 + 4 * i))) * scale;
+    float f = static_cast<float>(d);  // round to nearest even
+    if (out == DType::kF32) {
+      StoreLE<uint32_t>(dst + 4 * i, std::bit_cast<uint32_t>(f));
+      continue;
+    }
+    // Rounded to odd on the way to float32 (the neighbour of d with an odd
+    // last bit when inexact), then to nearest even in 16 bits: with 13 or
+    // more bits to spare this is d rounded once, never twice.
+    if (!std::isnan(d) && static_cast<double>(f) != d && (std::bit_cast<uint32_t>(f) & 1u) == 0) {
+      f = std::isinf(f) ? std::copysign(std::numeric_limits<float>::max(), f)
+                        : std::nextafter(f, d > static_cast<double>(f) ? INFINITY : -INFINITY);
+    }
+    const uint32_t b = std::bit_cast<uint32_t>(f);
+    StoreLE<uint16_t>(dst + osz * i, out == DType::kBF16 ? FloatBitsToBFloat16Bits(b) : FloatBitsToHalfBits(b));
   }
   return Status::Ok();
 }

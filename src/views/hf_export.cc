@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -180,6 +181,23 @@ Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const
   };
   out = shape;
   if (op == Op::kCopy || op == Op::kT) return std::vector<Box>{Box{std::vector<int64_t>(shape.size(), 0), shape}};
+  if (op == Op::kFlaxT || op == Op::kFlaxOutT || op == Op::kFlaxRopeQT || op == Op::kFlaxRopeKT) {
+    // The kernel as a matrix [in, out]: `out` is that matrix, the caller
+    // transposes it.
+    if (shape.size() < 2) return Invalid(ShapeStr(shape) + " is not a Flax kernel (at least 2 axes)");
+    if (op == Op::kFlaxRopeQT || op == Op::kFlaxRopeKT) {
+      const int64_t heads = op == Op::kFlaxRopeQT ? s.heads : s.kv_heads;
+      if (shape.size() != 3 || shape[1] != heads || shape[2] != s.head_dim || s.head_dim % 2 != 0) {
+        return Invalid(ShapeStr(shape) + " is not [hidden, " + std::to_string(heads) + " heads, an even head_dim " +
+                       std::to_string(s.head_dim) + "]");
+      }
+    }
+    const size_t cols_from = op == Op::kFlaxOutT ? shape.size() - 1 : 1;
+    int64_t rows = 1, cols = 1;
+    for (size_t d = 0; d < shape.size(); ++d) (d < cols_from ? rows : cols) *= shape[d];
+    out = {rows, cols};
+    return std::vector<Box>{Box{std::vector<int64_t>(shape.size(), 0), shape}};
+  }
   if (op == Op::kQkv || op == Op::kQkvT) {
     std::vector<Box> all;
     int64_t rows = 0;
@@ -257,9 +275,51 @@ Result<std::vector<Box>> OpBoxes(Op op, const std::vector<int64_t>& shape, const
     case Op::kT:
     case Op::kQkv:
     case Op::kQkvT:
+    case Op::kFlaxT:
+    case Op::kFlaxOutT:
+    case Op::kFlaxRopeQT:
+    case Op::kFlaxRopeKT:
       break;
   }
   return Invalid("unknown op");
+}
+
+bool IsFlax(Op op) { return op == Op::kFlaxT || op == Op::kFlaxOutT || op == Op::kFlaxRopeQT || op == Op::kFlaxRopeKT; }
+
+// The op a rule's op becomes when the source rotates halves, as transformers
+// does: its rotary rows are not permuted.
+Op Unpermuted(Op op) {
+  switch (op) {
+    case Op::kRopeQ:
+    case Op::kRopeK:
+      return Op::kCopy;
+    case Op::kFlaxRopeQT:
+    case Op::kFlaxRopeKT:
+      return Op::kFlaxT;
+    default:
+      return op;
+  }
+}
+
+// How one Hugging Face tensor comes from its source: the op, kExpert's
+// expert, the layer of a stacked source (its axis, -1: not stacked) and the
+// factor every element is multiplied by.
+struct Take {
+  Op op = Op::kCopy;
+  int64_t expert = -1;
+  int stack_axis = -1;
+  int64_t layer = -1;
+  Scale scale = Scale::kOne;
+};
+
+// --hf-rope: how the source pairs rotary dimensions.
+enum class RopeChoice { kAuto, kInterleaved, kHalves };
+
+Result<RopeChoice> ParseRope(const std::string& s) {
+  if (s.empty() || s == "auto") return RopeChoice::kAuto;
+  if (s == "interleaved") return RopeChoice::kInterleaved;
+  if (s == "halves") return RopeChoice::kHalves;
+  return Invalid("--hf-rope '" + s + "': expected auto, interleaved or halves");
 }
 
 // The registered source conventions, in the family table's order (one on
@@ -293,6 +353,7 @@ namespace ckptfs::hf {
 Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   HfPlan plan;
   ASSIGN_OR_RETURN(DtypeChoice choice, ParseDtype(opts.hf_dtype));
+  ASSIGN_OR_RETURN(RopeChoice rope, ParseRope(opts.hf_rope));
   const Arch* forced = nullptr;
   if (!opts.hf_arch.empty()) {
     forced = ArchByName(opts.hf_arch);
@@ -389,6 +450,16 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     }
   }
 
+  // The rules of the source convention for the target architecture, and how
+  // its rotary dimensions pair (--hf-rope when the convention cannot tell).
+  HfRules rules = arch != nullptr && naming != nullptr ? naming->rules(*arch, config) : HfRules{};
+  if (rope != RopeChoice::kAuto) {
+    rules.permute_rope = rope == RopeChoice::kInterleaved;
+  } else if (!rules.rope_undecided.empty()) {
+    why.push_back(rules.rope_undecided + ": pass --hf-rope interleaved or --hf-rope halves");
+    arch = nullptr;
+  }
+
   // The tensors: mapped (a convention's names) or as named (Hugging Face names).
   const bool mapped = arch != nullptr && naming != nullptr;
   if (arch == nullptr && plan.architecture.empty()) {
@@ -427,7 +498,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   // expert can exist for each source tensor, so more is refused, not looped.
   const int64_t bound = 4 * static_cast<int64_t>(src.param.size()) + 16;
   std::set<std::string> produced;
-  auto add = [&](const std::string& hf_name, const std::string& fqn, uint32_t id, Op op, int64_t expert) {
+  auto add = [&](const std::string& hf_name, const std::string& fqn, uint32_t id, const Take& take) {
     uint32_t read = id;
     if (choice == DtypeChoice::kMaster) {
       auto m = src.master.find(fqn);
@@ -466,7 +537,12 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       plan.not_included.push_back(fqn);
       return;
     }
-    auto boxes = OpBoxes(op, t.shape, shape, h.shape, expert);
+    // A stacked source (its stack checked by the caller): the op applies to
+    // the layer's slice, and each box is lifted back into the stack.
+    std::vector<int64_t> sliced = t.shape;
+    const auto axis = static_cast<size_t>(std::max(take.stack_axis, 0));
+    if (take.stack_axis >= 0) sliced.erase(sliced.begin() + static_cast<std::ptrdiff_t>(axis));
+    auto boxes = OpBoxes(take.op, sliced, shape, h.shape, take.expert);
     if (!boxes.ok()) {
       plan.errors.push_back("hf/: '" + hf_name + "' is not included: cannot split '" + fqn +
                             "': " + boxes.status().message());
@@ -474,7 +550,31 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       return;
     }
     h.pieces = std::move(*boxes);
-    if (op == Op::kT || op == Op::kQkvT) {  // the pieces' rows, transposed
+    if (take.stack_axis >= 0) {
+      for (Box& b : h.pieces) {
+        b.offsets.insert(b.offsets.begin() + static_cast<std::ptrdiff_t>(axis), take.layer);
+        b.lengths.insert(b.lengths.begin() + static_cast<std::ptrdiff_t>(axis), 1);
+      }
+    }
+    if (take.scale == Scale::kSqrtHeadDim) {  // rendered through float32: the source must widen to it
+      const bool floats = h.out == DType::kF32 || h.out == DType::kBF16 || h.out == DType::kF16;
+      if (!Renders(t.dtype, DType::kF32) || !floats || shape.head_dim <= 0) {
+        plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn +
+                              "' is scaled by sqrt(head_dim), which ckptfs does only for floats rendered as "
+                              "float32, bfloat16 or float16");
+        plan.not_included.push_back(fqn);
+        return;
+      }
+      h.scale = std::sqrt(static_cast<double>(shape.head_dim));
+    }
+    if (IsFlax(take.op)) {  // [in, out] as a Linear weight [out, in]: the columns are the output axes
+      h.shape = {h.shape[1], h.shape[0]};
+      h.transposed = true;
+      h.how.col_axes = static_cast<uint32_t>(take.op == Op::kFlaxOutT ? 1 : sliced.size() - 1);
+      if (take.op == Op::kFlaxRopeQT || take.op == Op::kFlaxRopeKT) {
+        h.how.rope_group = static_cast<uint32_t>(shape.head_dim);
+      }
+    } else if (take.op == Op::kT || take.op == Op::kQkvT) {  // the pieces' rows, transposed
       if (h.shape.size() != 2) {
         plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn + "' is not 2-D (" + ShapeStr(t.shape) +
                               "), so it has no Conv1D transpose");
@@ -493,12 +593,10 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     plan.tensors.push_back(std::move(h));
   };
 
-  // The rules of the source convention for the target architecture.
-  const HfRules rules = mapped ? naming->rules(*arch) : HfRules{};
   for (const auto& [key, id] : src.param) {
     const std::string& fqn = index.tensors()[id].fqn;
     if (!mapped) {
-      add(fqn, fqn, id, Op::kCopy, -1);
+      add(fqn, fqn, id, Take{});
       continue;
     }
     const std::string name = naming->normalize != nullptr ? naming->normalize(fqn) : fqn;
@@ -511,9 +609,29 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
         continue;
       }
       any = true;
+      const Take take{rules.permute_rope ? r->op : Unpermuted(r->op), -1, r->stack_axis, -1, r->scale};
+      if (r->stack_axis >= 0) {
+        // A stack of every layer (MaxText's scanned layers): one tensor gives
+        // each layer's dst, the config's layer count checked against the
+        // stack's axis before looping over it.
+        const std::vector<int64_t>& sh = index.tensors()[id].shape;
+        const auto axis = static_cast<size_t>(r->stack_axis);
+        if (sh.size() <= axis || sh[axis] != shape.layers || shape.layers > bound) {
+          plan.not_included.push_back(fqn);
+          plan.errors.push_back("hf/: '" + fqn + "' is not included: its shape " + ShapeStr(sh) +
+                                " does not stack the config's " + std::to_string(shape.layers) + " layers on axis " +
+                                std::to_string(r->stack_axis));
+          continue;
+        }
+        for (int64_t l = 0; l < shape.layers; ++l) {
+          Take at = take;
+          at.layer = l;
+          add(Expand(r->dst, l, expert), fqn, id, at);
+        }
+        continue;
+      }
       if (r->op != Op::kExpert) {
-        const bool rope = r->op == Op::kRopeQ || r->op == Op::kRopeK;
-        add(Expand(r->dst, layer, expert), fqn, id, rope && !rules.permute_rope ? Op::kCopy : r->op, -1);
+        add(Expand(r->dst, layer, expert), fqn, id, take);
         continue;
       }
       // Grouped experts: one tensor holds them all, [E, ...] with E the
@@ -525,7 +643,11 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
                               std::to_string(shape.experts) + " experts the config has");
         continue;
       }
-      for (int64_t e = 0; e < shape.experts; ++e) add(Expand(r->dst, layer, e), fqn, id, r->op, e);
+      for (int64_t e = 0; e < shape.experts; ++e) {
+        Take at = take;
+        at.expert = e;
+        add(Expand(r->dst, layer, e), fqn, id, at);
+      }
     }
     if (!any && tied && !skipped) {
       // An output head the config ties to the embedding (a source that

@@ -21,9 +21,11 @@
 
 namespace ckptfs::hf {
 
-// A Hugging Face tensor: `pieces` of source tensor `id`, concatenated along
-// dim 0, rendered as `out`; `transposed`: then transposed (GPT-2's Conv1D
-// stores [in, out], the transpose of Megatron's Linear [out, in]).
+// A Hugging Face tensor: `pieces` of source tensor `id`, each rendered in C
+// order and concatenated, as `out`; `transposed`: the pieces as matrices
+// (`how`), their rows concatenated, then transposed (GPT-2's Conv1D stores
+// [in, out], the transpose of Megatron's Linear [out, in]; a Flax kernel
+// [in..., out...] is the transpose of a Linear weight).
 struct HfTensor {
   std::string name;
   TensorId id;
@@ -31,6 +33,8 @@ struct HfTensor {
   std::vector<Box> pieces;
   DType out = DType::kInvalid;
   bool transposed = false;
+  Transpose how;       // when transposed: the pieces as matrices
+  double scale = 1.0;  // every element multiplied by this (MaxText's query kernels)
 };
 
 struct HfPlan {

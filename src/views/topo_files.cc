@@ -256,10 +256,15 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
       seg.boxes = rt.pieces;
       seg.size = n;
       seg.transposed = true;
+      seg.how = rt.how;
+      seg.scale = rt.scale;
       body.push_back(std::move(seg));
       continue;
     }
-    for (const Box& b : rt.pieces) body.push_back(BoxSeg(t, rt.id, b, out));
+    for (const Box& b : rt.pieces) {
+      body.push_back(BoxSeg(t, rt.id, b, out));
+      body.back().scale = rt.scale;
+    }
     if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(out), '\0')));
   }
   h += '}';
@@ -366,6 +371,8 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& 
     rt.pieces = std::move(h.pieces);
     rt.out = h.out;
     rt.transposed = h.transposed;
+    rt.how = h.how;
+    rt.scale = h.scale;
     shards.back().push_back(std::move(rt));
     cur += bytes;
     total += bytes;

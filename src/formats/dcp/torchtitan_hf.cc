@@ -95,7 +95,7 @@ bool Recognises(const hf::HfSource& in) {
   return false;
 }
 
-hf::HfRules Rules(const Arch& arch) {
+hf::HfRules Rules(const Arch& arch, const hf::json& /*config*/) {
   hf::HfRules r;
   auto use = [&](const auto& table) {
     for (const MapRule& m : table) r.rules.push_back(&m);

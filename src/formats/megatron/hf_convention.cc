@@ -459,7 +459,7 @@ json MegatronConfig(const json& args, const Arch& a, int64_t embedding_rows) {
 
 bool Recognises(const hf::HfSource& in) { return Traits(in.family).names == NameConvention::kMegatron; }
 
-hf::HfRules Rules(const Arch& arch) {
+hf::HfRules Rules(const Arch& arch, const hf::json& /*config*/) {
   hf::HfRules r;
   auto use = [&](const auto& table) {
     for (const MapRule& m : table) r.rules.push_back(&m);

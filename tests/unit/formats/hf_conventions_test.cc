@@ -11,6 +11,7 @@
 #include "ckptfs/hf_names.h"
 #include "formats/dcp/torchtitan_hf.h"
 #include "formats/megatron/hf_convention.h"
+#include "formats/orbax/maxtext_hf.h"
 
 namespace ckptfs::hf {
 namespace {
@@ -27,7 +28,7 @@ TEST(HfConventionsTest, MegatronRulesCoverEachArchitecture) {
   const HfConvention& c = formats::megatron::MegatronHfConvention();
   for (const Arch& a : Archs()) {
     std::set<std::pair<std::string, When>> dst;
-    for (const MapRule* r : c.rules(a).rules) dst.emplace(r->dst, r->when);
+    for (const MapRule* r : c.rules(a, json::object()).rules) dst.emplace(r->dst, r->when);
     EXPECT_EQ(dst, Tensors(a)) << a.name;
   }
 }
@@ -40,15 +41,46 @@ TEST(HfConventionsTest, TorchtitanRulesCoverTheArchitecturesItMapsTo) {
     const Arch& a = *ArchByName(name);
     const bool qk_norm = std::string(name).rfind("qwen3", 0) == 0;
     std::set<std::string> dst, want;
-    for (const MapRule* r : c.rules(a).rules) dst.insert(r->dst);
+    for (const MapRule* r : c.rules(a, json::object()).rules) dst.insert(r->dst);
     for (const ArchTensor& t : ArchTensors(a)) {
       if (t.when == When::kAlways || t.when == When::kUntied || (qk_norm && t.when == When::kQkNorm)) {
         want.insert(t.name);
       }
     }
     EXPECT_EQ(dst, want) << name;
-    EXPECT_EQ(c.rules(a).permute_rope, !qk_norm) << name;
+    EXPECT_EQ(c.rules(a, json::object()).permute_rope, !qk_norm) << name;
   }
+}
+
+// MaxText's table names every tensor of Llama and Mistral, scanned (one
+// stack per tensor, axis 1) and unscanned (layers_<N>) alike; its RoPE pairing
+// is halves unless the config is a Llama 3.x, where only --hf-rope can tell.
+TEST(HfConventionsTest, MaxTextRulesCoverLlamaAndMistralScannedOrNot) {
+  const HfConvention& c = formats::MaxTextHfConvention();
+  for (const char* name : {"llama", "mistral"}) {
+    const Arch& a = *ArchByName(name);
+    std::set<std::string> scanned, unscanned, want;
+    const HfRules rules = c.rules(a, json::object());
+    for (const MapRule* r : rules.rules) {
+      const bool per_layer = std::string(r->dst).find("{L}") != std::string::npos;
+      const bool stacked = r->stack_axis >= 0, layers_n = std::string(r->src).find("{L}") != std::string::npos;
+      if (!per_layer || stacked) scanned.insert(r->dst);
+      if (!per_layer || layers_n) unscanned.insert(r->dst);
+      EXPECT_FALSE(stacked && layers_n) << r->src;
+      EXPECT_EQ(r->scale == Scale::kSqrtHeadDim, std::string(r->dst).find("q_proj") != std::string::npos) << r->src;
+    }
+    for (const ArchTensor& t : ArchTensors(a)) {
+      if (t.when == When::kAlways || t.when == When::kUntied) want.insert(t.name);
+    }
+    EXPECT_EQ(scanned, want) << name;
+    EXPECT_EQ(unscanned, want) << name;
+    EXPECT_FALSE(rules.permute_rope);
+    EXPECT_TRUE(rules.rope_undecided.empty());
+  }
+  const json llama3 = json::parse(R"({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})");
+  EXPECT_FALSE(c.rules(*ArchByName("llama"), llama3).rope_undecided.empty());
+  const json llama3_4x = json::parse(R"({"rope_scaling": {"rope_type": "llama3"}})");
+  EXPECT_FALSE(c.rules(*ArchByName("llama"), llama3_4x).rope_undecided.empty());
 }
 
 TEST(HfConventionsTest, TheFamilyTableRegistersThem) {
@@ -58,6 +90,7 @@ TEST(HfConventionsTest, TheFamilyTableRegistersThem) {
   }
   EXPECT_EQ(rows, (std::set<std::pair<std::string, std::string>>{{"megatron-dist", "megatron"},
                                                                  {"megatron-legacy", "megatron"},
+                                                                 {"orbax", "maxtext"},
                                                                  {"pytorch-dcp", "torchtitan"},
                                                                  {"rank-files", "verl"},
                                                                  {"torch-save", "meta"}}));

@@ -295,24 +295,24 @@ TEST_P(ReadEngineConformance, TransposedRowBoxesEqualTheTranspose) {
       }
     }
     std::vector<char> got(want.size());
-    Status st = reader_->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, 0, got.size(), got.data());
+    Status st = reader_->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, Transpose{}, 0, got.size(), got.data());
     ASSERT_TRUE(st.ok()) << st.message();
     EXPECT_EQ(got, want) << "tensor " << i;
     for (int k = 0; k < 10 && !want.empty(); ++k) {
       uint64_t a = rng() % want.size(), b = rng() % (want.size() + 1);
       if (a > b) std::swap(a, b);
       std::vector<char> part(b - a);
-      st = reader_->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, a, b - a, part.data());
+      st = reader_->ReadTransposedRows(TensorId{i}, tr.dtype, boxes, Transpose{}, a, b - a, part.data());
       ASSERT_TRUE(st.ok()) << st.message();
       EXPECT_TRUE(std::equal(part.begin(), part.end(), want.begin() + static_cast<ptrdiff_t>(a)))
           << "tensor " << i << " range " << a << "-" << b;
     }
     ++checked;
-    // Boxes that are not whole rows are refused.
+    // Boxes whose columns differ are refused.
     if (cols > 1) {
-      const std::vector<Box> partial = {Box{{0, 0}, {1, cols - 1}}};
+      const std::vector<Box> partial = {Box{{0, 0}, {1, cols}}, Box{{0, 0}, {1, cols - 1}}};
       std::vector<char> one(esz);
-      EXPECT_FALSE(reader_->ReadTransposedRows(TensorId{i}, tr.dtype, partial, 0, esz, one.data()).ok());
+      EXPECT_FALSE(reader_->ReadTransposedRows(TensorId{i}, tr.dtype, partial, Transpose{}, 0, esz, one.data()).ok());
     }
   }
   EXPECT_GT(checked, 5);
@@ -374,13 +374,13 @@ TEST_P(ReadEngineConformance, TransposedReadsAcrossSlabsAndStaleSlabs) {
   const std::vector<Box> halves = {Box{{3, 0}, {3, cols}}, Box{{0, 0}, {3, cols}}};
   const std::vector<char> want = transpose({3, 4, 5, 0, 1, 2});
   std::vector<char> got(want.size());
-  ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, 0, got.size(), got.data()).ok());
+  ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, Transpose{}, 0, got.size(), got.data()).ok());
   EXPECT_TRUE(got == want);
   const uint64_t border = 349525ull * rows * 2;
   for (auto [a, b] : std::vector<std::pair<uint64_t, uint64_t>>{
            {border - 1, border + 1}, {border - 7, border + 4096}, {0, 3}, {want.size() - 5, want.size()}}) {
     std::vector<char> part(b - a);
-    ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, a, b - a, part.data()).ok());
+    ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, Transpose{}, a, b - a, part.data()).ok());
     EXPECT_TRUE(std::equal(part.begin(), part.end(), want.begin() + static_cast<ptrdiff_t>(a))) << a << "-" << b;
   }
   // Another plan of the same tensor (one row per box, reversed) is not served from the first plan's slabs.
@@ -388,11 +388,13 @@ TEST_P(ReadEngineConformance, TransposedReadsAcrossSlabsAndStaleSlabs) {
   for (int64_t r = rows; r-- > 0;) reversed.push_back(Box{{r, 0}, {1, cols}});
   const std::vector<char> want_rev = transpose({5, 4, 3, 2, 1, 0});
   std::vector<char> part(4096);
-  ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{0}, t.dtype, reversed, border - 100, part.size(), part.data()).ok());
+  ASSERT_TRUE(
+      reader_->ReadTransposedRows(TensorId{0}, t.dtype, reversed, Transpose{}, border - 100, part.size(), part.data())
+          .ok());
   EXPECT_TRUE(std::equal(part.begin(), part.end(), want_rev.begin() + static_cast<ptrdiff_t>(border - 100)));
   // The source changes: a range whose slab is kept is refused, not served.
   ckptfs::testing::WriteFile(t_.path() + "/data.bin", data + "x");
-  Status st = reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, 0, 16, part.data());
+  Status st = reader_->ReadTransposedRows(TensorId{0}, t.dtype, halves, Transpose{}, 0, 16, part.data());
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("remount"), std::string::npos) << st.message();
 }
