@@ -27,8 +27,9 @@ using json = nlohmann::ordered_json;
 // Target architectures (--hf-arch) and what each has.
 
 // The tensor layout family of an architecture: the Llama family (split q, k,
-// v and gate, up), GPT-NeoX, GPT-2.
-enum class Layout : uint8_t { kLlama, kNeox, kGpt2 };
+// v and gate, up), GPT-NeoX, GPT-2, Gemma 2 (Llama's plus pre- and
+// post-feedforward norms, tied embeddings).
+enum class Layout : uint8_t { kLlama, kNeox, kGpt2, kGemma2 };
 
 // The sparse MLP of an MoE architecture: none (dense), Mixtral's
 // (block_sparse_moe.experts.E.w1/w3/w2, num_local_experts) or Qwen3-MoE's
@@ -109,6 +110,10 @@ enum class Scale : uint8_t {
   // sqrt(head_dim): MaxText folds 1/sqrt(head_dim) into its query kernel and
   // never scales QK^T; transformers scales QK^T at run time.
   kSqrtHeadDim,
+  // 1/sqrt(hidden_size): MaxText's Gemma divides its tied logits by
+  // sqrt(emb_dim) and never scales the input embedding; transformers' Gemma
+  // multiplies the input embedding by sqrt(hidden_size).
+  kInvSqrtHidden,
 };
 
 struct MapRule {
@@ -121,6 +126,13 @@ struct MapRule {
   // {L}. The op applies to the layer's slice.
   int8_t stack_axis = -1;
   Scale scale = Scale::kOne;
+  // Then added to every element (Gemma's RMSNorm multiplies by 1 + weight,
+  // MaxText's by its scale: -1).
+  int8_t add = 0;
+  // The dst layer of source layer l is l * layer_stride + layer_offset (a
+  // MaxText Gemma 2 layer is a local and a global block: Hugging Face layers
+  // 2l and 2l + 1).
+  uint8_t layer_stride = 1, layer_offset = 0;
 };
 
 // Matches `name` against a template with {L} / {E} (decimal numbers, no

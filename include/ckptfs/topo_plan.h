@@ -41,9 +41,9 @@ struct RankTensor {
   // Conv1D weights, Flax kernels).
   bool transposed = false;
   Transpose how;
-  // Every element multiplied by this, in double, rounded once to `out`
-  // (hf/: MaxText's query kernels).
-  double scale = 1.0;
+  // Every element multiplied by `scale`, then `add` added, in double, rounded
+  // once to `out` (hf/: MaxText's query kernels, Gemma's embedding and norms).
+  double scale = 1.0, add = 0.0;
 };
 struct RankPlan {
   int tp = 0, pp = 0, ep = 0;

@@ -146,10 +146,11 @@ class Transforms {
   virtual uint64_t HeldBytes() const { return 0; }
 };
 
-// `n` float32 values (little-endian, at `f32`) times `scale` as `out`
-// (float32, bfloat16 or float16): each product in double, rounded once to
-// `out`, to nearest even. hf/'s scaled tensors (MaxText's query kernels).
-Status ScaleFloats(const char* f32, uint64_t n, double scale, DType out, char* dst);
+// `n` float32 values x (little-endian, at `f32`) as x * scale + add in
+// `out` (float32, bfloat16 or float16): each computed in double, rounded once
+// to `out`, to nearest even. hf/'s scaled tensors (MaxText's query kernels,
+// Gemma's embedding and norms).
+Status ScaleFloats(const char* f32, uint64_t n, double scale, double add, DType out, char* dst);
 
 // CRC-32C of A||B from the CRC-32Cs of A and B and B's length.
 uint32_t Crc32cConcat(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);

@@ -61,9 +61,10 @@ struct Segment {
   // (TensorReader::ReadTransposedRows).
   bool transposed = false;
   Transpose how;
-  // kTensor: every element multiplied by this (in double, rounded once to
-  // out_dtype); 1: none.
-  double scale = 1.0;
+  // kTensor: every element multiplied by `scale`, then `add` added (in
+  // double, rounded once to out_dtype); 1 and 0: none.
+  double scale = 1.0, add = 0.0;
+  bool Affine() const { return scale != 1.0 || add != 0.0; }
   const Box* box_or_null() const { return boxes.empty() ? nullptr : &boxes[0]; }
 };
 

@@ -19,6 +19,7 @@ const std::vector<Arch>& Archs() {
       {"qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", Moe::kQwen3, Layout::kLlama},
       {"gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", Moe::kNone, Layout::kNeox},
       {"gpt2", "gpt2", "GPT2LMHeadModel", Moe::kNone, Layout::kGpt2},
+      {"gemma2", "gemma2", "Gemma2ForCausalLM", Moe::kNone, Layout::kGemma2},
   };
   return kArchs;
 }
@@ -95,6 +96,26 @@ constexpr ArchTensor kNeox[] = {
     {"gpt_neox.layers.{L}.mlp.dense_4h_to_h.bias", When::kAlways},
 };
 
+// Gemma 2: Llama's dense tensors (no biases, no lm_head: the embedding is
+// tied) with a norm before and after the MLP; its post_attention_layernorm
+// normalises the attention's output.
+constexpr ArchTensor kGemma2[] = {
+    {"model.embed_tokens.weight", When::kAlways},
+    {"model.norm.weight", When::kAlways},
+    {"lm_head.weight", When::kUntied},
+    {"model.layers.{L}.input_layernorm.weight", When::kAlways},
+    {"model.layers.{L}.self_attn.q_proj.weight", When::kAlways},
+    {"model.layers.{L}.self_attn.k_proj.weight", When::kAlways},
+    {"model.layers.{L}.self_attn.v_proj.weight", When::kAlways},
+    {"model.layers.{L}.self_attn.o_proj.weight", When::kAlways},
+    {"model.layers.{L}.post_attention_layernorm.weight", When::kAlways},
+    {"model.layers.{L}.pre_feedforward_layernorm.weight", When::kAlways},
+    {"model.layers.{L}.post_feedforward_layernorm.weight", When::kAlways},
+    {"model.layers.{L}.mlp.gate_proj.weight", When::kAlways},
+    {"model.layers.{L}.mlp.up_proj.weight", When::kAlways},
+    {"model.layers.{L}.mlp.down_proj.weight", When::kAlways},
+};
+
 constexpr ArchTensor kGpt2[] = {
     {"transformer.wte.weight", When::kAlways},
     {"transformer.wpe.weight", When::kAlways},
@@ -126,6 +147,9 @@ std::vector<ArchTensor> ArchTensors(const Arch& a) {
       return v;
     case Layout::kGpt2:
       use(kGpt2);
+      return v;
+    case Layout::kGemma2:
+      use(kGemma2);
       return v;
     case Layout::kLlama:
       break;

@@ -63,9 +63,10 @@ bool ForEachSegment(const FileLayout& layout, uint64_t offset, uint64_t size, co
   return true;
 }
 
-// Bytes [in, in + n) of a segment whose elements are scaled (hf/'s MaxText
-// query kernels): the elements they overlap rendered as float32, scaled and
-// rounded once to the segment's dtype (ScaleFloats).
+// Bytes [in, in + n) of a segment whose elements are scaled and offset
+// (hf/'s MaxText query kernels, Gemma's embedding and norms): the elements
+// they overlap rendered as float32, then x * scale + add rounded once to the
+// segment's dtype (ScaleFloats).
 Status ReadScaled(TensorReader& reader, const Segment& s, uint64_t in, uint64_t n, char* dst) {
   const uint64_t osz = DTypeSize(s.out_dtype);
   const uint64_t e0 = in / osz, e1 = (in + n + osz - 1) / osz;
@@ -75,7 +76,7 @@ Status ReadScaled(TensorReader& reader, const Segment& s, uint64_t in, uint64_t 
   RETURN_IF_ERROR(
       s.transposed ? reader.ReadTransposedRows(s.tensor, DType::kF32, s.boxes, s.how, e0 * 4, wide.size(), wide.data())
                    : reader.ReadBox(s.tensor, DType::kF32, s.box_or_null(), e0 * 4, wide.size(), wide.data()));
-  RETURN_IF_ERROR(ScaleFloats(wide.data(), e1 - e0, s.scale, s.out_dtype, out.data()));
+  RETURN_IF_ERROR(ScaleFloats(wide.data(), e1 - e0, s.scale, s.add, s.out_dtype, out.data()));
   std::memcpy(dst, out.data() + (in - e0 * osz), n);
   return Status::Ok();
 }
@@ -406,7 +407,7 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
           case SegmentKind::kLiteral:
             return room > 0 && literal(s.literal.data() + in, n);
           case SegmentKind::kTensor: {
-            if (s.transposed || s.scale != 1.0) return false;
+            if (s.transposed || s.Affine()) return false;
             if (reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans)) {
               return reader_->MapSpans(spans, &r->bytes).ok();
             }
@@ -524,7 +525,7 @@ Result<size_t> Filesystem::ReadData(uint64_t ino, uint64_t offset, size_t size, 
         std::memcpy(dst, s.literal.data() + in, n);
         break;
       case SegmentKind::kTensor:
-        st = s.scale != 1.0 ? ReadScaled(*reader_, s, in, n, dst)
+        st = s.Affine()     ? ReadScaled(*reader_, s, in, n, dst)
              : s.transposed ? reader_->ReadTransposedRows(s.tensor, s.out_dtype, s.boxes, s.how, in, n, dst)
                             : reader_->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), in, n, dst);
         break;

@@ -146,13 +146,13 @@ Status ConvertRun(const char* src, DType sd, int64_t stride, char* dst, DType dd
   return Status::Ok();
 }
 
-Status ScaleFloats(const char* f32, uint64_t n, double scale, DType out, char* dst) {
+Status ScaleFloats(const char* f32, uint64_t n, double scale, double add, DType out, char* dst) {
   const uint64_t osz = DTypeSize(out);
   if (out != DType::kF32 && out != DType::kBF16 && out != DType::kF16) {
     return Internal("a scaled tensor is rendered as float32, bfloat16 or float16, not " + std::string(DTypeName(out)));
   }
   for (uint64_t i = 0; i < n; ++i) {
-    const double d = static_cast<double>(std::bit_cast<float>(LoadLE<uint32_t>(f32 + 4 * i))) * scale;
+    const double d = static_cast<double>(std::bit_cast<float>(LoadLE<uint32_t>(f32 + 4 * i))) * scale + add;
     float f = static_cast<float>(d);  // round to nearest even
     if (out == DType::kF32) {
       StoreLE<uint32_t>(dst + 4 * i, std::bit_cast<uint32_t>(f));

@@ -44,7 +44,7 @@ const char* ConfigDtype(DType d) {
 
 // The model facts the mapping needs, read from the target config.json.
 struct Shape {
-  int64_t layers = 0, heads = 0, kv_heads = 0, head_dim = 0, vocab = 0, experts = 0;
+  int64_t layers = 0, heads = 0, kv_heads = 0, head_dim = 0, hidden = 0, vocab = 0, experts = 0;
   bool tied = false, qkv_bias = false, o_bias = false, mlp_bias = false, qk_norm = false;
 };
 
@@ -54,13 +54,14 @@ Shape ShapeOf(const json& c, const Arch& a) {
   s.layers = JsonGet<int64_t>(c, gpt2 ? "n_layer" : "num_hidden_layers", 0);
   s.heads = JsonGet<int64_t>(c, gpt2 ? "n_head" : "num_attention_heads", 0);
   s.kv_heads = JsonGet<int64_t>(c, "num_key_value_heads", s.heads);
-  const int64_t hidden = JsonGet<int64_t>(c, gpt2 ? "n_embd" : "hidden_size", 0);
-  s.head_dim = JsonGet<int64_t>(c, "head_dim", s.heads > 0 ? hidden / s.heads : 0);
+  s.hidden = JsonGet<int64_t>(c, gpt2 ? "n_embd" : "hidden_size", 0);
+  s.head_dim = JsonGet<int64_t>(c, "head_dim", s.heads > 0 ? s.hidden / s.heads : 0);
   s.vocab = JsonGet<int64_t>(c, "vocab_size", 0);
   s.experts = a.moe == Moe::kMixtral ? JsonGet<int64_t>(c, "num_local_experts", 0)
               : a.moe == Moe::kQwen3 ? JsonGet<int64_t>(c, "num_experts", 0)
                                      : 0;
-  s.tied = JsonGet<bool>(c, "tie_word_embeddings", false);
+  // transformers' default: Gemma 2 ties its embedding, the rest do not.
+  s.tied = JsonGet<bool>(c, "tie_word_embeddings", a.layout == Layout::kGemma2);
   const std::string mt = a.model_type;
   if (mt == "llama") {
     s.qkv_bias = s.o_bias = JsonGet<bool>(c, "attention_bias", false);
@@ -302,14 +303,15 @@ Op Unpermuted(Op op) {
 }
 
 // How one Hugging Face tensor comes from its source: the op, kExpert's
-// expert, the layer of a stacked source (its axis, -1: not stacked) and the
-// factor every element is multiplied by.
+// expert, the layer of a stacked source (its axis, -1: not stacked), and
+// what every element is multiplied by and then added to.
 struct Take {
   Op op = Op::kCopy;
   int64_t expert = -1;
   int stack_axis = -1;
   int64_t layer = -1;
   Scale scale = Scale::kOne;
+  int add = 0;
 };
 
 // --hf-rope: how the source pairs rotary dimensions.
@@ -556,16 +558,19 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
         b.lengths.insert(b.lengths.begin() + static_cast<std::ptrdiff_t>(axis), 1);
       }
     }
-    if (take.scale == Scale::kSqrtHeadDim) {  // rendered through float32: the source must widen to it
+    if (take.scale != Scale::kOne || take.add != 0) {  // rendered through float32: the source must widen to it
       const bool floats = h.out == DType::kF32 || h.out == DType::kBF16 || h.out == DType::kF16;
-      if (!Renders(t.dtype, DType::kF32) || !floats || shape.head_dim <= 0) {
+      const int64_t by = take.scale == Scale::kSqrtHeadDim ? shape.head_dim : shape.hidden;
+      if (!Renders(t.dtype, DType::kF32) || !floats || (take.scale != Scale::kOne && by <= 0)) {
         plan.errors.push_back("hf/: '" + hf_name + "' is not included: '" + fqn +
-                              "' is scaled by sqrt(head_dim), which ckptfs does only for floats rendered as "
-                              "float32, bfloat16 or float16");
+                              "' is scaled or offset, which ckptfs does only for floats rendered as "
+                              "float32, bfloat16 or float16 (and a positive head_dim / hidden_size)");
         plan.not_included.push_back(fqn);
         return;
       }
-      h.scale = std::sqrt(static_cast<double>(shape.head_dim));
+      if (take.scale == Scale::kSqrtHeadDim) h.scale = std::sqrt(static_cast<double>(by));
+      if (take.scale == Scale::kInvSqrtHidden) h.scale = 1.0 / std::sqrt(static_cast<double>(by));
+      h.add = take.add;
     }
     if (IsFlax(take.op)) {  // [in, out] as a Linear weight [out, in]: the columns are the output axes
       h.shape = {h.shape[1], h.shape[0]};
@@ -609,29 +614,33 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
         continue;
       }
       any = true;
-      const Take take{rules.permute_rope ? r->op : Unpermuted(r->op), -1, r->stack_axis, -1, r->scale};
+      const Take take{rules.permute_rope ? r->op : Unpermuted(r->op), -1, r->stack_axis, -1, r->scale, r->add};
+      // The dst layer of source layer l.
+      auto dst_layer = [&](int64_t l) { return l < 0 ? l : l * r->layer_stride + r->layer_offset; };
       if (r->stack_axis >= 0) {
         // A stack of every layer (MaxText's scanned layers): one tensor gives
         // each layer's dst, the config's layer count checked against the
         // stack's axis before looping over it.
         const std::vector<int64_t>& sh = index.tensors()[id].shape;
         const auto axis = static_cast<size_t>(r->stack_axis);
-        if (sh.size() <= axis || sh[axis] != shape.layers || shape.layers > bound) {
+        const int64_t stride = std::max<int64_t>(r->layer_stride, 1), count = shape.layers / stride;
+        if (sh.size() <= axis || shape.layers % stride != 0 || sh[axis] != count || shape.layers > bound) {
           plan.not_included.push_back(fqn);
           plan.errors.push_back("hf/: '" + fqn + "' is not included: its shape " + ShapeStr(sh) +
-                                " does not stack the config's " + std::to_string(shape.layers) + " layers on axis " +
+                                " does not stack the config's " + std::to_string(shape.layers) + " layers" +
+                                (stride > 1 ? " (" + std::to_string(stride) + " per source layer)" : "") + " on axis " +
                                 std::to_string(r->stack_axis));
           continue;
         }
-        for (int64_t l = 0; l < shape.layers; ++l) {
+        for (int64_t l = 0; l < count; ++l) {
           Take at = take;
           at.layer = l;
-          add(Expand(r->dst, l, expert), fqn, id, at);
+          add(Expand(r->dst, dst_layer(l), expert), fqn, id, at);
         }
         continue;
       }
       if (r->op != Op::kExpert) {
-        add(Expand(r->dst, layer, expert), fqn, id, take);
+        add(Expand(r->dst, dst_layer(layer), expert), fqn, id, take);
         continue;
       }
       // Grouped experts: one tensor holds them all, [E, ...] with E the

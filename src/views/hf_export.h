@@ -33,8 +33,10 @@ struct HfTensor {
   std::vector<Box> pieces;
   DType out = DType::kInvalid;
   bool transposed = false;
-  Transpose how;       // when transposed: the pieces as matrices
-  double scale = 1.0;  // every element multiplied by this (MaxText's query kernels)
+  Transpose how;  // when transposed: the pieces as matrices
+  // Every element multiplied by `scale`, then `add` added (MaxText's query
+  // kernels, Gemma's embedding and norms).
+  double scale = 1.0, add = 0.0;
 };
 
 struct HfPlan {

@@ -258,12 +258,14 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
       seg.transposed = true;
       seg.how = rt.how;
       seg.scale = rt.scale;
+      seg.add = rt.add;
       body.push_back(std::move(seg));
       continue;
     }
     for (const Box& b : rt.pieces) {
       body.push_back(BoxSeg(t, rt.id, b, out));
       body.back().scale = rt.scale;
+      body.back().add = rt.add;
     }
     if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(out), '\0')));
   }
@@ -373,6 +375,7 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& 
     rt.transposed = h.transposed;
     rt.how = h.how;
     rt.scale = h.scale;
+    rt.add = h.add;
     shards.back().push_back(std::move(rt));
     cur += bytes;
     total += bytes;

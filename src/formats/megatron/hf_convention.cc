@@ -485,6 +485,13 @@ hf::HfRules Rules(const Arch& arch, const hf::json& /*config*/) {
   return r;
 }
 
+// Megatron has no Gemma 2 (its pre- and post-feedforward norms).
+bool Fits(const hf::HfSource& /*in*/, const Arch& arch, const json& /*config*/, std::vector<std::string>& why) {
+  if (arch.layout != Layout::kGemma2) return true;
+  why.push_back("Megatron's names have no Gemma 2 mapping (pre- and post-feedforward norms)");
+  return false;
+}
+
 // The target from the run's args (the readers' args.json export) and the
 // embedding's rows (the padded vocabulary, cut to args.vocab_size).
 std::optional<hf::HfTarget> Config(const hf::HfSource& in, const Arch* forced, std::vector<std::string>& why) {
@@ -523,6 +530,7 @@ const hf::HfConvention& MegatronHfConvention() {
     c.recognises = &Recognises;
     c.normalize = &McoreName;
     c.rules = &Rules;
+    c.fits = &Fits;
     c.config = &Config;
     c.config_before_config_json = true;  // the run's args decide; a config.json beside them is not read
     return c;

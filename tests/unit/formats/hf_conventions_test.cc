@@ -27,6 +27,11 @@ std::set<std::pair<std::string, When>> Tensors(const Arch& a) {
 TEST(HfConventionsTest, MegatronRulesCoverEachArchitecture) {
   const HfConvention& c = formats::megatron::MegatronHfConvention();
   for (const Arch& a : Archs()) {
+    if (a.layout == Layout::kGemma2) {  // refused by its fits check
+      std::vector<std::string> why;
+      EXPECT_FALSE(c.fits(HfSource{Family::kMegatronTorchDist, {}, {}, {}, ""}, a, json::object(), why));
+      continue;
+    }
     std::set<std::pair<std::string, When>> dst;
     for (const MapRule* r : c.rules(a, json::object()).rules) dst.emplace(r->dst, r->when);
     EXPECT_EQ(dst, Tensors(a)) << a.name;
@@ -77,6 +82,24 @@ TEST(HfConventionsTest, MaxTextRulesCoverLlamaAndMistralScannedOrNot) {
     EXPECT_FALSE(rules.permute_rope);
     EXPECT_TRUE(rules.rope_undecided.empty());
   }
+  // Gemma 2: scanned only, each MaxText layer a local (Hugging Face 2l) and a
+  // global (2l + 1) block; norms -1, the embedding over sqrt(hidden).
+  const Arch& gemma2 = *ArchByName("gemma2");
+  std::set<std::string> dst, want;
+  for (const MapRule* r : c.rules(gemma2, json::object()).rules) {
+    dst.insert(r->dst);
+    const std::string src = r->src, to = r->dst;
+    if (to.find("{L}") != std::string::npos) {
+      EXPECT_EQ(r->stack_axis, 1) << src;
+      EXPECT_EQ(r->layer_stride, 2) << src;
+      EXPECT_EQ(r->layer_offset, src.find("_global") != std::string::npos ? 1 : 0) << src;
+    }
+    EXPECT_EQ(r->add, to.find("norm") != std::string::npos ? -1 : 0) << src;
+  }
+  for (const ArchTensor& t : ArchTensors(gemma2)) {
+    if (t.when == When::kAlways) want.insert(t.name);
+  }
+  EXPECT_EQ(dst, want);
   const json llama3 = json::parse(R"({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}})");
   EXPECT_FALSE(c.rules(*ArchByName("llama"), llama3).rope_undecided.empty());
   const json llama3_4x = json::parse(R"({"rope_scaling": {"rope_type": "llama3"}})");
