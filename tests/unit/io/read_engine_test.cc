@@ -318,6 +318,68 @@ TEST_P(ReadEngineConformance, TransposedRowBoxesEqualTheTranspose) {
   EXPECT_GT(checked, 5);
 }
 
+// A box of every tensor of rank 3 or more, one index of axis 1 (a MaxText
+// layer of a scanned stack), read as a matrix whose columns are its last
+// axes, transposed, and with each group of output rows reordered from
+// interleaved pairs to halves (a rotary head): every range equals the
+// transpose computed here element by element.
+TEST_P(ReadEngineConformance, TransposedBoxesOfAnyRankWithRotaryGroups) {
+  Synthetic s = MakeSynthetic(t_.path(), 23, 120);
+  OPEN_OR_SKIP(s);
+  int checked = 0;
+  for (uint32_t i = 0; i < s.ck.tensors.size(); ++i) {
+    const TensorRecord& tr = s.ck.tensors[i];
+    const size_t rank = tr.shape.size();
+    if (rank < 3 || NumelOf(tr.shape) == 0) continue;
+    const uint64_t esz = DTypeSize(tr.dtype);
+    for (uint32_t col_axes = 1; col_axes + 1 < rank; ++col_axes) {
+      Box box{std::vector<int64_t>(rank, 0), tr.shape};
+      box.offsets[1] = tr.shape[1] - 1;
+      box.lengths[1] = 1;
+      const size_t a = rank - col_axes;
+      int64_t rows = 1, cols = 1;
+      for (size_t d = 0; d < rank; ++d) (d < a ? rows : cols) *= box.lengths[d];
+      const uint32_t group = tr.shape.back() % 2 == 0 ? static_cast<uint32_t>(tr.shape.back()) : 0;
+      const std::vector<int64_t> strides = ContiguousStrides(tr.shape);
+      std::vector<char> want(static_cast<size_t>(rows * cols) * esz);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          // Element (r, c) of the box-matrix: unravel r over the row axes,
+          // c over the column axes (C order), offset by the box.
+          std::vector<int64_t> idx(rank);
+          int64_t rr = r, cc = c;
+          for (size_t d = rank; d-- > 0;) {
+            int64_t& v = d < a ? rr : cc;
+            idx[d] = box.offsets[d] + v % box.lengths[d];
+            v /= box.lengths[d];
+          }
+          // Output row of column c: within its group, halves from pairs.
+          int64_t out_row = c;
+          if (group > 0) {
+            const int64_t g = group, base = c - c % g, k = c % g;
+            out_row = base + (k % 2 == 0 ? k / 2 : g / 2 + k / 2);
+          }
+          std::memcpy(want.data() + static_cast<size_t>(out_row * rows + r) * esz,
+                      s.full[i].data() + static_cast<size_t>(FlatIndex(idx, strides)) * esz, esz);
+        }
+      }
+      const Transpose how{col_axes, group};
+      std::vector<char> got(want.size());
+      Status st = reader_->ReadTransposedRows(TensorId{i}, tr.dtype, {box}, how, 0, got.size(), got.data());
+      ASSERT_TRUE(st.ok()) << st.message();
+      EXPECT_EQ(got, want) << "tensor " << i << " col_axes " << col_axes;
+      // A range at an odd offset.
+      if (got.size() > 3) {
+        std::vector<char> part(got.size() - 3);
+        ASSERT_TRUE(reader_->ReadTransposedRows(TensorId{i}, tr.dtype, {box}, how, 1, part.size(), part.data()).ok());
+        EXPECT_TRUE(std::equal(part.begin(), part.end(), want.begin() + 1));
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 3);
+}
+
 // A transpose larger than one slab (about 4 MiB of output rows): ranges
 // across slab borders, a second row plan of the same tensor, and a slab kept
 // from an earlier read is not served once its source changed.
