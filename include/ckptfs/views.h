@@ -182,13 +182,16 @@ class View {
   Status AddTopo(const Topology& t);  // topo/<t.Name()>/ and its files
   // hf/'s files, planned on first use (a failure is logged and becomes hf/ERRORS).
   void EnsureHf() const;
-  // dcp/'s files, likewise (dcp_view.h).
+  // dcp/'s files, likewise (dcp_view.h), and their links under accelerate/.
   void EnsureDcp() const;
   const Node* GetLocked(uint64_t ino) const;
   std::string PathOfLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,
                    Node::Lazy lazy = Node::Lazy::kNo);
   uint64_t AddNode(uint64_t parent, std::string name, bool is_dir);
+  // File `ino` also listed in directory `dir` (0: none), as a hard link
+  // (its parent stays the first directory). Under tree_mu_, after Build.
+  void Link(uint64_t dir, uint64_t ino);
   // The child of `dir` named `name`, or 0. Under tree_mu_ or while building.
   uint64_t FindChild(const Node& dir, std::string_view name) const;
   // A lazy .npy / .raw layout, from the tensor record alone.
@@ -226,6 +229,12 @@ class View {
   mutable std::atomic<bool> hf_made_{false};
   uint64_t dcp_dir_ = 0;  // 0: no dcp/ (a checkpoint without tensors)
   mutable std::atomic<bool> dcp_made_{false};
+  // accelerate/pytorch_model_fsdp_0/ and accelerate/optimizer_0/ (with dcp/):
+  // dcp/'s files linked in once dcp/ is made (the same nodes, as hard links).
+  uint64_t accelerate_model_dir_ = 0, accelerate_optim_dir_ = 0;
+  bool IsDcpDir(uint64_t ino) const {
+    return ino != 0 && (ino == dcp_dir_ || ino == accelerate_model_dir_ || ino == accelerate_optim_dir_);
+  }
   std::map<std::string, std::string> topo_errors_;  // failed topo/ names -> why
   // Guards lazy layouts. Leaf lock: nothing else is taken while it is held.
   mutable std::mutex lazy_mu_;

@@ -77,6 +77,8 @@ std::string ReadmeText(const Index& ix) {
          "  dcp/                       the checkpoint as a PyTorch DCP (.metadata + .distcp): torch's\n"
          "                             dcp.load(sd, checkpoint_id=<mount>/dcp) at any world size,\n"
          "                             model.<fqn> and optim.state.<fqn>.<state>; dcp/README.txt\n"
+         "  accelerate/                Accelerate's / the HF Trainer's FSDP layout of the same files:\n"
+         "                             pytorch_model_fsdp_0/ and optimizer_0/ (Accelerator.load_state)\n"
          "  topo/tp<T>-pp<P>[-dp<D>]/  any parallel layout, made when you first look it up:\n"
          "                             tp<t>-pp<p>.safetensors per rank, layout.json (and Megatron's\n"
          "                             own iter_*/mp_rank_* files for Megatron checkpoints);\n"
@@ -154,6 +156,15 @@ uint64_t View::AddNode(uint64_t parent, std::string name, bool is_dir) {
     if (is_dir) dir.subdirs++;
   }
   return node->ino;
+}
+
+void View::Link(uint64_t dir, uint64_t ino) {
+  if (dir == 0) return;
+  Node& d = *nodes_[dir - 1];
+  const std::string& name = nodes_[ino - 1]->name;
+  auto it = std::lower_bound(d.children.begin(), d.children.end(), name,
+                             [this](uint64_t c, const std::string& n) { return nodes_[c - 1]->name < n; });
+  d.children.insert(it, ino);
 }
 
 uint64_t View::AddDir(uint64_t parent, const std::string& name) {
@@ -273,7 +284,25 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
     // dcp/ likewise (its .metadata lists every chunk), when there are tensors.
     bool any_tensor = false;
     for (const TensorRecord& t : tensors) any_tensor |= t.role != Role::kHidden && t.encoding == Encoding::kTensor;
-    if (any_tensor) v->dcp_dir_ = v->AddDir(root, "dcp");
+    if (any_tensor) {
+      v->dcp_dir_ = v->AddDir(root, "dcp");
+      // Accelerate's (and so the HF Trainer's) FSDP SHARDED_STATE_DICT
+      // layout: load_fsdp_model reads <dir>/pytorch_model_fsdp_0 (keys
+      // model.*), load_fsdp_optimizer <dir>/optimizer_0 (optimizer.*), each a
+      // DCP; dcp/ has both key sets, so both are dcp/'s files.
+      const uint64_t acc = v->AddDir(root, "accelerate");
+      v->accelerate_model_dir_ = v->AddDir(acc, "pytorch_model_fsdp_0");
+      v->accelerate_optim_dir_ = v->AddDir(acc, "optimizer_0");
+      FileLayout readme;
+      readme.Add(LiteralSegment(
+          "Accelerate's FSDP checkpoint layout (SHARDED_STATE_DICT, use_dcp), as Accelerator.load_state,\n"
+          "load_fsdp_model and load_fsdp_optimizer read it, and so the Hugging Face Trainer's resume:\n"
+          "  pytorch_model_fsdp_0/  the model (keys model.<fqn>)\n"
+          "  optimizer_0/           the optimizer (keys optimizer.state.<fqn>.<state>, optimizer.param_groups.*)\n"
+          "Both hold the same files as ../dcp/ (see its README.txt for what each key comes from); a loader\n"
+          "reads only the items its plan asks for, at any world size.\n"));
+      v->AddFile(acc, "README.txt", std::move(readme), TensorId{});
+    }
     v->topo_dir_ = v->AddDir(root, "topo");
     uint64_t errors = v->AddFile(v->topo_dir_, "ERRORS", FileLayout{}, TensorId{});
     v->nodes_[errors - 1]->topo_errors = true;
@@ -355,14 +384,18 @@ void View::EnsureDcp() const {
   LogInfo("planning dcp/");
   auto tree = dcp_view::DcpFiles(index_);
   if (tree.ok()) {
-    for (auto& [name, layout] : tree->files) self->AddFile(dcp_dir_, name, std::move(layout), TensorId{});
+    for (auto& [name, layout] : tree->files) {
+      const uint64_t ino = self->AddFile(dcp_dir_, name, std::move(layout), TensorId{});
+      for (uint64_t d : {accelerate_model_dir_, accelerate_optim_dir_}) self->Link(d, ino);
+    }
     for (const std::string& l : tree->left_out) LogWarn("dcp/ leaves out " + l);
   } else {
     const std::string why = "dcp/ is not available: " + tree.status().message();
     LogError(why);
     FileLayout l;
     l.Add(LiteralSegment(why + "\n"));
-    self->AddFile(dcp_dir_, "ERRORS", std::move(l), TensorId{});
+    const uint64_t ino = self->AddFile(dcp_dir_, "ERRORS", std::move(l), TensorId{});
+    for (uint64_t d : {accelerate_model_dir_, accelerate_optim_dir_}) self->Link(d, ino);
   }
   dcp_made_.store(true, std::memory_order_release);
   ReleaseFreeMemory();
@@ -442,7 +475,7 @@ const Node* View::Get(uint64_t ino) const {
 
 const Node* View::Lookup(uint64_t parent, std::string_view name) const {
   if (parent == hf_dir_) EnsureHf();
-  if (parent == dcp_dir_) EnsureDcp();
+  if (IsDcpDir(parent)) EnsureDcp();
   {
     std::shared_lock lock(tree_mu_);
     const Node* p = GetLocked(parent);
@@ -497,7 +530,7 @@ std::vector<View::Child> View::ListFrom(uint64_t ino, uint64_t from, size_t max)
   // is planned then (not at mount time, which `ckptfs cat` pays too).
   if (ino == topo_dir_ && !index_.info().topology.empty()) Lookup(topo_dir_, index_.info().topology);
   if (ino == hf_dir_) EnsureHf();
-  if (ino == dcp_dir_) EnsureDcp();
+  if (IsDcpDir(ino)) EnsureDcp();
   // Before the children are read: an entry added after this moves the mtime
   // (Lookup), one added before is in this listing.
   if (ino == topo_dir_) topo_listed_.store(true);

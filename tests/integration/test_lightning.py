@@ -6,6 +6,7 @@ Lightning's meta.pt, and the Trainer's checkpoints/ folder mounts its latest
 checkpoint and names the others."""
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,3 +92,31 @@ def test_a_plain_torch_loop_resumes_from_dcp_view(lightning_run, mounter, tmp_pa
         assert torch.equal(p.detach(), ref["model"][fqn]), fqn
         for state in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(optim.state[p][state], ref["optim"][fqn][state]), (fqn, state)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_accelerate_resumes_from_accelerate_view(world, lightning_run, mounter, tmp_path):
+    """Accelerate's own resume (load_fsdp_model + load_fsdp_optimizer, what
+    Accelerator.load_state and the HF Trainer call for FSDP SHARDED_STATE_DICT)
+    pointed at the mount's accelerate/: a Lightning Trainer's FSDP2 run (2 ranks)
+    continues under Accelerate's FSDP2 on 1 and on 3 ranks with its weights,
+    Adam moments, steps and hyperparameters."""
+    ref = torch.load(lightning_run / "reference.pt", weights_only=False)
+    out = tmp_path / "restored.pt"
+    with mounter(lightning_run / "checkpoints", index=tmp_path / "ix") as m:
+        acc = m.path / "accelerate"
+        assert sorted(p.name for p in acc.iterdir()) == ["README.txt", "optimizer_0", "pytorch_model_fsdp_0"]
+        for sub in ("optimizer_0", "pytorch_model_fsdp_0"):
+            assert sorted(p.name for p in (acc / sub).iterdir()) == sorted(p.name for p in (m.path / "dcp").iterdir())
+            assert (acc / sub / ".metadata").read_bytes() == (m.path / "dcp" / ".metadata").read_bytes()
+        r = subprocess.run([sys.executable, str(FIXTURES / "accelerate_resume_worker.py"), str(acc), str(out),
+                            str(world)], capture_output=True, text=True, timeout=600,
+                           cwd=str(FIXTURES), env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        assert r.returncode == 0, r.stderr[-4000:]
+    got = torch.load(out, weights_only=False)
+    assert got["groups"][0]["lr"] == 1e-2 and got["groups"][0]["weight_decay"] == 0.1
+    assert set(got["model"]) == set(ref["model"])
+    for fqn, w in ref["model"].items():
+        assert torch.equal(got["model"][fqn], w), fqn
+        for state in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got["optim"][fqn][state], ref["optim"][fqn][state]), (fqn, state)
