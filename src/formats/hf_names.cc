@@ -96,24 +96,12 @@ constexpr ArchTensor kNeox[] = {
     {"gpt_neox.layers.{L}.mlp.dense_4h_to_h.bias", When::kAlways},
 };
 
-// Gemma 2: Llama's dense tensors (no biases, no lm_head: the embedding is
-// tied) with a norm before and after the MLP; its post_attention_layernorm
-// normalises the attention's output.
-constexpr ArchTensor kGemma2[] = {
-    {"model.embed_tokens.weight", When::kAlways},
-    {"model.norm.weight", When::kAlways},
-    {"lm_head.weight", When::kUntied},
-    {"model.layers.{L}.input_layernorm.weight", When::kAlways},
-    {"model.layers.{L}.self_attn.q_proj.weight", When::kAlways},
-    {"model.layers.{L}.self_attn.k_proj.weight", When::kAlways},
-    {"model.layers.{L}.self_attn.v_proj.weight", When::kAlways},
-    {"model.layers.{L}.self_attn.o_proj.weight", When::kAlways},
-    {"model.layers.{L}.post_attention_layernorm.weight", When::kAlways},
+// Gemma 2's norms around the MLP, beside Llama's dense tensors (which its
+// config gives no biases or QK norms, and a tied embedding by default); its
+// post_attention_layernorm normalises the attention's output.
+constexpr ArchTensor kGemma2Norms[] = {
     {"model.layers.{L}.pre_feedforward_layernorm.weight", When::kAlways},
     {"model.layers.{L}.post_feedforward_layernorm.weight", When::kAlways},
-    {"model.layers.{L}.mlp.gate_proj.weight", When::kAlways},
-    {"model.layers.{L}.mlp.up_proj.weight", When::kAlways},
-    {"model.layers.{L}.mlp.down_proj.weight", When::kAlways},
 };
 
 constexpr ArchTensor kGpt2[] = {
@@ -149,8 +137,8 @@ std::vector<ArchTensor> ArchTensors(const Arch& a) {
       use(kGpt2);
       return v;
     case Layout::kGemma2:
-      use(kGemma2);
-      return v;
+      use(kGemma2Norms);
+      break;
     case Layout::kLlama:
       break;
   }

@@ -1,8 +1,8 @@
 // Transposed reads (ReadTransposedRows: Hugging Face Conv1D weights, Flax
-// kernels as Linear weights): output
-// rows are cut into fixed slabs of about 4 MiB, each read through ReadBox and
-// transposed in tiles; the last kTransposedSlabs slabs are kept, and a kept one
-// is served only after its source files pass CheckFd. Locking: slab_mu_ (a
+// kernels as Linear weights): output rows are cut into fixed slabs of about
+// 4 MiB, each read through ReadBox and transposed in tiles (then, for a
+// rotary group, reordered within each group); the last kTransposedSlabs slabs
+// are kept, and a kept one is served only after its source files pass CheckFd. Locking: slab_mu_ (a
 // leaf) guards slabs_ and spare_slab_bytes_; it is not held while reading.
 #include <algorithm>
 #include <cstring>
