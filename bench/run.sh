@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|resume|megatron|verify|topo|hf|py|transforms|read|scale] [args...]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|resume|megatron|verify|topo|hf|maxtext|py|transforms|read|scale] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -12,6 +12,7 @@ if [[ "$which" == megatron || "$which" == all ]]; then .venv/bin/python bench/me
 if [[ "$which" == verify || "$which" == all ]]; then .venv/bin/python bench/verify_bench.py "$@"; fi
 if [[ "$which" == topo || "$which" == all ]]; then .venv/bin/python bench/topo_bench.py "$@"; fi
 if [[ "$which" == hf || "$which" == all ]]; then .venv/bin/python bench/hf_bench.py "$@"; fi
+if [[ "$which" == maxtext || "$which" == all ]]; then .venv/bin/python bench/maxtext_hf_bench.py "$@"; fi
 # The Python package (pip wheel + install into .venv, as scripts/test.sh does).
 if [[ "$which" == py || "$which" == all ]]; then
   scripts/py_package.sh

@@ -322,8 +322,30 @@ class TensorReader {
   uint64_t stream_items_above_ = uint64_t{64} << 20;
   // Streaming cursors of large items, most recent last (at most 8); a cursor
   // is taken out while in use, so no lock is held while decompressing.
+  // `cursor_starts_`: how many cursors each item has needed (under cursor_mu_).
   std::mutex cursor_mu_;
   std::vector<std::pair<std::string, std::unique_ptr<formats::ZstdCursor>>> cursors_;
+  std::unordered_map<std::string, uint32_t> cursor_starts_;
+  // A large item read out of order (a second cursor from its start: one layer
+  // of a stacked array after another) is decoded once into an unlinked file
+  // in $TMPDIR and read back with pread: kSpillBytes of such files at most,
+  // least recently used dropped first, and never more than half the free
+  // space there. Under spill_mu_ (a leaf); a file is closed when the last
+  // reader drops it.
+  struct SpilledItem {
+    std::string key;
+    int fd = -1;
+    uint64_t size = 0;  // decoded bytes [0, size) of the item
+    ~SpilledItem();
+  };
+  static constexpr uint64_t kSpillBytes = 32ull << 30;
+  std::mutex spill_mu_;
+  std::vector<std::shared_ptr<SpilledItem>> spills_;  // most recent last
+  uint64_t spill_bytes_ = 0;
+  std::shared_ptr<SpilledItem> FindSpill(const std::string& key, uint64_t end);
+  // Decodes f's item [0, size) into a new spill file; nullptr when it cannot
+  // (no room, no temporary file: the caller streams instead).
+  Result<std::shared_ptr<SpilledItem>> SpillItem(const Fragment& f, const std::string& key, uint64_t size);
   // The transposed slabs read last, most recent first (at most kTransposedSlabs).
   static constexpr size_t kTransposedSlabs = 8;
   std::mutex slab_mu_;

@@ -18,6 +18,7 @@
 #include <tuple>
 
 #include "ckptfs/model.h"
+#include "common/temp_file.h"
 
 namespace ckptfs {
 namespace {
@@ -25,29 +26,8 @@ namespace {
 constexpr size_t kRecBytes = 32;
 constexpr size_t kReadBuffer = size_t{256} << 10;
 
-int OpenTempFile(std::string* dir_out) {
-  const char* env = std::getenv("TMPDIR");
-  std::string dir = env != nullptr && *env != '\0' ? env : "/tmp";
-  *dir_out = dir;
-#ifdef O_TMPFILE
-  int fd = ::open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-  if (fd >= 0) return fd;
-#endif
-  std::string path = dir + "/ckptfs-checksums-XXXXXX";
-  fd = ::mkostemp(path.data(), O_CLOEXEC);
-  if (fd >= 0) ::unlink(path.c_str());
-  return fd;
-}
-
 Status WriteAll(int fd, uint64_t at, const std::string& bytes) {
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::pwrite(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(at + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return ErrnoStatus("write", "the checksum spill file", n < 0 ? errno : ENOSPC);
-    done += static_cast<size_t>(n);
-  }
-  return Status::Ok();
+  return PwriteAll(fd, at, bytes.data(), bytes.size(), "the checksum spill file");
 }
 
 // One sorted source for the merge: a run in the file, or the ranges still in
@@ -185,10 +165,9 @@ void ChecksumSet::Add(const ChecksumRange& r) {
 void ChecksumSet::Spill() {
   if (!spill_error_.empty() || recs_.empty()) return;
   if (fd_ < 0) {
-    std::string dir;
-    fd_ = OpenTempFile(&dir);
+    fd_ = OpenUnlinkedTempFile("ckptfs-checksums");
     if (fd_ < 0) {
-      spill_error_ = ErrnoStatus("create a temporary file in", dir, errno).message() +
+      spill_error_ = ErrnoStatus("create a temporary file in", TempDir(), errno).message() +
                      " (checksum ranges past the memory budget are kept there; set TMPDIR)";
       return;
     }

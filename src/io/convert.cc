@@ -152,7 +152,8 @@ Status ScaleFloats(const char* f32, uint64_t n, double scale, double add, DType 
     return Internal("a scaled tensor is rendered as float32, bfloat16 or float16, not " + std::string(DTypeName(out)));
   }
   for (uint64_t i = 0; i < n; ++i) {
-    const double d = static_cast<double>(std::bit_cast<float>(LoadLE<uint32_t>(f32 + 4 * i))) * scale + add;
+    double d = static_cast<double>(std::bit_cast<float>(LoadLE<uint32_t>(f32 + 4 * i))) * scale;
+    if (add != 0.0) d += add;         // -0.0 + 0.0 would be +0.0: a zero offset leaves the sign alone
     float f = static_cast<float>(d);  // round to nearest even
     if (out == DType::kF32) {
       StoreLE<uint32_t>(dst + 4 * i, std::bit_cast<uint32_t>(f));

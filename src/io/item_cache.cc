@@ -1,13 +1,19 @@
 // Compressed (zstd) items: Item decompresses an item whole into a byte-bounded
 // MRU cache (kItemCacheBytes); ItemSpan serves a span of an item from it, or,
-// for items too large to hold, through a kept streaming cursor. Both check
-// the source (CheckFd) first. Locking: item_mu_ and cursor_mu_ are leaves; a
+// for items too large to hold, through a kept streaming cursor, or, once such
+// an item is read out of order (a second pass from its start), from a copy
+// decoded once into an unlinked file in $TMPDIR. All check the source
+// (CheckFd) first. Locking: item_mu_, cursor_mu_ and spill_mu_ are leaves; a
 // cursor is taken out of cursors_ while used, so nothing is held while decoding.
+#include <unistd.h>
+
+#include <cerrno>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "ckptfs/io.h"
+#include "common/temp_file.h"
 #include "formats/zstd.h"
 
 namespace ckptfs {
@@ -100,7 +106,21 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
   }
   RETURN_IF_ERROR(CheckFd(f.file));
   const std::string key = std::to_string(f.file.v) + ":" + std::to_string(f.item_offset);
+  // A span of a spilled copy: one pread.
+  auto from_spill = [&](const SpilledItem& s) -> Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> {
+    auto bytes = std::make_shared<std::string>(len, '\0');
+    uint64_t done = 0;
+    while (done < len) {
+      const ssize_t n = ::pread(s.fd, bytes->data() + done, len - done, static_cast<off_t>(off + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return ErrnoStatus("read the decoded copy in " + TempDir() + " of", what, n < 0 ? errno : EIO);
+      done += static_cast<uint64_t>(n);
+    }
+    return std::make_pair(std::shared_ptr<const std::string>(std::move(bytes)), uint64_t{0});
+  };
+  if (auto s = FindSpill(key, end)) return from_spill(*s);
   std::unique_ptr<formats::ZstdCursor> cur;
+  bool again = false;  // the item was decoded from its start before: out of order
   {
     std::lock_guard<std::mutex> lock(cursor_mu_);
     for (auto it = cursors_.begin(); it != cursors_.end(); ++it) {
@@ -110,6 +130,14 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
         break;
       }
     }
+    if (cur == nullptr) {
+      if (cursor_starts_.size() > 4096) cursor_starts_.clear();
+      again = ++cursor_starts_[key] > 1;
+    }
+  }
+  if (cur == nullptr && again) {
+    ASSIGN_OR_RETURN(auto s, SpillItem(f, key, bound));
+    if (s != nullptr) return from_spill(*s);
   }
   if (cur == nullptr) {
     const int fd = fds_[f.file.v];
@@ -129,6 +157,58 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
     if (cursors_.size() > 8) cursors_.erase(cursors_.begin());
   }
   return std::make_pair(std::make_shared<const std::string>(std::move(bytes).value()), uint64_t{0});
+}
+
+TensorReader::SpilledItem::~SpilledItem() {
+  if (fd >= 0) ::close(fd);
+}
+
+std::shared_ptr<TensorReader::SpilledItem> TensorReader::FindSpill(const std::string& key, uint64_t end) {
+  std::lock_guard<std::mutex> lock(spill_mu_);
+  for (size_t i = 0; i < spills_.size(); ++i) {
+    if (spills_[i]->key != key || spills_[i]->size < end) continue;
+    auto s = spills_[i];
+    spills_.erase(spills_.begin() + static_cast<std::ptrdiff_t>(i));
+    spills_.push_back(s);
+    return s;
+  }
+  return nullptr;
+}
+
+Result<std::shared_ptr<TensorReader::SpilledItem>> TensorReader::SpillItem(const Fragment& f, const std::string& key,
+                                                                           uint64_t size) {
+  if (size > kSpillBytes || size > FreeBytes(TempDir()) / 2) return std::shared_ptr<SpilledItem>();
+  auto s = std::make_shared<SpilledItem>();
+  s->key = key;
+  s->fd = OpenUnlinkedTempFile("ckptfs-item");
+  if (s->fd < 0) return std::shared_ptr<SpilledItem>();  // no temporary file: stream instead
+  const std::string& rel = index_.files()[f.file.v].rel_path;
+  const std::string what = rel + " @ " + std::to_string(f.item_offset);
+  const int fd = fds_[f.file.v];
+  const uint64_t base = f.item_offset;
+  formats::ZstdCursor cur(
+      [this, fd, base, rel](uint64_t o, uint64_t n, char* dst) {
+        IoRequest req{fd, base + o, n, dst};
+        return ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel);
+      },
+      f.item_length, size + (uint64_t{1} << 20), what);
+  constexpr uint64_t kStep = 8ull << 20;
+  for (uint64_t pos = 0; pos < size; pos += kStep) {
+    ASSIGN_OR_RETURN(std::string bytes, cur.Read(pos, std::min(kStep, size - pos)));
+    // A full or failing temporary file system: stream instead.
+    if (!PwriteAll(s->fd, pos, bytes.data(), bytes.size(), "a decoded copy in " + TempDir()).ok()) {
+      return std::shared_ptr<SpilledItem>();
+    }
+  }
+  s->size = size;
+  std::lock_guard<std::mutex> lock(spill_mu_);
+  spills_.push_back(s);
+  spill_bytes_ += size;
+  while (spill_bytes_ > kSpillBytes && spills_.size() > 1) {
+    spill_bytes_ -= spills_.front()->size;
+    spills_.erase(spills_.begin());
+  }
+  return s;
 }
 
 }  // namespace ckptfs

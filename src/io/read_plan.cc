@@ -42,9 +42,44 @@ struct Piece {
   std::vector<int64_t> len, sstr, dstr;
 };
 
+// A piece whose span is mostly gaps between its rows is cut into one piece
+// per index of its outermost dimension (recursively), so that a box strided
+// through a large fragment (one layer of a stack [emb, layers, mlp]) reads
+// its rows, not everything between them: where the span is more than
+// kSparseFactor times the bytes needed and the gaps add up to over
+// kSparseGapBytes, and each cut piece is at least kMinCutBytes.
+constexpr uint64_t kSparseFactor = 4, kSparseGapBytes = 1ull << 20, kMinCutBytes = 512;
+
+template <typename Fn>
+Status EmitPiece(Piece& p, uint64_t esz, Fn& fn) {
+  uint64_t needed = esz;
+  for (int64_t l : p.len) needed *= static_cast<uint64_t>(l);
+  uint64_t inner = esz;  // the bytes one index of the outermost dimension needs
+  for (size_t d = 1; d < p.len.size(); ++d) inner *= static_cast<uint64_t>(p.len[d]);
+  if (p.len.size() < 2 || p.span_bytes <= kSparseFactor * needed || p.span_bytes - needed <= kSparseGapBytes ||
+      inner < kMinCutBytes) {
+    return fn(p);
+  }
+  Piece q;
+  q.f = p.f;
+  q.len.assign(p.len.begin() + 1, p.len.end());
+  q.sstr.assign(p.sstr.begin() + 1, p.sstr.end());
+  q.dstr.assign(p.dstr.begin() + 1, p.dstr.end());
+  uint64_t span = 1;
+  for (size_t d = 0; d < q.len.size(); ++d) span += static_cast<uint64_t>((q.len[d] - 1) * q.sstr[d]);
+  q.span_bytes = span * esz;
+  for (int64_t i = 0; i < p.len[0]; ++i) {
+    q.src_byte = p.src_byte + static_cast<uint64_t>(i * p.sstr[0]) * esz;
+    q.dst_elem = p.dst_elem + static_cast<uint64_t>(i * p.dstr[0]);
+    RETURN_IF_ERROR(EmitPiece(q, esz, fn));
+  }
+  return Status::Ok();
+}
+
 // Calls fn(piece) for each intersection of the view's elements [c0, c1)
-// with a fragment; checks each piece lies in its fragment's storage and that
-// the fragments cover every element (a hole is an error, never zeros).
+// with a fragment (sparse ones cut, EmitPiece); checks each piece lies in its
+// fragment's storage and that the fragments cover every element (a hole is
+// an error, never zeros).
 template <typename Fn>
 Status VisitPieces(const Index& index, const TensorRecord& t, const std::vector<Fragment>& frags, const Box& view,
                    uint64_t e0, uint64_t c0, uint64_t c1, Fn&& fn) {
@@ -99,7 +134,7 @@ Status VisitPieces(const Index& index, const TensorRecord& t, const std::vector<
         return Invalid("cannot read '" + t.key + "': fragment in " + index.files()[f.file.v].rel_path +
                        " is shorter than its shape (index corrupt?)");
       }
-      RETURN_IF_ERROR(fn(p));
+      RETURN_IF_ERROR(EmitPiece(p, esz, fn));
     }
   }
   if (covered != c1 - c0) {

@@ -81,6 +81,25 @@ TEST(ScaleFloatsTest, F32AndOffsetAndHalf) {
   EXPECT_FALSE(ScaleFloats(in.data(), x.size(), 2.0, 0.0, DType::kI32, out.data()).ok());
 }
 
+// -0.0 scaled stays -0.0 (the source's sign bit; the converters keep it),
+// and with an offset it is the offset's result.
+TEST(ScaleFloatsTest, NegativeZeroKeepsItsSign) {
+  const std::vector<char> in = Floats({-0.0f, 0.0f});
+  std::vector<char> out(8);
+  ASSERT_TRUE(ScaleFloats(in.data(), 2, 8.0, 0.0, DType::kF32, out.data()).ok());
+  uint32_t v[2];
+  std::memcpy(v, out.data(), 8);
+  EXPECT_EQ(v[0], 0x80000000u);
+  EXPECT_EQ(v[1], 0x00000000u);
+  ASSERT_TRUE(ScaleFloats(in.data(), 2, 0.125, 0.0, DType::kBF16, out.data()).ok());
+  uint16_t h[2];
+  std::memcpy(h, out.data(), 4);
+  EXPECT_EQ(h[0], 0x8000);
+  ASSERT_TRUE(ScaleFloats(in.data(), 2, 1.0, -1.0, DType::kF32, out.data()).ok());
+  std::memcpy(v, out.data(), 8);
+  EXPECT_EQ(v[0], std::bit_cast<uint32_t>(-1.0f));
+}
+
 TEST(ScaleFloatsTest, OverflowAndNan) {
   const std::vector<float> x = {3.0e38f, -3.0e38f, std::nanf("")};
   const std::vector<char> in = Floats(x);

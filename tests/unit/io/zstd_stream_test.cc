@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <zstd.h>
 
+#include <cstdlib>
 #include <numeric>
 #include <random>
 
@@ -89,6 +90,43 @@ TEST(ZstdStreamTest, RangesInAnyOrderAndSubBoxesEqualTheTensor) {
       fx.reader->ReadBox(TensorId{0}, DType::kF32, &box, 0, sub.size() * 4, reinterpret_cast<char*>(sub.data())).ok());
   for (int r = 0; r < 50; ++r) {
     for (int c = 0; c < 11; ++c) ASSERT_EQ(sub[r * 11 + c], fx.values[(100 + r) * 384 + 7 + c]);
+  }
+}
+
+// One layer after another of a stacked array, each a box across the whole
+// item (MaxText's [emb, layers, mlp] read per layer for hf/): the second pass
+// from the item's start decodes it once into a file in $TMPDIR, and every
+// later box is read from there, so the source is read about twice, not once
+// per layer. Without a usable $TMPDIR the same reads stream, with the same
+// bytes.
+TEST(ZstdStreamTest, OutOfOrderReadsOfALargeItemDecodeItOnce) {
+  for (bool usable_tmp : {true, false}) {
+    Fixture fx;
+    ASSERT_TRUE(fx.Make(256, 8 * 96).ok());  // [256, 8 layers x 96]
+    const char* old = std::getenv("TMPDIR");
+    const std::string saved = old != nullptr ? old : "";
+    if (!usable_tmp) ::setenv("TMPDIR", (fx.t.path() + "/missing").c_str(), 1);
+    const uint64_t compressed = ckptfs::testing::ReadFile(fx.t.path() + "/d").size() - 100;
+    for (int layer = 7; layer >= 0; --layer) {
+      Box box{{0, layer * 96}, {256, 96}};
+      std::vector<float> sub(256 * 96);
+      ASSERT_TRUE(
+          fx.reader->ReadBox(TensorId{0}, DType::kF32, &box, 0, sub.size() * 4, reinterpret_cast<char*>(sub.data()))
+              .ok());
+      for (int r = 0; r < 256; r += 17) {
+        for (int c = 0; c < 96; c += 5) ASSERT_EQ(sub[r * 96 + c], fx.values[r * 768 + layer * 96 + c]);
+      }
+    }
+    if (usable_tmp) {
+      EXPECT_LE(fx.reader->source_bytes_read(), 2 * compressed + (1 << 20));
+    } else {
+      EXPECT_GE(fx.reader->source_bytes_read(), 4 * compressed);  // streamed: a pass per layer
+    }
+    if (old != nullptr) {
+      ::setenv("TMPDIR", saved.c_str(), 1);
+    } else {
+      ::unsetenv("TMPDIR");
+    }
   }
 }
 
