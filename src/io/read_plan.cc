@@ -46,21 +46,19 @@ struct Piece {
 // per index of its outermost dimension (recursively), so that a box strided
 // through a large fragment (one layer of a stack [emb, layers, mlp]) reads
 // its rows, not everything between them: where the span is more than
-// kSparseFactor times the bytes needed and the gaps add up to over
-// kSparseGapBytes, and each cut piece is at least kMinCutBytes.
-constexpr uint64_t kSparseFactor = 4, kSparseGapBytes = 1ull << 20, kMinCutBytes = 512;
+// kSparseFactor times the bytes needed and each row is at least
+// kSparseRowBytes, or the gaps between rows at least kSparseGapBytes, or the
+// span more than kDenseFactor times the bytes needed (short rows with short
+// gaps, such as a TP slice of a row, are cheaper read through than as one
+// request each).
+constexpr uint64_t kSparseFactor = 4, kDenseFactor = 16, kSparseRowBytes = 4096, kSparseGapBytes = 64ull << 10;
 
 template <typename Fn>
 Status EmitPiece(Piece& p, uint64_t esz, Fn& fn) {
+  if (p.len.size() < 2) return fn(p);
   uint64_t needed = esz;
   for (int64_t l : p.len) needed *= static_cast<uint64_t>(l);
-  uint64_t inner = esz;  // the bytes one index of the outermost dimension needs
-  for (size_t d = 1; d < p.len.size(); ++d) inner *= static_cast<uint64_t>(p.len[d]);
-  if (p.len.size() < 2 || p.span_bytes <= kSparseFactor * needed || p.span_bytes - needed <= kSparseGapBytes ||
-      inner < kMinCutBytes) {
-    return fn(p);
-  }
-  Piece q;
+  Piece q;  // one index of the outermost dimension
   q.f = p.f;
   q.len.assign(p.len.begin() + 1, p.len.end());
   q.sstr.assign(p.sstr.begin() + 1, p.sstr.end());
@@ -68,6 +66,12 @@ Status EmitPiece(Piece& p, uint64_t esz, Fn& fn) {
   uint64_t span = 1;
   for (size_t d = 0; d < q.len.size(); ++d) span += static_cast<uint64_t>((q.len[d] - 1) * q.sstr[d]);
   q.span_bytes = span * esz;
+  const uint64_t step = static_cast<uint64_t>(p.sstr[0]) * esz;
+  if (p.span_bytes <= kSparseFactor * needed ||
+      (q.span_bytes < kSparseRowBytes && step < q.span_bytes + kSparseGapBytes &&
+       p.span_bytes <= kDenseFactor * needed)) {
+    return fn(p);
+  }
   for (int64_t i = 0; i < p.len[0]; ++i) {
     q.src_byte = p.src_byte + static_cast<uint64_t>(i * p.sstr[0]) * esz;
     q.dst_elem = p.dst_elem + static_cast<uint64_t>(i * p.dstr[0]);

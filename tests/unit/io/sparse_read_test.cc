@@ -15,7 +15,7 @@ namespace {
 
 TEST(SparseReadTest, ALayerOfAStackReadsItsRowsOnly) {
   ckptfs::testing::TempDir t;
-  constexpr int64_t kEmb = 256, kLayers = 16, kMlp = 512;
+  constexpr int64_t kEmb = 64, kLayers = 16, kMlp = 2048;  // 120 KiB between two rows of a layer
   std::vector<float> values(static_cast<size_t>(kEmb * kLayers * kMlp));
   std::mt19937 rng(11);
   for (auto& v : values) v = static_cast<float>(rng() % 10000) / 3.f;
@@ -63,7 +63,7 @@ TEST(SparseReadTest, ALayerOfAStackReadsItsRowsOnly) {
       const uint64_t read = (*reader)->source_bytes_read() - before;
       EXPECT_LE(read, 2 * needed) << "layer " << layer << ": read " << read << " bytes for " << needed;
       // A sub-box inside a row is still one span per row.
-      Box part{{3, layer, 100}, {40, 1, 7}};
+      Box part{{3, layer, 100}, {40, 1, 7}};  // rows of 28 bytes, 128 KiB apart
       std::vector<float> small(40 * 7);
       ASSERT_TRUE(
           (*reader)
