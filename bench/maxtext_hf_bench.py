@@ -34,6 +34,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dcp_bench import drop_cache, vm_hwm_kib  # noqa: E402
+from hf_bench import files_under, wait_mount  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,17 +123,6 @@ t_save = time.time() - t0
 print(json.dumps({"import_s": t_import, "restore_s": t_restore - t_import, "map_s": t_map - t_restore,
                   "save_s": t_save - t_map, "in_process_s": t_save, "tensors": len(hf)}))
 '''
-
-
-def files_under(d):
-    return [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
-
-
-def wait_mount(mnt, proc):
-    while not os.path.ismount(mnt):
-        if proc.poll() is not None:
-            raise SystemExit(f"mount exited {proc.returncode}")
-        time.sleep(0.01)
 
 
 def run_rusage(args, **kw):
