@@ -343,6 +343,9 @@ class TensorReader {
   std::vector<std::shared_ptr<SpilledItem>> spills_;  // most recent last
   uint64_t spill_bytes_ = 0;
   std::shared_ptr<SpilledItem> FindSpill(const std::string& key, uint64_t end);
+  // A streaming cursor over f's item, to decode at most `size` bytes (and
+  // 1 MiB of slack: a frame past it is refused).
+  std::unique_ptr<formats::ZstdCursor> NewCursor(const Fragment& f, uint64_t size);
   // Decodes f's item [0, size) into a new spill file; nullptr when it cannot
   // (no room, no temporary file: the caller streams instead).
   Result<std::shared_ptr<SpilledItem>> SpillItem(const Fragment& f, const std::string& key, uint64_t size);

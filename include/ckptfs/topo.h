@@ -59,6 +59,8 @@ struct TopoOptions {
 // The names --hf-arch ("llama", "mistral", ...) and --hf-dtype take.
 std::vector<std::string> HfArchNames();
 std::vector<std::string> HfDtypeNames();
+// The names --hf-rope takes ("auto", "interleaved", "halves").
+std::vector<std::string> HfRopeNames();
 // The --rules file (JSON):
 //   {"rules": [{"match": "<regex>", "split": "replicate"|"dim"|"sub2",
 //               "dim": 1, "groups": 8, "stage": "first"|"last"}, ...],

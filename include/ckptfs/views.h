@@ -189,8 +189,9 @@ class View {
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,
                    Node::Lazy lazy = Node::Lazy::kNo);
   uint64_t AddNode(uint64_t parent, std::string name, bool is_dir);
-  // File `ino` also listed in directory `dir` (0: none), as a hard link
-  // (its parent stays the first directory). Under tree_mu_, after Build.
+  // Node `ino` listed in directory `dir` (0: none) in name order: AddNode's
+  // insertion after Build, and a hard link of a file made elsewhere (its
+  // parent stays the first directory). Under tree_mu_, after Build.
   void Link(uint64_t dir, uint64_t ino);
   // The child of `dir` named `name`, or 0. Under tree_mu_ or while building.
   uint64_t FindChild(const Node& dir, std::string_view name) const;

@@ -66,7 +66,7 @@ split rules and stages (JSON, see docs/views.md), --pp-layers sets layers per st
 hf/ is a transformers model directory (config.json, safetensors with Hugging Face names)
 when the architecture is known: Megatron Llama/Mistral/Qwen2/Qwen3/Mixtral/GPT-NeoX/GPT-2
 from its args, or a config.json beside the checkpoint (MaxText: --hf-config). --hf-arch NAME (llama, mistral,
-qwen2, qwen3, mixtral, gpt_neox, gpt2) picks one the args allow; --hf-config FILE supplies config.json; --hf-dtype
+qwen2, qwen3, mixtral, qwen3_moe, gpt_neox, gpt2, gemma2) picks one the args allow; --hf-config FILE supplies config.json; --hf-dtype
 model (default), source, fp32 (widened), bf16/fp16 (float32 rounded to nearest even),
 master (the fp32 master weights). --hf-rope interleaved|halves says how the source pairs
 RoPE dimensions where the checkpoint does not record it (MaxText with a Llama 3.x config:
@@ -728,7 +728,7 @@ int Main(std::vector<std::string> raw) {
         ->option_text("DTYPE");
     c->add_option("--hf-rope", str["--hf-rope"],
                   "how the source pairs RoPE dimensions, when it does not record it (default auto)")
-        ->check(CLI::IsMember({"auto", "interleaved", "halves"}))
+        ->check(CLI::IsMember(HfRopeNames()))
         ->option_text("PAIRS");
   };
   auto add_read = [&](CLI::App* c) {

@@ -7,13 +7,14 @@
 // cursor is taken out of cursors_ while used, so nothing is held while decoding.
 #include <unistd.h>
 
-#include <cerrno>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
 
 #include "ckptfs/io.h"
 #include "common/temp_file.h"
+#include "formats/byte_reader.h"
 #include "formats/zstd.h"
 
 namespace ckptfs {
@@ -109,13 +110,8 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
   // A span of a spilled copy: one pread.
   auto from_spill = [&](const SpilledItem& s) -> Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> {
     auto bytes = std::make_shared<std::string>(len, '\0');
-    uint64_t done = 0;
-    while (done < len) {
-      const ssize_t n = ::pread(s.fd, bytes->data() + done, len - done, static_cast<off_t>(off + done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return ErrnoStatus("read the decoded copy in " + TempDir() + " of", what, n < 0 ? errno : EIO);
-      done += static_cast<uint64_t>(n);
-    }
+    RETURN_IF_ERROR(
+        formats::PreadExact(s.fd, off, bytes->data(), len, "the decoded copy in " + TempDir() + " of " + what));
     return std::make_pair(std::shared_ptr<const std::string>(std::move(bytes)), uint64_t{0});
   };
   if (auto s = FindSpill(key, end)) return from_spill(*s);
@@ -139,16 +135,7 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
     ASSIGN_OR_RETURN(auto s, SpillItem(f, key, bound));
     if (s != nullptr) return from_spill(*s);
   }
-  if (cur == nullptr) {
-    const int fd = fds_[f.file.v];
-    const uint64_t base = f.item_offset;
-    cur = std::make_unique<formats::ZstdCursor>(
-        [this, fd, base, rel](uint64_t o, uint64_t n, char* dst) {
-          IoRequest req{fd, base + o, n, dst};
-          return ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel);
-        },
-        f.item_length, bound + (uint64_t{1} << 20), what);
-  }
+  if (cur == nullptr) cur = NewCursor(f, bound);
   auto bytes = cur->Read(off, len);
   if (!bytes.ok()) return bytes.status();
   {
@@ -157,6 +144,18 @@ Result<std::pair<std::shared_ptr<const std::string>, uint64_t>> TensorReader::It
     if (cursors_.size() > 8) cursors_.erase(cursors_.begin());
   }
   return std::make_pair(std::make_shared<const std::string>(std::move(bytes).value()), uint64_t{0});
+}
+
+std::unique_ptr<formats::ZstdCursor> TensorReader::NewCursor(const Fragment& f, uint64_t size) {
+  const std::string& rel = index_.files()[f.file.v].rel_path;
+  const int fd = fds_[f.file.v];
+  const uint64_t base = f.item_offset;
+  return std::make_unique<formats::ZstdCursor>(
+      [this, fd, base, rel](uint64_t o, uint64_t n, char* dst) {
+        IoRequest req{fd, base + o, n, dst};
+        return ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel);
+      },
+      f.item_length, size + (uint64_t{1} << 20), rel + " @ " + std::to_string(f.item_offset));
 }
 
 TensorReader::SpilledItem::~SpilledItem() {
@@ -182,19 +181,10 @@ Result<std::shared_ptr<TensorReader::SpilledItem>> TensorReader::SpillItem(const
   s->key = key;
   s->fd = OpenUnlinkedTempFile("ckptfs-item");
   if (s->fd < 0) return std::shared_ptr<SpilledItem>();  // no temporary file: stream instead
-  const std::string& rel = index_.files()[f.file.v].rel_path;
-  const std::string what = rel + " @ " + std::to_string(f.item_offset);
-  const int fd = fds_[f.file.v];
-  const uint64_t base = f.item_offset;
-  formats::ZstdCursor cur(
-      [this, fd, base, rel](uint64_t o, uint64_t n, char* dst) {
-        IoRequest req{fd, base + o, n, dst};
-        return ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel);
-      },
-      f.item_length, size + (uint64_t{1} << 20), what);
+  const std::unique_ptr<formats::ZstdCursor> cur = NewCursor(f, size);
   constexpr uint64_t kStep = 8ull << 20;
   for (uint64_t pos = 0; pos < size; pos += kStep) {
-    ASSIGN_OR_RETURN(std::string bytes, cur.Read(pos, std::min(kStep, size - pos)));
+    ASSIGN_OR_RETURN(std::string bytes, cur->Read(pos, std::min(kStep, size - pos)));
     // A full or failing temporary file system: stream instead.
     if (!PwriteAll(s->fd, pos, bytes.data(), bytes.size(), "a decoded copy in " + TempDir()).ok()) {
       return std::shared_ptr<SpilledItem>();

@@ -314,14 +314,17 @@ struct Take {
   int add = 0;
 };
 
-// --hf-rope: how the source pairs rotary dimensions.
+// --hf-rope: how the source pairs rotary dimensions; its names in
+// RopeChoice order.
 enum class RopeChoice { kAuto, kInterleaved, kHalves };
+constexpr const char* kRopeNames[] = {"auto", "interleaved", "halves"};
 
 Result<RopeChoice> ParseRope(const std::string& s) {
-  if (s.empty() || s == "auto") return RopeChoice::kAuto;
-  if (s == "interleaved") return RopeChoice::kInterleaved;
-  if (s == "halves") return RopeChoice::kHalves;
-  return Invalid("--hf-rope '" + s + "': expected auto, interleaved or halves");
+  if (s.empty()) return RopeChoice::kAuto;
+  for (size_t i = 0; i < std::size(kRopeNames); ++i) {
+    if (s == kRopeNames[i]) return static_cast<RopeChoice>(i);
+  }
+  return Invalid("--hf-rope '" + s + "': expected one of " + JoinNames(HfRopeNames()));
 }
 
 // The registered source conventions, in the family table's order (one on
@@ -347,6 +350,8 @@ std::vector<std::string> HfArchNames() {
 }
 
 std::vector<std::string> HfDtypeNames() { return {std::begin(hf::kDtypeNames), std::end(hf::kDtypeNames)}; }
+
+std::vector<std::string> HfRopeNames() { return {std::begin(hf::kRopeNames), std::end(hf::kRopeNames)}; }
 
 }  // namespace ckptfs
 

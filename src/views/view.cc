@@ -149,9 +149,7 @@ uint64_t View::AddNode(uint64_t parent, std::string name, bool is_dir) {
         building_->emplace(ChildKey{parent, node->name}, node->ino);
       }
     } else {
-      auto it = std::lower_bound(dir.children.begin(), dir.children.end(), node->name,
-                                 [this](uint64_t c, const std::string& n) { return nodes_[c - 1]->name < n; });
-      dir.children.insert(it, node->ino);
+      Link(parent, node->ino);
     }
     if (is_dir) dir.subdirs++;
   }
@@ -159,7 +157,7 @@ uint64_t View::AddNode(uint64_t parent, std::string name, bool is_dir) {
 }
 
 void View::Link(uint64_t dir, uint64_t ino) {
-  if (dir == 0) return;
+  if (dir == 0) return;  // in name order: after Build, children stay sorted
   Node& d = *nodes_[dir - 1];
   const std::string& name = nodes_[ino - 1]->name;
   auto it = std::lower_bound(d.children.begin(), d.children.end(), name,
@@ -383,19 +381,20 @@ void View::EnsureDcp() const {
   View* self = const_cast<View*>(this);  // the view grows like a cache, as for hf/
   LogInfo("planning dcp/");
   auto tree = dcp_view::DcpFiles(index_);
+  // A file of dcp/, listed under accelerate/'s two directories too.
+  auto add = [&](const std::string& name, FileLayout layout) {
+    const uint64_t ino = self->AddFile(dcp_dir_, name, std::move(layout), TensorId{});
+    for (uint64_t d : {accelerate_model_dir_, accelerate_optim_dir_}) self->Link(d, ino);
+  };
   if (tree.ok()) {
-    for (auto& [name, layout] : tree->files) {
-      const uint64_t ino = self->AddFile(dcp_dir_, name, std::move(layout), TensorId{});
-      for (uint64_t d : {accelerate_model_dir_, accelerate_optim_dir_}) self->Link(d, ino);
-    }
+    for (auto& [name, layout] : tree->files) add(name, std::move(layout));
     for (const std::string& l : tree->left_out) LogWarn("dcp/ leaves out " + l);
   } else {
     const std::string why = "dcp/ is not available: " + tree.status().message();
     LogError(why);
     FileLayout l;
     l.Add(LiteralSegment(why + "\n"));
-    const uint64_t ino = self->AddFile(dcp_dir_, "ERRORS", std::move(l), TensorId{});
-    for (uint64_t d : {accelerate_model_dir_, accelerate_optim_dir_}) self->Link(d, ino);
+    add("ERRORS", std::move(l));
   }
   dcp_made_.store(true, std::memory_order_release);
   ReleaseFreeMemory();

@@ -31,15 +31,7 @@ TEST(SparseReadTest, ALayerOfAStackReadsItsRowsOnly) {
   r.state = "param";
   r.dtype = DType::kF32;
   r.shape = {kEmb, kLayers, kMlp};
-  Fragment f;
-  f.file = FileId{0};
-  f.offsets = {0, 0, 0};
-  f.lengths = r.shape;
-  f.strides = {kLayers * kMlp, kMlp, 1};
-  f.dtype = DType::kF32;
-  f.data_offset = 0;
-  f.data_length = values.size() * 4;
-  ck.AddTensor(r, {f});
+  ck.AddTensor(r, {ckptfs::testing::WholeFragment(r.shape, DType::kF32, 0)});
   ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
   auto ix = Index::Open(t.path() + "/ix", t.path());
   ASSERT_TRUE(ix.ok());
