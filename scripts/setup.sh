@@ -31,7 +31,8 @@ want=(numpy:numpy)
 [[ "${1:-}" == "--test" ]] && want+=(torch:torch zstandard:zstandard pytest:pytest pytest-timeout:pytest_timeout pytest-xdist:xdist
                                      deepspeed:deepspeed megatron-core:megatron.core zarr:zarr safetensors:safetensors transformers:transformers
                                      accelerate:accelerate scikit-build-core:scikit_build_core nanobind:nanobind
-                                     lightning:lightning jax:jax jaxlib:jaxlib orbax-checkpoint:orbax.checkpoint optax:optax tensorstore:tensorstore)
+                                     lightning:lightning jax:jax jaxlib:jaxlib orbax-checkpoint:orbax.checkpoint optax:optax tensorstore:tensorstore
+                                     xxhash:xxhash)
 need=()
 for w in "${want[@]}"; do
   req=${w%%:*}

@@ -190,8 +190,9 @@ class TensorReader {
   // kernel's mmap read-around on a cold source. Needs InstallSigbusGuard(); a
   // source cut short between the check and the conversion is kStale.
   Status ConvertMapped(const ConvertPlan& plan, char* dst);
-  // xxh3-64 of the tensor's raw bytes (source dtype, C order); cached.
-  Result<uint64_t> Xxh3Raw(TensorId id);
+  // xxh3-64 of the tensor's raw bytes (source dtype, C order), or of the
+  // sub-box `box`'s; cached.
+  Result<uint64_t> Xxh3Raw(TensorId id, const Box* box = nullptr);
   // CRC-32 (zlib polynomial) of the tensor rendered as `out` (kBytes: its
   // bytes); cached. Zip archives the views synthesize carry it.
   // With `boxes`: the CRC of those sub-boxes' renderings concatenated.
@@ -314,8 +315,8 @@ class TensorReader {
   std::vector<std::pair<std::string, std::shared_ptr<const std::string>>> item_cache_;  // MRU last
   uint64_t item_cache_bytes_ = 0;
   std::mutex hash_mu_;
-  std::unordered_map<uint32_t, uint64_t> hash_cache_;
-  std::unordered_map<std::string, uint32_t> crc_cache_;  // (id, out dtype, box), under hash_mu_
+  std::unordered_map<std::string, uint64_t> hash_cache_;  // by tensor and box
+  std::unordered_map<std::string, uint32_t> crc_cache_;   // (id, out dtype, box), under hash_mu_
   bool verify_on_read_ = false;
   // Per file: when CheckFd last found the path naming the indexed inode.
   std::unique_ptr<std::atomic<int64_t>[]> path_checked_ns_;

@@ -194,11 +194,33 @@ struct TensorRecord {
   // Length of AppendFragmentsJson's text for this tensor's fragments, set by
   // Index::Build: info.json answers its size without reading the fragments.
   uint64_t fragments_json_bytes = 0;
+  // A vocabulary tensor stored with tensor-parallel padding rows (Megatron's
+  // padded_vocab_size, the TP slices DeepSpeed merges): rows [0, vocab_rows)
+  // of dim 0 are the true vocabulary (args.vocab_size, DeepSpeed's
+  // original_vocab_size), the rest padding; -1: none known. The
+  // topology-independent trees (params/, dcp/, universal/) serve the
+  // vocabulary; params/<fqn>/<state>.vocab_padding.npy the padding rows.
+  int64_t vocab_rows = -1;
 
   uint64_t Numel() const {
     uint64_t n = 1;
     for (int64_t s : shape) n *= static_cast<uint64_t>(s);
     return n;
+  }
+  bool VocabPadded() const { return vocab_rows >= 0 && !shape.empty() && vocab_rows < shape[0]; }
+  // `shape` with dim 0 cut to the true vocabulary (VocabPadded), else `shape`.
+  std::vector<int64_t> VocabShape() const {
+    std::vector<int64_t> s = shape;
+    if (VocabPadded()) s[0] = vocab_rows;
+    return s;
+  }
+  // The rows of the true vocabulary (`padding` false) or of the padding.
+  Box VocabBox(bool padding) const {
+    Box b{std::vector<int64_t>(shape.size(), 0), shape};
+    if (!VocabPadded()) return b;
+    b.offsets[0] = padding ? vocab_rows : 0;
+    b.lengths[0] = padding ? shape[0] - vocab_rows : vocab_rows;
+    return b;
   }
 };
 

@@ -45,6 +45,11 @@ struct RankTensor {
   // once to `out` (hf/: MaxText's query kernels, Gemma's embedding and norms).
   double scale = 1.0, add = 0.0;
 };
+// The global shape a layout places `t` from: a vocabulary the family says
+// loaders re-pad (TensorSplit::pad_rows, DeepSpeed universal) by its true
+// rows; any other (Megatron's padded vocabulary) as stored.
+inline std::vector<int64_t> PlacedShape(const TensorRecord& t) { return t.split.pad_rows ? t.VocabShape() : t.shape; }
+
 struct RankPlan {
   int tp = 0, pp = 0, ep = 0;
   std::vector<RankTensor> tensors;

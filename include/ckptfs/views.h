@@ -119,6 +119,9 @@ struct Node {
   bool unlisted = false;
   // topo/ERRORS: its bytes are View::TopoErrors() at the time of the read.
   bool topo_errors = false;
+  // kNpy / kRaw of a padded vocabulary (TensorRecord::VocabPadded): the
+  // padding rows (<state>.vocab_padding.*); without it, the vocabulary's.
+  bool vocab_padding = false;
   uint32_t subdirs = 0;  // directories: for st_nlink
   TensorId tensor;       // the tensor behind a file, for error reports
   // Lazy info.json: the size its layout will have, once asked (View::Size).

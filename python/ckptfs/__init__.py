@@ -59,7 +59,7 @@ class TensorInfo:
     state: str             # "param", "exp_avg", ...; "" for role "other"
     role: str              # "param", "optim_state" or "other"
     dtype: str             # torch spelling ("bfloat16"); "object" for a pickled non-tensor
-    shape: tuple           # the global shape, whatever the sharding
+    shape: tuple           # the global shape, whatever the sharding (a padded vocabulary: its true rows)
     key: str               # the checkpoint's own key
     error: str = ""        # non-empty: the tensor cannot be read, and why
     id: int = -1

@@ -275,6 +275,7 @@ int CmdInfo(const Args& a) {
                                   {"bytes", t.byte_size},
                                   {"fragments", t.num_fragments},
                                   {"kind", t.encoding == Encoding::kBytes ? "bytes" : "tensor"}};
+      if (t.VocabPadded()) e["vocab_rows"] = t.vocab_rows;  // the stored rows past it are TP padding
       if (!t.error.empty()) e["error"] = t.error;
       j["tensors"].push_back(e);
     }

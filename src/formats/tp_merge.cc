@@ -57,20 +57,20 @@ Result<std::vector<int64_t>> Merger::GlobalShape() const {
                        ", but its sub-parameter widths describe " + ShapeStr(sp.ViewShape(t)));
       }
     }
-    return Clip(sp.logical);
+    return sp.logical;
   }
   if (rule_.kind == Merge::kAverage) {
     for (const auto& l : local_) {
       if (l != l0) return Invalid("TP copies to average have different shapes " + ShapeStr(l0) + " and " + ShapeStr(l));
     }
-    return Clip(l0);
+    return l0;
   }
   if (rule_.kind == Merge::kReplicated || local_.size() == 1) {
     if (rule_.kind == Merge::kCat && l0.size() <= static_cast<size_t>(rule_.cat_dim)) {
       return Invalid("a tensor of shape " + ShapeStr(l0) + " cannot be concatenated on dim " +
                      std::to_string(rule_.cat_dim));
     }
-    return Clip(l0);
+    return l0;
   }
   const size_t dim = rule_.kind == Merge::kSub2 ? 0 : static_cast<size_t>(rule_.cat_dim);
   if (l0.size() <= dim) {
@@ -87,20 +87,12 @@ Result<std::vector<int64_t>> Merger::GlobalShape() const {
     if (rule_.kind == Merge::kSub2 && l[0] % 2 != 0) return Invalid("a two-sub-parameter slice has odd rows");
     g[dim] += l[dim];
   }
-  return Clip(g);
+  return g;
 }
 
 std::vector<Placed> Merger::Place(int t, const Box& b) const {
   std::vector<Placed> out;
-  auto emit = [&](Box g, std::vector<int64_t> local) {
-    if (rule_.vocab && !g.offsets.empty()) {
-      int64_t lo = g.offsets[0], hi = g.offsets[0] + g.lengths[0];
-      hi = std::min(hi, vocab_rows_ < 0 ? hi : vocab_rows_);
-      if (lo >= hi) return;
-      g.lengths[0] = hi - lo;
-    }
-    out.push_back(Placed{std::move(g), std::move(local)});
-  };
+  auto emit = [&](Box g, std::vector<int64_t> local) { out.push_back(Placed{std::move(g), std::move(local)}); };
   if (rule_.kind == Merge::kReplicated || rule_.kind == Merge::kAverage || local_.size() == 1) {
     emit(b, b.offsets);
     return out;
@@ -147,11 +139,6 @@ std::vector<Placed> Merger::Place(int t, const Box& b) const {
   g.offsets[rule_.cat_dim] += t * local_[t][rule_.cat_dim];
   emit(std::move(g), b.offsets);
   return out;
-}
-
-std::vector<int64_t> Merger::Clip(std::vector<int64_t> g) const {
-  if (rule_.vocab && !g.empty() && vocab_rows_ >= 0) g[0] = std::min(g[0], vocab_rows_);
-  return g;
 }
 
 void AddRangeFragments(const Merger& m, int t, const std::vector<int64_t>& local_shape, int64_t start, int64_t numel,

@@ -2,8 +2,8 @@
 // tensor, shared by the DeepSpeed (universal_checkpoint_info patterns) and
 // Megatron (layer-type split rules) readers: concatenation on a dimension,
 // replication, two sub-parameters concatenated on dim 0 (SwiGLU: each rank
-// holds [W_r; V_r], the global tensor is [W_0..W_n; V_0..V_n]) and the
-// vocabulary clip of padded rows. A merge is expressed as placement of boxes
+// holds [W_r; V_r], the global tensor is [W_0..W_n; V_0..V_n]) and where a
+// padded vocabulary ends. A merge is expressed as placement of boxes
 // of each rank's local tensor into the global one, so a merged parameter is a
 // set of fragments over the rank files and no bytes are moved at index time.
 #ifndef CKPTFS_FORMATS_TP_MERGE_H_
@@ -70,15 +70,23 @@ struct Placed {
   std::vector<int64_t> local_offsets;
 };
 
-// `local_shapes`: each TP rank's tensor shape; `vocab_rows` < 0: no clip.
+// TensorRecord::vocab_rows for a merged tensor of `shape` under `rule`:
+// `true_vocab` (the checkpoint's own record of it) where the rule is a
+// vocabulary's, the tensor a matrix of rows (never a flat state) and the rows
+// padded past it, else -1.
+inline int64_t VocabRows(const Rule& rule, int64_t true_vocab, const std::vector<int64_t>& shape) {
+  return rule.vocab && true_vocab >= 0 && shape.size() >= 2 && true_vocab < shape[0] ? true_vocab : -1;
+}
+
+// `local_shapes`: each TP rank's tensor shape. A vocabulary's padding rows
+// are kept (TensorRecord::vocab_rows says where the vocabulary ends).
 class Merger {
  public:
-  Merger(Rule rule, std::vector<std::vector<int64_t>> local_shapes, int64_t vocab_rows)
-      : rule_(rule), local_(std::move(local_shapes)), vocab_rows_(vocab_rows) {}
+  Merger(Rule rule, std::vector<std::vector<int64_t>> local_shapes) : rule_(rule), local_(std::move(local_shapes)) {}
 
   // An error when the local shapes cannot be merged by the rule.
   Result<std::vector<int64_t>> GlobalShape() const;
-  // Where box `b` of rank t's local tensor lands (clipped rows dropped).
+  // Where box `b` of rank t's local tensor lands.
   std::vector<Placed> Place(int t, const Box& b) const;
   // Replicated parameters are served from rank 0 only.
   bool UsesRank(int t) const { return t == 0 || (rule_.kind != Merge::kReplicated); }
@@ -93,10 +101,8 @@ class Merger {
   uint32_t CopyOf(int t) const { return rule_.kind == Merge::kAverage ? static_cast<uint32_t>(t) : 0; }
 
  private:
-  std::vector<int64_t> Clip(std::vector<int64_t> g) const;
   Rule rule_;
   std::vector<std::vector<int64_t>> local_;
-  int64_t vocab_rows_;
 };
 
 // Fragments of the whole TP-local tensor `l` of rank t (any strides) in file

@@ -90,7 +90,7 @@ Result<std::string> Filesystem::DigestBytes(const Segment& s) {
     StoreLE<uint32_t>(le.data(), c);
     return le;
   }
-  ASSIGN_OR_RETURN(uint64_t h, reader_->Xxh3Raw(s.tensor));
+  ASSIGN_OR_RETURN(uint64_t h, reader_->Xxh3Raw(s.tensor, s.box_or_null()));
   return Hex64(h);
 }
 

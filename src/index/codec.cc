@@ -112,6 +112,7 @@ std::string EncodeTensor(const TensorRecord& t) {
   w.Num<uint8_t>(t.split.pad_rows ? 1 : 0);
   w.Num(t.replicas);
   w.Num(t.fragments_json_bytes);
+  w.Num(t.vocab_rows);
   return w.Take();
 }
 
@@ -132,7 +133,8 @@ Result<TensorRecord> DecodeTensor(std::string_view s) {
   }
   uint8_t pad = 0;
   if (!r.Num(&pad) || pad > 1 || !r.Num(&t.replicas) || t.replicas == 0 || !r.Num(&t.fragments_json_bytes) ||
-      !r.Done()) {
+      !r.Num(&t.vocab_rows) || t.vocab_rows < -1 ||
+      (t.vocab_rows >= 0 && (t.shape.empty() || t.vocab_rows > t.shape[0])) || !r.Done()) {
     return Corrupt("tensor");
   }
   t.split.pad_rows = pad == 1;

@@ -330,21 +330,22 @@ Status TensorReader::Stream(TensorId id, DType out, const Box* box,
   return Status::Ok();
 }
 
-Result<uint64_t> TensorReader::Xxh3Raw(TensorId id) {
+Result<uint64_t> TensorReader::Xxh3Raw(TensorId id, const Box* box) {
   if (id.v >= index_.tensors().size()) return NotFound("no tensor " + std::to_string(id.v));
+  const std::string key = std::to_string(id.v) + (box != nullptr ? BoxString(*box) : std::string());
   {
     std::lock_guard<std::mutex> lock(hash_mu_);
-    auto it = hash_cache_.find(id.v);
+    auto it = hash_cache_.find(key);
     if (it != hash_cache_.end()) return it->second;
   }
   const TensorRecord& t = index_.tensors()[id.v];
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> st(XXH3_createState(), &XXH3_freeState);
   XXH3_64bits_reset(st.get());
-  RETURN_IF_ERROR(Stream(id, t.encoding == Encoding::kBytes ? DType::kU8 : t.dtype, nullptr,
+  RETURN_IF_ERROR(Stream(id, t.encoding == Encoding::kBytes ? DType::kU8 : t.dtype, box,
                          [&](const char* p, size_t n) { XXH3_64bits_update(st.get(), p, n); }));
   const uint64_t h = XXH3_64bits_digest(st.get());
   std::lock_guard<std::mutex> lock(hash_mu_);
-  hash_cache_[id.v] = h;
+  hash_cache_[key] = h;
   return h;
 }
 

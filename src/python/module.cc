@@ -156,7 +156,8 @@ class PyCheckpoint {
       if (t.role == Role::kHidden) continue;
       const bool blob = t.encoding != Encoding::kTensor;
       rows.emplace_back(i, t.key, kRoles[static_cast<int>(t.role)], t.fqn, t.state,
-                        blob ? std::string("object") : std::string(DTypeName(t.dtype)), t.shape, t.error, t.alias);
+                        blob ? std::string("object") : std::string(DTypeName(t.dtype)), t.VocabShape(), t.error,
+                        t.alias);
     }
     return rows;
   }
@@ -187,9 +188,10 @@ class PyCheckpoint {
     }
     const auto& ts = fs_->index().tensors();
     if (id >= ts.size()) throw nb::index_error(("no tensor " + std::to_string(id)).c_str());
-    Box box;
+    // As params/ serves it: a padded vocabulary's rows cut to the vocabulary.
+    Box box = ts[id].VocabBox(false);
     const bool boxed = offsets.has_value();
-    int64_t numel = static_cast<int64_t>(ts[id].Numel());
+    int64_t numel = NumelOf(box.lengths);
     if (boxed) {
       if (!lengths || lengths->size() != offsets->size()) throw nb::value_error("offsets and lengths differ in rank");
       box.offsets = *offsets;
@@ -207,8 +209,8 @@ class PyCheckpoint {
     Status st;
     {
       nb::gil_scoped_release unlocked;
-      st = fs_->ReadTensor(TensorId{id}, d, boxed ? &box : nullptr, static_cast<char*>(out.data()), len,
-                           on_device ? &target : nullptr);
+      st = fs_->ReadTensor(TensorId{id}, d, boxed || ts[id].VocabPadded() ? &box : nullptr,
+                           static_cast<char*>(out.data()), len, on_device ? &target : nullptr);
     }
     if (!st.ok()) Raise(st);
   }

@@ -54,15 +54,18 @@ class Memo {
   std::unordered_map<std::string, uint32_t> ids_;
 };
 
-// The chunk boxes of tensor `t`: the source's row blocks where its fragments
+// The chunk boxes of tensor `t` (of a padded vocabulary, its vocabulary's
+// rows, as params/ serves it): the source's row blocks where its fragments
 // (the first copy's) tile dim 0 with whole rows; else the whole tensor, in
 // row blocks of at most kDcpMaxChunkBytes.
 std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t) {
-  const size_t rank = t.shape.size();
+  const std::vector<int64_t> shape = t.VocabShape();
+  const size_t rank = shape.size();
   Box whole;
   whole.offsets.assign(rank, 0);
-  whole.lengths = t.shape;
-  if (rank == 0 || t.Numel() == 0) return {whole};
+  whole.lengths = shape;
+  const uint64_t numel = static_cast<uint64_t>(NumelOf(shape));
+  if (rank == 0 || numel == 0) return {whole};
   auto frags = index.Fragments(id);
   if (frags.ok()) {
     std::vector<Box> blocks;
@@ -73,12 +76,14 @@ std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t
         rows = false;
         break;
       }
-      for (size_t d = 1; d < rank && rows; ++d) rows = f.offsets[d] == 0 && f.lengths[d] == t.shape[d];
+      for (size_t d = 1; d < rank && rows; ++d) rows = f.offsets[d] == 0 && f.lengths[d] == shape[d];
       if (!rows) break;
-      if (f.lengths[0] == 0) continue;
+      const int64_t end = std::min(f.offsets[0] + f.lengths[0], shape[0]);  // padding rows cut
+      if (end <= f.offsets[0]) continue;
       Box b;
       b.offsets = f.offsets;
       b.lengths = f.lengths;
+      b.lengths[0] = end - f.offsets[0];
       blocks.push_back(std::move(b));
     }
     if (rows && blocks.size() > 1) {
@@ -95,18 +100,18 @@ std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t
         }
         next += b.lengths[0];
       }
-      if (rows && next == t.shape[0]) return blocks;
+      if (rows && next == shape[0]) return blocks;
     }
   }
-  const uint64_t row_bytes = t.Numel() / static_cast<uint64_t>(t.shape[0]) * DTypeSize(t.dtype);
-  const uint64_t total = row_bytes * static_cast<uint64_t>(t.shape[0]);
-  if (total <= kDcpMaxChunkBytes || t.shape[0] < 2 || row_bytes == 0) return {whole};
+  const uint64_t row_bytes = numel / static_cast<uint64_t>(shape[0]) * DTypeSize(t.dtype);
+  const uint64_t total = row_bytes * static_cast<uint64_t>(shape[0]);
+  if (total <= kDcpMaxChunkBytes || shape[0] < 2 || row_bytes == 0) return {whole};
   const int64_t per = static_cast<int64_t>(std::max<uint64_t>(1, kDcpMaxChunkBytes / row_bytes));
   std::vector<Box> out;
-  for (int64_t r = 0; r < t.shape[0]; r += per) {
+  for (int64_t r = 0; r < shape[0]; r += per) {
     Box b = whole;
     b.offsets[0] = r;
-    b.lengths[0] = std::min(per, t.shape[0] - r);
+    b.lengths[0] = std::min(per, shape[0] - r);
     out.push_back(std::move(b));
   }
   return out;
@@ -164,7 +169,7 @@ void WriteTensorMetadata(Memo& m, const TensorRecord& t, const std::vector<Box>&
     w.EndTuple();
     w.Build();
     m.Str("size");
-    WriteSize(m, t.shape);
+    WriteSize(m, t.VocabShape());
     m.Str("chunks");
     w.BeginList();
     for (const Box& c : chunks) {
@@ -203,8 +208,9 @@ std::string Readme(const DcpTree& tree, size_t keys, size_t masters) {
       "the optimizer's param groups, where the source saved them, as optim.param_groups.<i>.<name>\n"
       "(and optimizer.param_groups.<i>.<name>); other entries under their own keys.\n"
       "Each tensor's chunks are the source's row blocks where those tile it, else row blocks of\n"
-      "at most 256 MiB. Nothing is converted ahead: every item is rendered from the source\n"
-      "shards when it is read.\n\n";
+      "at most 256 MiB. A vocabulary padded for tensor parallelism has its true rows, as under\n"
+      "params/ (the padding rows are params/<fqn>/<state>.vocab_padding.npy). Nothing is\n"
+      "converted ahead: every item is rendered from the source shards when it is read.\n\n";
   s += std::to_string(keys) + " keys (" + std::to_string(masters) + " parameters from fp32 masters), " +
        std::to_string(tree.chunks) + " chunks.\n";
   if (tree.left_out.empty()) {

@@ -546,7 +546,8 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
     }
     // A stacked source (its stack checked by the caller): the op applies to
     // the layer's slice, and each box is lifted back into the stack.
-    std::vector<int64_t> sliced = t.shape;
+    // A padded vocabulary's true rows, as params/ serves it.
+    std::vector<int64_t> sliced = t.VocabShape();
     const auto axis = static_cast<size_t>(std::max(take.stack_axis, 0));
     if (take.stack_axis >= 0) sliced.erase(sliced.begin() + static_cast<std::ptrdiff_t>(axis));
     auto boxes = OpBoxes(take.op, sliced, shape, h.shape, take.expert);

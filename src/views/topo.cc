@@ -327,14 +327,15 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
     // A state of another shape than its parameter (a scalar step) is replicated.
     auto ps = param_shape.find(rec.fqn);
     const bool same_shape = ps == param_shape.end() || ps->second == rec.shape;
-    if (!same_shape || (s.kind == SplitKind::kDim && static_cast<size_t>(s.dim) >= rec.shape.size()) ||
-        (s.kind == SplitKind::kSub2 && rec.shape.empty())) {
+    const std::vector<int64_t> shape = PlacedShape(rec);
+    if (!same_shape || (s.kind == SplitKind::kDim && static_cast<size_t>(s.dim) >= shape.size()) ||
+        (s.kind == SplitKind::kSub2 && shape.empty())) {
       s = TensorSplit{SplitKind::kReplicate, 0, 0};
       source = same_shape ? "too few dims" : "shape differs from the parameter";
     }
     const std::string rule = RuleText(s, source);
     if (T > 1 && s.kind == SplitKind::kDim) {
-      const int64_t n = rec.shape[s.dim];
+      const int64_t n = shape[s.dim];
       if (n % T != 0 && !(s.pad_rows && s.dim == 0)) {
         return Invalid(view + ": '" + rec.key + "' has " + std::to_string(n) + " along dim " + std::to_string(s.dim) +
                        ", which does not divide by TP=" + std::to_string(T) + " (rule: " + rule + ")");
@@ -345,8 +346,8 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
                        std::to_string(T) + " cannot split without cutting a group (rule: " + rule + ")");
       }
     }
-    if (T > 1 && s.kind == SplitKind::kSub2 && rec.shape[0] % (2 * T) != 0) {
-      return Invalid(view + ": '" + rec.key + "' has two sub-parameters of " + std::to_string(rec.shape[0]) +
+    if (T > 1 && s.kind == SplitKind::kSub2 && shape[0] % (2 * T) != 0) {
+      return Invalid(view + ": '" + rec.key + "' has two sub-parameters of " + std::to_string(shape[0]) +
                      "/2 rows, which do not divide by TP=" + std::to_string(T) + " (rule: " + rule + ")");
     }
     // Stage.
@@ -370,19 +371,19 @@ Result<TopoPlan> PlanTopology(const Index& index, const Topology& topo, const To
       rt.id = TensorId{i};
       rt.name = TensorName(rec);
       rt.rule = rule;
-      rt.shape = rec.shape;
-      Box whole{std::vector<int64_t>(rec.shape.size(), 0), rec.shape};
+      rt.shape = shape;
+      Box whole{std::vector<int64_t>(shape.size(), 0), shape};
       if (s.kind == SplitKind::kDim && T > 1) {
         // Padded vocabulary: ceil(rows / T) rows per rank, zero rows at the end.
-        const int64_t rows = rec.shape[s.dim], n = (rows + T - 1) / T;
+        const int64_t rows = shape[s.dim], n = (rows + T - 1) / T;
         const int64_t lo = std::min(rows, t * n), hi = std::min(rows, (t + 1) * n);
         whole.offsets[s.dim] = lo;
         whole.lengths[s.dim] = hi - lo;
         rt.shape[s.dim] = n;
         if (hi > lo) rt.pieces.push_back(whole);
-        rt.zero_tail = static_cast<uint64_t>((n - (hi - lo)) * (NumelOf(rec.shape) / std::max<int64_t>(rows, 1)));
+        rt.zero_tail = static_cast<uint64_t>((n - (hi - lo)) * (NumelOf(shape) / std::max<int64_t>(rows, 1)));
       } else if (s.kind == SplitKind::kSub2 && T > 1) {
-        const int64_t half = rec.shape[0] / 2, n = half / T;
+        const int64_t half = shape[0] / 2, n = half / T;
         for (int64_t base : {int64_t{0}, half}) {
           Box b = whole;
           b.offsets[0] = base + t * n;

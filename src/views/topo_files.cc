@@ -321,7 +321,7 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
                     {"state", t.state},
                     {"dtype", std::string(DTypeName(t.dtype))},
                     {"shape", IntsJson(rt.shape)},
-                    {"global_shape", IntsJson(t.shape)},
+                    {"global_shape", IntsJson(PlacedShape(t))},
                     {"rule", rt.rule},
                     {"slices", slices},
                     {"zero_padding_elements", rt.zero_tail}});

@@ -31,6 +31,17 @@ Segment TensorSeg(TensorId id, const TensorRecord& t, DType out) {
   return seg;
 }
 
+// A tensor segment of rows `rows` of `t` (a padded vocabulary's vocabulary
+// or padding; the whole tensor otherwise).
+Segment RowsSeg(TensorId id, const TensorRecord& t, DType out, const Box& rows) {
+  Segment seg = TensorSeg(id, t, out);
+  if (t.VocabPadded()) {
+    seg.boxes = {rows};
+    seg.size = static_cast<uint64_t>(NumelOf(rows.lengths)) * DTypeSize(out);
+  }
+  return seg;
+}
+
 const char* RoleName(Role r) {
   switch (r) {
     case Role::kParam:
@@ -60,7 +71,9 @@ std::string ReadmeText(const Index& ix) {
          "the original shards when you read it.\n\n"
          "  checkpoint.json            what ckptfs found: family, step, ranks, counts, problems\n"
          "  params/<fqn>/param.npy     the model's tensor, full global shape (numpy.load)\n"
-         "  params/<fqn>/<state>.npy   optimizer states (exp_avg, exp_avg_sq, step, ...)\n"
+         "  params/<fqn>/<state>.npy   optimizer states (exp_avg, exp_avg_sq, step, ...); a vocabulary\n"
+         "                             padded for tensor parallelism has its true rows, the padding\n"
+         "                             rows are <state>.vocab_padding.npy\n"
          "  params/<fqn>/*.raw         the same tensors as exact source bytes, C order, no header\n"
          "  params/<fqn>/info.json     dtype, shape, source fragments, xxh3-64 of the raw bytes\n"
          "  other/<key>                every other entry: torch.save blobs as stored\n"
@@ -190,14 +203,13 @@ uint64_t View::AddFile(uint64_t parent, const std::string& name, FileLayout layo
 FileLayout View::TensorFileLayout(const Node& n) const {
   const TensorRecord& t = index_.tensors()[n.tensor.v];
   FileLayout l;
+  const Box rows = t.VocabBox(n.vocab_padding);
+  const DType out = n.lazy == Node::Lazy::kNpy ? NpyDType(t.dtype) : t.dtype;
   if (n.lazy == Node::Lazy::kNpy) {
-    const DType npy = NpyDType(t.dtype);
-    auto header = formats::NpyHeader(npy, t.shape);  // checked when the node was made
+    auto header = formats::NpyHeader(out, rows.lengths);  // checked when the node was made
     l.Add(LiteralSegment(header.ok() ? *header : std::string()));
-    l.Add(TensorSeg(n.tensor, t, npy));
-  } else {
-    l.Add(TensorSeg(n.tensor, t, t.dtype));
   }
+  l.Add(RowsSeg(n.tensor, t, out, rows));
   return l;
 }
 
@@ -255,23 +267,29 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
         v->AddFile(dir, "info.json", FileLayout{}, id, Node::Lazy::kInfo);
       }
     }
-    auto header = formats::NpyHeader(NpyDType(t.dtype), t.shape);
-    uint64_t npy = 0;
-    if (header.ok()) {
-      npy = v->AddFile(dir, stem + ".npy", FileLayout{}, id, Node::Lazy::kNpy);
-    } else {
-      v->problems_.push_back("no .npy for '" + t.key + "': " + header.status().message());
-    }
-    const uint64_t raw = v->AddFile(dir, stem + ".raw", FileLayout{}, id, Node::Lazy::kRaw);
-    if (t.alias) {
-      // A Megatron layer stack also served per layer under params/: open by
-      // name (other/<stack>.npy), never listed, so cp -r / rsync / diff -r
-      // of the tree copy each byte once.
-      for (uint64_t ino : {npy, raw}) {
-        if (ino != 0) v->nodes_[ino - 1]->unlisted = true;
+    // A padded vocabulary: <stem>.npy / .raw hold the vocabulary's rows,
+    // <stem>.vocab_padding.npy / .raw the padding rows (each byte once).
+    for (const bool padding : {false, true}) {
+      if (padding && !t.VocabPadded()) break;
+      const std::string name = padding ? stem + ".vocab_padding" : stem;
+      auto header = formats::NpyHeader(NpyDType(t.dtype), t.VocabBox(padding).lengths);
+      uint64_t npy = 0;
+      if (header.ok()) {
+        npy = v->AddFile(dir, name + ".npy", FileLayout{}, id, Node::Lazy::kNpy);
+      } else {
+        v->problems_.push_back("no .npy for '" + t.key + "': " + header.status().message());
       }
-      ++n_unlisted;
+      const uint64_t raw = v->AddFile(dir, name + ".raw", FileLayout{}, id, Node::Lazy::kRaw);
+      for (uint64_t ino : {npy, raw}) {
+        if (ino == 0) continue;
+        v->nodes_[ino - 1]->vocab_padding = padding;
+        // A Megatron layer stack also served per layer under params/: open
+        // by name (other/<stack>.npy), never listed, so cp -r / rsync /
+        // diff -r of the tree copy each byte once.
+        v->nodes_[ino - 1]->unlisted = t.alias;
+      }
     }
+    if (t.alias) ++n_unlisted;
   }
 
   for (const ExportFile& x : index.exports()) RETURN_IF_ERROR(v->AddExport(root, x));
@@ -605,12 +623,15 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const
   std::vector<TensorId> ids;
   for (uint64_t ino : dir->children) {
     const Node* c = Get(ino);
-    if (c->name.size() > 4 && c->name.compare(c->name.size() - 4, 4, ".raw") == 0) ids.push_back(c->tensor);
+    if (c->name.size() > 4 && c->name.compare(c->name.size() - 4, 4, ".raw") == 0 && !c->vocab_padding) {
+      ids.push_back(c->tensor);
+    }
   }
   FileLayout l;
   // Sizing only (`size_only` given): the bytes are counted there, and no
   // layout is made.
-  auto emit = [&](std::string& literal, const TensorId* hash) {
+  // `rows`: the hash is of those rows only (a padded vocabulary's).
+  auto emit = [&](std::string& literal, const TensorId* hash, const Box* rows = nullptr) {
     if (size_only != nullptr) {
       *size_only += literal.size() + (hash != nullptr ? 16 : 0);
     } else {
@@ -620,6 +641,7 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const
         h.kind = SegmentKind::kHash;
         h.size = 16;
         h.tensor = *hash;
+        if (rows != nullptr) h.boxes = {*rows};
         l.Add(h);
       }
     }
@@ -642,8 +664,10 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const
     body += "\",\"npy_dtype\":\"";
     body += DTypeName(NpyDType(t.dtype));
     body += "\",\"shape\":";
-    AppendJsonInts(body, t.shape);
-    body += ",\"bytes\":" + std::to_string(t.byte_size);
+    AppendJsonInts(body, t.VocabShape());
+    body += ",\"bytes\":" + std::to_string(t.VocabPadded()
+                                               ? static_cast<uint64_t>(NumelOf(t.VocabShape())) * DTypeSize(t.dtype)
+                                               : t.byte_size);
     if (!t.error.empty()) body += ",\"error\":" + JsonEscape(t.error);
     if (!t.derived.empty()) body += ",\"derived\":" + JsonEscape(t.derived);
     if (t.replicas > 1)
@@ -670,8 +694,19 @@ Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const
       continue;
     }
     text += "\"";
-    emit(text, &id);
+    const Box vocab = t.VocabBox(false);
+    emit(text, &id, t.VocabPadded() ? &vocab : nullptr);
     text = "\"}";
+    if (t.VocabPadded()) {
+      // The rows the tensor-parallel layout padded the vocabulary with.
+      const Box pad = t.VocabBox(true);
+      text = "\", \"vocab_padding\": {\"file\": " + JsonEscape(PathComponent(t.state) + ".vocab_padding.npy") +
+             ", \"rows\": " + std::to_string(pad.lengths[0]) + ", \"stored_shape\": ";
+      AppendJsonInts(text, t.shape);
+      text += ", \"xxh3_64_raw\": \"";
+      emit(text, &id, &pad);
+      text = "\"}}";
+    }
   }
   text += "\n  }\n}\n";
   emit(text, nullptr);
@@ -707,10 +742,11 @@ Result<uint64_t> View::Size(uint64_t ino) const {
     // From the record alone, with no lock and nothing kept: `ls -l` of a
     // 300k-file tree sizes every one.
     const TensorRecord& t = index_.tensors()[n->tensor.v];
-    if (n->lazy == Node::Lazy::kRaw) return TensorSeg(n->tensor, t, t.dtype).size;
+    const Box rows = t.VocabBox(n->vocab_padding);
+    if (n->lazy == Node::Lazy::kRaw) return RowsSeg(n->tensor, t, t.dtype, rows).size;
     const DType npy = NpyDType(t.dtype);
-    ASSIGN_OR_RETURN(std::string header, formats::NpyHeader(npy, t.shape));
-    return header.size() + TensorSeg(n->tensor, t, npy).size;
+    ASSIGN_OR_RETURN(std::string header, formats::NpyHeader(npy, rows.lengths));
+    return header.size() + RowsSeg(n->tensor, t, npy, rows).size;
   }
   std::lock_guard<std::mutex> lock(lazy_mu_);
   Node* m = const_cast<Node*>(n);

@@ -59,7 +59,11 @@ def mcore_logits(mnt, args, tokens):
                 d = d.replace(a, b)
         info = json.load(open(os.path.join(d, "info.json")))["tensors"]["param"]
         raw = open(os.path.join(d, "param.raw"), "rb").read()
-        t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, info["dtype"])).reshape(info["shape"])
+        shape = info["shape"]
+        if "vocab_padding" in info:  # params/ has the true vocabulary; Megatron's model the padded one
+            raw += open(os.path.join(d, "param.vocab_padding.raw"), "rb").read()
+            shape = info["vocab_padding"]["stored_shape"]
+        t = torch.frombuffer(bytearray(raw), dtype=getattr(torch, info["dtype"])).reshape(shape)
         sd[k] = t.float()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not [m for m in missing if not m.endswith("_extra_state")] and not unexpected, (missing, unexpected)

@@ -151,10 +151,11 @@ def uc_info(ck):
     return sd.get("universal_checkpoint_info"), tag
 
 
-def tp_merge(name, slices, info):
+def tp_merge(name, slices, info, cut=True):
     """TP slices -> the global tensor, written independently of ckptfs:
     replicated -> rank 0, row parallel -> cat dim 1, SwiGLU -> W halves then V
-    halves, else cat dim 0; vocabulary rows cut to the original size."""
+    halves, else cat dim 0; vocabulary rows cut to the original size (`cut`),
+    else only the padding rows past it (None for any other tensor)."""
     import re
 
     def match(key):
@@ -167,22 +168,24 @@ def tp_merge(name, slices, info):
         full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
     else:
         full = torch.cat(slices, 1 if match("parameter_with_row_parallelism_patterns") else 0)
-    if match("vocabulary_parameter_patterns"):
-        full = full[: info["original_vocab_size"]]
-    return full
+    vocab = match("vocabulary_parameter_patterns") and full.shape[0] > info["original_vocab_size"]
+    if not cut:
+        return full[info["original_vocab_size"]:] if vocab else None
+    return full[: info["original_vocab_size"]] if vocab else full
 
 
-def merge_reference(ck, files=None):
-    """The engine's TP-local full states (reference_tp<t>.pt) merged over TP."""
+def merge_reference(ck, files=None, cut=True):
+    """The engine's TP-local full states (reference_tp<t>.pt) merged over TP
+    (`cut` False: the vocabulary padding rows of the vocabulary parameters)."""
     refs = files or sorted(ck.glob("reference_tp*.pt"))
     tps = [torch.load(p, weights_only=False) for p in refs]
     info, _ = uc_info(ck)
     info = info or {}
     out = {}
     for name in tps[0]:
-        out[name] = {state: tp_merge(name, [t[name][state].float() for t in tps], info)
+        out[name] = {state: tp_merge(name, [t[name][state].float() for t in tps], info, cut)
                      for state in ("fp32", "exp_avg", "exp_avg_sq")}
-    return out
+    return {k: v for k, v in out.items() if v["fp32"] is not None}
 
 
 def test_params_equal_engine_states(scenario, mounter):
@@ -197,6 +200,17 @@ def test_params_equal_engine_states(scenario, mounter):
                 assert np.array_equal(got, want.numpy()), (pname, state)
                 # the .raw twin is the same bytes (fp32 sources)
                 assert (d / f"{state}.raw").read_bytes() == got.tobytes()
+        # params/ serves the vocabulary as ds_to_universal.py cuts it; the TP
+        # padding rows the engine held are beside it, read from the same shards.
+        pads = merge_reference(ck, cut=False)
+        if not name.startswith(("padspan", "z3_")):  # the gpt model: vocabulary 30 padded to 32
+            assert pads
+        for pname, states in pads.items():
+            d = m.path / "params" / pname
+            for state, want in states.items():
+                assert np.array_equal(np.load(d / f"{state}.vocab_padding.npy"), want.numpy()), (pname, state)
+            info = json.loads((d / "info.json").read_text())["tensors"]["fp32"]
+            assert info["vocab_padding"]["rows"] == states["fp32"].shape[0]
         cj = json.loads((m.path / "checkpoint.json").read_text())
         assert cj["family"] == "deepspeed" and cj["broken"] == []
 
@@ -239,6 +253,9 @@ def test_param_npy_is_the_module_copy(scenario, mounter):
             full = tp_merge(n, slices, info)
             got = np.load(m.path / "params" / n / "param.npy")
             assert np.array_equal(got, full.float().numpy()), n
+            pad = tp_merge(n, slices, info, cut=False)
+            if pad is not None:
+                assert np.array_equal(np.load(m.path / "params" / n / "param.vocab_padding.npy"), pad.float().numpy())
             raw = (m.path / "params" / n / "param.raw").read_bytes()
             assert raw == full.contiguous().view(torch.uint8).numpy().tobytes() if full.dtype == torch.bfloat16 \
                 else raw == full.numpy().tobytes(), n

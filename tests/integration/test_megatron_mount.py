@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import xxhash
 
 from conftest import ckptfs_bin, make_megatron_fixtures, run
 
@@ -283,22 +284,45 @@ def test_nemo2_checkpoints_directory_skips_an_unfinished_save(mounter, tmp_path,
     assert r.returncode != 0 and "unfinished" in r.stderr and newer in r.stderr, r.stderr
 
 
+def is_vocabulary(name):
+    return "word_embeddings" in name or name.endswith("output_layer.weight")
+
+
+def vocab_of(mount):
+    """args.vocab_size where the checkpoint records args (else None)."""
+    p = mount.path / "args.json"
+    return json.loads(p.read_text()).get("vocab_size") if p.exists() else None
+
+
+def as_served(name, t, vocab):
+    """params/'s rule: a vocabulary's rows cut to the true vocabulary where
+    the checkpoint records it; the TP padding rows are <state>.vocab_padding.npy."""
+    return t[:vocab] if vocab and is_vocabulary(name) and t.shape[0] > vocab else t
+
+
 def check_against_reference(fx, args, mounter, src=None):
     ref = reference(fx, args)
     with mounter(src or fx) as m:
         params = m.path / "params"
         shown = {p.name for p in params.iterdir()}
         assert set(ref) <= shown, sorted(set(ref) - shown)[:5]
+        # params/ cuts a vocabulary to args.vocab_size (the rows before
+        # Megatron's TP padding); the padding rows are <state>.vocab_padding.npy.
+        vocab = vocab_of(m)
         for name, r in ref.items():
-            got = np.load(params / name / "param.npy")
-            want = r["param"].float().numpy()
-            assert got.shape == want.shape, name
-            np.testing.assert_array_equal(got, want, err_msg=name)
-            raw = (params / name / "param.raw").read_bytes()
-            assert raw == r["param"].contiguous().view(torch.uint8).numpy().tobytes(), name
-            for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            cut = as_served(name, r["param"], vocab) is not r["param"]
+            for state in ("param", "fp32", "exp_avg", "exp_avg_sq"):
+                want = r[state]
+                if cut:
+                    pad = np.load(params / name / f"{state}.vocab_padding.npy")
+                    np.testing.assert_array_equal(pad, want[vocab:].float().numpy(), err_msg=f"{name} {state}")
+                    want = want[:vocab]
                 got = np.load(params / name / f"{state}.npy")
-                np.testing.assert_array_equal(got, r[state].numpy(), err_msg=f"{name} {state}")
+                assert got.shape == tuple(want.shape), (name, state)
+                np.testing.assert_array_equal(got, want.float().numpy(), err_msg=f"{name} {state}")
+            raw = (params / name / "param.raw").read_bytes()
+            want = as_served(name, r["param"], vocab)
+            assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), name
         info = json.loads((m.path / "checkpoint.json").read_text())
         assert info["step"] == 7
         assert not info.get("problems"), info.get("problems")
@@ -333,8 +357,23 @@ def test_legacy_args_and_layout(megatron_fixtures, mounter):
         args = json.loads((m.path / "args.json").read_text())
         assert args["num_layers"] == LAYERS and args["tensor_model_parallel_size"] == 2
         assert args["params_dtype"] == "torch.bfloat16"
-        w = np.load(m.path / "params/embedding.word_embeddings.weight/param.npy")
-        assert w.shape == (args["padded_vocab_size"], 32)
+        # One rule for params/ in every family: the true vocabulary, the TP
+        # padding rows beside it (and described in info.json).
+        d = m.path / "params/embedding.word_embeddings.weight"
+        assert args["vocab_size"] < args["padded_vocab_size"]
+        assert np.load(d / "param.npy").shape == (args["vocab_size"], 32)
+        pad_rows = args["padded_vocab_size"] - args["vocab_size"]
+        assert np.load(d / "param.vocab_padding.npy").shape == (pad_rows, 32)
+        assert np.load(d / "exp_avg.vocab_padding.npy").shape == (pad_rows, 32)
+        entry = json.loads((d / "info.json").read_text())["tensors"]["param"]
+        assert entry["shape"] == [args["vocab_size"], 32] and entry["bytes"] == args["vocab_size"] * 32 * 2
+        raw = (d / "param.raw").read_bytes()
+        assert entry["xxh3_64_raw"] == xxhash.xxh3_64_hexdigest(raw)
+        vp = entry["vocab_padding"]
+        assert vp["file"] == "param.vocab_padding.npy" and vp["rows"] == pad_rows
+        assert vp["stored_shape"] == [args["padded_vocab_size"], 32]
+        assert vp["xxh3_64_raw"] == xxhash.xxh3_64_hexdigest((d / "param.vocab_padding.raw").read_bytes())
+        assert len(raw) == args["vocab_size"] * 32 * 2
     r = run([str(Path(os.environ.get("CKPTFS_BIN", "build/ckptfs")).resolve()), "info",
              str(megatron_fixtures / "legacy_tp1_pp2_vp2")])
     assert r.returncode == 0 and "VP=2" in r.stdout, r.stdout + r.stderr
@@ -578,9 +617,12 @@ def test_dp_reshardable_missing_bucket_shard(megatron_fixtures, mounter, tmp_pat
         params = m.path / "params"
         bad = [n for n in ref if read_errno(params / n / "exp_avg.npy") == errno.EIO]
         assert bad and all(n.startswith(("decoder.layers.0.", "decoder.layers.1.", "embedding.")) for n in bad), bad
+        vocab = vocab_of(m)
         for n in ref:
-            np.testing.assert_array_equal(np.load(params / n / "param.npy"), ref[n]["param"].float().numpy())
-            np.testing.assert_array_equal(np.load(params / n / "exp_avg_sq.npy"), ref[n]["exp_avg_sq"].numpy())
+            np.testing.assert_array_equal(np.load(params / n / "param.npy"),
+                                          as_served(n, ref[n]["param"], vocab).float().numpy())
+            np.testing.assert_array_equal(np.load(params / n / "exp_avg_sq.npy"),
+                                          as_served(n, ref[n]["exp_avg_sq"], vocab).numpy())
         assert "bucket_idx_0.exp_avg" in m.log_text(), m.log_text()[-2000:]
 
 

@@ -35,11 +35,17 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks)\.(\d+)(?:\.|$)")
 
 
-def full_tensor(mnt, fqn, state):
+def full_tensor(mnt, fqn, state, stored=False):
+    """params/<fqn>/<state>; `stored`: with its vocabulary padding rows after
+    it, as the checkpoint stores it (Megatron's padded vocabulary)."""
     info = json.loads((mnt / "params" / fqn / "info.json").read_text())["tensors"][state]
     raw = (mnt / "params" / fqn / f"{state}.raw").read_bytes()
-    return torch.frombuffer(bytearray(raw), dtype=TORCH_DTYPES[info["dtype"]]).reshape(info["shape"]) if raw else \
-        torch.empty(info["shape"], dtype=TORCH_DTYPES[info["dtype"]])
+    shape = info["shape"]
+    if stored and "vocab_padding" in info:
+        raw += (mnt / "params" / fqn / f"{state}.vocab_padding.raw").read_bytes()
+        shape = info["vocab_padding"]["stored_shape"]
+    return torch.frombuffer(bytearray(raw), dtype=TORCH_DTYPES[info["dtype"]]).reshape(shape) if raw else \
+        torch.empty(shape, dtype=TORCH_DTYPES[info["dtype"]])
 
 
 def all_states(mnt):
@@ -47,7 +53,8 @@ def all_states(mnt):
     out = []
     for d in sorted((mnt / "params").iterdir()):
         for f in sorted(d.glob("*.raw")):
-            out.append((d.name, f.stem))
+            if not f.stem.endswith(".vocab_padding"):
+                out.append((d.name, f.stem))
     return out
 
 
@@ -111,7 +118,9 @@ def stage_of(fqn, num_layers, pp):
     return 0 if "embed" in fqn else pp - 1
 
 
-def check_view(mnt, topo, rule_of):
+def check_view(mnt, topo, rule_of, stored=True):
+    """`stored` False: a padded vocabulary is placed from its true rows and
+    re-padded (DeepSpeed universal); True: as stored (Megatron's padding)."""
     tp, pp = (int(x[2:]) for x in topo.split("-")[:2])
     view = mnt / "topo" / topo
     states = all_states(mnt)
@@ -130,8 +139,8 @@ def check_view(mnt, topo, rule_of):
                     seen.setdefault(k, []).append((t, p))
                     fqn, state = (k, "param") if not k.startswith("optimizer.state.") else \
                         next((fq, st) for fq, st in states if key_of(fq, st) == k)
-                    full = full_tensor(mnt, fqn, state)
-                    rule = rule_of(fqn) if state == "param" or full.shape == full_tensor(mnt, fqn, "param").shape \
+                    full = full_tensor(mnt, fqn, state, stored)
+                    rule = rule_of(fqn) if state == "param" or full.shape == full_tensor(mnt, fqn, "param", stored).shape \
                         else ("replicate",)
                     want = cut(full, rule, tp, t)
                     got = f.get_tensor(k)
@@ -205,7 +214,7 @@ def test_deepspeed_rank_files_are_torch_slices(ds_ckpt, mounter, topo):
     uci = torch.load(ds_ckpt / tag / "mp_rank_00_model_states.pt", weights_only=False)["universal_checkpoint_info"]
     with mounter(ds_ckpt) as m:
         assert sorted(os.listdir(m.path / "topo"))[:2] == ["ERRORS", "tp2-pp1-dp2"]  # the source layout
-        check_view(m.path, topo, deepspeed_rule_from(uci))
+        check_view(m.path, topo, deepspeed_rule_from(uci), stored=False)
 
 
 def test_deepspeed_tp4_does_not_divide_enoent_and_errors(ds_ckpt, mounter):

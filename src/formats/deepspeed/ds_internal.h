@@ -238,7 +238,7 @@ struct Reader {
   // ds_params.cc: the records of params/ (optimizer states, step, module copy).
   Status EmitStep(const Param& p, bool ucp);
   void EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::string>& have_fp32);
-  void EmitZero3Weight(const Param& p, const std::vector<int64_t>& shape, uint32_t copies,
+  void EmitZero3Weight(const Param& p, const std::vector<int64_t>& shape, int64_t vocab_rows, uint32_t copies,
                        std::vector<Fragment> master);
   std::map<std::string, uint32_t> EmitModule(const Patterns& pats);
   void EmitLostStages();

@@ -90,7 +90,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     Status st = pats.ResolveSub(p.name, local, rule);
     if (!st.ok()) err = "parameter '" + p.name + "': " + st.message();
   }
-  Merger merger(rule, local, pats.original_vocab);
+  Merger merger(rule, local);
   std::vector<int64_t> gshape;
   if (err.empty()) {
     auto gs = merger.GlobalShape();
@@ -109,6 +109,7 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
     rec.state = state;
     rec.dtype = DType::kF32;
     rec.shape = gshape;
+    rec.vocab_rows = VocabRows(rule, pats.original_vocab, gshape);
     rec.error = err;
     rec.replicas = err.empty() ? merger.Copies() : 1;
     std::vector<Fragment> frags;
@@ -154,7 +155,8 @@ void Reader::EmitParam(Param& p, const Patterns& pats, bool ucp, std::set<std::s
       have_fp32.insert(p.name);  // ds_to_universal would fail here too: no silent substitute
     }
   }
-  if (!fp32_frags.empty()) EmitZero3Weight(p, gshape, merger.Copies(), std::move(fp32_frags));
+  if (!fp32_frags.empty())
+    EmitZero3Weight(p, gshape, VocabRows(rule, pats.original_vocab, gshape), merger.Copies(), std::move(fp32_frags));
   if (stage != 3 && err.empty() && p.tp[0].present && p.tp[0].group >= 0) {
     Status st = EmitStep(p, ucp && !experts.count(p.name));
     if (!st.ok()) problems.push_back("no step for '" + p.name + "': " + st.message());
@@ -192,7 +194,7 @@ void Reader::EmitLostStages() {
 // is what the engine rebuilds when it gathers a parameter, the fp32 master
 // cast to the model's dtype (round to nearest even), served as `param`,
 // derived and marked so in info.json.
-void Reader::EmitZero3Weight(const Param& p, const std::vector<int64_t>& shape, uint32_t copies,
+void Reader::EmitZero3Weight(const Param& p, const std::vector<int64_t>& shape, int64_t vocab_rows, uint32_t copies,
                              std::vector<Fragment> master) {
   const DType model = models[p.tp[0].mp].model_dtype;
   TensorRecord rec;
@@ -202,6 +204,7 @@ void Reader::EmitZero3Weight(const Param& p, const std::vector<int64_t>& shape, 
   rec.state = "param";
   rec.dtype = model == DType::kInvalid ? DType::kF32 : model;
   rec.shape = shape;
+  rec.vocab_rows = vocab_rows;
   rec.replicas = copies;
   rec.derived = rec.dtype == DType::kF32
                     ? "ZeRO-3 saves no weights: the fp32 master, which the engine gathers as the weight" +
@@ -262,7 +265,7 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
                 " is not contiguous: its sub-parameter view cannot be taken";
       }
     }
-    Merger merger(rule, local, pats.original_vocab);
+    Merger merger(rule, local);
     TensorRecord rec;
     rec.key = name;
     rec.role = buffer ? Role::kOther : Role::kParam;
@@ -276,6 +279,7 @@ std::map<std::string, uint32_t> Reader::EmitModule(const Patterns& pats) {
         err = "'" + name + "': " + gs.status().message();
       } else {
         rec.shape = *gs;
+        rec.vocab_rows = VocabRows(rule, pats.original_vocab, rec.shape);
       }
     }
     for (int t = 0; t < tp && err.empty(); ++t) {

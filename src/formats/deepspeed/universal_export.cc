@@ -25,8 +25,10 @@ Status Reader::ExportState(const std::string& name, const std::string& state, ui
                            bool dict) {
   const TensorRecord& t = ck.tensors[tensor];
   PickleWriter w;
-  std::vector<int64_t> shape = t.shape;
-  if (!dict) shape = {static_cast<int64_t>(t.Numel())};
+  // A padded vocabulary is cut to original_vocab_size, as ds_to_universal.py does.
+  std::vector<int64_t> shape = t.VocabShape();
+  const uint64_t numel = static_cast<uint64_t>(NumelOf(shape));
+  if (!dict) shape = {static_cast<int64_t>(numel)};
   if (dict) {
     w.BeginDict();
     if (rule.kind == Merge::kCat || rule.kind == Merge::kSub2) {
@@ -47,10 +49,12 @@ Status Reader::ExportState(const std::string& name, const std::string& state, ui
     }
     w.Str("param");
   }
-  RETURN_IF_ERROR(w.Tensor("0", DType::kF32, t.Numel(), 0, shape, ContiguousStrides(shape)));
+  RETURN_IF_ERROR(w.Tensor("0", DType::kF32, numel, 0, shape, ContiguousStrides(shape)));
   if (dict) w.EndDict();
+  std::vector<Box> boxes;
+  if (t.VocabPadded()) boxes.push_back(t.VocabBox(false));
   AddArchive("universal/zero/" + name + "/" + state + ".pt", state, w.Finish(),
-             {ArchiveStorage{tensor, DType::kF32, t.Numel() * 4, {}}});
+             {ArchiveStorage{tensor, DType::kF32, numel * 4, std::move(boxes)}});
   return Status::Ok();
 }
 

@@ -633,8 +633,8 @@ void Mapper::MapBuffer(int64_t mp, int t, int p, int v, const Buffer& buf, const
       so.dtype = src.dtype;
       const Rule replicated{Merge::kReplicated, 0, false, {}};
       Rule r = f_.tp == 1 ? replicated : rule.value_or(replicated);
-      Merger merger(
-          r, std::vector<std::vector<int64_t>>(static_cast<size_t>(std::max<int64_t>(f_.tp, 1)), m.local_shape), -1);
+      Merger merger(r,
+                    std::vector<std::vector<int64_t>>(static_cast<size_t>(std::max<int64_t>(f_.tp, 1)), m.local_shape));
       const int64_t begin = at[k].start, end = at[k].start + m.numel;
       int64_t covered = 0;
       for (const Fragment& fr : src.frags) {

@@ -728,7 +728,7 @@ Status Reader::Emit() {
       locs[static_cast<size_t>(t)] = *l;
       local.push_back(l->shape);
     }
-    Merger merger(rule, local, -1);
+    Merger merger(rule, local);
     std::vector<int64_t> gshape;
     if (err.empty()) {
       auto gs = merger.GlobalShape();

@@ -235,6 +235,7 @@ ModelFacts FactsOf(const PyValue* args) {
   f.tied = args != nullptr && !ArgBool(args, "untie_embeddings_and_output_weights").value_or(false);
   f.num_experts = ArgInt(args, "num_experts").value_or(0);
   f.ep = ArgInt(args, "expert_model_parallel_size").value_or(1);
+  f.vocab = ArgInt(args, "vocab_size").value_or(-1);
   return f;
 }
 
@@ -245,6 +246,7 @@ void SetSplits(const ModelFacts& facts, Checkpoint& ck) {
     if (!rule) continue;
     t.split = SplitOf(*rule);
     t.split.pad_rows = false;  // Megatron saves the padded vocabulary
+    t.vocab_rows = VocabRows(*rule, facts.vocab, t.shape);
     if (t.split.kind == SplitKind::kDim && (Contains(t.fqn, ".linear_qkv.") || Contains(t.fqn, ".query_key_value."))) {
       t.split.groups = facts.qkv_groups;
     }

@@ -65,10 +65,14 @@ struct ModelFacts {
   bool tied = false;
   // MoE: experts per layer and the expert-parallel size (0 / 1 without).
   int64_t num_experts = 0, ep = 1;
+  // args.vocab_size: the tokenizer's vocabulary, before Megatron pads it to
+  // padded_vocab_size (-1: not recorded).
+  int64_t vocab = -1;
 };
 ModelFacts FactsOf(const PyValue* args);  // args may be null
 // Records each parameter's (and optimizer state's) TP split on its record for
-// the topo/ views: SplitRule by name plus the facts.
+// the topo/ views (SplitRule by name plus the facts), and where a padded
+// vocabulary ends (TensorRecord::vocab_rows, from args.vocab_size).
 void SetSplits(const ModelFacts& facts, Checkpoint& ck);
 
 // A parameter name with "layers.<i>." renumbered: `offset` added to i.

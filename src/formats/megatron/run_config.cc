@@ -169,6 +169,8 @@ ModelFacts FactsOfConfig(const std::map<std::string, std::string>& kv, const std
   f.tied = Bool(kv, m("share_embeddings_and_output_weights")).value_or(false);
   f.num_experts = Int(kv, m("num_moe_experts")).value_or(0);
   f.ep = Int(kv, m("expert_model_parallel_size")).value_or(1);
+  // The tokenizer's vocabulary (Bridge pads it when should_pad_vocab is set).
+  f.vocab = Int(kv, m("vocab_size")).value_or(-1);
   return f;
 }
 

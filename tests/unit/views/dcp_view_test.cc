@@ -94,5 +94,37 @@ TEST(DcpViewTest, ListedAtTheRootOnlyWithTensors) {
   EXPECT_NE(readme.find("Every tensor of the checkpoint is represented"), std::string::npos);
 }
 
+// DeepSpeed's universal info says the vocabulary is 30 rows, saved padded to
+// 32 in two TP slices: params/ serves rows [0, 30) and the padding rows
+// beside them, together exactly the stored tensor; dcp/'s chunks are the TP
+// slices cut at row 30.
+TEST(DcpViewTest, PaddedVocabularyChunksStopAtTheVocabulary) {
+  TempDir tmp;
+  auto fs = testing::OpenFixtureCopy(tmp, "ds_py3112/z2_bf16_tp2_dp2");
+  ASSERT_NE(fs, nullptr);
+  const auto& ts = fs->index().tensors();
+  auto plan = dcp_view::PlanDcp(fs->index());
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  int padded = 0;
+  for (const auto& e : plan->entries) {
+    const TensorRecord& t = ts[e.tensor];
+    if (!t.VocabPadded()) continue;
+    ++padded;
+    EXPECT_EQ(t.vocab_rows, 30) << t.key;
+    EXPECT_EQ(t.shape[0], 32) << t.key;
+    ASSERT_EQ(e.chunks.size(), 2u) << t.key;
+    EXPECT_EQ(e.chunks[0].lengths[0], 16);
+    EXPECT_EQ(e.chunks[1].offsets[0], 16);
+    EXPECT_EQ(e.chunks[1].lengths[0], 14);
+    if (t.role != Role::kOptimState) continue;
+    const std::string dir = "params/" + t.fqn + "/" + t.state;
+    const std::string both = ReadAll(*fs, dir + ".raw") + ReadAll(*fs, dir + ".vocab_padding.raw");
+    std::string whole(t.byte_size, '\0');
+    ASSERT_TRUE(fs->ReadTensor(TensorId{e.tensor}, t.dtype, nullptr, whole.data(), whole.size()).ok());
+    EXPECT_EQ(both, whole) << dir;
+  }
+  EXPECT_GE(padded, 2);  // the model's embedding and its fp32 master
+}
+
 }  // namespace
 }  // namespace ckptfs

@@ -172,6 +172,60 @@ TEST(ViewTest, InfoJsonSizeComesFromTheRecordsAndMatchesItsBytes) {
   EXPECT_TRUE(j["tensors"]["step"]["fragments"].empty());
 }
 
+// A vocabulary stored with tensor-parallel padding rows: params/ serves the
+// vocabulary's rows as <state>.npy / .raw and the padding rows as
+// <state>.vocab_padding.npy / .raw (each byte once); info.json and dcp/ give
+// the vocabulary's shape; vocab_rows survives the index.
+TEST(ViewTest, PaddedVocabularyIsCutWithItsPaddingBeside) {
+  TempDir t;
+  Checkpoint ck = SyntheticCheckpoint(t, 4096);
+  AddTensor(ck, "emb", Role::kParam, "emb", "param", DType::kBF16, {8, 2});
+  AddTensor(ck, "emb.exp_avg", Role::kOptimState, "emb", "exp_avg", DType::kF32, {8, 2});
+  for (TensorRecord& r : ck.tensors) r.vocab_rows = 5;
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_TRUE(ix.ok());
+  EXPECT_EQ((*ix)->tensors()[0].vocab_rows, 5);
+  EXPECT_EQ((*ix)->tensors()[0].VocabShape(), (std::vector<int64_t>{5, 2}));
+  auto v = View::Build(**ix);
+  ASSERT_TRUE(v.ok());
+  auto raw = (*v)->Resolve("params/emb/param.raw");
+  auto pad = (*v)->Resolve("params/emb/param.vocab_padding.raw");
+  ASSERT_TRUE(raw.ok() && pad.ok());
+  EXPECT_EQ(*(*v)->Size(*raw), 5u * 2 * 2);
+  EXPECT_EQ(*(*v)->Size(*pad), 3u * 2 * 2);
+  const FileLayout* lr = *(*v)->Layout(*raw);
+  const FileLayout* lp = *(*v)->Layout(*pad);
+  EXPECT_EQ(lr->size, 20u);
+  ASSERT_EQ(lp->segments.size(), 1u);
+  EXPECT_EQ(lp->segments[0].boxes, (std::vector<Box>{Box{{5, 0}, {3, 2}}}));
+  auto npy = (*v)->Resolve("params/emb/exp_avg.vocab_padding.npy");
+  ASSERT_TRUE(npy.ok());
+  const FileLayout* ln = *(*v)->Layout(*npy);
+  EXPECT_NE(ln->segments[0].literal.find("'shape': (3, 2)"), std::string::npos) << ln->segments[0].literal;
+  EXPECT_EQ(*(*v)->Size(*npy), ln->size);
+  auto info = (*v)->Resolve("params/emb/info.json");
+  ASSERT_TRUE(info.ok());
+  const uint64_t sized = *(*v)->Size(*info);
+  const FileLayout* li = *(*v)->Layout(*info);
+  EXPECT_EQ(li->size, sized);
+  std::string text;
+  for (const Segment& seg : li->segments) {
+    text += seg.kind == SegmentKind::kLiteral ? seg.literal : std::string(seg.size, '0');
+    if (seg.kind == SegmentKind::kHash) {
+      EXPECT_EQ(seg.boxes.size(), 1u);  // each hash is of its rows
+    }
+  }
+  auto j = nlohmann::json::parse(text, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << text;
+  ASSERT_EQ(j["tensors"].size(), 2u);  // the padding is described inside each state's entry
+  EXPECT_EQ(j["tensors"]["param"]["shape"], nlohmann::json::parse("[5, 2]"));
+  EXPECT_EQ(j["tensors"]["param"]["bytes"], 20);
+  EXPECT_EQ(j["tensors"]["param"]["vocab_padding"]["rows"], 3);
+  EXPECT_EQ(j["tensors"]["exp_avg"]["vocab_padding"]["file"], "exp_avg.vocab_padding.npy");
+  EXPECT_EQ(j["tensors"]["exp_avg"]["vocab_padding"]["stored_shape"], nlohmann::json::parse("[8, 2]"));
+}
+
 }  // namespace
 }  // namespace ckptfs
 
