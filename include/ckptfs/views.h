@@ -257,10 +257,14 @@ using PathElem = std::variant<std::string, int64_t>;
 
 // One key of dcp/ and the tensor behind it.
 struct DcpEntry {
+  static constexpr uint32_t kLiteral = UINT32_MAX;
   std::string key;             // the flattened key dcp.load plans with
   std::vector<PathElem> path;  // planner_data: the key's path in the nested state dict
-  uint32_t tensor = 0;         // Checkpoint::tensors index
-  std::vector<Box> chunks;     // tensors: the chunk boxes (empty for bytes entries)
+  uint32_t tensor = 0;         // Checkpoint::tensors index, or kLiteral
+  // tensor == kLiteral: a bytes entry the family reader made (an internal
+  // export "@dcp/<key>": DeepSpeed's param groups), these bytes.
+  std::string literal;
+  std::vector<Box> chunks;  // tensors: the chunk boxes (empty for bytes entries)
   // The same items under a second key (optimizer.state.<fqn>.<state>):
   // more metadata, nothing more to read for any plan. Empty: none.
   std::string alias;

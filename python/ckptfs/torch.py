@@ -172,10 +172,10 @@ class StorageReader(_DcpStorageReader):
                 md = pickle.loads(f.read())
             by_id = {t.id: t for t in ck.tensors()}
             rows, _left_out = ck._c.dcp_plan()
-            for key, alias, tid, _chunks in rows:
+            for key, alias, tid, _chunks, literal in rows:
                 for k in (key, alias):
-                    if k:
-                        self._by_key[k] = by_id[tid]
+                    if k:  # a literal entry (DeepSpeed's param groups): its bytes
+                        self._by_key[k] = by_id[tid] if tid >= 0 else bytes(literal)
             return md
         if self.view == "hf":
             for key, t in _hf_tensors(ck).items():
@@ -223,6 +223,9 @@ class StorageReader(_DcpStorageReader):
 
     def _read_item(self, ck: Checkpoint, req: Any, planner: LoadPlanner, hf_files: dict) -> None:
         t = self._by_key[req.storage_index.fqn]
+        if isinstance(t, bytes):  # made by the family reader, as dcp/ serves it
+            planner.load_bytes(req, io.BytesIO(t))
+            return
         if req.type == LoadItemType.BYTE_IO:
             # A non-tensor entry: other/<name> holds the bytes the source
             # stored (DCP: what torch.save wrote; the planner unpickles them).

@@ -278,10 +278,11 @@ class PyCheckpoint {
   }
 
   // dcp/'s keys (views/dcp_view.h PlanDcp, the same plan the mount's dcp/
-  // is laid out from): ([(key, alias, tensor id, [(chunk offsets, sizes)])],
-  // [left out]).
-  using DcpRow = std::tuple<std::string, std::string, uint32_t,
-                            std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>>>;
+  // is laid out from): ([(key, alias, tensor id, [(chunk offsets, sizes)],
+  // literal bytes)], [left out]); a literal entry (its bytes made by the
+  // family reader: DeepSpeed's param groups) has tensor id -1.
+  using DcpRow = std::tuple<std::string, std::string, int64_t,
+                            std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>>, nb::bytes>;
   std::pair<std::vector<DcpRow>, std::vector<std::string>> DcpPlan() const {
     Result<dcp_view::DcpPlan> plan = Internal("not run");
     {
@@ -294,7 +295,9 @@ class PyCheckpoint {
     for (dcp_view::DcpEntry& e : plan->entries) {
       std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>> chunks;
       for (Box& b : e.chunks) chunks.emplace_back(std::move(b.offsets), std::move(b.lengths));
-      rows.emplace_back(std::move(e.key), std::move(e.alias), e.tensor, std::move(chunks));
+      const bool literal = e.tensor == dcp_view::DcpEntry::kLiteral;
+      rows.emplace_back(std::move(e.key), std::move(e.alias), literal ? int64_t{-1} : int64_t{e.tensor},
+                        std::move(chunks), nb::bytes(e.literal.data(), e.literal.size()));
     }
     return {std::move(rows), std::move(plan->left_out)};
   }

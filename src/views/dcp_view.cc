@@ -325,6 +325,31 @@ Result<DcpPlan> PlanDcp(const Index& index) {
     add(t.key, {t.key}, i);
   }
 
+  // Bytes entries a family reader made for dcp/ (internal exports
+  // "@dcp/<key>", literal bytes: DeepSpeed's param groups), where the
+  // checkpoint has no entry of that key itself.
+  constexpr std::string_view kDcpExport = "@dcp/";
+  for (const ExportFile& x : index.exports()) {
+    if (x.path.compare(0, kDcpExport.size(), kDcpExport) != 0) continue;
+    const std::string key = x.path.substr(kDcpExport.size());
+    std::string bytes;
+    bool literal = true;
+    for (const ExportPart& p : x.parts) {
+      literal = literal && p.kind == PartKind::kLiteral;
+      bytes += p.literal;
+    }
+    if (!literal || key.empty()) {
+      plan.left_out.push_back(key + ": its bytes are not literal");
+      continue;
+    }
+    auto [it, fresh] = entries.try_emplace(key);
+    if (!fresh) continue;  // the checkpoint's own entry
+    it->second.key = key;
+    it->second.path = {key};
+    it->second.tensor = DcpEntry::kLiteral;
+    it->second.literal = std::move(bytes);
+  }
+
   // optimizer.state.<fqn>.<state> beside optim.state.<fqn>.<state> (and the
   // same for param_groups), where no entry of the checkpoint has that key
   // already.
@@ -369,6 +394,10 @@ Result<DcpTree> DcpFiles(const Index& index) {
   };
   for (size_t ei = 0; ei < order.size(); ++ei) {
     const DcpEntry& e = *order[ei];
+    if (e.tensor == DcpEntry::kLiteral) {
+      place(ei, -1, LiteralSegment(e.literal));
+      continue;
+    }
     const TensorRecord& t = ts[e.tensor];
     Segment seg;
     seg.tensor = TensorId{e.tensor};
@@ -402,7 +431,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
       for (const std::string* k : {&e->key, &e->alias}) {
         if (k->empty()) continue;
         m.Str(*k);
-        if (ts[e->tensor].encoding == Encoding::kBytes) {
+        if (e->tensor == DcpEntry::kLiteral || ts[e->tensor].encoding == Encoding::kBytes) {
           WriteDataclass(m, kMd, "BytesStorageMetadata", [] {});
         } else {
           WriteTensorMetadata(m, ts[e->tensor], e->chunks);

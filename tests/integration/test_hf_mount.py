@@ -9,6 +9,7 @@ query group [q heads | k | v]) and SwiGLU's [gate; up]."""
 import json
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -543,3 +544,57 @@ def test_hf_trainer_deepspeed_checkpoint(hf_trainer_ck, mounter):
         with torch.no_grad():
             logits = model((torch.arange(32).reshape(2, 16) * 7 + 3) % 96).logits
     assert torch.allclose(logits, torch.load(out / "reference" / "logits.pt"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("world", [3])
+def test_hf_trainer_moves_from_deepspeed_to_fsdp2_with_its_optimizer(world, hf_trainer_ck, mounter, tmp_path):
+    """DeepSpeed -> FSDP without losing Adam: the HF Trainer's DeepSpeed ZeRO-2
+    run (DP=2) resumes under FSDP2 on 3 ranks through Accelerate's own loaders
+    (load_fsdp_model / load_fsdp_optimizer, what Accelerator.load_state calls)
+    pointed at the mount's accelerate/. The weights are DeepSpeed's fp32
+    masters (zero_to_fp32's), the Adam moments and steps DeepSpeed's, the
+    Trainer's two param groups come back with their FQNs and hyperparameters
+    (the scheduler's lr included), and the next step's loss equals one taken
+    in memory by a plain AdamW given the same states."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    sys.path.insert(0, str(FIXTURES))
+    from hf_trainer_fsdp_resume_worker import next_loss, trainer_groups
+    from make_hf_trainer import config
+    from transformers import LlamaForCausalLM
+
+    ck = hf_trainer_ck / "checkpoint-3"
+    masters = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag="global_step3")
+    optim_file = torch.load(ck / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    ds_groups = optim_file["optimizer_state_dict"]["base_optimizer_state"]["param_groups"]
+    out = tmp_path / "restored.pt"
+    with mounter(ck, index=tmp_path / "ix") as m:
+        states = {fqn: {s: torch.from_numpy(__import__("numpy").load(m.path / "params" / fqn / f"{s}.npy"))
+                        for s in ("exp_avg", "exp_avg_sq", "step")} for fqn in masters}
+        r = subprocess.run([sys.executable, str(FIXTURES / "hf_trainer_fsdp_resume_worker.py"), str(m.path / "accelerate"),
+                            str(out), str(world)], capture_output=True, text=True, timeout=600, cwd=str(FIXTURES),
+                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        assert r.returncode == 0, r.stderr[-4000:]
+    got = torch.load(out, weights_only=False)
+    assert set(got["model"]) == set(masters)
+    for fqn, w in masters.items():
+        assert torch.equal(got["model"][fqn], w), fqn
+        for s in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["optim"][fqn][s], states[fqn][s]), (fqn, s)
+        assert float(got["optim"][fqn]["step"]) == float(states[fqn]["step"]) == 3.0, fqn
+    assert len(got["groups"]) == len(ds_groups) == 2
+    for mine, theirs in zip(got["groups"], ds_groups):
+        for k in ("lr", "betas", "eps", "weight_decay", "amsgrad"):
+            assert mine[k] == theirs[k], k
+    assert got["groups"][0]["lr"] != 5e-2  # the worker's own lr was replaced by the Trainer's scheduled one
+    # The reference: the same model and states in one process, a plain AdamW.
+    model = LlamaForCausalLM(config())
+    model.load_state_dict(masters)
+    optim = torch.optim.AdamW(trainer_groups(model), lr=5e-2)
+    names = {p: n for n, p in model.named_parameters()}
+    for g, theirs in zip(optim.param_groups, ds_groups):
+        g.update({k: v for k, v in theirs.items() if k != "params"})
+        for p in g["params"]:
+            optim.state[p] = {s: states[names[p]][s].clone() for s in ("exp_avg", "exp_avg_sq", "step")}
+    assert got["group_params"] == [[names[p] for p in g["params"]] for g in optim.param_groups]
+    want = next_loss(model, optim)
+    assert torch.allclose(got["loss"], want, rtol=1e-6, atol=0), (float(got["loss"]), float(want))

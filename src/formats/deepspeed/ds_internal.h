@@ -241,6 +241,8 @@ struct Reader {
   void EmitZero3Weight(const Param& p, const std::vector<int64_t>& shape, int64_t vocab_rows, uint32_t copies,
                        std::vector<Fragment> master);
   std::map<std::string, uint32_t> EmitModule(const Patterns& pats);
+  // dcp_groups.cc: the param groups as dcp/'s optim.param_groups.<i>.<name>.
+  Status ExportParamGroups();
   void EmitLostStages();
 
   // universal_export.cc: the archives and copies of universal/.

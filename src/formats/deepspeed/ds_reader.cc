@@ -103,6 +103,10 @@ Status Reader::Emit() {
                        "them up by local name; params/ serves every expert under its global name "
                        "(deepspeed_experts.<E>, as the expert files name it)");
   }
+  if (stage != 0 && !optim.empty()) {
+    Status st = ExportParamGroups();
+    if (!st.ok()) problems.push_back("dcp/ has no optim.param_groups: " + st.message());
+  }
   if (ucp) {
     Status st = ExportOptimizerState();
     if (!st.ok()) problems.push_back("universal/zero/optimizer_state.pt is not available: " + st.message());
