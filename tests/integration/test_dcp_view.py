@@ -185,7 +185,10 @@ def test_deepspeed_pipeline_with_tp_averaged_params(tmp_path_factory, tmp_path, 
 
 
 @pytest.mark.parametrize("rel,dim1", [("ds_py3112/z2_bf16_tp2_dp2", False), ("ds_py3112/z2_bf16_tp2_dp2", True),
-                                      ("verl_fsdp2/global_step_1/actor", False)])
+                                      ("ds_py3112/bf16opt_dp2", False), ("verl_fsdp2/global_step_1/actor", False),
+                                      ("megatron_versions/mcore0.15.0-dist_tp2_pp2", False),
+                                      ("meta_llama_mp2/mp2", True), ("accelerate_fsdp1_rank", False),
+                                      ("dcp_torch2x/2.0.1/ckpt", False)])
 def test_dtensors_at_a_new_world_size(rel, dim1, tmp_path, mounter):
     src = tmp_path / "ck"
     shutil.copytree(DATA / rel, src, ignore=shutil.ignore_patterns(".ckptfs"))
