@@ -92,7 +92,19 @@ def ds_param_groups(src):
     return out
 
 
-def check_view(src, tmp_path, mounter, ds_groups=False):
+def verl_param_groups(src):
+    """verl's optimizer.state_dict() param groups with their integer ids as
+    FQNs: verl lists ids in model.parameters() order, the model state dict's."""
+    world = len(list(src.glob("model_world_size_*_rank_*.pt")))
+    groups = torch.load(src / f"optim_world_size_{world}_rank_0.pt", weights_only=False)["param_groups"]
+    names = list(torch.load(src / f"model_world_size_{world}_rank_0.pt", weights_only=False))
+    ids = [i for g in groups for i in g["params"]]
+    fqn = dict(zip(ids, names))
+    return {f"optim.param_groups.{i}.{k}": [fqn[p] for p in v] if k == "params" else v
+            for i, g in enumerate(groups) for k, v in g.items()}
+
+
+def check_view(src, tmp_path, mounter, groups_of=None):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -118,11 +130,11 @@ def check_view(src, tmp_path, mounter, ds_groups=False):
         want = expected(ck, key)
         got = loaded[key]
         assert same(got, want), key
-    # DeepSpeed saves its param groups in the optimizer files: dcp/ offers them
-    # as get_state_dict names them (under optimizer. too).
-    if ds_groups:
+    # DeepSpeed and verl save their param groups with integer ids: dcp/ offers
+    # them as get_state_dict names them, ids as FQNs (under optimizer. too).
+    if groups_of is not None:
         whole = torch.load(out, weights_only=False)  # (flat() would unroll the lists)
-        groups = ds_param_groups(src)
+        groups = groups_of(src)
         assert groups
         for k, v in groups.items():
             assert whole[k] == v and whole["optimizer." + k[len("optim."):]] == v, k
@@ -137,8 +149,10 @@ def check_view(src, tmp_path, mounter, ds_groups=False):
 def test_committed_checkpoints_load_through_torchs_reader(rel, tmp_path, mounter):
     src = tmp_path / "ck"
     shutil.copytree(DATA / rel, src, ignore=shutil.ignore_patterns(".ckptfs"))
-    # DeepSpeed (not MoE: expert groups are rank-local) saves param groups.
-    check_view(src, tmp_path, mounter, ds_groups=rel.startswith("ds_py3112/") and "moe" not in rel)
+    # DeepSpeed (not MoE: expert groups are rank-local) and verl save param groups.
+    groups_of = ds_param_groups if rel.startswith("ds_py3112/") and "moe" not in rel else \
+        verl_param_groups if rel.startswith(("verl_fsdp2", "verl_hsdp")) else None
+    check_view(src, tmp_path, mounter, groups_of)
 
 
 @pytest.mark.parametrize("scenario", ["fsdp2_bf16_w2", "dtensor_dim1_w4", "zstd"])

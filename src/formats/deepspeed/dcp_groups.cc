@@ -1,19 +1,14 @@
-// The optimizer's param groups for dcp/: what torch's get_state_dict names
-// optim.param_groups.<i>.<hyperparameter>, each a torch.save archive of the
-// value (as torch's DCP writer stores a non-tensor entry), with ".params" the
-// FQNs of group i (DeepSpeed's param_shapes[i], the order the flat group holds
-// them) instead of the optimizer's own integer ids. The hyperparameters are
-// the base optimizer's (ZeRO-1/2, BF16_Optimizer: base_optimizer_state;
-// ZeRO-3: optimizer_state_dict), as DP rank 0 of the first stage saved them:
-// every rank steps with the same ones. Internal exports "@dcp/<key>", which
-// the dcp/ view turns into bytes entries; nothing is read at index time.
-#include <map>
+// DeepSpeed's param groups for dcp/ (formats/param_groups.h): the base
+// optimizer's hyperparameters (ZeRO-1/2, BF16_Optimizer: base_optimizer_state;
+// ZeRO-3: optimizer_state_dict) as DP rank 0 of the first stage saved them
+// (every rank steps with the same ones), ".params" the FQNs of
+// param_shapes[i] in the order the flat group holds them (stages after one
+// another under PipelineEngine) instead of the optimizer's integer ids.
 #include <string>
 #include <vector>
 
 #include "formats/deepspeed/ds_internal.h"
-#include "formats/pickle_writer.h"
-#include "formats/torch_save_writer.h"
+#include "formats/param_groups.h"
 
 namespace ckptfs::formats::deepspeed {
 
@@ -27,46 +22,20 @@ Status Reader::ExportParamGroups() {
   if (!o.error.empty()) return Invalid(o.error);
   const PyValue* holder = o.osd->Get(stage == 3 ? "optimizer_state_dict" : "base_optimizer_state");
   const PyValue* groups = holder != nullptr ? holder->Get("param_groups") : nullptr;
-  if (groups == nullptr || (!groups->IsSeq())) {
-    return Invalid(o.src->rel + ": no param_groups list");
-  }
-  // Group i's FQNs: every parameter whose flat group is i, in that order
-  // (stages after one another under PipelineEngine).
+  if (groups == nullptr || !groups->IsSeq()) return Invalid(o.src->rel + ": no param_groups list");
   std::vector<std::vector<std::string>> names(groups->items.size());
   for (const Param& p : params) {
-    const LocalParam& lp = p.tp.empty() ? LocalParam{} : p.tp[0];
-    if (!lp.present || lp.group < 0) continue;
-    if (static_cast<size_t>(lp.group) >= names.size()) {
+    if (p.tp.empty() || !p.tp[0].present || p.tp[0].group < 0) continue;
+    const auto g = static_cast<size_t>(p.tp[0].group);
+    if (g >= names.size()) {
       return Invalid(o.src->rel + " has " + std::to_string(names.size()) + " param groups, but '" + p.name +
-                     "' is in group " + std::to_string(lp.group));
+                     "' is in group " + std::to_string(g));
     }
-    names[static_cast<size_t>(lp.group)].push_back(p.name);
+    names[g].push_back(p.name);
   }
-  auto no_tensors = [&](PickleWriter&, const PyValue&) -> Status {
-    return Unsupported("a tensor-valued hyperparameter (torch.save of it needs a storage ckptfs does not make)");
-  };
-  std::vector<ExportFile> out;
-  for (size_t i = 0; i < groups->items.size(); ++i) {
-    const PyValue& g = *groups->items[i];
-    if (g.kind != PyKind::kDict) return Invalid(o.src->rel + ": param group " + std::to_string(i) + " is not a dict");
-    for (const auto& [k, v] : g.dict) {
-      if (!k->IsStr()) continue;
-      PickleWriter w;
-      if (k->s == "params") {
-        w.BeginList();
-        for (const std::string& n : names[i]) w.Str(n);
-        w.EndList();
-      } else if (Status st = w.Value(*v, no_tensors); !st.ok()) {
-        return Status(st.code(), "param group " + std::to_string(i) + " '" + k->s + "': " + st.message());
-      }
-      ExportFile x;
-      x.path = "@dcp/optim.param_groups." + std::to_string(i) + "." + k->s;
-      x.parts = TorchSaveParts("archive", w.Finish(), {});
-      out.push_back(std::move(x));
-    }
-  }
-  for (ExportFile& x : out) ck.exports.push_back(std::move(x));
-  return Status::Ok();
+  return AddParamGroupExports(
+      *groups, o.src->rel, [&](size_t i, const PyValue&) -> Result<std::vector<std::string>> { return names[i]; },
+      ck.exports);
 }
 
 }  // namespace ckptfs::formats::deepspeed

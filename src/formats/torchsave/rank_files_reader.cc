@@ -6,6 +6,7 @@
 #include <set>
 
 #include "formats/byte_reader.h"
+#include "formats/param_groups.h"
 #include "formats/state_dict_roles.h"
 #include "formats/tiling.h"
 #include "formats/torch_file.h"
@@ -370,6 +371,31 @@ Result<Checkpoint> ReadRankFiles(const std::string& dir) {
     }
   }
   if (!rf.optim.empty()) collect(optim, {"optimizer"}, id_to_fqn);
+  // Rank 0's param groups (every rank steps with the same hyperparameters)
+  // for dcp/, their ids as FQNs (verl's by the order above; FSDP's optimizer
+  // state dicts name them already).
+  const PyValue* groups = !rf.optim.empty() && optim[0] && optim[0]->root()->kind == PyKind::kDict
+                              ? optim[0]->root()->Get("param_groups")
+                              : nullptr;
+  if (groups != nullptr) {
+    auto fqns = [&](size_t, const PyValue& params) -> Result<std::vector<std::string>> {
+      if (!params.IsSeq()) return Invalid("its params are not a list");
+      std::vector<std::string> out;
+      for (const PyRef& p : params.items) {
+        if (p->IsStr()) {
+          out.push_back(p->s);
+          continue;
+        }
+        auto it = p->kind == PyKind::kInt ? id_to_fqn.find(std::to_string(p->i)) : id_to_fqn.end();
+        if (it == id_to_fqn.end()) return Invalid("a parameter id with no FQN");
+        out.push_back(it->second);
+      }
+      return out;
+    };
+    if (Status st = AddParamGroupExports(*groups, optim[0]->rel, fqns, ck.exports); !st.ok()) {
+      ck.info.problems.push_back("dcp/ has no optim.param_groups: " + st.message());
+    }
+  }
 
   // One record per key: the ranks' pieces placed in the global tensor.
   std::vector<std::vector<std::string>> paths;

@@ -106,7 +106,14 @@ TEST(DcpViewTest, PaddedVocabularyChunksStopAtTheVocabulary) {
   auto plan = dcp_view::PlanDcp(fs->index());
   ASSERT_TRUE(plan.ok()) << plan.status().message();
   int padded = 0;
+  int groups = 0;
   for (const auto& e : plan->entries) {
+    if (e.tensor == dcp_view::DcpEntry::kLiteral) {  // the param groups DeepSpeed saved
+      EXPECT_EQ(e.key.rfind("optim.param_groups.", 0), 0u) << e.key;
+      EXPECT_EQ(e.literal.rfind("PK\3\4", 0), 0u) << e.key;  // a torch.save archive
+      ++groups;
+      continue;
+    }
     const TensorRecord& t = ts[e.tensor];
     if (!t.VocabPadded()) continue;
     ++padded;
@@ -123,7 +130,8 @@ TEST(DcpViewTest, PaddedVocabularyChunksStopAtTheVocabulary) {
     ASSERT_TRUE(fs->ReadTensor(TensorId{e.tensor}, t.dtype, nullptr, whole.data(), whole.size()).ok());
     EXPECT_EQ(both, whole) << dir;
   }
-  EXPECT_GE(padded, 2);  // the model's embedding and its fp32 master
+  EXPECT_GE(padded, 2);   // the model's embedding and its fp32 master
+  EXPECT_GE(groups, 10);  // lr, betas, eps, ..., params of group 0
 }
 
 }  // namespace
