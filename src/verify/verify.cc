@@ -845,6 +845,7 @@ std::string ReportJson(const Report& r, const Index& index, bool timing) {
     e["state"] = t.state;
     e["dtype"] = std::string(DTypeName(t.dtype));
     e["shape"] = t.shape;
+    if (t.VocabPadded()) e["vocab_rows"] = t.vocab_rows;  // rows past it: TP padding (params/ serves them apart)
     e["bytes"] = t.byte_size;
     e["fragments"] = t.num_fragments;
     e["read"] = c.read;

@@ -21,6 +21,9 @@
 // exp_avg_sq, step, ...), also offered as optimizer.state.<fqn>.<state>
 // (Lightning Fabric's and Accelerate's prefix: the same items, so a plan of
 // either reads nothing twice). Entries that are neither keep their source key.
+// Param groups a family reader recorded with integer ids (DeepSpeed, verl)
+// come as internal exports "@dcp/optim.param_groups.<i>.<name>" of literal
+// bytes (formats/param_groups.h): bytes entries of their own, not records.
 // Chunks follow the source's own row blocks where those tile a tensor along
 // dim 0 (an FSDP / row-parallel save), so a rank reads only its blocks; else
 // a tensor is one chunk, cut into row blocks of at most kDcpMaxChunkBytes.

@@ -555,7 +555,8 @@ def test_hf_trainer_moves_from_deepspeed_to_fsdp2_with_its_optimizer(world, hf_t
     masters (zero_to_fp32's), the Adam moments and steps DeepSpeed's, the
     Trainer's two param groups come back with their FQNs and hyperparameters
     (the scheduler's lr included), and the next step's loss equals one taken
-    in memory by a plain AdamW given the same states."""
+    in memory by a plain AdamW given the same states (and not one from fresh
+    moments)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     sys.path.insert(0, str(FIXTURES))
     from hf_trainer_fsdp_resume_worker import next_loss, trainer_groups
@@ -598,3 +599,8 @@ def test_hf_trainer_moves_from_deepspeed_to_fsdp2_with_its_optimizer(world, hf_t
     assert got["group_params"] == [[names[p] for p in g["params"]] for g in optim.param_groups]
     want = next_loss(model, optim)
     assert torch.allclose(got["loss"], want, rtol=1e-6, atol=0), (float(got["loss"]), float(want))
+    # The control: the same step from fresh moments gives another loss.
+    fresh = LlamaForCausalLM(config())
+    fresh.load_state_dict(masters)
+    control = next_loss(fresh, torch.optim.AdamW(trainer_groups(fresh), lr=5e-2))
+    assert not torch.allclose(control, want, rtol=1e-4, atol=0), (float(control), float(want))
