@@ -44,14 +44,30 @@ namespace ckptfs {
 // `boxes`: none or the box), laid out when it is read (View::ArchiveLayout):
 // a file of a million such items (dcp/) keeps one segment per item, not its
 // ZIP headers.
-enum class SegmentKind : uint8_t { kLiteral, kTensor, kHash, kCrc32, kArchive };
+enum class SegmentKind : uint8_t { kLiteral, kTensor, kHash, kCrc32, kArchive, kSpooled };
+
+// Bytes the views made too large to keep in memory (dcp/'s .metadata of a
+// checkpoint of millions of chunks), written once to an unlinked file in
+// $TMPDIR (common/temp_file.h) and read back from there; closed with the
+// last layout that holds it.
+struct SpooledBytes {
+  int fd = -1;
+  uint64_t size = 0;
+  SpooledBytes() = default;
+  SpooledBytes(const SpooledBytes&) = delete;
+  SpooledBytes& operator=(const SpooledBytes&) = delete;
+  ~SpooledBytes();
+  // All of [offset, offset + n) (pread, EINTR retried; a short file is EIO).
+  Status Read(uint64_t offset, uint64_t n, char* dst) const;
+};
 
 struct Segment {
   SegmentKind kind = SegmentKind::kLiteral;
   uint64_t size = 0;
-  std::string literal;                // kLiteral
-  TensorId tensor;                    // kTensor, kHash, kCrc32
-  DType out_dtype = DType::kInvalid;  // kTensor, kCrc32: element type written
+  std::string literal;                          // kLiteral
+  std::shared_ptr<const SpooledBytes> spooled;  // kSpooled: the whole of its bytes
+  TensorId tensor;                              // kTensor, kHash, kCrc32
+  DType out_dtype = DType::kInvalid;            // kTensor, kCrc32: element type written
   // kTensor: at most one sub-box rendered (or, `transposed`, the row boxes);
   // kCrc32: the boxes whose concatenated renderings the CRC covers (none:
   // the whole tensor).

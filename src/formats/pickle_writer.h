@@ -9,6 +9,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ckptfs/common.h"
@@ -60,8 +61,13 @@ class PickleWriter {
   using TensorFn = std::function<Status(PickleWriter&, const PyValue&)>;
   Status Value(const PyValue& v, const TensorFn& tensor_fn);
 
-  // STOP, and the bytes.
+  // STOP, and the bytes (those not yet drained).
   std::string Finish();
+  // The bytes written so far (the PROTO header first), taken out of the
+  // writer: a large pickle goes to its destination in pieces. Memo ids stay
+  // valid; Fragment() is meaningless after a Drain.
+  std::string Drain() { return std::exchange(out_, std::string()); }
+  size_t size() const { return out_.size(); }
 
  private:
   void Op(uint8_t op) { out_.push_back(static_cast<char>(op)); }

@@ -330,7 +330,8 @@ Status Filesystem::OpenFile(uint64_t ino) {
   }
   std::vector<uint32_t> checked;  // an archive names its tensor in several segments
   for (const Segment& s : (*layout)->segments) {
-    if (s.kind == SegmentKind::kLiteral || std::find(checked.begin(), checked.end(), s.tensor.v) != checked.end()) {
+    if (s.kind == SegmentKind::kLiteral || s.kind == SegmentKind::kSpooled ||
+        std::find(checked.begin(), checked.end(), s.tensor.v) != checked.end()) {
       continue;
     }
     checked.push_back(s.tensor.v);
@@ -429,6 +430,7 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
             return d.ok() && room > 0 && literal(d->data() + in, n);
           }
           case SegmentKind::kArchive:  // expanded by ForEachSegment
+          case SegmentKind::kSpooled:  // a file of the daemon's, not the checkpoint's: read below
             return false;
         }
         return false;
@@ -523,6 +525,9 @@ Result<size_t> Filesystem::ReadData(uint64_t ino, uint64_t offset, size_t size, 
     switch (s.kind) {
       case SegmentKind::kLiteral:
         std::memcpy(dst, s.literal.data() + in, n);
+        break;
+      case SegmentKind::kSpooled:
+        st = s.spooled->Read(in, n, dst);
         break;
       case SegmentKind::kTensor:
         st = s.Affine()     ? ReadScaled(*reader_, s, in, n, dst)

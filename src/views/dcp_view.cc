@@ -8,12 +8,15 @@
 #include "views/dcp_view.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <map>
+#include <memory>
 #include <set>
 #include <string_view>
 #include <unordered_map>
 #include <variant>
 
+#include "common/temp_file.h"
 #include "formats/pickle_writer.h"
 #include "formats/state_dict_roles.h"
 #include "formats/torch_save_writer.h"
@@ -371,7 +374,7 @@ Result<DcpPlan> PlanDcp(const Index& index) {
   return plan;
 }
 
-Result<DcpTree> DcpFiles(const Index& index) {
+Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
   ASSIGN_OR_RETURN(DcpPlan plan, PlanDcp(index));
   DcpTree tree;
   tree.left_out = plan.left_out;
@@ -421,13 +424,31 @@ Result<DcpTree> DcpFiles(const Index& index) {
     }
   }
 
-  // .metadata
+  // .metadata: a checkpoint of a million chunks makes hundreds of MB of it,
+  // so past kDcpSpoolPiece it goes to an unlinked file in $TMPDIR in pieces
+  // as it is made (the daemon holds one piece); a small one stays in memory.
   PickleWriter w;
   Memo m(w);
+  auto spooled = std::make_shared<SpooledBytes>();
+  Status spool_st;
+  auto drain = [&](bool all) {
+    if (!spool_st.ok() || (!all && w.size() < spool_piece)) return;
+    if (spooled->fd < 0) {
+      spooled->fd = OpenUnlinkedTempFile("ckptfs-dcp-metadata");
+      if (spooled->fd < 0) {
+        spool_st = ErrnoStatus("create", "a temporary file for dcp/.metadata in " + TempDir(), errno);
+        return;
+      }
+    }
+    const std::string piece = w.Drain();
+    spool_st = PwriteAll(spooled->fd, spooled->size, piece.data(), piece.size(), "dcp/.metadata in " + TempDir());
+    spooled->size += piece.size();
+  };
   WriteDataclass(m, kMd, "Metadata", [&] {
     m.Str("state_dict_metadata");
     w.BeginDict();
     for (const DcpEntry* e : order) {
+      drain(false);
       for (const std::string* k : {&e->key, &e->alias}) {
         if (k->empty()) continue;
         m.Str(*k);
@@ -442,6 +463,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
     m.Str("planner_data");
     w.BeginDict();
     for (const DcpEntry* e : order) {
+      drain(false);
       for (const auto& [k, path] : {std::pair(&e->key, &e->path), std::pair(&e->alias, &e->alias_path)}) {
         if (k->empty()) continue;
         m.Str(*k);
@@ -460,6 +482,7 @@ Result<DcpTree> DcpFiles(const Index& index) {
     m.Str("storage_data");
     w.BeginDict();
     for (const Item& it : items) {
+      drain(false);
       const DcpEntry& e = *order[it.entry];
       for (const std::string* k : {&e.key, &e.alias}) {
         if (k->empty()) continue;
@@ -496,7 +519,21 @@ Result<DcpTree> DcpFiles(const Index& index) {
     m.Str("1.0.0");
   });
   FileLayout md;
-  md.Add(LiteralSegment(w.Finish()));
+  if (spooled->fd < 0) {
+    md.Add(LiteralSegment(w.Finish()));
+  } else {
+    std::string rest = w.Finish();
+    if (spool_st.ok()) {
+      spool_st = PwriteAll(spooled->fd, spooled->size, rest.data(), rest.size(), "dcp/.metadata in " + TempDir());
+    }
+    RETURN_IF_ERROR(spool_st);
+    spooled->size += rest.size();
+    Segment seg;
+    seg.kind = SegmentKind::kSpooled;
+    seg.size = spooled->size;
+    seg.spooled = std::move(spooled);
+    md.Add(std::move(seg));
+  }
   tree.files.emplace_back(".metadata", std::move(md));
   for (uint32_t k = 0; k < layouts.size(); ++k) {
     if (layouts[k].segments.empty()) continue;

@@ -49,6 +49,9 @@ namespace ckptfs::dcp_view {
 constexpr uint64_t kDcpMaxChunkBytes = 256ull << 20;
 // Items are packed into data files of about this size (__<k>_0.distcp).
 constexpr uint64_t kDcpFileBytes = 1ull << 30;
+// A .metadata larger than this is written to an unlinked file in $TMPDIR in
+// pieces of about this size as it is made, and read back from there.
+constexpr uint64_t kDcpSpoolPiece = 8ull << 20;
 
 struct DcpTree {
   std::vector<topo_files::NamedLayout> files;  // .metadata, README.txt, __<k>_0.distcp
@@ -56,7 +59,8 @@ struct DcpTree {
   uint64_t chunks = 0;
 };
 
-Result<DcpTree> DcpFiles(const Index& index);
+// `spool_piece`: past this many bytes .metadata is spooled (tests lower it).
+Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece = kDcpSpoolPiece);
 
 }  // namespace ckptfs::dcp_view
 

@@ -1,12 +1,15 @@
 #include <malloc.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "ckptfs/formats.h"
 #include "ckptfs/views.h"
 #include "common/json_text.h"
+#include "common/temp_file.h"
 #include "formats/npy.h"
 #include "views/dcp_view.h"
 #include "views/topo_files.h"
@@ -110,6 +113,23 @@ std::string ReadmeText(const Index& ix) {
 }
 
 }  // namespace
+
+SpooledBytes::~SpooledBytes() {
+  if (fd >= 0) ::close(fd);
+}
+
+Status SpooledBytes::Read(uint64_t offset, uint64_t n, char* dst) const {
+  if (offset > size || n > size - offset) return Internal("a read past the end of spooled bytes");
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, dst, n, static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return ErrnoStatus("read", "a spooled file in " + TempDir(), got < 0 ? errno : EIO);
+    dst += got;
+    offset += static_cast<uint64_t>(got);
+    n -= static_cast<uint64_t>(got);
+  }
+  return Status::Ok();
+}
 
 std::string PathComponent(std::string_view key) {
   std::string out;

@@ -53,6 +53,28 @@ TEST(DcpViewTest, MadeFromTheIndexDeterministically) {
   EXPECT_GT(a->chunks, 0u);
 }
 
+// A .metadata past the spool size is written to an unlinked temporary file
+// in pieces and read back from it: the same bytes as the one made in memory.
+TEST(DcpViewTest, LargeMetadataIsSpooledToATemporaryFileWithTheSameBytes) {
+  TempDir tmp;
+  auto fs = testing::OpenFixtureCopy(tmp, "ds_py3112/z2_bf16_tp2_dp2");
+  ASSERT_NE(fs, nullptr);
+  auto memory = dcp_view::DcpFiles(fs->index());
+  auto spooled = dcp_view::DcpFiles(fs->index(), /*spool_piece=*/512);
+  ASSERT_TRUE(memory.ok() && spooled.ok());
+  const FileLayout& a = memory->files[0].second;
+  const FileLayout& b = spooled->files[0].second;
+  ASSERT_EQ(a.segments.size(), 1u);
+  ASSERT_EQ(b.segments.size(), 1u);
+  EXPECT_EQ(a.segments[0].kind, SegmentKind::kLiteral);
+  ASSERT_EQ(b.segments[0].kind, SegmentKind::kSpooled);
+  ASSERT_EQ(b.size, a.size);
+  std::string back(b.size, '\0');
+  ASSERT_TRUE(b.segments[0].spooled->Read(0, back.size(), back.data()).ok());
+  EXPECT_EQ(back, a.segments[0].literal);
+  EXPECT_FALSE(b.segments[0].spooled->Read(b.size - 1, 2, back.data()).ok());  // past the end: an error
+}
+
 // Each item of a data file is a torch.save archive: "PK\3\4" where the
 // metadata says it starts, an end-of-central-directory record ("PK\5\6") 22
 // bytes before it ends (no comment), and the metadata's fqn in the pickle.
