@@ -395,6 +395,7 @@ Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
     items.push_back(Item{ei, chunk, k, layouts.back().size, seg.size});
     layouts.back().Add(std::move(seg));
   };
+  std::map<std::pair<DType, std::vector<int64_t>>, uint64_t> archive_size;
   for (size_t ei = 0; ei < order.size(); ++ei) {
     const DcpEntry& e = *order[ei];
     if (e.tensor == DcpEntry::kLiteral) {
@@ -416,9 +417,15 @@ Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
     for (size_t c = 0; c < e.chunks.size(); ++c) {
       const Box& b = e.chunks[c];
       const bool whole = b.lengths == t.shape;
-      ASSIGN_OR_RETURN(auto parts, topo_files::TorchSaveTensorParts(index, e.tensor, t.dtype, whole ? nullptr : &b));
+      // An archive's size follows from its dtype and shape alone (the pickle
+      // and the ZIP headers; not the values): laid out once per kind.
+      auto [size, fresh] = archive_size.try_emplace({t.dtype, b.lengths}, 0);
+      if (fresh) {
+        ASSIGN_OR_RETURN(auto parts, topo_files::TorchSaveTensorParts(index, e.tensor, t.dtype, whole ? nullptr : &b));
+        size->second = formats::PartsSize(parts);
+      }
       Segment item = seg;
-      item.size = formats::PartsSize(parts);
+      item.size = size->second;
       if (!whole) item.boxes = {b};
       place(ei, static_cast<int>(c), std::move(item));
     }
