@@ -2,7 +2,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
@@ -10,6 +9,7 @@
 #include "ckptfs/views.h"
 #include "common/json_text.h"
 #include "common/temp_file.h"
+#include "formats/byte_reader.h"
 #include "formats/npy.h"
 #include "views/dcp_view.h"
 #include "views/topo_files.h"
@@ -120,15 +120,7 @@ SpooledBytes::~SpooledBytes() {
 
 Status SpooledBytes::Read(uint64_t offset, uint64_t n, char* dst) const {
   if (offset > size || n > size - offset) return Internal("a read past the end of spooled bytes");
-  while (n > 0) {
-    const ssize_t got = ::pread(fd, dst, n, static_cast<off_t>(offset));
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return ErrnoStatus("read", "a spooled file in " + TempDir(), got < 0 ? errno : EIO);
-    dst += got;
-    offset += static_cast<uint64_t>(got);
-    n -= static_cast<uint64_t>(got);
-  }
-  return Status::Ok();
+  return formats::PreadExact(fd, offset, dst, n, "a spooled file in " + TempDir());
 }
 
 std::string PathComponent(std::string_view key) {
