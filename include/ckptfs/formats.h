@@ -11,6 +11,7 @@
 #ifndef CKPTFS_FORMATS_H_
 #define CKPTFS_FORMATS_H_
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -57,6 +58,41 @@ struct NativeFiles {
   std::vector<ExportFile> others;      // e.g. an iteration tracker
 };
 
+// A DCP-based checkpoint layout of a family's own (Megatron's torch_dist),
+// made by its hook from the index alone, served beside dcp/ by the generic
+// views (dcp_view.h lays out its .metadata and data files).
+struct DcpProfileTensor {
+  uint32_t tensor = 0;  // Checkpoint::tensors index, served at its stored rows
+  std::string key;      // the profile's key
+  // >= 0: the tensor is entry `stack_index` of a leading axis of
+  // `stack_size` entries that key's tensor has (a layer stack); its chunks
+  // are its own with that axis (length 1) before them.
+  int64_t stack_index = -1;
+  int64_t stack_size = 0;
+};
+struct DcpProfileObject {
+  std::string key;    // a bytes entry of the DCP
+  std::string bytes;  // its item
+};
+struct DcpProfile {
+  std::string dir;      // under the mount root ("torch_dist")
+  std::string dcp_dir;  // the DCP's directory inside `dir` ("iter_0000007")
+  std::vector<DcpProfileTensor> tensors;
+  std::vector<DcpProfileObject> objects;
+  // Other files, paths relative to `dir` (common.pt, metadata.json, a
+  // tracker): literal bytes and tensor parts like every synthesized file.
+  std::vector<ExportFile> files;
+  std::string readme;  // the DCP directory's README.txt, before its key counts
+  // Non-empty: the checkpoint cannot be presented in this layout, and why
+  // (checkpoint.json "profiles"); nothing else is set.
+  std::string absent;
+};
+struct DcpProfileInput {
+  const CheckpointInfo& info;
+  const std::vector<TensorRecord>& tensors;
+  const std::vector<ExportFile>& exports;
+};
+
 // The family table's readers: one row per reader, in priority order, with
 // the hooks a family may give the generic views (src/views knows no family:
 // what it needs from one comes through these). A reader may yield several
@@ -87,6 +123,9 @@ struct FamilyReader {
   Result<NativeFiles> (*native_files)(const NativeFilesInput& in) = nullptr;
   // The layout.json key listing native_files' rank files.
   std::string_view native_files_key;
+  // A DCP profile (DcpProfile above), from the index alone: names only, so
+  // cheap enough for every mount; its DCP is planned on first use.
+  DcpProfile (*dcp_profile)(const DcpProfileInput& in) = nullptr;
   // hf/: the family's source convention (its names, its record of the
   // model, where it keeps config.json); hf/ asks every row's, in table
   // order, so one family's names are recognised in another's checkpoints.

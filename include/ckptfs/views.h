@@ -40,6 +40,8 @@
 
 namespace ckptfs {
 
+struct DcpProfile;  // formats.h: a family's own DCP layout
+
 // kArchive: a torch.save archive of one tensor's box (`tensor`, `out_dtype`,
 // `boxes`: none or the box), laid out when it is read (View::ArchiveLayout):
 // a file of a million such items (dcp/) keeps one segment per item, not its
@@ -81,6 +83,9 @@ struct Segment {
   // double, rounded once to out_dtype); 1 and 0: none.
   double scale = 1.0, add = 0.0;
   bool Affine() const { return scale != 1.0 || add != 0.0; }
+  // kArchive: the archived tensor's shape has this many axes of length 1
+  // before the box's (a layer of a stack, torch_dist/'s items).
+  uint8_t lead_ones = 0;
   const Box* box_or_null() const { return boxes.empty() ? nullptr : &boxes[0]; }
 };
 
@@ -203,6 +208,8 @@ class View {
   void EnsureHf() const;
   // dcp/'s files, likewise (dcp_view.h), and their links under accelerate/.
   void EnsureDcp() const;
+  // The profile's DCP files, likewise (dcp_view.h ProfileFiles).
+  void EnsureProfile() const;
   const Node* GetLocked(uint64_t ino) const;
   std::string PathOfLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,
@@ -255,6 +262,13 @@ class View {
   bool IsDcpDir(uint64_t ino) const {
     return ino != 0 && (ino == dcp_dir_ || ino == accelerate_model_dir_ || ino == accelerate_optim_dir_);
   }
+  // A family's DCP profile (torch_dist/): its directory and the DCP's inside
+  // it, planned on first use (EnsureProfile); or the profile's name and why
+  // this checkpoint has none.
+  std::shared_ptr<const DcpProfile> profile_;
+  uint64_t profile_dir_ = 0, profile_dcp_dir_ = 0;
+  mutable std::atomic<bool> profile_made_{false};
+  std::pair<std::string, std::string> profile_absent_;
   std::map<std::string, std::string> topo_errors_;  // failed topo/ names -> why
   // Guards lazy layouts. Leaf lock: nothing else is taken while it is held.
   mutable std::mutex lazy_mu_;
@@ -281,6 +295,14 @@ struct DcpEntry {
   // export "@dcp/<key>": DeepSpeed's param groups), these bytes.
   std::string literal;
   std::vector<Box> chunks;  // tensors: the chunk boxes (empty for bytes entries)
+  // tensors: the key's global shape and element type (dcp/: the tensor's
+  // shape as params/ serves it).
+  std::vector<int64_t> size;
+  DType dtype = DType::kInvalid;
+  // A stack (a DcpProfile's layers): chunk c is a box of tensor
+  // chunk_tensors[c] with the stack axis first (its offset the layer, its
+  // length 1). Empty: every chunk is a box of `tensor` itself.
+  std::vector<uint32_t> chunk_tensors;
   // The same items under a second key (optimizer.state.<fqn>.<state>):
   // more metadata, nothing more to read for any plan. Empty: none.
   std::string alias;
@@ -296,6 +318,10 @@ struct DcpPlan {
   size_t from_master = 0;  // model.<fqn> keys read from fp32 masters
 };
 Result<DcpPlan> PlanDcp(const Index& index);
+// A family's DCP profile (formats.h DcpProfile) as a plan: its tensors'
+// keys (stacked where it says so) at their stored rows, its objects as
+// literal bytes entries.
+Result<DcpPlan> PlanProfile(const Index& index, const DcpProfile& profile);
 }  // namespace dcp_view
 
 }  // namespace ckptfs

@@ -6,6 +6,7 @@
 #include "formats/megatron/hf_convention.h"
 #include "formats/megatron/legacy_reader.h"
 #include "formats/megatron/native_files.h"
+#include "formats/megatron/torch_dist_profile.h"
 #include "formats/orbax/maxtext_hf.h"
 #include "formats/orbax/orbax_reader.h"
 #include "formats/safetensors/st_dir_reader.h"
@@ -81,6 +82,7 @@ FamilyReader WithMegatronHooks(FamilyReader r) {
   r.split_by_name = &formats::megatron::SplitByName;
   r.native_files = &formats::megatron::NativeRankFiles;
   r.native_files_key = "megatron_native";
+  r.dcp_profile = &formats::megatron::TorchDistProfile;
   r.hf = &formats::megatron::MegatronHfConvention();
   return r;
 }

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <variant>
 
+#include "ckptfs/formats.h"
 #include "common/temp_file.h"
 #include "formats/pickle_writer.h"
 #include "formats/state_dict_roles.h"
@@ -58,11 +59,11 @@ class Memo {
 };
 
 // The chunk boxes of tensor `t` (of a padded vocabulary, its vocabulary's
-// rows, as params/ serves it): the source's row blocks where its fragments
-// (the first copy's) tile dim 0 with whole rows; else the whole tensor, in
-// row blocks of at most kDcpMaxChunkBytes.
-std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t) {
-  const std::vector<int64_t> shape = t.VocabShape();
+// rows, as params/ serves it; with `stored`, its stored rows): the source's
+// row blocks where its fragments (the first copy's) tile dim 0 with whole
+// rows; else the whole tensor, in row blocks of at most kDcpMaxChunkBytes.
+std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t, bool stored = false) {
+  const std::vector<int64_t> shape = stored ? t.shape : t.VocabShape();
   const size_t rank = shape.size();
   Box whole;
   whole.offsets.assign(rank, 0);
@@ -147,7 +148,7 @@ void WriteDataclass(Memo& m, std::string_view module, std::string_view cls, Fn f
 
 constexpr std::string_view kMd = "torch.distributed.checkpoint.metadata";
 
-void WriteTensorMetadata(Memo& m, const TensorRecord& t, const std::vector<Box>& chunks) {
+void WriteTensorMetadata(Memo& m, const DcpEntry& e) {
   PickleWriter& w = m.w();
   WriteDataclass(m, kMd, "TensorStorageMetadata", [&] {
     m.Str("properties");
@@ -156,7 +157,7 @@ void WriteTensorMetadata(Memo& m, const TensorRecord& t, const std::vector<Box>&
     w.EndTuple();
     w.NewObj();
     w.BeginTuple();  // __getstate__: (dtype, layout, requires_grad, memory format, pin_memory)
-    m.Global("torch", DTypeName(t.dtype));
+    m.Global("torch", DTypeName(e.dtype));
     m.Global("torch.serialization", "_get_layout");
     w.BeginTuple();
     m.Str("torch.strided");
@@ -172,10 +173,10 @@ void WriteTensorMetadata(Memo& m, const TensorRecord& t, const std::vector<Box>&
     w.EndTuple();
     w.Build();
     m.Str("size");
-    WriteSize(m, t.VocabShape());
+    WriteSize(m, e.size);
     m.Str("chunks");
     w.BeginList();
-    for (const Box& c : chunks) {
+    for (const Box& c : e.chunks) {
       WriteDataclass(m, kMd, "ChunkStorageMetadata", [&] {
         m.Str("offsets");
         WriteSize(m, c.offsets);
@@ -194,33 +195,37 @@ struct Item {
   uint64_t offset = 0, length = 0;
 };
 
-std::string Readme(const DcpTree& tree, size_t keys, size_t masters) {
-  std::string s =
-      "dcp/: this checkpoint as a PyTorch Distributed Checkpoint (torch.distributed.checkpoint),\n"
-      "the directory torch's FileSystemWriter writes. Load it at any world size and placement:\n\n"
-      "    import torch.distributed.checkpoint as dcp\n"
-      "    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict\n"
-      "    model_sd, optim_sd = get_state_dict(model, optim)\n"
-      "    sd = {\"model\": model_sd, \"optim\": optim_sd}\n"
-      "    dcp.load(sd, checkpoint_id=\"<mount>/dcp\")\n"
-      "    set_state_dict(model, optim, model_state_dict=sd[\"model\"], optim_state_dict=sd[\"optim\"])\n\n"
-      "Keys: model.<fqn> for each parameter: the fp32 master copy where the checkpoint holds one,\n"
-      "else the weight (params/<fqn>/info.json says which); optim.state.<fqn>.<state> for every\n"
-      "other optimizer state (exp_avg, exp_avg_sq, step, ...), also offered as\n"
-      "optimizer.state.<fqn>.<state> (Lightning Fabric, Accelerate; the same bytes, read once);\n"
-      "the optimizer's param groups, where the source saved them, as optim.param_groups.<i>.<name>\n"
-      "(and optimizer.param_groups.<i>.<name>); other entries under their own keys.\n"
-      "Each tensor's chunks are the source's row blocks where those tile it, else row blocks of\n"
-      "at most 256 MiB. A vocabulary padded for tensor parallelism has its true rows, as under\n"
-      "params/ (the padding rows are params/<fqn>/<state>.vocab_padding.npy). Nothing is\n"
-      "converted ahead: every item is rendered from the source shards when it is read.\n\n";
-  s += std::to_string(keys) + " keys (" + std::to_string(masters) + " parameters from fp32 masters), " +
-       std::to_string(tree.chunks) + " chunks.\n";
-  if (tree.left_out.empty()) {
+std::string ReadmeHead() {
+  return "dcp/: this checkpoint as a PyTorch Distributed Checkpoint (torch.distributed.checkpoint),\n"
+         "the directory torch's FileSystemWriter writes. Load it at any world size and placement:\n\n"
+         "    import torch.distributed.checkpoint as dcp\n"
+         "    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict\n"
+         "    model_sd, optim_sd = get_state_dict(model, optim)\n"
+         "    sd = {\"model\": model_sd, \"optim\": optim_sd}\n"
+         "    dcp.load(sd, checkpoint_id=\"<mount>/dcp\")\n"
+         "    set_state_dict(model, optim, model_state_dict=sd[\"model\"], optim_state_dict=sd[\"optim\"])\n\n"
+         "Keys: model.<fqn> for each parameter: the fp32 master copy where the checkpoint holds one,\n"
+         "else the weight (params/<fqn>/info.json says which); optim.state.<fqn>.<state> for every\n"
+         "other optimizer state (exp_avg, exp_avg_sq, step, ...), also offered as\n"
+         "optimizer.state.<fqn>.<state> (Lightning Fabric, Accelerate; the same bytes, read once);\n"
+         "the optimizer's param groups, where the source saved them, as optim.param_groups.<i>.<name>\n"
+         "(and optimizer.param_groups.<i>.<name>); other entries under their own keys.\n"
+         "Each tensor's chunks are the source's row blocks where those tile it, else row blocks of\n"
+         "at most 256 MiB. A vocabulary padded for tensor parallelism has its true rows, as under\n"
+         "params/ (the padding rows are params/<fqn>/<state>.vocab_padding.npy). Nothing is\n"
+         "converted ahead: every item is rendered from the source shards when it is read.\n\n";
+}
+
+// The README's counts and what is left out.
+std::string ReadmeTail(const DcpPlan& plan, bool masters) {
+  std::string s = std::to_string(plan.entries.size()) + " keys" +
+                  (masters ? " (" + std::to_string(plan.from_master) + " parameters from fp32 masters)" : "") + ", " +
+                  std::to_string(plan.chunks) + " chunks.\n";
+  if (plan.left_out.empty()) {
     s += "Every tensor of the checkpoint is represented.\n";
   } else {
     s += "\nLeft out (dcp.load fails with a missing-key error for these):\n";
-    for (const std::string& l : tree.left_out) s += "  " + l + "\n";
+    for (const std::string& l : plan.left_out) s += "  " + l + "\n";
   }
   return s;
 }
@@ -268,6 +273,8 @@ Result<DcpPlan> PlanDcp(const Index& index) {
     it->second.path = std::move(path);
     it->second.tensor = id;
     if (t.encoding == Encoding::kTensor) {
+      it->second.size = t.VocabShape();
+      it->second.dtype = t.dtype;
       it->second.chunks = ChunksOf(index, TensorId{id}, t);
       plan.chunks += it->second.chunks.size();
     }
@@ -374,8 +381,12 @@ Result<DcpPlan> PlanDcp(const Index& index) {
   return plan;
 }
 
-Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
-  ASSIGN_OR_RETURN(DcpPlan plan, PlanDcp(index));
+namespace {
+
+// The files of a planned DCP: .metadata, the data files, README.txt
+// (`readme_head` and the plan's counts).
+Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::string& readme_head, bool masters,
+                            uint64_t spool_piece) {
   DcpTree tree;
   tree.left_out = plan.left_out;
   tree.chunks = plan.chunks;
@@ -402,30 +413,40 @@ Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
       place(ei, -1, LiteralSegment(e.literal));
       continue;
     }
-    const TensorRecord& t = ts[e.tensor];
+    const TensorRecord& et = ts[e.tensor];
     Segment seg;
     seg.tensor = TensorId{e.tensor};
-    if (t.encoding == Encoding::kBytes) {
+    if (et.encoding == Encoding::kBytes) {
       seg.kind = SegmentKind::kTensor;
       seg.out_dtype = DType::kU8;
-      seg.size = t.byte_size;
+      seg.size = et.byte_size;
       place(ei, -1, std::move(seg));
       continue;
     }
     seg.kind = SegmentKind::kArchive;
-    seg.out_dtype = t.dtype;
+    seg.out_dtype = e.dtype;
+    const bool stacked = !e.chunk_tensors.empty();
     for (size_t c = 0; c < e.chunks.size(); ++c) {
-      const Box& b = e.chunks[c];
-      const bool whole = b.lengths == t.shape;
+      // The chunk as a box of its tensor (a stack's: without the stack axis).
+      const uint32_t id = stacked ? e.chunk_tensors[c] : e.tensor;
+      Box b = e.chunks[c];
+      if (stacked) {
+        b.offsets.erase(b.offsets.begin());
+        b.lengths.erase(b.lengths.begin());
+      }
+      const bool whole = b.lengths == ts[id].shape;
       // An archive's size follows from its dtype and shape alone (the pickle
       // and the ZIP headers; not the values): laid out once per kind.
-      auto [size, fresh] = archive_size.try_emplace({t.dtype, b.lengths}, 0);
+      auto [size, fresh] = archive_size.try_emplace({e.dtype, e.chunks[c].lengths}, 0);
       if (fresh) {
-        ASSIGN_OR_RETURN(auto parts, topo_files::TorchSaveTensorParts(index, e.tensor, t.dtype, whole ? nullptr : &b));
+        ASSIGN_OR_RETURN(auto parts,
+                         topo_files::TorchSaveTensorParts(index, id, e.dtype, whole ? nullptr : &b, stacked ? 1 : 0));
         size->second = formats::PartsSize(parts);
       }
       Segment item = seg;
+      item.tensor = TensorId{id};
       item.size = size->second;
+      item.lead_ones = stacked ? 1 : 0;
       if (!whole) item.boxes = {b};
       place(ei, static_cast<int>(c), std::move(item));
     }
@@ -462,7 +483,7 @@ Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
         if (e->tensor == DcpEntry::kLiteral || ts[e->tensor].encoding == Encoding::kBytes) {
           WriteDataclass(m, kMd, "BytesStorageMetadata", [] {});
         } else {
-          WriteTensorMetadata(m, ts[e->tensor], e->chunks);
+          WriteTensorMetadata(m, *e);
         }
       }
     }
@@ -547,9 +568,101 @@ Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
     tree.files.emplace_back(file_name(k), std::move(layouts[k]));
   }
   FileLayout readme;
-  readme.Add(LiteralSegment(Readme(tree, plan.entries.size(), plan.from_master)));
+  readme.Add(LiteralSegment(readme_head + ReadmeTail(plan, masters)));
   tree.files.emplace_back("README.txt", std::move(readme));
   return tree;
+}
+
+}  // namespace
+
+Result<DcpPlan> PlanProfile(const Index& index, const DcpProfile& profile) {
+  DcpPlan plan;
+  const auto& ts = index.tensors();
+  std::map<std::string, std::vector<const DcpProfileTensor*>> by_key;
+  for (const DcpProfileTensor& pt : profile.tensors) {
+    if (pt.tensor >= ts.size()) return Internal("profile " + profile.dir + ": no tensor " + std::to_string(pt.tensor));
+    by_key[pt.key].push_back(&pt);
+  }
+  std::map<std::string, DcpEntry> entries;
+  for (auto& [key, members] : by_key) {
+    const TensorRecord& first = ts[members[0]->tensor];
+    std::string why;
+    for (const DcpProfileTensor* pt : members) {
+      const TensorRecord& t = ts[pt->tensor];
+      if (!t.error.empty()) why = "'" + t.key + "': " + t.error;
+      if (t.encoding != Encoding::kTensor || StorageClassName(t.dtype).empty()) {
+        why = "'" + t.key + "' is not a tensor torch.save can hold";
+      }
+      if (t.dtype != first.dtype || t.shape != first.shape) why = "its tensors differ in dtype or shape";
+      if ((pt->stack_index >= 0) != (members[0]->stack_index >= 0) || pt->stack_size != members[0]->stack_size) {
+        why = "named both as a stack and as a tensor";
+      }
+    }
+    const bool stacked = members[0]->stack_index >= 0;
+    if (why.empty() && stacked) {
+      std::sort(members.begin(), members.end(),
+                [](const DcpProfileTensor* a, const DcpProfileTensor* b) { return a->stack_index < b->stack_index; });
+      for (size_t i = 0; i < members.size() && why.empty(); ++i) {
+        if (members[i]->stack_index != static_cast<int64_t>(i)) {
+          why = "layer " + std::to_string(i) + " of " + std::to_string(members[0]->stack_size) + " is missing";
+        }
+      }
+      if (why.empty() && static_cast<int64_t>(members.size()) != members[0]->stack_size) {
+        why =
+            "layer " + std::to_string(members.size()) + " of " + std::to_string(members[0]->stack_size) + " is missing";
+      }
+    } else if (why.empty() && members.size() > 1) {
+      why = "named by both '" + first.key + "' and '" + ts[members[1]->tensor].key + "'";
+    }
+    if (!why.empty()) {
+      plan.left_out.push_back(key + ": " + why);
+      continue;
+    }
+    DcpEntry& e = entries[key];
+    e.key = key;
+    e.path = {key};
+    e.tensor = members[0]->tensor;
+    e.dtype = first.dtype;
+    e.size = first.shape;
+    if (!stacked) {
+      e.chunks = ChunksOf(index, TensorId{e.tensor}, first, /*stored=*/true);
+    } else {
+      e.size.insert(e.size.begin(), members[0]->stack_size);
+      for (const DcpProfileTensor* pt : members) {
+        for (Box b : ChunksOf(index, TensorId{pt->tensor}, ts[pt->tensor], /*stored=*/true)) {
+          b.offsets.insert(b.offsets.begin(), pt->stack_index);
+          b.lengths.insert(b.lengths.begin(), 1);
+          e.chunks.push_back(std::move(b));
+          e.chunk_tensors.push_back(pt->tensor);
+        }
+      }
+    }
+    plan.chunks += e.chunks.size();
+  }
+  for (const DcpProfileObject& o : profile.objects) {
+    auto [it, fresh] = entries.try_emplace(o.key);
+    if (!fresh) {
+      plan.left_out.push_back(o.key + ": named by a tensor and an object");
+      continue;
+    }
+    it->second.key = o.key;
+    it->second.path = {o.key};
+    it->second.tensor = DcpEntry::kLiteral;
+    it->second.literal = o.bytes;
+  }
+  plan.entries.reserve(entries.size());
+  for (auto& [key, e] : entries) plan.entries.push_back(std::move(e));
+  return plan;
+}
+
+Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
+  ASSIGN_OR_RETURN(DcpPlan plan, PlanDcp(index));
+  return FilesOfPlan(index, plan, ReadmeHead(), true, spool_piece);
+}
+
+Result<DcpTree> ProfileFiles(const Index& index, const DcpProfile& profile, uint64_t spool_piece) {
+  ASSIGN_OR_RETURN(DcpPlan plan, PlanProfile(index, profile));
+  return FilesOfPlan(index, plan, profile.readme, false, spool_piece);
 }
 
 }  // namespace ckptfs::dcp_view

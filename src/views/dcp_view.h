@@ -62,6 +62,10 @@ struct DcpTree {
 // `spool_piece`: past this many bytes .metadata is spooled (tests lower it).
 Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece = kDcpSpoolPiece);
 
+// A family's DCP profile's DCP files (PlanProfile's plan): .metadata, data
+// files and README.txt (the profile's text and the counts).
+Result<DcpTree> ProfileFiles(const Index& index, const DcpProfile& profile, uint64_t spool_piece = kDcpSpoolPiece);
+
 }  // namespace ckptfs::dcp_view
 
 #endif  // CKPTFS_VIEWS_DCP_VIEW_H_

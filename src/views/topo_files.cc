@@ -171,10 +171,13 @@ Status AddDpFiles(const Index& index, const TopoPlan& plan, const RankPlan& r, j
 
 }  // namespace
 
-Result<std::vector<ExportPart>> TorchSaveTensorParts(const Index& index, uint32_t id, DType out, const Box* box) {
+Result<std::vector<ExportPart>> TorchSaveTensorParts(const Index& index, uint32_t id, DType out, const Box* box,
+                                                     int lead_ones) {
   if (id >= index.tensors().size()) return Internal("no tensor " + std::to_string(id));
   const TensorRecord& t = index.tensors()[id];
-  const std::vector<int64_t>& shape = box != nullptr ? box->lengths : t.shape;
+  std::vector<int64_t> shape(static_cast<size_t>(std::max(lead_ones, 0)), 1);
+  const std::vector<int64_t>& own = box != nullptr ? box->lengths : t.shape;
+  shape.insert(shape.end(), own.begin(), own.end());
   const uint64_t numel = static_cast<uint64_t>(NumelOf(shape));
   formats::PickleWriter w;
   RETURN_IF_ERROR(w.Tensor("0", out, numel, 0, shape, ContiguousStrides(shape)));

@@ -34,8 +34,11 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& 
 
 // The parts of a torch.save archive holding one tensor: the box `box` of
 // tensor `id` (null: the whole tensor) rendered as `out`, as torch.save(t)
-// writes it (archive name "archive"), e.g. one item of a DCP data file.
-Result<std::vector<ExportPart>> TorchSaveTensorParts(const Index& index, uint32_t id, DType out, const Box* box);
+// writes it (archive name "archive"), e.g. one item of a DCP data file;
+// its shape has `lead_ones` axes of length 1 before the box's (a layer of a
+// stack).
+Result<std::vector<ExportPart>> TorchSaveTensorParts(const Index& index, uint32_t id, DType out, const Box* box,
+                                                     int lead_ones = 0);
 
 // Segments of a synthesized file's parts (ExportFile, torch.save archives).
 Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, const std::vector<ExportPart>& parts);

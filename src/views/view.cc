@@ -330,6 +330,23 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
           "Both hold the same files as ../dcp/ (see its README.txt for what each key comes from); a loader\n"
           "reads only the items its plan asks for, at any world size.\n"));
       v->AddFile(acc, "README.txt", std::move(readme), TensorId{});
+      // The family's own DCP layout (Megatron's torch_dist/), its small files
+      // now, its DCP planned on first use like dcp/.
+      const FamilyReader* reader = ReaderFor(index.info().family);
+      if (reader != nullptr && reader->dcp_profile != nullptr) {
+        auto profile =
+            std::make_shared<DcpProfile>(reader->dcp_profile(DcpProfileInput{index.info(), tensors, index.exports()}));
+        if (!profile->absent.empty()) {
+          v->profile_absent_ = {profile->dir, profile->absent};
+        } else {
+          v->profile_dir_ = v->AddDir(root, profile->dir);
+          v->profile_dcp_dir_ = v->AddDir(v->profile_dir_, profile->dcp_dir);
+          for (const ExportFile& f : profile->files) {
+            RETURN_IF_ERROR(v->AddExport(v->profile_dir_, f));
+          }
+          v->profile_ = std::move(profile);
+        }
+      }
     }
     v->topo_dir_ = v->AddDir(root, "topo");
     uint64_t errors = v->AddFile(v->topo_dir_, "ERRORS", FileLayout{}, TensorId{});
@@ -360,6 +377,12 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
                  {"bytes", total_bytes},
                  {"synthesized_files", index.exports().size()}};
   j["index"] = index.dir();
+  // Layouts of a family's own this checkpoint cannot be shown in, and why.
+  if (!v->profile_absent_.first.empty()) {
+    j["profiles"] = {{v->profile_absent_.first, {{"available", false}, {"why", v->profile_absent_.second}}}};
+  } else if (v->profile_ != nullptr) {
+    j["profiles"] = {{v->profile_->dir, {{"available", true}}}};
+  }
   j["broken"] = broken;
   json problems = json::array();
   for (const auto& f : info.findings) problems.push_back(f.message);
@@ -430,6 +453,28 @@ void View::EnsureDcp() const {
   ReleaseFreeMemory();
 }
 
+void View::EnsureProfile() const {
+  if (profile_dcp_dir_ == 0 || profile_made_.load(std::memory_order_acquire)) return;
+  std::unique_lock lock(tree_mu_);
+  if (profile_made_.load(std::memory_order_relaxed)) return;
+  View* self = const_cast<View*>(this);  // the view grows like a cache, as for dcp/
+  const std::string where = profile_->dir + "/" + profile_->dcp_dir + "/";
+  LogInfo("planning " + where);
+  auto tree = dcp_view::ProfileFiles(index_, *profile_);
+  if (tree.ok()) {
+    for (auto& [name, layout] : tree->files) self->AddFile(profile_dcp_dir_, name, std::move(layout), TensorId{});
+    for (const std::string& l : tree->left_out) LogWarn(where + " leaves out " + l);
+  } else {
+    const std::string why = where + " is not available: " + tree.status().message();
+    LogError(why);
+    FileLayout l;
+    l.Add(LiteralSegment(why + "\n"));
+    self->AddFile(profile_dcp_dir_, "ERRORS", std::move(l), TensorId{});
+  }
+  profile_made_.store(true, std::memory_order_release);
+  ReleaseFreeMemory();
+}
+
 Status View::AddTopo(const Topology& t) {
   ASSIGN_OR_RETURN(TopoPlan plan, PlanTopology(index_, t, topo_));
   auto files = topo_files::TopoFiles(index_, plan);
@@ -458,7 +503,8 @@ Status View::AddTopo(const Topology& t) {
 
 Result<FileLayout> View::ArchiveLayout(const Segment& s) const {
   if (s.kind != SegmentKind::kArchive || s.boxes.size() > 1) return Internal("not an archive segment");
-  ASSIGN_OR_RETURN(auto parts, topo_files::TorchSaveTensorParts(index_, s.tensor.v, s.out_dtype, s.box_or_null()));
+  ASSIGN_OR_RETURN(auto parts,
+                   topo_files::TorchSaveTensorParts(index_, s.tensor.v, s.out_dtype, s.box_or_null(), s.lead_ones));
   ASSIGN_OR_RETURN(FileLayout l, topo_files::LayoutOfParts(index_, "an archive item", parts));
   if (l.size != s.size) {
     return Internal("an archive of '" + index_.tensors()[s.tensor.v].key + "' is " + std::to_string(l.size) +
@@ -505,6 +551,7 @@ const Node* View::Get(uint64_t ino) const {
 const Node* View::Lookup(uint64_t parent, std::string_view name) const {
   if (parent == hf_dir_) EnsureHf();
   if (IsDcpDir(parent)) EnsureDcp();
+  if (parent == profile_dcp_dir_) EnsureProfile();
   {
     std::shared_lock lock(tree_mu_);
     const Node* p = GetLocked(parent);
@@ -560,6 +607,7 @@ std::vector<View::Child> View::ListFrom(uint64_t ino, uint64_t from, size_t max)
   if (ino == topo_dir_ && !index_.info().topology.empty()) Lookup(topo_dir_, index_.info().topology);
   if (ino == hf_dir_) EnsureHf();
   if (IsDcpDir(ino)) EnsureDcp();
+  if (ino == profile_dcp_dir_) EnsureProfile();
   // Before the children are read: an entry added after this moves the mtime
   // (Lookup), one added before is in this listing.
   if (ino == topo_dir_) topo_listed_.store(true);

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from conftest import ckptfs_bin, make_megatron_fixtures, run
+from conftest import FIXTURES, ckptfs_bin, make_megatron_fixtures, run
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -32,6 +32,7 @@ SCENARIOS = {
     "legacy_tp4_pp1": ["legacy", "--tp", "4", "--pp", "1", "--bf16"],
     "legacy_tp1_pp2_vp2": ["legacy", "--tp", "1", "--pp", "2", "--vp", "2", "--bf16"],
     "legacy_distopt_tp2_dp2": ["legacy", "--tp", "2", "--dp", "2", "--dist-opt", "--bf16"],
+    "legacy_distopt_tp2_pp2_dp2": ["legacy", "--tp", "2", "--pp", "2", "--dp", "2", "--dist-opt", "--bf16"],
     "legacy_drift_tp2": ["legacy", "--tp", "2", "--bf16", "--drift"],
     "legacy_names_tp2_pp2": ["legacy", "--tp", "2", "--pp", "2", "--legacy-names"],
     "dist_tp2_pp2_dp2": ["dist", "--tp", "2", "--pp", "2", "--dp", "2", "--bf16"],
@@ -645,3 +646,75 @@ def test_verify_finds_a_mislaid_master_shard(megatron_fixtures, bin_path, tmp_pa
     # One Adam step from zero-initialised biases: some elements agree by chance.
     assert all(0 < f["detail"]["mismatched"] <= 32 for f in found), found
     assert {f["tensor"] for f in found} == {"decoder.layers.mlp.linear_fc1.bias[1]", "decoder.layers.mlp.linear_fc2.bias[1]"}
+
+
+# torch_dist/: megatron-core resumes at a new topology, optimizer included.
+RESUME_AT = ["--tp", "1", "--pp", "2", "--dp", "2", "--dist-opt", "--bf16"]
+
+
+def resume_source(megatron_fixtures, tmp_path, scenario):
+    if scenario in VERSIONED:
+        src = tmp_path / scenario
+        shutil.copytree(VERSIONED_DIR / scenario, src)  # the index goes beside it, not into the repo
+        return src, VERSIONED[scenario]
+    return megatron_fixtures / scenario, SCENARIOS[scenario]
+
+
+def resume(ckpt, out):
+    """megatron_torch_dist_resume.py at RESUME_AT from `ckpt` (an iter_N/ directory)."""
+    sys.path.insert(0, str(FIXTURES))
+    from ports import free_port
+    for attempt in range(3):
+        r = subprocess.run([sys.executable, str(Path(__file__).parent / "megatron_torch_dist_resume.py"),
+                            "1", "2", "2", str(free_port()), str(ckpt), str(out)],
+                           capture_output=True, text=True, timeout=600)
+        # A listener that took the port between choosing and binding it: choose again.
+        if r.returncode == 0 or "EADDRINUSE" not in r.stderr:
+            return r
+    return r
+
+
+@pytest.mark.parametrize("scenario", ["legacy_distopt_tp2_pp2_dp2", "zarr_tp2_pp2", "dist_tp2_pp2_dp2",
+                                      "mcore0.14.0-dist_distopt_tp2_pp2_dp2"])
+def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtures, mounter, tmp_path, scenario):
+    """megatron-core 0.16 (dist_checkpointing.load with GPTModel's and the
+    DistributedOptimizer's sharded state dicts, the layout from common.pt's
+    content metadata, as Megatron-LM's load_checkpoint builds them) resumes
+    a TP=2 PP=2 run at TP=1 PP=2 DP=2 from torch_dist/: a legacy-format run
+    with the distributed optimizer, a zarr one, a torch_dist one, and
+    megatron-core 0.14's fully_sharded_model_space save, which 0.16 refuses
+    to load by itself. Every weight, fp32 master and Adam moment mcore then
+    holds equals what the source run held (a padded vocabulary: the rows
+    mcore's new padding keeps), the step is the checkpoint's, and one more
+    optimizer step runs."""
+    src, args = resume_source(megatron_fixtures, tmp_path, scenario)
+    want = reference(src, args)
+    out = tmp_path / "resumed"
+    if scenario in VERSIONED:  # the control: megatron-core 0.16 on the 0.14 save itself
+        r = resume(src / "iter_0000007", tmp_path / "direct")
+        assert r.returncode != 0 and "ShardedTensor.flattened_range is not supported" in r.stderr, r.stderr[-3000:]
+    with mounter(src) as m:
+        view = m.path / "torch_dist"
+        it = int((view / "latest_checkpointed_iteration.txt").read_text())
+        assert it == 7
+        info = json.loads((m.path / "checkpoint.json").read_text())
+        assert info["profiles"] == {"torch_dist": {"available": True}}
+        ckpt = view / f"iter_{it:07d}"
+        assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+        assert "Every tensor of the checkpoint is represented." in (ckpt / "README.txt").read_text()
+        r = resume(ckpt, out)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    got = reference(out, [args[0]] + RESUME_AT)
+    assert set(got) == set(want)
+    for name, g in got.items():
+        for state in ("param", "fp32", "exp_avg", "exp_avg_sq"):
+            w = want[name][state]
+            if is_vocabulary(name):  # mcore's padding at TP=1 (56 rows) keeps the source's first rows
+                assert g[state].shape[0] < w.shape[0]
+                w = w[:g[state].shape[0]]
+            assert torch.equal(g[state], w), (scenario, name, state)
+    after = json.loads((out / "after.json").read_text())
+    assert after["content_metadata"] == {"distrib_optim_sharding_type": "fully_reshardable"}
+    assert after["iteration"] == 7 and (after["args_tp"], after["args_pp"]) == (2, 2)
+    assert after["steps_before"] == [1.0]  # the checkpoint's Adam step (the source took one)
+    assert after["update_ok"] and after["finite"]

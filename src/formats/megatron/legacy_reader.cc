@@ -878,6 +878,7 @@ Status Reader::Run() {
   ck.info.format_note = note;
   ck.info.world_size = static_cast<uint32_t>(ranks.size());
   if (args != nullptr) megatron::ExportArgsJson(args, ck);
+  megatron::ExportTorchDistCommon(root, ck);
   megatron::SetSplits(megatron::FactsOf(args), ck);
   ck.info.topology =
       "tp" + std::to_string(tp) + "-pp" + std::to_string(pp) + (ep > 1 ? "-ep" + std::to_string(ep) : "");

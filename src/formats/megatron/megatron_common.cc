@@ -368,6 +368,98 @@ std::string ToJson(const PyValue* v, int indent) {
   }
 }
 
+namespace {
+
+// The optimizer entry of common.pt in the fully_reshardable layout, from the
+// source's optimizer state dict (a distributed optimizer's: param groups with
+// their step; the Adam tensors are served as sharded keys).
+Status WriteReshardableOptimizer(const PyValue& opt, PickleWriter& w) {
+  if (opt.kind == PyKind::kList) {
+    return Unsupported("a chained optimizer (dense and expert parameters) has one state dict per member");
+  }
+  const PyValue* inner = opt.Get("optimizer");
+  const PyValue* groups = inner != nullptr ? inner->Get("param_groups") : nullptr;
+  if (groups == nullptr || !groups->IsSeq() || groups->items.empty()) {
+    return Unsupported("the optimizer's param groups are not in its common state (" +
+                       std::string(opt.Get("param_state_sharding_type") != nullptr
+                                       ? "its distributed-optimizer layout keeps them per DP rank"
+                                       : "no optimizer.param_groups") +
+                       ")");
+  }
+  for (const PyValue* g : groups->items) {
+    if (g == nullptr || g->kind != PyKind::kDict || g->Get("step") == nullptr) {
+      return Unsupported("a param group records no step (not Megatron's distributed optimizer)");
+    }
+  }
+  auto no_tensor = [](PickleWriter&, const PyValue&) {
+    return Unsupported("the optimizer's common state holds a tensor");
+  };
+  w.BeginDict();
+  w.Str("optimizer");
+  w.BeginDict();
+  w.Str("param_groups");
+  RETURN_IF_ERROR(w.Value(*groups, no_tensor));
+  w.EndDict();
+  for (const auto& [k, v] : opt.dict) {
+    if (!k->IsStr() || k->s == "optimizer" || k->s == "param_state" || k->s == "param_state_sharding_type" ||
+        k->s == "fp32_from_fp16_params") {
+      continue;
+    }
+    w.Str(k->s);
+    RETURN_IF_ERROR(w.Value(*v, no_tensor));
+  }
+  w.Str("param_state_sharding_type");
+  w.Str("fully_reshardable");
+  w.EndDict();
+  return Status::Ok();
+}
+
+}  // namespace
+
+void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck) {
+  auto literal = [&](const char* path, std::string bytes) {
+    const uint64_t n = bytes.size();
+    ck.exports.push_back(
+        ExportFile{path, {ExportPart{PartKind::kLiteral, std::move(bytes), 0, DType::kInvalid, n, {}}}});
+  };
+  if (root == nullptr || root->kind != PyKind::kDict) {
+    literal(kCommonWhy, "the run's common state (args, iteration, optimizer param groups) was not read");
+    return;
+  }
+  static const RE2 model_key(R"(model[0-9]*)");
+  PickleWriter w;
+  Status st;
+  bool optimizer = false;
+  w.BeginDict();
+  for (const auto& [k, v] : root->dict) {
+    if (!k->IsStr() || RE2::FullMatch(k->s, model_key) || k->s == "rng_state" || k->s == "content_metadata") continue;
+    w.Str(k->s);
+    if (k->s == "optimizer") {
+      optimizer = true;
+      st = WriteReshardableOptimizer(*v, w);
+    } else {
+      st = w.Value(
+          *v, [&](PickleWriter&, const PyValue&) { return Unsupported("common entry '" + k->s + "' holds a tensor"); });
+    }
+    if (!st.ok()) break;
+  }
+  if (st.ok() && !optimizer) st = Unsupported("the checkpoint holds no optimizer state");
+  if (!st.ok()) {
+    literal(kCommonWhy, st.message());
+    return;
+  }
+  // What Megatron-LM's load_checkpoint reads (load_content_metadata) to ask
+  // for the optimizer in this layout; the source's other content metadata
+  // described its own layout.
+  w.Str("content_metadata");
+  w.BeginDict();
+  w.Str("distrib_optim_sharding_type");
+  w.Str("fully_reshardable");
+  w.EndDict();
+  w.EndDict();
+  literal(kCommonPickle, w.Fragment());
+}
+
 void ExportArgsJson(const PyValue* args, Checkpoint& ck) {
   ExportFile f;
   f.path = "args.json";

@@ -109,6 +109,18 @@ std::optional<std::string> ArgStr(const PyValue* args, const std::string& name);
 inline constexpr const char* kArgsPickle = "@megatron/args.pkl";
 void ExportArgsJson(const PyValue* args, Checkpoint& ck);
 
+// The torch_dist profile's common.pt (torch_dist_profile.h), made at index
+// time from the run's non-sharded state: `root` is rank 0's
+// model_optim_rng.pt (legacy) or common.pt (torch_dist, zarr). Its entries
+// but the model, the RNG state and the optimizer's tensors, the optimizer as
+// the distributed optimizer's fully_reshardable state dict keeps it in
+// common.pt ({optimizer: {param_groups}, param_state_sharding_type}), as the
+// internal export kCommonPickle (pickle opcodes of the dict); or, where that
+// cannot be made, kCommonWhy with the reason.
+inline constexpr const char* kCommonPickle = "@megatron/common.pkl";
+inline constexpr const char* kCommonWhy = "@megatron/common.why";
+void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck);
+
 // A JSON rendering of a pickled value (Namespace / dict / list / scalars; torch
 // dtypes and other objects as their class name) for args.json.
 std::string ToJson(const PyValue* v, int indent = 0);
