@@ -750,6 +750,12 @@ Result<Report> Verifier::Run() {
   r_.deep = opts_.deep;
   r_.findings = info.findings;
   r_.notes = info.problems;
+  // A family's own layout this checkpoint cannot be shown in
+  // (checkpoint.json "profiles"): Megatron's torch_dist/.
+  if (const FamilyReader* reader = ReaderFor(info.family); reader != nullptr && reader->dcp_profile != nullptr) {
+    const DcpProfile p = reader->dcp_profile(DcpProfileInput{info, ix_.tensors(), ix_.exports()});
+    if (!p.absent.empty()) r_.notes.push_back(p.dir + "/ is not available: " + p.absent);
+  }
   if (opts_.expected_layers >= 0) {
     r_.configured_layers = opts_.expected_layers;
     r_.configured_layers_from = "--num-layers";

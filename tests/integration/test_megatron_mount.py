@@ -718,3 +718,23 @@ def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtur
     assert after["iteration"] == 7 and (after["args_tp"], after["args_pp"]) == (2, 2)
     assert after["steps_before"] == [1.0]  # the checkpoint's Adam step (the source took one)
     assert after["update_ok"] and after["finite"]
+
+
+@pytest.mark.parametrize("scenario, why", [
+    ("dist_moe_tp2_pp2_ep2", "MoE expert layers are not mapped to torch_dist keys"),
+    ("dist_dpreshard_tp2_pp2_dp2", "its distributed-optimizer layout keeps them per DP rank"),
+    ("legacy_tp2_pp2", "a param group records no step"),
+    ("legacy_names_tp2_pp2", "has no megatron-core sharded key"),
+])
+def test_torch_dist_view_absent_with_its_reason(megatron_fixtures, mounter, bin_path, scenario, why):
+    """A Megatron run the torch_dist/ layout cannot present (MoE experts, the
+    param groups kept per DP rank by dp_reshardable, a non-distributed
+    optimizer without its step in the param groups, legacy module names) has
+    no torch_dist/; checkpoint.json and verify say why."""
+    with mounter(megatron_fixtures / scenario) as m:
+        assert not (m.path / "torch_dist").exists()
+        profile = json.loads((m.path / "checkpoint.json").read_text())["profiles"]["torch_dist"]
+        assert profile["available"] is False and why in profile["why"], profile
+        assert (m.path / "dcp" / ".metadata").exists()  # dcp/ is there regardless
+    rc, rep = verify_json(bin_path, megatron_fixtures / scenario)
+    assert any(n.startswith("torch_dist/ is not available: ") and why in n for n in rep["notes"]), rep["notes"]

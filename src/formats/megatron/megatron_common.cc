@@ -377,8 +377,15 @@ Status WriteReshardableOptimizer(const PyValue& opt, PickleWriter& w) {
   if (opt.kind == PyKind::kList) {
     return Unsupported("a chained optimizer (dense and expert parameters) has one state dict per member");
   }
-  const PyValue* inner = opt.Get("optimizer");
-  const PyValue* groups = inner != nullptr ? inner->Get("param_groups") : nullptr;
+  for (const auto& [k, v] : opt.dict) {
+    if (k->IsStr() && k->s.rfind("chained_", 0) == 0) {
+      return Unsupported("a chained optimizer (dense and expert parameters) has one state dict per member");
+    }
+  }
+  // A distributed or mixed-precision optimizer's {optimizer: {param_groups}},
+  // or a plain one's own state dict.
+  const PyValue* inner = opt.Get("optimizer") != nullptr ? opt.Get("optimizer") : &opt;
+  const PyValue* groups = inner->Get("param_groups");
   if (groups == nullptr || !groups->IsSeq() || groups->items.empty()) {
     return Unsupported("the optimizer's param groups are not in its common state (" +
                        std::string(opt.Get("param_state_sharding_type") != nullptr

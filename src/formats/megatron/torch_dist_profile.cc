@@ -77,10 +77,11 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
     return a;
   };
   const ExportFile* common = nullptr;
+  std::string common_why;
   int64_t num_layers = -1;
   for (const ExportFile& x : in.exports) {
     if (x.parts.size() != 1 || x.parts[0].kind != PartKind::kLiteral) continue;
-    if (x.path == kCommonWhy) return absent("common.pt cannot be made: " + x.parts[0].literal);
+    if (x.path == kCommonWhy) common_why = x.parts[0].literal;
     if (x.path == kCommonPickle) common = &x;
     if (x.path == "args.json") {
       const auto a = nlohmann::json::parse(x.parts[0].literal, nullptr, false);
@@ -89,8 +90,6 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
       }
     }
   }
-  if (common == nullptr) return absent("not read from a Megatron run's common state (re-index with this ckptfs)");
-
   static const RE2 layer_re(R"(decoder\.layers\.([0-9]{1,9})\.(.+))");
   struct Named {
     uint32_t id;
@@ -130,6 +129,8 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
     if (state) states[key].insert(t.state);
   }
   if (named.empty()) return absent("no parameters");
+  if (!common_why.empty()) return absent("common.pt cannot be made: " + common_why);
+  if (common == nullptr) return absent("not read from a Megatron run's common state (re-index with this ckptfs)");
   if (num_layers < 0) num_layers = max_layer + 1;
   if (max_layer >= num_layers) {
     return absent("layer " + std::to_string(max_layer) + " is past args.num_layers " + std::to_string(num_layers));

@@ -13,6 +13,7 @@
 
 #include "../fs_fixture.h"
 #include "../test_util.h"
+#include "ckptfs/formats.h"
 #include "ckptfs/fs.h"
 
 namespace ckptfs {
@@ -154,6 +155,118 @@ TEST(DcpViewTest, PaddedVocabularyChunksStopAtTheVocabulary) {
   }
   EXPECT_GE(padded, 2);   // the model's embedding and its fp32 master
   EXPECT_GE(groups, 10);  // lr, betas, eps, ..., params of group 0
+}
+
+// Megatron's torch_dist/ profile of megatron-core 0.14's save (torch_dist,
+// the distributed optimizer's fully_sharded_model_space layout): the layers
+// are stacked on a leading axis whose chunks each hold one layer of one
+// source tensor, every key's chunks tile its tensor, and every item of the
+// data file is a whole archive (the objects' and the stacked chunks' alike).
+TEST(DcpViewTest, TorchDistProfileStacksTheLayers) {
+  TempDir tmp;
+  auto fs = testing::OpenFixtureCopy(tmp, "megatron_versions/mcore0.14.0-dist_distopt_tp2_pp2_dp2");
+  ASSERT_NE(fs, nullptr);
+  const Index& ix = fs->index();
+  const FamilyReader* reader = ReaderFor(ix.info().family);
+  ASSERT_TRUE(reader != nullptr && reader->dcp_profile != nullptr);
+  const DcpProfile profile = reader->dcp_profile(DcpProfileInput{ix.info(), ix.tensors(), ix.exports()});
+  ASSERT_TRUE(profile.absent.empty()) << profile.absent;
+  EXPECT_EQ(profile.dir, "torch_dist");
+  EXPECT_EQ(profile.dcp_dir, "iter_0000007");
+  auto plan = dcp_view::PlanProfile(ix, profile);
+  ASSERT_TRUE(plan.ok()) << plan.status().message();
+  EXPECT_TRUE(plan->left_out.empty());
+  size_t stacks = 0, objects = 0;
+  for (const dcp_view::DcpEntry& e : plan->entries) {
+    if (e.tensor == dcp_view::DcpEntry::kLiteral) {
+      EXPECT_NE(e.key.find("._extra_state/shard_"), std::string::npos) << e.key;
+      ++objects;
+      continue;
+    }
+    int64_t covered = 0;
+    for (const Box& b : e.chunks) covered += NumelOf(b.lengths);
+    EXPECT_EQ(covered, NumelOf(e.size)) << e.key;  // no chunk overlaps another (source row blocks)
+    if (e.key.rfind("decoder.layers.", 0) != 0 && e.key.find(".decoder.layers.") == std::string::npos) {
+      EXPECT_TRUE(e.chunk_tensors.empty()) << e.key;
+      continue;
+    }
+    ++stacks;
+    EXPECT_EQ(e.size[0], 4) << e.key;
+    ASSERT_EQ(e.chunk_tensors.size(), e.chunks.size()) << e.key;
+    for (size_t c = 0; c < e.chunks.size(); ++c) {
+      const TensorRecord& t = ix.tensors()[e.chunk_tensors[c]];
+      EXPECT_EQ(e.chunks[c].lengths[0], 1);
+      // Chunk c is a box of the layer its first offset names.
+      EXPECT_NE(t.fqn.find("decoder.layers." + std::to_string(e.chunks[c].offsets[0]) + "."), std::string::npos)
+          << e.key << " " << t.fqn;
+      EXPECT_EQ(std::vector<int64_t>(e.size.begin() + 1, e.size.end()), t.shape) << e.key;
+    }
+  }
+  EXPECT_EQ(objects, 16u);  // 4 linear layers x 4 layers
+  EXPECT_GE(stacks, 40u);   // 10 stacked parameters, each with its master and moments
+  const std::string dir = "torch_dist/iter_0000007/";
+  const std::string data = ReadAll(*fs, dir + "__0_0.distcp");
+  uint64_t off = 0, items = 0;
+  while (off < data.size()) {
+    ASSERT_EQ(data.compare(off, 4, "PK\x03\x04"), 0) << "an item does not start at " << off;
+    const size_t eocd = data.find("PK\x05\x06", off);
+    ASSERT_NE(eocd, std::string::npos);
+    off = eocd + 22;
+    ++items;
+  }
+  EXPECT_EQ(items, plan->chunks + objects);
+  EXPECT_NE(ReadAll(*fs, dir + "common.pt").find("fully_reshardable"), std::string::npos);
+  EXPECT_NE(ReadAll(*fs, dir + "metadata.json").find("\"sharded_backend\": \"torch_dist\""), std::string::npos);
+  EXPECT_EQ(ReadAll(*fs, "torch_dist/latest_checkpointed_iteration.txt"), "7");
+
+  // A stack with a layer missing is left out by name, never served with a hole.
+  DcpProfile holed = profile;
+  std::erase_if(holed.tensors, [&](const DcpProfileTensor& t) {
+    return t.key == "decoder.layers.self_attention.linear_qkv.weight" && t.stack_index == 2;
+  });
+  auto partial = dcp_view::PlanProfile(ix, holed);
+  ASSERT_TRUE(partial.ok());
+  ASSERT_EQ(partial->left_out.size(), 1u);
+  EXPECT_EQ(partial->left_out[0], "decoder.layers.self_attention.linear_qkv.weight: layer 2 of 4 is missing");
+}
+
+// The hook from records alone: names without an mcore sharded key, MoE
+// experts and a run whose common state could not be made have no profile,
+// each with its reason.
+TEST(DcpViewTest, TorchDistProfileAbsentWithItsReason) {
+  const FamilyReader* reader = ReaderFor(Family::kMegatronLegacy);
+  ASSERT_TRUE(reader != nullptr && reader->dcp_profile != nullptr);
+  CheckpointInfo info;
+  info.family = Family::kMegatronLegacy;
+  info.step = 3;
+  auto record = [](std::string fqn) {
+    TensorRecord t;
+    t.key = fqn;
+    t.fqn = std::move(fqn);
+    t.role = Role::kParam;
+    t.state = "param";
+    t.dtype = DType::kF32;
+    t.shape = {4};
+    return t;
+  };
+  auto literal = [](std::string path, std::string bytes) {
+    const uint64_t n = bytes.size();
+    return ExportFile{std::move(path), {ExportPart{PartKind::kLiteral, std::move(bytes), 0, DType::kInvalid, n, {}}}};
+  };
+  const std::vector<ExportFile> common = {literal("@megatron/common.pkl", "}")};  // an empty dict's opcode
+  auto why = [&](std::vector<TensorRecord> ts, const std::vector<ExportFile>& xs) {
+    return reader->dcp_profile(DcpProfileInput{info, ts, xs}).absent;
+  };
+  EXPECT_EQ(why({record("decoder.layers.0.mlp.linear_fc1.weight")}, common), "");
+  EXPECT_NE(why({record("language_model.encoder.layers.0.mlp.dense_h_to_4h.weight")}, common)
+                .find("has no megatron-core sharded key"),
+            std::string::npos);
+  EXPECT_NE(
+      why({record("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")}, common).find("MoE expert layers"),
+      std::string::npos);
+  EXPECT_EQ(why({record("decoder.layers.0.mlp.linear_fc1.weight")}, {literal("@megatron/common.why", "no groups")}),
+            "common.pt cannot be made: no groups");
+  EXPECT_NE(why({record("decoder.layers.0.mlp.linear_fc1.weight")}, {}).find("re-index"), std::string::npos);
 }
 
 }  // namespace
