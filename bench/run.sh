@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|resume|megatron|verify|topo|hf|maxtext|py|transforms|read|scale] [args...]
+# Runs the benchmarks (not part of CI): bash bench/run.sh [dcp|ds|resume|mresume|megatron|verify|topo|hf|maxtext|py|transforms|read|scale] [args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
@@ -8,6 +8,7 @@ which="${1:-all}"; [[ $# -gt 0 ]] && shift
 if [[ "$which" == dcp || "$which" == all ]]; then .venv/bin/python bench/dcp_bench.py "$@"; fi
 if [[ "$which" == ds || "$which" == all ]]; then .venv/bin/python bench/ds_bench.py "$@"; fi
 if [[ "$which" == resume || "$which" == all ]]; then .venv/bin/python bench/resume_bench.py "$@"; fi
+if [[ "$which" == mresume || "$which" == all ]]; then .venv/bin/python bench/megatron_resume_bench.py "$@"; fi
 if [[ "$which" == megatron || "$which" == all ]]; then .venv/bin/python bench/megatron_bench.py "$@"; fi
 if [[ "$which" == verify || "$which" == all ]]; then .venv/bin/python bench/verify_bench.py "$@"; fi
 if [[ "$which" == topo || "$which" == all ]]; then .venv/bin/python bench/topo_bench.py "$@"; fi
