@@ -17,6 +17,8 @@ under bench/out/.
            DP=2 (4 gloo ranks; fully_reshardable: each rank reads the states of
            its stage), model and optimizer load_state_dict, as
            tests/integration/megatron_torch_dist_resume.py does.
+  local    the same torch_dist/ files copied to local disk, loaded the same
+           way: megatron-core's own cost of this layout, without ckptfs.
 
 Each side: the load's own time (slowest rank, from a barrier after the model
 and optimizer are built to the last state applied), the wall time including
@@ -150,17 +152,25 @@ def main():
         subprocess.run([a.bin, "mount", ck, mnt], check=True, stdout=subprocess.DEVNULL)
         t_mount = time.perf_counter() - t0
         pid = daemon_pid(mnt)
+        local = os.path.join(work, "torch_dist")
         try:
             c_wall, c_load, c_rss = run_worker("torch_dist", 1, 2, 2, os.path.join(mnt, "torch_dist", f"iter_{it:07d}"), a)
             hwm = vm_hwm_kib(pid) if pid else -1
+            shutil.copytree(os.path.join(mnt, "torch_dist"), local)
         finally:
             subprocess.run([a.bin, "umount", mnt], stdout=subprocess.DEVNULL)
+        drop_cache(files_under(local))
+        l_wall, l_load, l_rss = run_worker("torch_dist", 1, 2, 2, os.path.join(local, f"iter_{it:07d}"), a)
         total = t_mount + c_load
         print(f"ckptfs: mount (index built) {t_mount:.2f} s + megatron-core load of torch_dist/ at TP=1 PP=2 DP=2 "
               f"(4 ranks) {c_load:.2f} s = {total:.2f} s; wall with process start and model build "
               f"{t_mount + c_wall:.2f} s; peak RSS {c_rss / 1024:.0f} MiB, daemon {hwm / 1024:.0f} MiB", flush=True)
+        print(f"the same torch_dist/ files copied to local disk, loaded the same way: load {l_load:.2f} s, "
+              f"wall {l_wall:.2f} s, peak RSS {l_rss / 1024:.0f} MiB", flush=True)
         print(f"ratio ckptfs / floor: load (mount included) {total / f_load:.2f}x, "
               f"wall {(t_mount + c_wall) / f_wall:.2f}x, peak RSS {c_rss / f_rss:.2f}x")
+        print(f"ratio ckptfs / local torch_dist copy: load (mount included) {total / l_load:.2f}x, "
+              f"wall {(t_mount + c_wall) / l_wall:.2f}x")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

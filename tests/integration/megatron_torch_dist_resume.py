@@ -83,10 +83,11 @@ def worker(rank, o, port, ckpt):
     steps_after = adam_steps(opt)
     finite = all(bool(torch.isfinite(p).all()) for m in chunks for p in m.parameters())
     if rank == 0:
-        args = state["args"]
+        args = state.get("args")  # Megatron-Bridge and megatron-core alone save none
         with open(os.path.join(o.out, "after.json"), "w") as f:
             json.dump({"content_metadata": content, "iteration": state["iteration"],
-                       "args_tp": args.tensor_model_parallel_size, "args_pp": args.pipeline_model_parallel_size,
+                       "args_tp": args.tensor_model_parallel_size if args else None,
+                       "args_pp": args.pipeline_model_parallel_size if args else None,
                        "steps_before": steps_before, "steps_after": steps_after, "update_ok": bool(update_ok),
                        "grad_norm": float(grad_norm), "finite": finite and math.isfinite(float(grad_norm))}, f)
     dist.barrier()

@@ -15,6 +15,7 @@
 
 #include "common/json_text.h"
 #include "formats/byte_reader.h"
+#include "formats/pickle_writer.h"
 #include "formats/torch_save.h"
 #include "formats/tp_merge.h"
 
@@ -219,6 +220,48 @@ std::vector<const PyValue*> Flatten(const PyValue* root) {
   }
   return out;
 }
+
+}  // namespace
+
+std::string DistOptimizerParamGroups(const std::string& dir, const Checkpoint& ck) {
+  static const RE2 kObject(R"((chained_\d{1,3}\.)?optimizer\.distributed\.dp_group_idx_\d{1,6}\.optimizer/shard_.*)",
+                           RE2::Latin1);
+  PickleWriter w;
+  std::set<std::string> seen;
+  bool any = false;
+  for (uint32_t i = 0; i < ck.tensors.size(); ++i) {
+    const TensorRecord& t = ck.tensors[i];
+    std::string chained;
+    if (t.encoding != Encoding::kBytes || !RE2::FullMatch(t.key, kObject, &chained)) continue;
+    if (!chained.empty()) return "";
+    const std::string why =
+        WithObject(dir, ck, i, [&](const ByteReader&, const TorchSaveArchive& a, const Fragment&) -> std::string {
+          for (const PyValue* inst : Flatten(a.root.get())) {
+            const PyValue* groups = inst->kind == PyKind::kDict ? inst->Get("param_groups") : nullptr;
+            if (groups == nullptr || !groups->IsSeq()) return "no param_groups";
+            for (const PyValue* g : groups->items) {
+              if (g == nullptr || g->kind != PyKind::kDict || g->Get("step") == nullptr) return "a group without step";
+              std::string id;
+              for (const char* k : {"wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"}) {
+                id += ToJson(g->Get(k)) + ",";
+              }
+              if (!seen.insert(id).second) continue;
+              if (!any) w.BeginList();
+              any = true;
+              Status st = w.Value(*g, [](PickleWriter&, const PyValue&) { return Unsupported("a tensor"); });
+              if (!st.ok()) return st.message();
+            }
+          }
+          return "";
+        });
+    if (!why.empty()) return "";
+  }
+  if (!any) return "";
+  w.EndList();
+  return w.Fragment();
+}
+
+namespace {
 
 // per_bucket_numel[_unpadded] of one model-parallel rank: [gbuf][bucket]
 // (the single dtype entry of each buffer). nullopt with `why` when unreadable.

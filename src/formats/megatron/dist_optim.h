@@ -37,6 +37,16 @@ namespace ckptfs::formats::megatron {
 // source; file rel_paths are relative to it. Notes go to ck.info.problems.
 void MapBucketStates(const std::string& dir, const ModelFacts& facts, Checkpoint& ck);
 
+// The distributed optimizer's param groups where its layout keeps them in
+// per-DP-rank objects (dp_reshardable, dp_zero_gather_scatter:
+// optimizer.distributed.dp_group_idx_M.optimizer/shard_*, each
+// [{param_groups: [...]}]): the groups of every model-parallel rank, one per
+// identity (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), first
+// seen first, as pickle opcodes of a list (PickleWriter::Fragment). Empty
+// when there are none or they cannot be read (a chained optimizer's
+// chained_N. objects included: its members keep groups of their own).
+std::string DistOptimizerParamGroups(const std::string& dir, const Checkpoint& ck);
+
 }  // namespace ckptfs::formats::megatron
 
 #endif  // CKPTFS_FORMATS_MEGATRON_DIST_OPTIM_H_

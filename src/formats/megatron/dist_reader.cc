@@ -202,7 +202,7 @@ megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, C
       facts = megatron::FactsOf(args);
     }
   }
-  megatron::ExportTorchDistCommon(src->root(), ck);
+  megatron::ExportTorchDistCommon(src->root(), ck, megatron::DistOptimizerParamGroups(dir, ck));
   TensorRecord t;
   t.key = "common.pt";
   if (src->fd < 0) t.error = src->error;

@@ -373,7 +373,7 @@ namespace {
 // The optimizer entry of common.pt in the fully_reshardable layout, from the
 // source's optimizer state dict (a distributed optimizer's: param groups with
 // their step; the Adam tensors are served as sharded keys).
-Status WriteReshardableOptimizer(const PyValue& opt, PickleWriter& w) {
+Status WriteReshardableOptimizer(const PyValue& opt, const std::string& groups_ops, PickleWriter& w) {
   if (opt.kind == PyKind::kList) {
     return Unsupported("a chained optimizer (dense and expert parameters) has one state dict per member");
   }
@@ -386,6 +386,18 @@ Status WriteReshardableOptimizer(const PyValue& opt, PickleWriter& w) {
   // or a plain one's own state dict.
   const PyValue* inner = opt.Get("optimizer") != nullptr ? opt.Get("optimizer") : &opt;
   const PyValue* groups = inner->Get("param_groups");
+  if (groups == nullptr && !groups_ops.empty()) {  // read from the per-DP-rank objects
+    w.BeginDict();
+    w.Str("optimizer");
+    w.BeginDict();
+    w.Str("param_groups");
+    w.Raw(groups_ops);
+    w.EndDict();
+    w.Str("param_state_sharding_type");
+    w.Str("fully_reshardable");
+    w.EndDict();
+    return Status::Ok();
+  }
   if (groups == nullptr || !groups->IsSeq() || groups->items.empty()) {
     return Unsupported("the optimizer's param groups are not in its common state (" +
                        std::string(opt.Get("param_state_sharding_type") != nullptr
@@ -423,7 +435,7 @@ Status WriteReshardableOptimizer(const PyValue& opt, PickleWriter& w) {
 
 }  // namespace
 
-void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck) {
+void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::string& groups_ops) {
   auto literal = [&](const char* path, std::string bytes) {
     const uint64_t n = bytes.size();
     ck.exports.push_back(
@@ -443,7 +455,7 @@ void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck) {
     w.Str(k->s);
     if (k->s == "optimizer") {
       optimizer = true;
-      st = WriteReshardableOptimizer(*v, w);
+      st = WriteReshardableOptimizer(*v, groups_ops, w);
     } else {
       st = w.Value(
           *v, [&](PickleWriter&, const PyValue&) { return Unsupported("common entry '" + k->s + "' holds a tensor"); });

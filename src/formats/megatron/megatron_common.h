@@ -119,7 +119,10 @@ void ExportArgsJson(const PyValue* args, Checkpoint& ck);
 // cannot be made, kCommonWhy with the reason.
 inline constexpr const char* kCommonPickle = "@megatron/common.pkl";
 inline constexpr const char* kCommonWhy = "@megatron/common.why";
-void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck);
+// `groups_ops`: the param groups as pickle opcodes (a PickleWriter::Fragment
+// of a list), for a torch_dist source whose layout keeps them out of
+// common.pt (dp_reshardable: per-DP-rank objects, DistOptimizerParamGroups).
+void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::string& groups_ops = "");
 
 // A JSON rendering of a pickled value (Namespace / dict / list / scalars; torch
 // dtypes and other objects as their class name) for args.json.
