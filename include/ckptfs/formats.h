@@ -64,11 +64,11 @@ struct NativeFiles {
 struct DcpProfileTensor {
   uint32_t tensor = 0;  // Checkpoint::tensors index, served at its stored rows
   std::string key;      // the profile's key
-  // >= 0: the tensor is entry `stack_index` of a leading axis of
-  // `stack_size` entries that key's tensor has (a layer stack); its chunks
-  // are its own with that axis (length 1) before them.
-  int64_t stack_index = -1;
-  int64_t stack_size = 0;
+  // Non-empty: the tensor is entry `stack_index` of leading axes of
+  // `stack_size` entries that key's tensor has (a layer stack; layers and
+  // experts); its chunks are its own with those axes (length 1) before them.
+  std::vector<int64_t> stack_index;
+  std::vector<int64_t> stack_size;
 };
 struct DcpProfileObject {
   std::string key;    // a bytes entry of the DCP

@@ -299,10 +299,12 @@ struct DcpEntry {
   // shape as params/ serves it).
   std::vector<int64_t> size;
   DType dtype = DType::kInvalid;
-  // A stack (a DcpProfile's layers): chunk c is a box of tensor
-  // chunk_tensors[c] with the stack axis first (its offset the layer, its
-  // length 1). Empty: every chunk is a box of `tensor` itself.
+  // A stack (a DcpProfile's layers, experts): chunk c is a box of tensor
+  // chunk_tensors[c] with `stacked_axes` stack axes first (their offsets the
+  // layer and expert, their lengths 1). Empty: every chunk is a box of
+  // `tensor` itself.
   std::vector<uint32_t> chunk_tensors;
+  uint8_t stacked_axes = 0;
   // The same items under a second key (optimizer.state.<fqn>.<state>):
   // more metadata, nothing more to read for any plan. Empty: none.
   std::string alias;

@@ -426,13 +426,14 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
     seg.kind = SegmentKind::kArchive;
     seg.out_dtype = e.dtype;
     const bool stacked = !e.chunk_tensors.empty();
+    const auto lead = static_cast<std::ptrdiff_t>(e.stacked_axes);
     for (size_t c = 0; c < e.chunks.size(); ++c) {
-      // The chunk as a box of its tensor (a stack's: without the stack axis).
+      // The chunk as a box of its tensor (a stack's: without the stack axes).
       const uint32_t id = stacked ? e.chunk_tensors[c] : e.tensor;
       Box b = e.chunks[c];
       if (stacked) {
-        b.offsets.erase(b.offsets.begin());
-        b.lengths.erase(b.lengths.begin());
+        b.offsets.erase(b.offsets.begin(), b.offsets.begin() + lead);
+        b.lengths.erase(b.lengths.begin(), b.lengths.begin() + lead);
       }
       const bool whole = b.lengths == ts[id].shape;
       // An archive's size follows from its dtype and shape alone (the pickle
@@ -440,13 +441,13 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
       auto [size, fresh] = archive_size.try_emplace({e.dtype, e.chunks[c].lengths}, 0);
       if (fresh) {
         ASSIGN_OR_RETURN(auto parts,
-                         topo_files::TorchSaveTensorParts(index, id, e.dtype, whole ? nullptr : &b, stacked ? 1 : 0));
+                         topo_files::TorchSaveTensorParts(index, id, e.dtype, whole ? nullptr : &b, e.stacked_axes));
         size->second = formats::PartsSize(parts);
       }
       Segment item = seg;
       item.tensor = TensorId{id};
       item.size = size->second;
-      item.lead_ones = stacked ? 1 : 0;
+      item.lead_ones = e.stacked_axes;
       if (!whole) item.boxes = {b};
       place(ei, static_cast<int>(c), std::move(item));
     }
@@ -594,23 +595,48 @@ Result<DcpPlan> PlanProfile(const Index& index, const DcpProfile& profile) {
         why = "'" + t.key + "' is not a tensor torch.save can hold";
       }
       if (t.dtype != first.dtype || t.shape != first.shape) why = "its tensors differ in dtype or shape";
-      if ((pt->stack_index >= 0) != (members[0]->stack_index >= 0) || pt->stack_size != members[0]->stack_size) {
-        why = "named both as a stack and as a tensor";
+      if (pt->stack_size != members[0]->stack_size || pt->stack_index.size() != pt->stack_size.size()) {
+        why = "named both as a stack and as a tensor, or in stacks of different sizes";
       }
     }
-    const bool stacked = members[0]->stack_index >= 0;
+    const std::vector<int64_t>& axes = members[0]->stack_size;
+    const bool stacked = !axes.empty();
     if (why.empty() && stacked) {
+      // Every entry of the stack exactly once (a hole would read as
+      // whatever the loader's buffer held).
       std::sort(members.begin(), members.end(),
                 [](const DcpProfileTensor* a, const DcpProfileTensor* b) { return a->stack_index < b->stack_index; });
-      for (size_t i = 0; i < members.size() && why.empty(); ++i) {
-        if (members[i]->stack_index != static_cast<int64_t>(i)) {
-          why = "layer " + std::to_string(i) + " of " + std::to_string(members[0]->stack_size) + " is missing";
+      std::vector<int64_t> want(axes.size(), 0);
+      auto name = [&](const std::vector<int64_t>& at) {
+        std::string n = axes.size() == 1 ? "layer " : "entry (";
+        for (size_t d = 0; d < at.size(); ++d) n += (d ? ", " : "") + std::to_string(at[d]);
+        return n + (axes.size() == 1 ? "" : ")");
+      };
+      auto total = [&] {
+        std::string n;
+        for (size_t d = 0; d < axes.size(); ++d) n += (d ? " x " : "") + std::to_string(axes[d]);
+        return n;
+      };
+      bool done = false;  // every index seen
+      for (const DcpProfileTensor* m : members) {
+        const std::vector<int64_t>& at = m->stack_index;
+        bool inside = true;
+        for (size_t d = 0; d < axes.size(); ++d) inside = inside && at[d] >= 0 && at[d] < axes[d];
+        if (!inside || done) {
+          why = name(at) + " is past " + total();
+        } else if (at < want) {
+          why = name(at) + " appears twice";
+        } else if (at != want) {
+          why = name(want) + " of " + total() + " is missing";
+        }
+        if (!why.empty()) break;
+        for (size_t d = axes.size(); d-- > 0;) {  // the next index, the last axis fastest
+          if (++want[d] < axes[d]) break;
+          want[d] = 0;
+          if (d == 0) done = true;
         }
       }
-      if (why.empty() && static_cast<int64_t>(members.size()) != members[0]->stack_size) {
-        why =
-            "layer " + std::to_string(members.size()) + " of " + std::to_string(members[0]->stack_size) + " is missing";
-      }
+      if (why.empty() && !done) why = name(want) + " of " + total() + " is missing";
     } else if (why.empty() && members.size() > 1) {
       why = "named by both '" + first.key + "' and '" + ts[members[1]->tensor].key + "'";
     }
@@ -627,11 +653,12 @@ Result<DcpPlan> PlanProfile(const Index& index, const DcpProfile& profile) {
     if (!stacked) {
       e.chunks = ChunksOf(index, TensorId{e.tensor}, first, /*stored=*/true);
     } else {
-      e.size.insert(e.size.begin(), members[0]->stack_size);
+      e.size.insert(e.size.begin(), axes.begin(), axes.end());
+      e.stacked_axes = static_cast<uint8_t>(axes.size());
       for (const DcpProfileTensor* pt : members) {
         for (Box b : ChunksOf(index, TensorId{pt->tensor}, ts[pt->tensor], /*stored=*/true)) {
-          b.offsets.insert(b.offsets.begin(), pt->stack_index);
-          b.lengths.insert(b.lengths.begin(), 1);
+          b.offsets.insert(b.offsets.begin(), pt->stack_index.begin(), pt->stack_index.end());
+          b.lengths.insert(b.lengths.begin(), axes.size(), 1);
           e.chunks.push_back(std::move(b));
           e.chunk_tensors.push_back(pt->tensor);
         }

@@ -10,7 +10,9 @@ range) to OUT/reference/, takes one more optimizer step on seeded gradients
 and rank 0 writes OUT/after.json (the iteration, the args' degrees, each
 param group's step before and after, whether the step was finite).
 
-    python megatron_torch_dist_resume.py TP PP DP PORT CKPT_ITER_DIR OUT
+    python megatron_torch_dist_resume.py TP PP DP PORT CKPT_ITER_DIR OUT [EP EXPERTS]
+
+EP, EXPERTS: a MoE run's expert-parallel size and experts per layer.
 """
 import argparse
 import json
@@ -58,7 +60,7 @@ def worker(rank, o, port, ckpt):
     dist.init_process_group("gloo", rank=rank, world_size=o.tp * o.pp * o.dp)
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
-    ps.initialize_model_parallel(o.tp, o.pp)
+    ps.initialize_model_parallel(o.tp, o.pp, expert_model_parallel_size=o.ep)
     torch.manual_seed(999)  # weights and states come from the checkpoint, not from here
     chunks, ddp, opt = mk.build(o, step=False)
     # Megatron-LM's setup_model_and_optimizer initialises the optimizer's
@@ -96,8 +98,9 @@ def worker(rank, o, port, ckpt):
 
 def main():
     tp, pp, dp, port, ckpt, out = sys.argv[1:7]
+    ep, experts = (int(sys.argv[7]), int(sys.argv[8])) if len(sys.argv) > 8 else (1, None)
     o = argparse.Namespace(mode="legacy", out=out, tp=int(tp), pp=int(pp), dp=int(dp), vp=None, dist_opt=True,
-                           bf16=True, arch="gpt", experts=None, ep=1, bucket_size=None)
+                           bf16=True, arch="gpt", experts=experts, ep=ep, bucket_size=None)
     os.makedirs(out, exist_ok=True)
     mk.preload_megatron()
     mp.start_processes(worker, args=(o, int(port), ckpt), nprocs=o.tp * o.pp * o.dp, start_method="fork")

@@ -650,6 +650,7 @@ def test_verify_finds_a_mislaid_master_shard(megatron_fixtures, bin_path, tmp_pa
 
 # torch_dist/: megatron-core resumes at a new topology, optimizer included.
 RESUME_AT = ["--tp", "1", "--pp", "2", "--dp", "2", "--dist-opt", "--bf16"]
+RESUME_MOE = ["--ep", "2", "--experts", "4"]  # 4 experts per layer over EP=2, as the MoE sources have
 
 
 def resume_source(megatron_fixtures, tmp_path, scenario):
@@ -661,13 +662,14 @@ def resume_source(megatron_fixtures, tmp_path, scenario):
     return megatron_fixtures / scenario, SCENARIOS[scenario]
 
 
-def resume(ckpt, out):
-    """megatron_torch_dist_resume.py at RESUME_AT from `ckpt` (an iter_N/ directory)."""
+def resume(ckpt, out, moe=False):
+    """megatron_torch_dist_resume.py at RESUME_AT (MoE: with RESUME_MOE) from
+    `ckpt` (an iter_N/ directory)."""
     sys.path.insert(0, str(FIXTURES))
     from ports import free_port
     for attempt in range(3):
         r = subprocess.run([sys.executable, str(Path(__file__).parent / "megatron_torch_dist_resume.py"),
-                            "1", "2", "2", str(free_port()), str(ckpt), str(out)],
+                            "1", "2", "2", str(free_port()), str(ckpt), str(out)] + (["2", "4"] if moe else []),
                            capture_output=True, text=True, timeout=600)
         # A listener that took the port between choosing and binding it: choose again.
         if r.returncode == 0 or "EADDRINUSE" not in r.stderr:
@@ -677,7 +679,8 @@ def resume(ckpt, out):
 
 @pytest.mark.parametrize("scenario", ["legacy_distopt_tp2_pp2_dp2", "zarr_tp2_pp2", "dist_tp2_pp2_dp2",
                                       "dist_dpreshard_tp2_pp2_dp2", "dist_dpzero_tp2_pp2_dp2",
-                                      "mcore0.14.0-dist_distopt_tp2_pp2_dp2", "bridge-dist_distopt_tp2_dp2"])
+                                      "mcore0.14.0-dist_distopt_tp2_pp2_dp2", "bridge-dist_distopt_tp2_dp2",
+                                      "legacy_moe_distopt_tp2_pp2_ep2", "dist_moe_tp2_pp2_ep2"])
 def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtures, mounter, tmp_path, scenario):
     """megatron-core 0.16 (dist_checkpointing.load with GPTModel's and the
     DistributedOptimizer's sharded state dicts, the layout from common.pt's
@@ -687,14 +690,17 @@ def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtur
     distributed-optimizer layout (fully_reshardable, dp_reshardable: mcore
     0.15+'s default, whose param groups are per-DP-rank objects, and
     dp_zero_gather_scatter), megatron-core 0.14's fully_sharded_model_space
-    save, which 0.16 refuses to load by itself, and a Megatron-Bridge TP=2
-    DP=2 run. Every weight, fp32 master and Adam moment mcore then
+    save, which 0.16 refuses to load by itself, a Megatron-Bridge TP=2
+    DP=2 run, and MoE runs (4 experts per layer over EP=2, legacy and
+    torch_dist: the experts stacked by layer and expert, the dense and the
+    expert optimizer chained) at TP=1 PP=2 DP=2 EP=2. Every weight, fp32 master and Adam moment mcore then
     holds equals what the source run held (a padded vocabulary: the rows
     mcore's new padding keeps), the step is the checkpoint's, and one more
     optimizer step runs."""
     src, args = resume_source(megatron_fixtures, tmp_path, scenario)
     want = reference(src, args)
     out = tmp_path / "resumed"
+    moe = "--experts" in args
     if scenario in VERSIONED:  # the control: megatron-core 0.16 on the 0.14 save itself
         r = resume(src / "iter_0000007", tmp_path / "direct")
         assert r.returncode != 0 and "ShardedTensor.flattened_range is not supported" in r.stderr, r.stderr[-3000:]
@@ -707,9 +713,9 @@ def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtur
         ckpt = view / f"iter_{it:07d}"
         assert json.loads((ckpt / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
         assert "Every tensor of the checkpoint is represented." in (ckpt / "README.txt").read_text()
-        r = resume(ckpt, out)
+        r = resume(ckpt, out, moe)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    got = reference(out, [args[0]] + RESUME_AT)
+    got = reference(out, [args[0]] + RESUME_AT + (RESUME_MOE if moe else []))
     assert set(got) == set(want)
     for name, g in got.items():
         for state in ("param", "fp32", "exp_avg", "exp_avg_sq"):
@@ -728,14 +734,14 @@ def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtur
 
 
 @pytest.mark.parametrize("scenario, why", [
-    ("dist_moe_tp2_pp2_ep2", "MoE expert layers are not mapped to torch_dist keys"),
+    ("dist_moe_dpreshard_tp2_pp2_ep2", "layout keeps them per DP rank"),
     ("legacy_tp2_pp2", "a param group records no step"),
     ("legacy_names_tp2_pp2", "has no megatron-core sharded key"),
 ])
 def test_torch_dist_view_absent_with_its_reason(megatron_fixtures, mounter, bin_path, scenario, why):
-    """A Megatron run the torch_dist/ layout cannot present (MoE experts, a
-    non-distributed optimizer without its step in the param groups, legacy
-    module names) has
+    """A Megatron run the torch_dist/ layout cannot present (a MoE run whose
+    chained optimizer keeps its param groups per DP rank, a non-distributed
+    optimizer without its step in the param groups, legacy module names) has
     no torch_dist/; checkpoint.json and verify say why."""
     with mounter(megatron_fixtures / scenario) as m:
         assert not (m.path / "torch_dist").exists()

@@ -373,13 +373,31 @@ namespace {
 // The optimizer entry of common.pt in the fully_reshardable layout, from the
 // source's optimizer state dict (a distributed optimizer's: param groups with
 // their step; the Adam tensors are served as sharded keys).
-Status WriteReshardableOptimizer(const PyValue& opt, const std::string& groups_ops, PickleWriter& w) {
-  if (opt.kind == PyKind::kList) {
-    return Unsupported("a chained optimizer (dense and expert parameters) has one state dict per member");
+Status WriteReshardableOptimizer(const PyValue& opt, const std::string& groups_ops, PickleWriter& w, int depth = 0) {
+  // A chained optimizer (MoE: the dense and the expert optimizer): one state
+  // dict per member, a list (the legacy format) or a dict by member index
+  // (common.pt); common.pt keeps {index: member's}.
+  const bool member_list = opt.kind == PyKind::kList;
+  bool member_dict = opt.kind == PyKind::kDict && !opt.dict.empty();
+  for (const auto& [k, v] : opt.dict) member_dict = member_dict && k->kind == PyKind::kInt;
+  if (member_list || member_dict) {
+    if (depth > 0) return Unsupported("a chained optimizer inside a chained optimizer");
+    if (!groups_ops.empty()) return Unsupported("a chained optimizer keeps its param groups per DP rank");
+    w.BeginDict();
+    const size_t n = member_list ? opt.items.size() : opt.dict.size();
+    for (size_t i = 0; i < n; ++i) {
+      const PyValue* m = member_list ? opt.items[i] : opt.dict[i].second;
+      w.Int(member_list ? static_cast<int64_t>(i) : opt.dict[i].first->i);
+      if (m == nullptr) return Unsupported("a chained optimizer's member is empty");
+      RETURN_IF_ERROR(WriteReshardableOptimizer(*m, "", w, depth + 1));
+    }
+    w.EndDict();
+    return Status::Ok();
   }
+  if (opt.kind != PyKind::kDict) return Unsupported("the optimizer's state is not a dict");
   for (const auto& [k, v] : opt.dict) {
     if (k->IsStr() && k->s.rfind("chained_", 0) == 0) {
-      return Unsupported("a chained optimizer (dense and expert parameters) has one state dict per member");
+      return Unsupported("a chained optimizer saved under chained_<i> keys, which is not mapped");
     }
   }
   // A distributed or mixed-precision optimizer's {optimizer: {param_groups}},

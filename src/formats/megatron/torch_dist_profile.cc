@@ -7,6 +7,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 #include <utility>
 
 #include "formats/megatron/megatron_common.h"
@@ -78,7 +79,7 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
   };
   const ExportFile* common = nullptr;
   std::string common_why;
-  int64_t num_layers = -1;
+  int64_t num_layers = -1, num_experts = -1;
   for (const ExportFile& x : in.exports) {
     if (x.parts.size() != 1 || x.parts[0].kind != PartKind::kLiteral) continue;
     if (x.path == kCommonWhy) common_why = x.parts[0].literal;
@@ -88,18 +89,25 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
       if (a.is_object() && a.value("num_layers", nlohmann::json()).is_number_integer()) {
         num_layers = a["num_layers"].get<int64_t>();
       }
+      if (a.is_object() && a.value("num_experts", nlohmann::json()).is_number_integer()) {
+        num_experts = a["num_experts"].get<int64_t>();
+      }
     }
   }
   static const RE2 layer_re(R"(decoder\.layers\.([0-9]{1,9})\.(.+))");
+  // SequentialMLP's experts (global expert numbers under params/).
+  static const RE2 expert_re(R"(mlp\.experts\.local_experts\.([0-9]{1,9})\.(.+))");
   struct Named {
     uint32_t id;
     std::string key;  // the parameter's sharded key
     int64_t layer;
+    int64_t expert;
   };
   std::vector<Named> named;
   std::map<std::string, std::set<std::string>> states;  // sharded key -> optimizer states present
-  int64_t max_layer = -1;
-  std::set<std::pair<int64_t, std::string>> linears;  // (layer, linear module) with a weight
+  int64_t max_layer = -1, max_expert = -1;
+  std::set<std::pair<int64_t, std::string>> linears;                   // (layer, linear module) with a weight
+  std::set<std::tuple<int64_t, int64_t, std::string>> expert_linears;  // (layer, expert, linear)
   for (uint32_t i = 0; i < in.tensors.size(); ++i) {
     const TensorRecord& t = in.tensors[i];
     if (t.role == Role::kHidden || t.alias || t.encoding != Encoding::kTensor) continue;
@@ -107,13 +115,20 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
     const bool state =
         t.role == Role::kOptimState && (t.state == "fp32" || t.state == "exp_avg" || t.state == "exp_avg_sq");
     if (!param && !state) continue;
-    if (t.fqn.find(".experts.") != std::string::npos || t.fqn.find(".router.") != std::string::npos) {
-      return absent("'" + t.fqn + "': MoE expert layers are not mapped to torch_dist keys");
-    }
-    std::string rest;
-    int64_t layer = -1;
+    std::string rest, inner;
+    int64_t layer = -1, expert = -1;
     std::string key;
-    if (RE2::FullMatch(t.fqn, layer_re, &layer, &rest)) {
+    if (RE2::FullMatch(t.fqn, layer_re, &layer, &rest) && RE2::FullMatch(rest, expert_re, &expert, &inner)) {
+      // mcore's SequentialMLP: experts.experts.<linear> stacked by layer and expert.
+      key = "decoder.layers.mlp.experts.experts." + inner;
+      max_layer = std::max(max_layer, layer);
+      max_expert = std::max(max_expert, expert);
+      for (const char* lin : {"linear_fc1", "linear_fc2"}) {
+        if (inner == std::string(lin) + ".weight") expert_linears.emplace(layer, expert, lin);
+      }
+    } else if (t.fqn.find(".experts.") != std::string::npos) {
+      return absent("'" + t.fqn + "': grouped-GEMM experts are not mapped to torch_dist keys");
+    } else if (RE2::FullMatch(t.fqn, layer_re, &layer, &rest)) {
       key = "decoder.layers." + FusedName(rest);
       max_layer = std::max(max_layer, layer);
       for (const char* lin : kLinears) {
@@ -125,7 +140,7 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
     } else {
       return absent("'" + t.fqn + "' has no megatron-core sharded key (not an mcore GPTModel name)");
     }
-    named.push_back(Named{i, key, layer});
+    named.push_back(Named{i, key, layer, expert});
     if (state) states[key].insert(t.state);
   }
   if (named.empty()) return absent("no parameters");
@@ -135,27 +150,41 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
   if (max_layer >= num_layers) {
     return absent("layer " + std::to_string(max_layer) + " is past args.num_layers " + std::to_string(num_layers));
   }
+  if (num_experts < 0) num_experts = max_expert + 1;
+  if (max_expert >= num_experts) {
+    return absent("expert " + std::to_string(max_expert) + " is past args.num_experts " + std::to_string(num_experts));
+  }
+  // With experts, megatron-core chains a dense and an expert optimizer, and
+  // their keys carry the member's prefix.
+  const bool chained = max_expert >= 0;
 
   for (const Named& n : named) {
     const TensorRecord& t = in.tensors[n.id];
     DcpProfileTensor e;
     e.tensor = n.id;
     if (n.layer >= 0) {
-      e.stack_index = n.layer;
-      e.stack_size = num_layers;
+      e.stack_index = {n.layer};
+      e.stack_size = {num_layers};
     }
+    if (n.expert >= 0) {
+      e.stack_index.push_back(n.expert);
+      e.stack_size.push_back(num_experts);
+    }
+    const std::string optimizer = !chained        ? "optimizer"
+                                  : n.expert >= 0 ? "chained_1.optimizer"
+                                                  : "chained_0.optimizer";
     if (t.role == Role::kParam) {
       e.key = n.key;
       p.tensors.push_back(e);
       // An fp32 run's distributed optimizer keeps no master apart: the
       // weight is the optimizer's param.
       if (!states[n.key].count("fp32") && states[n.key].count("exp_avg")) {
-        e.key = "optimizer.state.param." + n.key;
+        e.key = optimizer + ".state.param." + n.key;
         p.tensors.push_back(std::move(e));
       }
       continue;
     }
-    e.key = "optimizer.state." + std::string(t.state == "fp32" ? "param" : t.state) + "." + n.key;
+    e.key = optimizer + ".state." + std::string(t.state == "fp32" ? "param" : t.state) + "." + n.key;
     p.tensors.push_back(std::move(e));
   }
 
@@ -171,6 +200,12 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
     p.objects.push_back(DcpProfileObject{
         "decoder.layers." + lin + "._extra_state/shard_" + std::to_string(layer) + "_" + std::to_string(num_layers),
         none_item});
+  }
+  for (const auto& [layer, expert, lin] : expert_linears) {
+    p.objects.push_back(DcpProfileObject{"decoder.layers.mlp.experts.experts." + lin + "._extra_state/shard_" +
+                                             std::to_string(layer) + "." + std::to_string(expert) + "_" +
+                                             std::to_string(num_layers) + "." + std::to_string(num_experts),
+                                         none_item});
   }
 
   char iter[32];

@@ -14,17 +14,22 @@
 //     pre_mlp_layernorm. -> mlp.linear_fc1.layer_norm_, the spec's
 //     sharded_state_dict_keys_map, and Transformer Engine's own names);
 //   - embedding.*, decoder.final_layernorm.*, output_layer.*: as named;
+//   - decoder.layers.mlp.experts.experts.*: SequentialMLP's experts, stacked
+//     on layer and expert axes ([L, E, ...]);
 //   - optimizer.state.{param,exp_avg,exp_avg_sq}.<key>: the fp32 master
-//     (or, without one, the weight) and Adam's moments, same boxes;
-//   - decoder.layers.<linear>._extra_state/shard_<l>_<L>: the linear
-//     layers' extra state (None: the local spec's), one per layer.
+//     (or, without one, the weight) and Adam's moments, same boxes; with
+//     experts, chained_0.optimizer.* (dense) and chained_1.optimizer.*
+//     (experts), megatron-core's ChainedOptimizer prefixes;
+//   - decoder.layers.<linear>._extra_state/shard_<l>_<L> (experts':
+//     shard_<l>.<e>_<L>.<E>): the linear layers' extra state (None: the
+//     local spec's), one per layer.
 // Tensors at their stored rows (a padded vocabulary keeps its padding: mcore
 // loads embeddings with allow_shape_mismatch at the new padding). common.pt
 // is the reader's kCommonPickle (megatron_common.h). SwiGLU's linear_fc1 is
 // already [gate; up] in params/, which is mcore's global layout.
 //
 // Absent (with the reason) for a run whose common state cannot be made, for
-// MoE expert layers, and for names without an mcore sharded key (legacy
+// grouped-GEMM experts, and for names without an mcore sharded key (legacy
 // GPTModel module names).
 #ifndef CKPTFS_FORMATS_MEGATRON_TORCH_DIST_PROFILE_H_
 #define CKPTFS_FORMATS_MEGATRON_TORCH_DIST_PROFILE_H_

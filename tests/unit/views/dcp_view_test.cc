@@ -222,7 +222,7 @@ TEST(DcpViewTest, TorchDistProfileStacksTheLayers) {
   // A stack with a layer missing is left out by name, never served with a hole.
   DcpProfile holed = profile;
   std::erase_if(holed.tensors, [&](const DcpProfileTensor& t) {
-    return t.key == "decoder.layers.self_attention.linear_qkv.weight" && t.stack_index == 2;
+    return t.key == "decoder.layers.self_attention.linear_qkv.weight" && t.stack_index == std::vector<int64_t>{2};
   });
   auto partial = dcp_view::PlanProfile(ix, holed);
   ASSERT_TRUE(partial.ok());
@@ -230,9 +230,11 @@ TEST(DcpViewTest, TorchDistProfileStacksTheLayers) {
   EXPECT_EQ(partial->left_out[0], "decoder.layers.self_attention.linear_qkv.weight: layer 2 of 4 is missing");
 }
 
-// The hook from records alone: names without an mcore sharded key, MoE
-// experts and a run whose common state could not be made have no profile,
-// each with its reason.
+// The hook from records alone: names without an mcore sharded key,
+// grouped-GEMM experts and a run whose common state could not be made have
+// no profile, each with its reason; SequentialMLP's experts are stacked by
+// layer and expert, their optimizer states under the chained expert
+// optimizer's prefix.
 TEST(DcpViewTest, TorchDistProfileAbsentWithItsReason) {
   const FamilyReader* reader = ReaderFor(Family::kMegatronLegacy);
   ASSERT_TRUE(reader != nullptr && reader->dcp_profile != nullptr);
@@ -261,12 +263,29 @@ TEST(DcpViewTest, TorchDistProfileAbsentWithItsReason) {
   EXPECT_NE(why({record("language_model.encoder.layers.0.mlp.dense_h_to_4h.weight")}, common)
                 .find("has no megatron-core sharded key"),
             std::string::npos);
-  EXPECT_NE(
-      why({record("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight")}, common).find("MoE expert layers"),
-      std::string::npos);
+  EXPECT_NE(why({record("decoder.layers.0.mlp.experts.linear_fc1.weight0")}, common).find("grouped-GEMM experts"),
+            std::string::npos);
   EXPECT_EQ(why({record("decoder.layers.0.mlp.linear_fc1.weight")}, {literal("@megatron/common.why", "no groups")}),
             "common.pt cannot be made: no groups");
   EXPECT_NE(why({record("decoder.layers.0.mlp.linear_fc1.weight")}, {}).find("re-index"), std::string::npos);
+
+  TensorRecord expert = record("decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight");
+  TensorRecord moment = expert;
+  moment.role = Role::kOptimState;
+  moment.state = "exp_avg";
+  const std::vector<TensorRecord> moe = {record("decoder.layers.0.mlp.router.weight"), expert, moment};
+  const DcpProfile p = reader->dcp_profile(DcpProfileInput{info, moe, common});
+  ASSERT_EQ(p.absent, "");
+  ASSERT_EQ(p.tensors.size(), 4u);  // the expert's weight is also its optimizer's param (no fp32 master)
+  EXPECT_EQ(p.tensors[0].key, "decoder.layers.mlp.router.weight");
+  EXPECT_EQ(p.tensors[0].stack_size, (std::vector<int64_t>{2}));
+  EXPECT_EQ(p.tensors[1].key, "decoder.layers.mlp.experts.experts.linear_fc2.weight");
+  EXPECT_EQ(p.tensors[1].stack_index, (std::vector<int64_t>{1, 3}));
+  EXPECT_EQ(p.tensors[1].stack_size, (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(p.tensors[2].key, "chained_1.optimizer.state.param.decoder.layers.mlp.experts.experts.linear_fc2.weight");
+  EXPECT_EQ(p.tensors[3].key, "chained_1.optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight");
+  ASSERT_EQ(p.objects.size(), 1u);
+  EXPECT_EQ(p.objects[0].key, "decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_1.3_2.4");
 }
 
 }  // namespace
