@@ -174,7 +174,7 @@ class StorageReader(_DcpStorageReader):
             rows, _left_out = ck._c.dcp_plan()
             for key, alias, tid, _chunks, literal in rows:
                 for k in (key, alias):
-                    if k:  # a literal entry (DeepSpeed's param groups): its bytes
+                    if k:  # a literal entry (DeepSpeed, verl and FSDP rank files' param groups): its bytes
                         self._by_key[k] = by_id[tid] if tid >= 0 else bytes(literal)
             return md
         if self.view == "hf":

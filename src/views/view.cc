@@ -336,14 +336,20 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
       if (reader != nullptr && reader->dcp_profile != nullptr) {
         auto profile =
             std::make_shared<DcpProfile>(reader->dcp_profile(DcpProfileInput{index.info(), tensors, index.exports()}));
+        // Its files are laid out before anything is added: one that cannot
+        // be (a hook's bug) makes the profile absent, not the mount fail.
+        for (const ExportFile& f : profile->files) {
+          if (!profile->absent.empty()) break;
+          if (auto l = topo_files::LayoutOfParts(index, f.path, f.parts); !l.ok()) {
+            profile->absent = "cannot lay out " + f.path + ": " + l.status().message();
+          }
+        }
         if (!profile->absent.empty()) {
           v->profile_absent_ = {profile->dir, profile->absent};
         } else {
           v->profile_dir_ = v->AddDir(root, profile->dir);
           v->profile_dcp_dir_ = v->AddDir(v->profile_dir_, profile->dcp_dir);
-          for (const ExportFile& f : profile->files) {
-            RETURN_IF_ERROR(v->AddExport(v->profile_dir_, f));
-          }
+          for (const ExportFile& f : profile->files) RETURN_IF_ERROR(v->AddExport(v->profile_dir_, f));
           v->profile_ = std::move(profile);
         }
       }
