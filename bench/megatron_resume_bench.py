@@ -55,15 +55,10 @@ def worker(rank, o, port, mode, path):
     mk.cpu_only()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=o.tp * o.pp * o.dp)
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(o.tp, o.pp)
     chunks, ddp, opt = mk.build(o, step=False)
-    for sub in getattr(opt, "chained_optimizers", [opt]):
-        sub.init_state_fn(sub.optimizer, sub.config)
-        for st in sub.optimizer.state.values():
-            st.setdefault("step", torch.tensor(0.0))
-    resume.keep_torch_adam_step()
+    resume.prepare_to_load(opt)
     dist.barrier()
     t0 = time.perf_counter()
     if mode == "floor":
@@ -74,12 +69,7 @@ def worker(rank, o, port, mode, path):
         opt.load_state_dict(sd["optimizer"])
         opt.load_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
     else:
-        content = dist_checkpointing.load_content_metadata(path)
-        model_sd = chunks[0].sharded_state_dict()
-        sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=content)}
-        state = dist_checkpointing.load(sd, path)
-        chunks[0].load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
+        resume.load_torch_dist(chunks, opt, path)
     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:

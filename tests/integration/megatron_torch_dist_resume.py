@@ -49,6 +49,35 @@ def keep_torch_adam_step():
     DO._set_main_param_and_optimizer_states = keep_step
 
 
+def prepare_to_load(opt):
+    """Megatron-LM's setup_model_and_optimizer initialises the optimizer's
+    states before loading (init_state_fn). On CPU megatron-core runs torch's
+    Adam (no Apex / Transformer Engine), whose state also holds a
+    per-parameter step that DistributedOptimizer.state_dict reads: a fresh
+    Adam's 0 (load_state_dict then sets the checkpoint's)."""
+    import torch
+    for sub in getattr(opt, "chained_optimizers", [opt]):
+        sub.init_state_fn(sub.optimizer, sub.config)
+        for st in sub.optimizer.state.values():
+            st.setdefault("step", torch.tensor(0.0))
+    keep_torch_adam_step()
+
+
+def load_torch_dist(chunks, opt, ckpt):
+    """Megatron-LM's load_checkpoint for torch_dist: the optimizer's layout
+    from common.pt's content metadata, dist_checkpointing.load of the model's
+    and the optimizer's sharded state dicts, then both load_state_dicts.
+    Returns the content metadata and the loaded state."""
+    from megatron.core import dist_checkpointing
+    content = dist_checkpointing.load_content_metadata(ckpt)
+    model_sd = chunks[0].sharded_state_dict()
+    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=content)}
+    state = dist_checkpointing.load(sd, ckpt)
+    chunks[0].load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    return content, state
+
+
 def adam_steps(opt):
     return sorted({float(st["step"]) for sub in getattr(opt, "chained_optimizers", [opt])
                    for st in sub.optimizer.state.values() if "step" in st})
@@ -58,27 +87,12 @@ def worker(rank, o, port, ckpt):
     mk.cpu_only()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=o.tp * o.pp * o.dp)
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(o.tp, o.pp, expert_model_parallel_size=o.ep)
     torch.manual_seed(999)  # weights and states come from the checkpoint, not from here
     chunks, ddp, opt = mk.build(o, step=False)
-    # Megatron-LM's setup_model_and_optimizer initialises the optimizer's
-    # states before loading (init_state_fn). On CPU megatron-core runs
-    # torch's Adam (no Apex / Transformer Engine), whose state also holds a
-    # per-parameter step that DistributedOptimizer.state_dict reads: a fresh
-    # Adam's 0 (load_state_dict then sets the checkpoint's).
-    for sub in getattr(opt, "chained_optimizers", [opt]):
-        sub.init_state_fn(sub.optimizer, sub.config)
-        for st in sub.optimizer.state.values():
-            st.setdefault("step", torch.tensor(0.0))
-    keep_torch_adam_step()
-    content = dist_checkpointing.load_content_metadata(ckpt)
-    model_sd = chunks[0].sharded_state_dict()
-    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=content)}
-    state = dist_checkpointing.load(sd, ckpt)
-    chunks[0].load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    prepare_to_load(opt)
+    content, state = load_torch_dist(chunks, opt, ckpt)
     mk.dump_reference(o, chunks, opt)
     steps_before = adam_steps(opt)
     update_ok, grad_norm, _ = mk.take_step(o, ddp, opt)
