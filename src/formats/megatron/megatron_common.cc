@@ -475,8 +475,9 @@ void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::strin
       optimizer = true;
       st = WriteReshardableOptimizer(*v, groups_ops, w);
     } else {
+      const std::string& name = k->s;  // a structured binding is not captured before C++20
       st = w.Value(
-          *v, [&](PickleWriter&, const PyValue&) { return Unsupported("common entry '" + k->s + "' holds a tensor"); });
+          *v, [&](PickleWriter&, const PyValue&) { return Unsupported("common entry '" + name + "' holds a tensor"); });
     }
     if (!st.ok()) break;
   }
