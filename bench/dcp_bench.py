@@ -14,6 +14,7 @@ import argparse
 import glob
 import statistics
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,23 @@ def timed(args, **kw):
 def daemon_pid(mnt):
     out = subprocess.run(["pgrep", "-f", f"ckptfs mount .* {mnt}"], capture_output=True, text=True).stdout.split()
     return int(out[0]) if out else None
+
+
+def tagged(text, tag):
+    """The fields of the last line of `text` that starts with `tag` (a worker's
+    LOAD_SECONDS, GNU time's MAXRSS_KB)."""
+    return [ln for ln in text.splitlines() if ln.startswith(tag)][-1].split()
+
+
+def cold_mount(bin_path, ck, mnt, src):
+    """Mounts `ck` at `mnt` with no index yet and the sources' cache dropped.
+    Returns the mount's seconds (the index build included) and the daemon's pid."""
+    shutil.rmtree(os.path.join(ck, ".ckptfs"), ignore_errors=True)
+    os.makedirs(mnt, exist_ok=True)
+    drop_cache(src)
+    t0 = time.perf_counter()
+    subprocess.run([bin_path, "mount", ck, mnt], check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0, daemon_pid(mnt)
 
 
 def vm_hwm_kib(pid):

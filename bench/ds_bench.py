@@ -27,7 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from dcp_bench import daemon_pid, drop_cache, timed, vm_hwm_kib  # noqa: E402
+from dcp_bench import daemon_pid, drop_cache, tagged, timed, vm_hwm_kib  # noqa: E402
 
 
 def files_under(d, skip=(".ckptfs",)):
@@ -75,7 +75,7 @@ def ds_to_universal(ck, tag, src, out, keep_temp=False):
     if r.returncode != 0:
         print(r.stdout[-2000:], r.stderr[-3000:])
         raise SystemExit("ds_to_universal.py failed")
-    return t, int([ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KB")][-1].split()[1])
+    return t, int(tagged(r.stderr, "MAXRSS_KB")[1])
 
 
 def main():

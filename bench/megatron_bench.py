@@ -29,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from dcp_bench import daemon_pid, drop_cache, timed, vm_hwm_kib  # noqa: E402
+from dcp_bench import daemon_pid, drop_cache, tagged, timed, vm_hwm_kib  # noqa: E402
 from ds_bench import files_under  # noqa: E402
 
 BASELINE = r'''
@@ -91,7 +91,7 @@ def main():
                            str(a.layers)], capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(r.stderr[-3000:])
-        rss_base = int([ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KB")][-1].split()[1])
+        rss_base = int(tagged(r.stderr, "MAXRSS_KB")[1])
         print(f"baseline torch.load all ranks + merge: {t_base:.2f} s, peak RSS {rss_base / 1024:.0f} MiB "
               f"({r.stdout.strip()} params/elements)")
 

@@ -42,7 +42,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "fixtures"))
 sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
-from dcp_bench import daemon_pid, drop_cache, vm_hwm_kib  # noqa: E402
+from dcp_bench import cold_mount, drop_cache, tagged, vm_hwm_kib  # noqa: E402
 from ds_bench import files_under  # noqa: E402
 
 
@@ -88,8 +88,8 @@ def run_worker(mode, tp, pp, dp, path, a):
     if r.returncode != 0:
         print(r.stdout[-2000:], r.stderr[-4000:])
         raise SystemExit(f"{mode} load failed")
-    load = float([ln for ln in r.stdout.splitlines() if ln.startswith("LOAD_SECONDS")][-1].split()[1])
-    rss = int([ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KB")][-1].split()[1])
+    load = float(tagged(r.stdout, "LOAD_SECONDS")[1])
+    rss = int(tagged(r.stderr, "MAXRSS_KB")[1])
     return wall, load, rss
 
 
@@ -134,14 +134,8 @@ def main():
 
     work = tempfile.mkdtemp(prefix="mresume-bench-", dir=os.path.join(HERE, "out"))
     try:
-        shutil.rmtree(os.path.join(ck, ".ckptfs"), ignore_errors=True)
         mnt = os.path.join(work, "mnt")
-        os.makedirs(mnt)
-        drop_cache(src)
-        t0 = time.perf_counter()
-        subprocess.run([a.bin, "mount", ck, mnt], check=True, stdout=subprocess.DEVNULL)
-        t_mount = time.perf_counter() - t0
-        pid = daemon_pid(mnt)
+        t_mount, pid = cold_mount(a.bin, ck, mnt, src)
         local = os.path.join(work, "torch_dist")
         try:
             c_wall, c_load, c_rss = run_worker("torch_dist", 1, 2, 2, os.path.join(mnt, "torch_dist", f"iter_{it:07d}"), a)

@@ -32,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from dcp_bench import daemon_pid, drop_cache, timed, vm_hwm_kib  # noqa: E402
+from dcp_bench import cold_mount, tagged, vm_hwm_kib  # noqa: E402
 from ds_bench import ds_to_universal, zero2_checkpoint  # noqa: E402
 
 
@@ -51,14 +51,9 @@ def main():
         print(f"offline: ds_to_universal.py {t_off:.2f} s, peak RSS {rss_off / 1024:.0f} MiB "
               f"(the engine's universal load not included)", flush=True)
 
-        shutil.rmtree(os.path.join(ck, ".ckptfs"), ignore_errors=True)
         mnt = os.path.join(work, "mnt")
-        os.makedirs(mnt)
-        drop_cache(src)
-        t0 = time.perf_counter()
-        subprocess.run([a.bin, "mount", ck, mnt], check=True, stdout=subprocess.DEVNULL)
-        t_mount = time.perf_counter() - t0
-        pid = daemon_pid(mnt)
+        t_mount, pid = cold_mount(a.bin, ck, mnt, src)
+        t0 = time.perf_counter() - t_mount  # when the mount command started
         try:
             r = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB %M", sys.executable,
                                 os.path.join(ROOT, "tests", "fixtures", "dcp_view_worker.py"),
@@ -72,8 +67,8 @@ def main():
         if r.returncode != 0:
             print(r.stdout[-2000:], r.stderr[-3000:])
             raise SystemExit("dcp.load from the mount failed")
-        load = [ln for ln in r.stdout.splitlines() if ln.startswith("LOAD_SECONDS")][-1].split()
-        rss_loader = int([ln for ln in r.stderr.splitlines() if ln.startswith("MAXRSS_KB")][-1].split()[1])
+        load = tagged(r.stdout, "LOAD_SECONDS")
+        rss_loader = int(tagged(r.stderr, "MAXRSS_KB")[1])
         t_resume = t_mount + float(load[1])
         print(f"ckptfs: mount (index built) {t_mount:.2f} s + dcp.load of {load[3]} keys at world {a.world} "
               f"{float(load[1]):.2f} s = {t_resume:.2f} s; with starting the {a.world} loader processes "

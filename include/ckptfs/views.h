@@ -22,6 +22,7 @@
 #define CKPTFS_VIEWS_H_
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -204,6 +205,12 @@ class View {
   // Under tree_mu_ (exclusive) or before the view is shared.
   uint64_t AddDir(uint64_t parent, const std::string& name);
   Status AddTopo(const Topology& t);  // topo/<t.Name()>/ and its files
+  // The files of directory `dir` (also linked into `links`), planned once on
+  // first use by `plan` under tree_mu_; a failure is logged and becomes
+  // <dir>/ERRORS saying `what` is not available. Nothing when dir is 0.
+  using NamedFiles = std::vector<std::pair<std::string, FileLayout>>;
+  void PlanOnce(std::atomic<bool>& made, uint64_t dir, const std::vector<uint64_t>& links, const std::string& what,
+                const std::function<Result<NamedFiles>()>& plan) const;
   // hf/'s files, planned on first use (a failure is logged and becomes hf/ERRORS).
   void EnsureHf() const;
   // dcp/'s files, likewise (dcp_view.h), and their links under accelerate/.
@@ -299,10 +306,10 @@ struct DcpEntry {
   // shape as params/ serves it).
   std::vector<int64_t> size;
   DType dtype = DType::kInvalid;
-  // A stack (a DcpProfile's layers, experts): chunk c is a box of tensor
-  // chunk_tensors[c] with `stacked_axes` stack axes first (their offsets the
-  // layer and expert, their lengths 1). Empty: every chunk is a box of
-  // `tensor` itself.
+  // A stack (a DcpProfile's layers, experts; stacked_axes > 0): chunk c is a
+  // box of tensor chunk_tensors[c] with `stacked_axes` stack axes first
+  // (their offsets the layer and expert, their lengths 1). Otherwise every
+  // chunk is a box of `tensor` itself and chunk_tensors is empty.
   std::vector<uint32_t> chunk_tensors;
   uint8_t stacked_axes = 0;
   // The same items under a second key (optimizer.state.<fqn>.<state>):

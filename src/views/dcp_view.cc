@@ -425,16 +425,13 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
     }
     seg.kind = SegmentKind::kArchive;
     seg.out_dtype = e.dtype;
-    const bool stacked = !e.chunk_tensors.empty();
     const auto lead = static_cast<std::ptrdiff_t>(e.stacked_axes);
     for (size_t c = 0; c < e.chunks.size(); ++c) {
       // The chunk as a box of its tensor (a stack's: without the stack axes).
-      const uint32_t id = stacked ? e.chunk_tensors[c] : e.tensor;
+      const uint32_t id = lead > 0 ? e.chunk_tensors[c] : e.tensor;
       Box b = e.chunks[c];
-      if (stacked) {
-        b.offsets.erase(b.offsets.begin(), b.offsets.begin() + lead);
-        b.lengths.erase(b.lengths.begin(), b.lengths.begin() + lead);
-      }
+      b.offsets.erase(b.offsets.begin(), b.offsets.begin() + lead);
+      b.lengths.erase(b.lengths.begin(), b.lengths.begin() + lead);
       const bool whole = b.lengths == ts[id].shape;
       // An archive's size follows from its dtype and shape alone (the pickle
       // and the ZIP headers; not the values): laid out once per kind.
@@ -460,8 +457,8 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
   Memo m(w);
   auto spooled = std::make_shared<SpooledBytes>();
   Status spool_st;
-  auto drain = [&](bool all) {
-    if (!spool_st.ok() || (!all && w.size() < spool_piece)) return;
+  auto drain = [&] {
+    if (!spool_st.ok() || w.size() < spool_piece) return;
     if (spooled->fd < 0) {
       spooled->fd = OpenUnlinkedTempFile("ckptfs-dcp-metadata");
       if (spooled->fd < 0) {
@@ -477,7 +474,7 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
     m.Str("state_dict_metadata");
     w.BeginDict();
     for (const DcpEntry* e : order) {
-      drain(false);
+      drain();
       for (const std::string* k : {&e->key, &e->alias}) {
         if (k->empty()) continue;
         m.Str(*k);
@@ -492,7 +489,7 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
     m.Str("planner_data");
     w.BeginDict();
     for (const DcpEntry* e : order) {
-      drain(false);
+      drain();
       for (const auto& [k, path] : {std::pair(&e->key, &e->path), std::pair(&e->alias, &e->alias_path)}) {
         if (k->empty()) continue;
         m.Str(*k);
@@ -511,7 +508,7 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
     m.Str("storage_data");
     w.BeginDict();
     for (const Item& it : items) {
-      drain(false);
+      drain();
       const DcpEntry& e = *order[it.entry];
       for (const std::string* k : {&e.key, &e.alias}) {
         if (k->empty()) continue;

@@ -412,73 +412,58 @@ Result<std::unique_ptr<View>> View::Build(const Index& index, const TopoOptions&
   return v;
 }
 
-void View::EnsureHf() const {
-  if (hf_made_.load(std::memory_order_acquire)) return;
+void View::PlanOnce(std::atomic<bool>& made, uint64_t dir, const std::vector<uint64_t>& links, const std::string& what,
+                    const std::function<Result<NamedFiles>()>& plan) const {
+  if (dir == 0 || made.load(std::memory_order_acquire)) return;
   std::unique_lock lock(tree_mu_);
-  if (hf_made_.load(std::memory_order_relaxed)) return;  // made by another thread meanwhile
+  if (made.load(std::memory_order_relaxed)) return;  // made by another thread meanwhile
   // The view grows like a cache (nodes are only added), hence the const_cast.
   View* self = const_cast<View*>(this);
-  LogInfo("planning hf/");
-  auto files = topo_files::HfFiles(index_, topo_);
-  if (files.ok()) {
-    for (auto& [name, layout] : *files) self->AddFile(hf_dir_, name, std::move(layout), TensorId{});
-  } else {
-    const std::string why = "hf/ is not available: " + files.status().message();
-    LogError(why);
-    FileLayout l;
-    l.Add(LiteralSegment(why + "\n"));
-    self->AddFile(hf_dir_, "ERRORS", std::move(l), TensorId{});
-  }
-  hf_made_.store(true, std::memory_order_release);
-  ReleaseFreeMemory();
-}
-
-void View::EnsureDcp() const {
-  if (dcp_dir_ == 0 || dcp_made_.load(std::memory_order_acquire)) return;
-  std::unique_lock lock(tree_mu_);
-  if (dcp_made_.load(std::memory_order_relaxed)) return;
-  View* self = const_cast<View*>(this);  // the view grows like a cache, as for hf/
-  LogInfo("planning dcp/");
-  auto tree = dcp_view::DcpFiles(index_);
-  // A file of dcp/, listed under accelerate/'s two directories too.
+  LogInfo("planning " + what);
   auto add = [&](const std::string& name, FileLayout layout) {
-    const uint64_t ino = self->AddFile(dcp_dir_, name, std::move(layout), TensorId{});
-    for (uint64_t d : {accelerate_model_dir_, accelerate_optim_dir_}) self->Link(d, ino);
+    const uint64_t ino = self->AddFile(dir, name, std::move(layout), TensorId{});
+    for (uint64_t d : links) self->Link(d, ino);
   };
-  if (tree.ok()) {
-    for (auto& [name, layout] : tree->files) add(name, std::move(layout));
-    for (const std::string& l : tree->left_out) LogWarn("dcp/ leaves out " + l);
+  auto files = plan();
+  if (files.ok()) {
+    for (auto& [name, layout] : *files) add(name, std::move(layout));
   } else {
-    const std::string why = "dcp/ is not available: " + tree.status().message();
+    const std::string why = what + " is not available: " + files.status().message();
     LogError(why);
     FileLayout l;
     l.Add(LiteralSegment(why + "\n"));
     add("ERRORS", std::move(l));
   }
-  dcp_made_.store(true, std::memory_order_release);
+  made.store(true, std::memory_order_release);
   ReleaseFreeMemory();
 }
 
+void View::EnsureHf() const {
+  PlanOnce(hf_made_, hf_dir_, {}, "hf/", [&]() -> Result<NamedFiles> { return topo_files::HfFiles(index_, topo_); });
+}
+
+namespace {
+
+// A DCP's files (dcp/ or a profile's), what it leaves out logged.
+Result<std::vector<topo_files::NamedLayout>> LoggedDcp(Result<dcp_view::DcpTree> tree, const std::string& what) {
+  if (!tree.ok()) return tree.status();
+  for (const std::string& l : tree->left_out) LogWarn(what + " leaves out " + l);
+  return std::move(tree->files);
+}
+
+}  // namespace
+
+void View::EnsureDcp() const {
+  // dcp/'s files are listed under accelerate/'s two directories too.
+  PlanOnce(dcp_made_, dcp_dir_, {accelerate_model_dir_, accelerate_optim_dir_}, "dcp/",
+           [&] { return LoggedDcp(dcp_view::DcpFiles(index_), "dcp/"); });
+}
+
 void View::EnsureProfile() const {
-  if (profile_dcp_dir_ == 0 || profile_made_.load(std::memory_order_acquire)) return;
-  std::unique_lock lock(tree_mu_);
-  if (profile_made_.load(std::memory_order_relaxed)) return;
-  View* self = const_cast<View*>(this);  // the view grows like a cache, as for dcp/
+  if (profile_ == nullptr) return;
   const std::string where = profile_->dir + "/" + profile_->dcp_dir + "/";
-  LogInfo("planning " + where);
-  auto tree = dcp_view::ProfileFiles(index_, *profile_);
-  if (tree.ok()) {
-    for (auto& [name, layout] : tree->files) self->AddFile(profile_dcp_dir_, name, std::move(layout), TensorId{});
-    for (const std::string& l : tree->left_out) LogWarn(where + " leaves out " + l);
-  } else {
-    const std::string why = where + " is not available: " + tree.status().message();
-    LogError(why);
-    FileLayout l;
-    l.Add(LiteralSegment(why + "\n"));
-    self->AddFile(profile_dcp_dir_, "ERRORS", std::move(l), TensorId{});
-  }
-  profile_made_.store(true, std::memory_order_release);
-  ReleaseFreeMemory();
+  PlanOnce(profile_made_, profile_dcp_dir_, {}, where,
+           [&] { return LoggedDcp(dcp_view::ProfileFiles(index_, *profile_), where); });
 }
 
 Status View::AddTopo(const Topology& t) {

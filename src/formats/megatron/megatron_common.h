@@ -98,6 +98,17 @@ Result<int64_t> LayerOffset(const PipelineShape& s, int pp, int vp);
 // Layers held by one model chunk.
 Result<int64_t> LayersPerChunk(const PipelineShape& s, int pp);
 
+// mcore's local layer spec keeps its layer norms as modules of their own
+// but saves them in sharded state dicts under the fused layers' names (the
+// spec's sharded_state_dict_keys_map; Transformer Engine's own names):
+// {module prefix, sharded-key prefix} within a layer.
+struct NormKey {
+  const char* module;
+  const char* sharded;
+};
+inline constexpr NormKey kLocalSpecNormKeys[] = {{"input_layernorm.", "self_attention.linear_qkv.layer_norm_"},
+                                                 {"pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"}};
+
 // args.<name> as an int / bool / str when present (argparse.Namespace pickled).
 std::optional<int64_t> ArgInt(const PyValue* args, const std::string& name);
 std::optional<bool> ArgBool(const PyValue* args, const std::string& name);

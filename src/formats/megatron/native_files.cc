@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <nlohmann/json.hpp>
 #include <utility>
 #include <vector>
@@ -74,10 +73,11 @@ Result<ExportFile> RankArchive(const NativeFilesInput& in, const RankPlan& r, co
       local = RenumberExpert(local, -r.ep * (p.num_experts / std::max(p.topo.ep, 1)), &expert);
     }
     if (local_spec) {
-      for (const auto& [fused, module] :
-           {std::pair<const char*, const char*>{".self_attention.linear_qkv.layer_norm_", ".input_layernorm."},
-            {".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."}}) {
-        if (const size_t at = local.find(fused); at != std::string::npos) local.replace(at, std::strlen(fused), module);
+      for (const NormKey& k : kLocalSpecNormKeys) {
+        const std::string fused = "." + std::string(k.sharded);
+        if (const size_t at = local.find(fused); at != std::string::npos) {
+          local.replace(at, fused.size(), "." + std::string(k.module));
+        }
       }
     }
     const uint64_t numel = static_cast<uint64_t>(NumelOf(rt.shape));

@@ -7,6 +7,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <string_view>
 #include <tuple>
 #include <utility>
 
@@ -35,12 +36,10 @@ ExportFile Literal(std::string path, std::string bytes) {
 
 // A layer parameter's name inside the stack, with the local spec's layer
 // norms under their fused sharded keys.
-std::string FusedName(std::string rest) {
-  for (const auto& [module, fused] :
-       {std::pair<const char*, const char*>{"input_layernorm.", "self_attention.linear_qkv.layer_norm_"},
-        {"pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"}}) {
-    const std::string m = module;
-    if (rest.compare(0, m.size(), m) == 0) return fused + rest.substr(m.size());
+std::string FusedName(const std::string& rest) {
+  for (const NormKey& k : kLocalSpecNormKeys) {
+    const std::string_view module = k.module;
+    if (rest.compare(0, module.size(), module) == 0) return k.sharded + rest.substr(module.size());
   }
   return rest;
 }
