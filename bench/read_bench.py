@@ -220,10 +220,10 @@ class NullMount:
 
 
 class CkptfsMount:
-    def __init__(self, binary, src, index, rules=None, ra_kb=None):
+    def __init__(self, binary, src, index, rules=None, ra_kb=None, extra=()):
         self.binary = binary
         self.mnt = tempfile.mkdtemp(prefix="ckptfs-read-mnt-")
-        args = [binary, "mount", src, self.mnt, "--index", index, "--log", self.mnt + ".log"]
+        args = [binary, "mount", src, self.mnt, "--index", index, "--log", self.mnt + ".log", *extra]
         if rules:
             args += ["--rules", rules]
         r = subprocess.run(args, capture_output=True, text=True)

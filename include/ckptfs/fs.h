@@ -20,6 +20,7 @@
 #include "ckptfs/common.h"
 #include "ckptfs/index.h"
 #include "ckptfs/io.h"
+#include "ckptfs/read_ahead.h"
 #include "ckptfs/verify.h"
 #include "ckptfs/views.h"
 
@@ -93,6 +94,9 @@ struct FsOptions {
   // Reads that are plain copies of source bytes are answered from read-only
   // mappings of the sources (ReadMapped; --mapped-reads=off: always copied).
   bool mapped_reads = true;
+  // Cross-file read-ahead for readers that walk the tree (read_ahead.h;
+  // --read-ahead=off: none).
+  bool read_ahead = true;
   TopoOptions topo;  // --rules, --pp-layers, --hf-shard-size
   // The GPU backend's settings (device, idle release; the Python package
   // keeps the context it shares with torch: reset_when_idle = false).
@@ -114,7 +118,8 @@ class Filesystem {
   // attribute timeout (and topo/ERRORS no page cache).
   bool Dynamic(uint64_t ino) const { return view_->Dynamic(ino); }
   // Called on open(2): refuses files whose sources changed since indexing.
-  Status OpenFile(uint64_t ino);
+  // `pid`: the opening process, whose walk of the tree read-ahead follows.
+  Status OpenFile(uint64_t ino, uint32_t pid = 0);
   // Reads up to `size` bytes at `offset`; short only at end of file.
   Result<size_t> Read(uint64_t ino, uint64_t offset, size_t size, char* buf);
   // The same bytes as Read, as at most `max_pieces` pieces of mapped source
@@ -159,6 +164,9 @@ class Filesystem {
   // Opens and reads that failed (EIO, ESTALE, ...), of any file.
   uint64_t errors() const { return errors_.load(); }
   const LatencyHistogram& read_latency() const { return latency_; }
+  // Cross-file read-ahead's counts so far (zero when it is off), after the
+  // read-ahead already decided is done (Drain: tests).
+  ReadAhead::Counts read_ahead_counts(bool drain = false) const;
 
  private:
   Filesystem() = default;
@@ -166,6 +174,9 @@ class Filesystem {
   Result<Attr> AttrOfIno(uint64_t ino) const;  // GetAttr, uncounted
   Result<size_t> ReadData(uint64_t ino, uint64_t offset, size_t size, char* buf);
   Result<size_t> ReadStats(uint64_t offset, size_t size, char* buf);
+  // Read-ahead's fetch: asks the kernel for the sources of file `ino`'s
+  // plain-copy and conversion segments, at most `budget` bytes of its output.
+  uint64_t AskAhead(uint64_t ino, uint64_t budget);
   // A kCrc32 segment's 4 little-endian bytes, a kHash segment's 16 hex digits.
   Result<std::string> DigestBytes(const Segment& s);
   // .ckptfs/report.json, made by the first caller; later callers wait for it.
@@ -177,6 +188,8 @@ class Filesystem {
   // Lays out a kArchive segment (View::ArchiveLayout), cached per thread.
   std::function<Result<std::shared_ptr<const FileLayout>>(const Segment&)> expander_;
   std::unique_ptr<TensorReader> reader_;
+  // After reader_: its worker stops before the reader goes.
+  std::unique_ptr<ReadAhead> read_ahead_;
   int64_t mtime_ns_ = 0;
   // Copies of source bytes are replied from the sources' mappings; so are
   // conversions (bf16 -> f32 and the like) once the process's SIGBUS guard

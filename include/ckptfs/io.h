@@ -181,6 +181,11 @@ class TensorReader {
   // PlanCopy declined ranges known bad). For the kernel (a writev), or read
   // here under RunGuarded only: a file that shrank since the check faults.
   Status MapSpans(std::span<const SourceSpan> spans, MappedBytes* out);
+  // Asks the kernel to read the spans' bytes into the page cache (posix_fadvise
+  // WILLNEED: the I/O is started, nothing waits for it or copies it), for
+  // cross-file read-ahead; adjacent spans are asked as one. Returns the bytes
+  // asked for (not counted in source_bytes_read: the read that uses them is).
+  uint64_t AskAhead(std::span<const SourceSpan> spans);
   // As PlanCopy, for a rendering that converts every element of one source
   // dtype (bf16 -> f32 and the like): the spans cover whole elements.
   bool PlanConvert(TensorId id, DType out, const Box* box, uint64_t offset, uint64_t len, size_t max_spans,

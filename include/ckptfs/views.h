@@ -198,6 +198,16 @@ class View {
   Result<uint64_t> Size(uint64_t ino) const;
   // Path of a node, for log lines.
   std::string PathOf(uint64_t ino) const;
+  // The file after `ino` in a depth-first walk of the tree that takes each
+  // directory's entries in name order (ls -R, tar, rsync, diff -r) or in
+  // inode order (GNU cp -r sorts each listing by inode number), or 0 when
+  // the walk ends or leaves more than 64 directories without meeting one.
+  // Files found by name only (.ckptfs/stats, aliases), .ckptfs/report.json
+  // and topo/ERRORS are not part of any walk. Plans nothing: a directory
+  // whose files are made on first use (hf/, dcp/) is empty until then.
+  // Cross-file read-ahead asks it (read_ahead.h).
+  enum class WalkOrder : uint8_t { kName, kInode };
+  uint64_t NextInWalk(uint64_t ino, WalkOrder order) const;
   size_t num_nodes() const { return nodes_.size(); }
 
  private:
@@ -236,6 +246,10 @@ class View {
   Status InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const;
   Status AddExport(uint64_t root, const ExportFile& x);
 
+  // NextInWalk's step to the child of `dir` after `after` (0: its first) in
+  // `order`, skipping what no walk meets. Under tree_mu_ (shared).
+  uint64_t NextChildLocked(const Node& dir, uint64_t after, WalkOrder order) const;
+
   const Index& index_;
   const TopoOptions topo_;
   // Guards nodes_ (append-only), directories' children and subdirs, and
@@ -256,6 +270,11 @@ class View {
   };
   std::unique_ptr<std::unordered_map<ChildKey, uint64_t, ChildKeyHash>> building_;
   static constexpr size_t kScanChildren = 8;
+  // NextInWalk in inode order: the children of the last few big directories
+  // it walked, sorted by inode (with the child count they were made at; only
+  // topo/ grows). Leaf lock, taken under tree_mu_.
+  mutable std::mutex walk_mu_;
+  mutable std::vector<std::pair<uint64_t, std::shared_ptr<const std::vector<uint64_t>>>> by_inode_;
   uint64_t topo_dir_ = 0;
   mutable std::atomic<uint64_t> topo_changed_ns_{0};
   mutable std::atomic<bool> topo_listed_{false};  // ListFrom has paged topo/

@@ -55,7 +55,7 @@ the command that cleans it; --nonempty mounts over it anyway.
 -o OPT[,OPT..] takes the options of mount(8) / fstab (also through mount.ckptfs and
 `mount -t fuse.ckptfs SRC MNT -o ...`): allow_other, uid=N, gid=N, index=DIR, log=FILE,
 engine=, gpu=, family=, threads=N, rules=FILE, pp_layers=, hf_shard_size=, hf_arch=, hf_config=,
-hf_dtype=, mapped_reads=, verify_on_read,
+hf_dtype=, mapped_reads=, read_ahead=, verify_on_read,
 nonempty, strict, debug; ro, defaults, noauto, auto, nofail, _netdev, users, noatime,
 nosuid, nodev, noexec, x-* and comment= are accepted and have nothing to do here;
 rw is refused. The mount shows SRC as its source (findmnt, df) with type fuse.ckptfs.
@@ -80,6 +80,9 @@ before serving the first byte over it; a range that fails is EIO for its tensors
 dtype, uncompressed: merged shards, ZeRO partitions) is answered from read-only
 mappings of the sources, one copy per byte; off: every read is copied through
 the read engine.
+--read-ahead: on (default): a reader that opens files one after another in a walk's
+order (cp -r, diff -r, rsync, tar) has the sources of its next two files (at most
+64 MiB) read ahead, once it has opened three in a row; off: only what is read.
 )";
 
 constexpr const char* kIndexFooter = R"(
@@ -151,6 +154,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   }
   o.verify_on_read = a.Has("--verify-on-read");
   o.mapped_reads = a.Get("--mapped-reads", "on") == "on";
+  o.read_ahead = a.Get("--read-ahead", "on") == "on";
   ASSIGN_OR_RETURN(o.engine, ParseEngineKind(a.Get("--engine", "auto")));
   ASSIGN_OR_RETURN(o.gpu, ParseGpuMode(a.Get("--gpu", "auto")));
   if (a.Has("--rules")) {
@@ -765,6 +769,10 @@ int Main(std::vector<std::string> raw) {
   add_view(mount);
   add_flag(mount, "--verify-on-read", "--verify-on-read", "check source CRCs before serving");
   mount->add_option("--mapped-reads", str["--mapped-reads"], "answer plain copies from mapped sources (default on)")
+      ->check(CLI::IsMember({"on", "off"}));
+  mount
+      ->add_option("--read-ahead", str["--read-ahead"],
+                   "read the next files' sources ahead of a reader walking the tree (default on)")
       ->check(CLI::IsMember({"on", "off"}));
   add_flag(mount, "--nonempty", "--nonempty", "mount even over an existing mount");
   add_flag(mount, "--strict", "--strict", "refuse to mount when any tensor cannot be read");

@@ -49,6 +49,8 @@ Result<std::vector<std::string>> MountOptionFlags(const std::string& opts) {
                                                              {"hf-rope", "--hf-rope"},
                                                              {"mapped_reads", "--mapped-reads"},
                                                              {"mapped-reads", "--mapped-reads"},
+                                                             {"read_ahead", "--read-ahead"},
+                                                             {"read-ahead", "--read-ahead"},
                                                              {"max_metadata_bytes", "--max-metadata-bytes"},
                                                              {"max_item_bytes", "--max-item-bytes"},
                                                              {"family", "--family"}};

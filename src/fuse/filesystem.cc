@@ -167,6 +167,11 @@ Result<std::unique_ptr<Filesystem>> Filesystem::Open(const FsOptions& opts) {
   ASSIGN_OR_RETURN(fs->reader_, TensorReader::Open(*fs->index_, opts.engine, std::move(policy)));
   fs->reader_->set_verify_on_read(opts.verify_on_read);
   fs->mapped_reads_ = opts.mapped_reads;
+  if (opts.read_ahead) {
+    Filesystem* raw = fs.get();  // owns the read-ahead, so outlives its worker
+    fs->read_ahead_ = std::make_unique<ReadAhead>(
+        *fs->view_, [raw](uint64_t ino, uint64_t budget) { return raw->AskAhead(ino, budget); });
+  }
   if (!fs->index_->files().empty()) fs->mtime_ns_ = fs->index_->files()[0].mtime_ns;
   return fs;
 }
@@ -314,7 +319,43 @@ Result<std::vector<DirEntry>> Filesystem::ReadDirPage(uint64_t ino, uint64_t off
   return out;
 }
 
-Status Filesystem::OpenFile(uint64_t ino) {
+ReadAhead::Counts Filesystem::read_ahead_counts(bool drain) const {
+  if (read_ahead_ == nullptr) return {};
+  if (drain) read_ahead_->Drain();
+  return read_ahead_->counts();
+}
+
+uint64_t Filesystem::AskAhead(uint64_t ino, uint64_t budget) {
+  auto layout = view_->Layout(ino);
+  if (!layout.ok()) return 0;  // the open that follows reports it
+  std::vector<SourceSpan> all, spans;
+  ConvertPlan convert;
+  uint64_t left = budget;
+  ForEachSegment(
+      **layout, 0, (*layout)->size, expander_, nullptr, [&](const Segment& s, uint64_t in, uint64_t n, uint64_t) {
+        if (s.kind != SegmentKind::kTensor || s.transposed || s.Affine()) return true;
+        // The segment's first `left` bytes, or its first MiB when
+        // those take too many spans (a merge of thin rows): the
+        // kernel's read-around covers the rest once it is read.
+        for (uint64_t take : {std::min(n, left), std::min<uint64_t>({n, left, 1 << 20})}) {
+          spans.clear();
+          if (reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, take, kMaxConvertSpans, &spans)) {
+          } else if (reader_->PlanConvert(s.tensor, s.out_dtype, s.box_or_null(), in, take, kMaxConvertSpans,
+                                          &convert)) {
+            spans.swap(convert.spans);
+          } else {
+            continue;  // compressed, a mean of copies: the read itself fetches it
+          }
+          all.insert(all.end(), spans.begin(), spans.end());
+          left -= take;
+          break;
+        }
+        return left > 0;
+      });
+  return reader_->AskAhead(all);
+}
+
+Status Filesystem::OpenFile(uint64_t ino, uint32_t pid) {
   opens_.fetch_add(1, std::memory_order_relaxed);
   const Node* node = view_->Get(ino);
   if (node != nullptr && node->report) {
@@ -342,6 +383,7 @@ Status Filesystem::OpenFile(uint64_t ino) {
       return st;
     }
   }
+  if (read_ahead_ != nullptr) read_ahead_->Opened(ino, pid);
   return Status::Ok();
 }
 
@@ -491,6 +533,9 @@ std::string Filesystem::StatsJson() const {
        ", \"p99\": " + Micros(latency_.PercentileNs(0.99)) + ", \"max\": " + Micros(latency_.max_ns()) + "},\n";
   j += "  \"source_bytes_read\": " + u(reader_->source_bytes_read()) + ",\n";
   j += "  \"source_reads\": " + u(reader_->source_reads()) + ",\n";
+  const ReadAhead::Counts ra = read_ahead_counts();
+  j += "  \"read_ahead\": {\"on\": " + std::string(read_ahead_ != nullptr ? "true" : "false") +
+       ", \"files\": " + u(ra.files) + ", \"bytes\": " + u(ra.bytes) + ", \"hits\": " + u(ra.hits) + "},\n";
   j += "  \"engine\": " + JsonEscape(engine_name()) + ",\n";
   j += "  \"transforms\": " + JsonEscape(transforms_name()) + ",\n";
   j += "  \"cpu_plans\": " + u(tc.cpu_plans) + ",\n";

@@ -222,7 +222,7 @@ void OnOpen(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
       fuse_reply_err(req, EROFS);
       return;
     }
-    Status s = Fs(req).OpenFile(ino);
+    Status s = Fs(req).OpenFile(ino, static_cast<uint32_t>(fuse_req_ctx(req)->pid));
     if (!s.ok()) {
       fuse_reply_err(req, ToErrno(s));
       return;

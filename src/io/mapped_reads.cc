@@ -2,7 +2,9 @@
 // pieces of read-only mappings of the sources, after CheckFd; ConvertMapped
 // converts straight from them under RunGuarded (a source cut short is kStale).
 // Windows of kMapWindow bytes every kMapStep are kept, most recent last.
+// AskAhead starts the kernel's reads of spans for cross-file read-ahead.
 // Locking: map_mu_ (a leaf) guards windows_; mmap runs outside it.
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
 
@@ -113,6 +115,23 @@ Result<std::shared_ptr<const TensorReader::MapWindow>> TensorReader::Window(uint
   windows_.emplace_back(key, w);
   if (windows_.size() > kMapWindows) windows_.erase(windows_.begin());
   return std::shared_ptr<const MapWindow>(w);
+}
+
+uint64_t TensorReader::AskAhead(std::span<const SourceSpan> spans) {
+  uint64_t asked = 0;
+  for (size_t i = 0; i < spans.size();) {
+    const SourceSpan& a = spans[i];
+    uint64_t end = a.offset + a.length;
+    size_t j = i + 1;
+    for (; j < spans.size() && spans[j].file == a.file && spans[j].offset == end; ++j) end += spans[j].length;
+    if (a.file < fds_.size() && fds_[a.file] >= 0 && end > a.offset &&
+        ::posix_fadvise(fds_[a.file], static_cast<off_t>(a.offset), static_cast<off_t>(end - a.offset),
+                        POSIX_FADV_WILLNEED) == 0) {
+      asked += end - a.offset;
+    }
+    i = j;
+  }
+  return asked;
 }
 
 Status TensorReader::MapSpans(std::span<const SourceSpan> spans, MappedBytes* out) {

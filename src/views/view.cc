@@ -669,6 +669,79 @@ std::string View::PathOfLocked(uint64_t ino) const {
   return out.empty() ? "/" : out;
 }
 
+uint64_t View::NextChildLocked(const Node& dir, uint64_t after, WalkOrder order) const {
+  auto walked = [this](uint64_t c) {
+    const Node* n = GetLocked(c);
+    return n != nullptr && !n->stats && !n->unlisted && !n->report && !n->topo_errors;
+  };
+  const std::vector<uint64_t>& kids = dir.children;
+  if (order == WalkOrder::kName) {
+    size_t i = 0;
+    if (after != 0) {
+      const std::string& name = nodes_[after - 1]->name;
+      i = static_cast<size_t>(
+          std::upper_bound(kids.begin(), kids.end(), name,
+                           [this](const std::string& n, uint64_t c) { return n < nodes_[c - 1]->name; }) -
+          kids.begin());
+    }
+    for (; i < kids.size(); ++i) {
+      if (walked(kids[i])) return kids[i];
+    }
+    return 0;
+  }
+  if (kids.size() <= 64) {  // the smallest walked inode past `after`, by a scan
+    uint64_t best = 0;
+    for (uint64_t c : kids) {
+      if (c > after && (best == 0 || c < best) && walked(c)) best = c;
+    }
+    return best;
+  }
+  std::shared_ptr<const std::vector<uint64_t>> sorted;
+  {
+    std::lock_guard<std::mutex> lock(walk_mu_);
+    for (auto& [ino, v] : by_inode_) {
+      if (ino == dir.ino && v->size() == kids.size()) sorted = v;
+    }
+    if (sorted == nullptr) {
+      auto v = std::make_shared<std::vector<uint64_t>>(kids);
+      std::sort(v->begin(), v->end());
+      std::erase_if(by_inode_, [&](const auto& e) { return e.first == dir.ino; });
+      by_inode_.emplace_back(dir.ino, v);
+      if (by_inode_.size() > 4) by_inode_.erase(by_inode_.begin());
+      sorted = std::move(v);
+    }
+  }
+  for (auto it = std::upper_bound(sorted->begin(), sorted->end(), after); it != sorted->end(); ++it) {
+    if (walked(*it)) return *it;
+  }
+  return 0;
+}
+
+uint64_t View::NextInWalk(uint64_t ino, WalkOrder order) const {
+  std::shared_lock lock(tree_mu_);
+  const Node* cur = GetLocked(ino);
+  if (cur == nullptr || cur->ino == kRootIno) return 0;
+  int dirs = 64;  // directories entered or left before giving up
+  while (dirs-- > 0) {
+    const Node* parent = GetLocked(cur->parent);
+    if (parent == nullptr) return 0;
+    const uint64_t next = NextChildLocked(*parent, cur->ino, order);
+    if (next == 0) {  // the last of its directory: on past the directory
+      if (parent->ino == kRootIno) return 0;
+      cur = parent;
+      continue;
+    }
+    cur = GetLocked(next);
+    while (cur->is_dir && dirs-- > 0) {  // down to the first file, past empty directories
+      const uint64_t first = NextChildLocked(*cur, 0, order);
+      if (first == 0) break;
+      cur = GetLocked(first);
+    }
+    if (!cur->is_dir) return cur->ino;
+  }
+  return 0;
+}
+
 Status View::InfoJson(const Node& n, FileLayout* out, uint64_t* size_only) const {
   const Node* dir = Get(n.parent);
   std::vector<TensorId> ids;
