@@ -272,3 +272,50 @@ def test_daemon_logs_progress_to_its_log_file(src, tmp_path):
             time.sleep(0.05)
         if os.path.ismount(mnt):
             subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True, timeout=60)
+
+
+def walk_files(root):
+    """Every file under root in name order, as ls -R and tar meet them."""
+    out = []
+    for d, dirs, files in os.walk(root):
+        dirs.sort()
+        out += [os.path.join(d, f) for f in sorted(files)]
+    return out
+
+
+def test_read_ahead_follows_cp_r_and_diff_r_and_nothing_else(src, mounter, tmp_path):
+    """Cross-file read-ahead: GNU cp -r (inode order) and diff -r (name order)
+    of params/ have the next files' sources asked ahead, every one of them then
+    opened; the bytes equal those of a mount with --read-ahead=off. A reader of
+    one file, or of the files backwards or interleaved, causes none."""
+    with mounter(src, name="on") as on, mounter(src, name="off", extra=["--read-ahead", "off"]) as off:
+        r = run(["cp", "-r", str(on.path / "params"), str(tmp_path / "copy")], timeout=120)
+        assert r.returncode == 0, r.stderr
+        s = read_stats(on.path)["read_ahead"]
+        n = len(walk_files(on.path / "params"))
+        assert s["on"] is True and s["files"] > 0 and s["bytes"] > 0, s
+        # Unopened: at most two where the walk told name from inode order
+        # (they agree over its first files) and two past params/'s end.
+        assert s["hits"] >= n // 2 and s["files"] <= s["hits"] + 4, (s, n)
+        assert run(["diff", "-r", str(on.path / "params"), str(off.path / "params")], timeout=120).returncode == 0
+        assert run(["diff", "-r", str(tmp_path / "copy"), str(off.path / "params")], timeout=120).returncode == 0
+        s_off = read_stats(off.path)["read_ahead"]
+        assert s_off == {"on": False, "files": 0, "bytes": 0, "hits": 0}, s_off
+        # diff -r walked the on-mount in name order: followed too.
+        assert read_stats(on.path)["read_ahead"]["hits"] > s["hits"]
+    files = None
+    with mounter(src, name="one") as m:
+        files = walk_files(m.path / "params")
+        assert len(files) >= 12
+        assert subprocess.run(["cat", files[0]], capture_output=True, timeout=30).returncode == 0
+        for f in reversed(files):
+            with open(f, "rb") as fh:
+                fh.read()
+        half = len(files) // 2
+        for a, b in zip(files[:half], files[half:]):
+            for f in (a, b):
+                with open(f, "rb") as fh:
+                    fh.read()
+        s = read_stats(m.path)
+        assert s["read_ahead"] == {"on": True, "files": 0, "bytes": 0, "hits": 0}, s
+        assert s["bytes"] > 0
