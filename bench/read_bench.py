@@ -183,12 +183,19 @@ def wait_readahead(mnt):
 
 
 class NullMount:
-    def __init__(self, binary, sizes, threads=16, ra_kb=None, source=None):
+    def __init__(self, binary, sizes, threads=16, ra_kb=None, source=None, tree=None):
+        """Files f00000.. of `sizes`, or with `tree` ([(path, is_dir, size)], parents
+        first, each directory's entries in listing order) that tree."""
         self.mnt = tempfile.mkdtemp(prefix="null-fuse-mnt-")
         self.stats_path = self.mnt + ".stats.json"
         args = [binary, self.mnt, "--threads", str(threads), "--stats", self.stats_path]
         if source:  # its bytes from a mapping of `source` (one copy out of the page cache)
             args += ["--source", source, "--mode", "map"]
+        if tree is not None:
+            with open(self.mnt + ".tree", "w", encoding="utf-8", errors="surrogateescape") as f:
+                for path, is_dir, size in tree:
+                    f.write(f"{'d' if is_dir else 'f'}\t{path}\t{size}\n")
+            args += ["--tree", self.mnt + ".tree"]
         for i, s in enumerate(sizes):
             args += ["--file", f"f{i:05d}:{s}"]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -258,13 +265,13 @@ def ensure_dcp(path, gib):
     return path
 
 
-def ensure_ds(path, layers, hidden):
+def ensure_ds(path, layers, hidden, dp=4):
     if not os.path.exists(os.path.join(path, "latest")):
-        print(f"writing the DeepSpeed benchmark checkpoint {path} (ZeRO-2, bf16, DP 4) ...", flush=True)
+        print(f"writing the DeepSpeed benchmark checkpoint {path} (ZeRO-2, bf16, DP {dp}) ...", flush=True)
         shutil.rmtree(path, ignore_errors=True)
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
         subprocess.run([sys.executable, os.path.join(ROOT, "tests", "fixtures", "make_deepspeed.py"), path,
-                        "--stage", "2", "--dtype", "bf16", "--dp", "4", "--steps", "1", "--layers", str(layers),
+                        "--stage", "2", "--dtype", "bf16", "--dp", str(dp), "--steps", "1", "--layers", str(layers),
                         "--hidden", str(hidden), "--ffn", str(2 * hidden)], check=True, env=env,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tag = open(os.path.join(path, "latest")).read().strip()
@@ -407,6 +414,135 @@ def measure_topo(a, src, index, rules, reps):
     return res
 
 
+def tree_of(root):
+    """[(relative path, is_dir, size)] of the tree under root: parents first, each
+    directory's entries in the order it lists them (null_fuse --tree's input)."""
+    out, todo = [], [""]
+    while todo:
+        rel = todo.pop(0)
+        with os.scandir(os.path.join(root, rel)) as it:
+            for e in it:
+                path = os.path.join(rel, e.name) if rel else e.name
+                out.append((path, e.is_dir(follow_symlinks=False), e.stat(follow_symlinks=False).st_size))
+                if out[-1][1]:
+                    todo.append(path)
+    return out
+
+
+def daemon_read_bytes(pid):
+    """Bytes the process made the storage read (/proc/PID/io read_bytes: reads, faults on
+    mappings and read-ahead alike), or 0 when it cannot be told."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return next(int(l.split()[1]) for l in f if l.startswith("read_bytes:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def timed(cmd):
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, capture_output=True)
+    return time.perf_counter() - t
+
+
+def measure_walk(a, src, index, sources, reps):
+    """Issue 44's cross-file read-ahead: a cold `cp -r params/` of a checkpoint of thousands of
+    small tensors (into /dev/shm), with --read-ahead on and off, against `cat` of its source
+    files and against the same `cp -r` of the same tree from the null daemon (static replies: the
+    FUSE and cp ceiling); `diff -r` of two mounts of two cold copies against `cat` of both; the
+    storage bytes each daemon read (/proc/PID/io) per source byte; and a reader taking the same
+    files in a shuffled order, which must cause no read-ahead."""
+    import random
+    dst = tempfile.mkdtemp(prefix="ckptfs-walk-", dir="/dev/shm")
+    twin = src.rstrip("/") + ".twin"  # a second copy, so diff -r reads two cold checkpoints
+    if not os.path.isdir(twin):
+        shutil.copytree(src, twin, ignore=shutil.ignore_patterns(".ckptfs"))
+    twin_index = index + ".twin"
+    build_index(a.ckptfs, twin, twin_index)
+    twin_sources = [os.path.join(twin, os.path.basename(p)) for p in sources]
+    m = CkptfsMount(a.ckptfs, src, index)
+    tree = [("params", True, 4096)] + [("params/" + p, d, z) for p, d, z in tree_of(os.path.join(m.mnt, "params"))]
+    m.close()
+    files = sum(1 for _, d, _ in tree if not d)
+    out_bytes = sum(z for _, d, z in tree if not d)
+    src_bytes = sum(os.path.getsize(p) for p in sources)
+    print(f"[walk] params/: {files} files, {out_bytes / 2**20:.0f} MiB; sources {src_bytes / 2**20:.0f} MiB", flush=True)
+    res = {"files": files, "out_bytes": out_bytes, "source_bytes": src_bytes,
+           "cat_s": [], "cat2_s": [], "null_cp_s": [], "cp_s": {"on": [], "off": []}, "cp_amp": {"on": [], "off": []},
+           "diff_s": {"on": [], "off": []}, "cp_read_ahead": None, "shuffled": None}
+
+    def cp_run(extra):
+        shutil.rmtree(os.path.join(dst, "p"), ignore_errors=True)
+        m = CkptfsMount(a.ckptfs, src, index, extra=extra)
+        try:
+            pid = mount_pid(m.mnt)
+            drop_caches()
+            r0 = daemon_read_bytes(pid)
+            t = timed(["cp", "-r", os.path.join(m.mnt, "params"), os.path.join(dst, "p")])
+            return t, (daemon_read_bytes(pid) - r0) / src_bytes, m.stats()["read_ahead"]
+        finally:
+            m.close()
+
+    def diff_run(extra):
+        m1 = CkptfsMount(a.ckptfs, src, index, extra=extra)
+        m2 = CkptfsMount(a.ckptfs, twin, twin_index, extra=extra)
+        try:
+            drop_caches()
+            return timed(["diff", "-r", os.path.join(m1.mnt, "params"), os.path.join(m2.mnt, "params")])
+        finally:
+            m1.close()
+            m2.close()
+
+    for _ in range(reps):
+        drop_caches()
+        res["cat_s"].append(read_files(sources)[1])
+        drop_caches()
+        res["cat2_s"].append(read_files(sources + twin_sources)[1])
+        nm = NullMount(a.null_fuse, [], tree=tree)
+        shutil.rmtree(os.path.join(dst, "p"), ignore_errors=True)
+        res["null_cp_s"].append(timed(["cp", "-r", os.path.join(nm.mnt, "params"), os.path.join(dst, "p")]))
+        nm.close()
+        for ra in ("on", "off"):
+            t, amp, st = cp_run(["--read-ahead", ra])
+            res["cp_s"][ra].append(t)
+            res["cp_amp"][ra].append(amp)
+            if ra == "on":
+                res["cp_read_ahead"] = st
+            res["diff_s"][ra].append(diff_run(["--read-ahead", ra]))
+    # A reader of the same files in a shuffled order: no read-ahead at all.
+    m = CkptfsMount(a.ckptfs, src, index, extra=("--read-ahead", "on"))
+    try:
+        paths = [os.path.join(m.mnt, p) for p, d, _ in tree if not d]
+        random.Random(44).shuffle(paths)
+        drop_caches()
+        n, t = read_files(paths)
+        st = m.stats()
+        res["shuffled"] = {"s": t, "bytes": n, "read_ahead": st["read_ahead"],
+                           "source_bytes_read": st["source_bytes_read"]}
+    finally:
+        m.close()
+    shutil.rmtree(dst, ignore_errors=True)
+    return res
+
+
+def print_walk(w):
+    med = statistics.median
+    cat, cat2, null = med(w["cat_s"]), med(w["cat2_s"]), med(w["null_cp_s"])
+    print(f"cold cp -r params/ ({w['files']} files, {w['out_bytes'] / 2**20:.0f} MiB out of "
+          f"{w['source_bytes'] / 2**20:.0f} MiB of sources; medians, s):")
+    print(f"  cat of the sources {cat:.2f}; cp -r of the same tree from the null daemon {null:.2f} (ceiling: "
+          f"the slower of the two, {max(cat, null):.2f})")
+    for ra in ("on", "off"):
+        cp = med(w["cp_s"][ra])
+        print(f"  read-ahead {ra:>3}: cp -r {cp:.2f} s = {cat / cp:.2f}x cat (target 0.9), {max(cat, null) / cp:.2f}x the "
+              f"ceiling; storage read {med(w['cp_amp'][ra]):.2f}x the sources; diff -r of two mounts "
+              f"{med(w['diff_s'][ra]):.2f} s = {cat2 / med(w['diff_s'][ra]):.2f}x cat of both ({cat2:.2f} s)")
+    print(f"  read-ahead during cp -r: {w['cp_read_ahead']}")
+    sh = w["shuffled"]
+    print(f"  shuffled reader of the same files: {sh['bytes'] / sh['s'] / 1e9:.2f} GB/s, read-ahead "
+          f"{sh['read_ahead']} (must ask nothing)")
+
+
 def read_direct(paths, block=4 << 20, depth=8):
     """O_DIRECT reads of the files in order, `depth` blocks in flight (one thread each, GIL released
     in preadv): what the storage gives with a deep queue and no page cache."""
@@ -508,6 +644,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-ds", action="store_true")
     ap.add_argument("--skip-topo", action="store_true")
+    ap.add_argument("--skip-walk", action="store_true")
+    ap.add_argument("--walk-ds", default=os.path.join(HERE, "out", "ds-zero2-bf16-dp2-L256-H128"),
+                    help="the small-tensor DeepSpeed checkpoint of the cp -r / diff -r walk")
+    ap.add_argument("--walk-layers", type=int, default=256)
+    ap.add_argument("--walk-hidden", type=int, default=128)
+    ap.add_argument("--only-walk", action="store_true", help="the walk only (no merged/widened/stripped/topo)")
     ap.add_argument("--experiments", action="store_true",
                     help="also: readahead windows (--ra-kb) and O_DIRECT deep-queue source reads, merged case")
     ap.add_argument("--ra-kb", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096, 16384])
@@ -525,14 +667,18 @@ def main():
                "ckptfs": a.ckptfs, "null_fuse": a.null_fuse, "reader": "readinto 1 MiB, unbuffered fd",
                "cases": []}
 
-    dcp = os.path.abspath(ensure_dcp(a.dcp, a.gib))
-    dcp_src = sorted(glob.glob(os.path.join(dcp, "__*")))
-    dcp_index = os.path.join(work, "dcp-index")
-    build_index(a.ckptfs, dcp, dcp_index)
-    results["cases"].append(measure_case(
-        a, "merged", dcp, dcp_index,
-        lambda mnt: sorted(glob.glob(os.path.join(mnt, "params", "model.layers.*.w", "param.raw"))),
-        dcp_src, 1.0, a.reps))
+    if a.only_walk:
+        a.skip_ds = a.skip_topo = True
+        a.experiments = False
+    else:
+        dcp = os.path.abspath(ensure_dcp(a.dcp, a.gib))
+        dcp_src = sorted(glob.glob(os.path.join(dcp, "__*")))
+        dcp_index = os.path.join(work, "dcp-index")
+        build_index(a.ckptfs, dcp, dcp_index)
+        results["cases"].append(measure_case(
+            a, "merged", dcp, dcp_index,
+            lambda mnt: sorted(glob.glob(os.path.join(mnt, "params", "model.layers.*.w", "param.raw"))),
+            dcp_src, 1.0, a.reps))
 
     if not a.skip_ds:
         ds = os.path.abspath(ensure_ds(a.ds, a.ds_layers, a.ds_hidden))
@@ -549,6 +695,12 @@ def main():
             lambda mnt: sorted(p for s in ("fp32", "exp_avg", "exp_avg_sq")
                                for p in glob.glob(os.path.join(mnt, "params", "*", s + ".npy"))),
             optim_states, 1.0, a.reps))
+
+    if not a.skip_walk:
+        walk = os.path.abspath(ensure_ds(a.walk_ds, a.walk_layers, a.walk_hidden, dp=2))
+        walk_index = os.path.join(work, "walk-index")
+        build_index(a.ckptfs, walk, walk_index)
+        results["walk"] = measure_walk(a, walk, walk_index, sorted(glob.glob(os.path.join(walk, "*.pt"))), a.reps)
 
     if not a.skip_topo:
         rules = os.path.join(work, "rules.json")
@@ -595,6 +747,8 @@ def main():
             r[k]["scale"] = ck / c1
             print(f"{k:7d} | {nk:9.2f} {nk / n1:6.2f} | {ck:11.2f} {ck / c1:6.2f} {tgt:6d} {ck / c1 / tgt:7.2f} "
                   f"{ck / nk:7.2f}")
+    if "walk" in results:
+        print_walk(results["walk"])
     if "experiments" in results:
         e = results["experiments"]
         print("diagnosis, merged case (GB/s): mount readahead window vs null / ckptfs warm / ckptfs cold")

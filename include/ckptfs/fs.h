@@ -95,8 +95,9 @@ struct FsOptions {
   // mappings of the sources (ReadMapped; --mapped-reads=off: always copied).
   bool mapped_reads = true;
   // Cross-file read-ahead for readers that walk the tree (read_ahead.h;
-  // --read-ahead=off: none).
-  bool read_ahead = true;
+  // --read-ahead=on). Off by default: on local storage it measured slower
+  // (docs/performance.md, "Cross-file read-ahead").
+  bool read_ahead = false;
   TopoOptions topo;  // --rules, --pp-layers, --hf-shard-size
   // The GPU backend's settings (device, idle release; the Python package
   // keeps the context it shares with torch: reset_when_idle = false).

@@ -80,9 +80,9 @@ before serving the first byte over it; a range that fails is EIO for its tensors
 dtype, uncompressed: merged shards, ZeRO partitions) is answered from read-only
 mappings of the sources, one copy per byte; off: every read is copied through
 the read engine.
---read-ahead: on (default): a reader that opens files one after another in a walk's
-order (cp -r, diff -r, rsync, tar) has the sources of its next two files (at most
-64 MiB) read ahead, once it has opened three in a row; off: only what is read.
+--read-ahead: on: a reader that opens files one after another in a walk's order
+(cp -r, diff -r, rsync, tar) has the sources of its next two files (at most 64 MiB)
+read ahead, once it has opened three in a row; off (default): only what is read.
 )";
 
 constexpr const char* kIndexFooter = R"(
@@ -154,7 +154,7 @@ Result<FsOptions> FsOpts(const Args& a, const std::string& src) {
   }
   o.verify_on_read = a.Has("--verify-on-read");
   o.mapped_reads = a.Get("--mapped-reads", "on") == "on";
-  o.read_ahead = a.Get("--read-ahead", "on") == "on";
+  o.read_ahead = a.Get("--read-ahead", "off") == "on";
   ASSIGN_OR_RETURN(o.engine, ParseEngineKind(a.Get("--engine", "auto")));
   ASSIGN_OR_RETURN(o.gpu, ParseGpuMode(a.Get("--gpu", "auto")));
   if (a.Has("--rules")) {
@@ -768,11 +768,11 @@ int Main(std::vector<std::string> raw) {
   add_flag(mount, "--debug", "--debug", "trace every FUSE request (implies -f)");
   add_view(mount);
   add_flag(mount, "--verify-on-read", "--verify-on-read", "check source CRCs before serving");
-  mount->add_option("--mapped-reads", str["--mapped-reads"], "answer plain copies from mapped sources (default on)")
+  mount->add_option("--mapped-reads", str["--mapped-reads"], "answer plain copies from mapped sources (default off)")
       ->check(CLI::IsMember({"on", "off"}));
   mount
       ->add_option("--read-ahead", str["--read-ahead"],
-                   "read the next files' sources ahead of a reader walking the tree (default on)")
+                   "read the next files' sources ahead of a reader walking the tree (default off)")
       ->check(CLI::IsMember({"on", "off"}));
   add_flag(mount, "--nonempty", "--nonempty", "mount even over an existing mount");
   add_flag(mount, "--strict", "--strict", "refuse to mount when any tensor cannot be read");

@@ -286,9 +286,9 @@ def walk_files(root):
 def test_read_ahead_follows_cp_r_and_diff_r_and_nothing_else(src, mounter, tmp_path):
     """Cross-file read-ahead: GNU cp -r (inode order) and diff -r (name order)
     of params/ have the next files' sources asked ahead, every one of them then
-    opened; the bytes equal those of a mount with --read-ahead=off. A reader of
-    one file, or of the files backwards or interleaved, causes none."""
-    with mounter(src, name="on") as on, mounter(src, name="off", extra=["--read-ahead", "off"]) as off:
+    opened; the bytes equal those of a mount without it (the default). A reader
+    of one file, or of the files backwards or interleaved, causes none."""
+    with mounter(src, name="on", extra=["--read-ahead", "on"]) as on, mounter(src, name="off") as off:
         r = run(["cp", "-r", str(on.path / "params"), str(tmp_path / "copy")], timeout=120)
         assert r.returncode == 0, r.stderr
         s = read_stats(on.path)["read_ahead"]
@@ -304,7 +304,7 @@ def test_read_ahead_follows_cp_r_and_diff_r_and_nothing_else(src, mounter, tmp_p
         # diff -r walked the on-mount in name order: followed too.
         assert read_stats(on.path)["read_ahead"]["hits"] > s["hits"]
     files = None
-    with mounter(src, name="one") as m:
+    with mounter(src, name="one", extra=["-o", "read_ahead=on"]) as m:
         files = walk_files(m.path / "params")
         assert len(files) >= 12
         assert subprocess.run(["cat", files[0]], capture_output=True, timeout=30).returncode == 0

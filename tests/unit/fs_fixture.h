@@ -15,13 +15,15 @@
 
 namespace ckptfs::testing {
 
-inline std::unique_ptr<Filesystem> OpenFixtureCopy(const TempDir& tmp, const std::string& rel) {
+inline std::unique_ptr<Filesystem> OpenFixtureCopy(const TempDir& tmp, const std::string& rel,
+                                                   bool read_ahead = false) {
   const std::string src = tmp.path() + "/ck";
   std::filesystem::copy(std::string(CKPTFS_TEST_DATA) + "/" + rel, src, std::filesystem::copy_options::recursive);
   FsOptions o;
   o.src = src;
   o.index_dir = tmp.path() + "/index";
   o.gpu = GpuMode::kOff;
+  o.read_ahead = read_ahead;
   auto f = Filesystem::Open(o);
   EXPECT_TRUE(f.ok()) << rel << ": " << f.status().message();
   return f.ok() ? std::move(f).value() : nullptr;

@@ -35,7 +35,7 @@ void Walk(const View& v, uint64_t dir, Order order, std::vector<uint64_t>* out) 
 class ReadAheadTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    fs_ = OpenFixtureCopy(tmp_, "dcp_single");
+    fs_ = OpenFixtureCopy(tmp_, "dcp_single", /*read_ahead=*/true);
     ASSERT_NE(fs_, nullptr);
     auto params = fs_->view().Resolve("params");
     ASSERT_TRUE(params.ok());
@@ -73,7 +73,7 @@ TEST_F(ReadAheadTest, AWalkIsReadAheadAndEveryFileAskedAheadIsThenOpened) {
     fs_.reset();  // a fresh core: fresh counts
     std::filesystem::remove_all(tmp_.path() + "/ck");
     std::filesystem::remove_all(tmp_.path() + "/index");
-    fs_ = OpenFixtureCopy(tmp_, "dcp_single");
+    fs_ = OpenFixtureCopy(tmp_, "dcp_single", /*read_ahead=*/true);
     ASSERT_NE(fs_, nullptr);
     const std::vector<uint64_t> files = Files(order);
     for (uint64_t ino : files) Open(ino, 7);
@@ -141,12 +141,12 @@ TEST_F(ReadAheadTest, AReaderOfOneFileNamePerDirectoryIsFollowedPastTheOthers) {
   EXPECT_LE(c.files, c.hits + ReadAhead::kFilesAhead + 1);
 }
 
-TEST_F(ReadAheadTest, OffMeansNone) {
+TEST_F(ReadAheadTest, OffByDefaultAndOffMeansNone) {
   FsOptions o;
+  EXPECT_FALSE(o.read_ahead);
   o.src = tmp_.path() + "/ck";
   o.index_dir = tmp_.path() + "/index";
   o.gpu = GpuMode::kOff;
-  o.read_ahead = false;
   auto off = Filesystem::Open(o);
   ASSERT_TRUE(off.ok()) << off.status().message();
   for (uint64_t ino : Files(Order::kName)) ASSERT_TRUE((*off)->OpenFile(ino, 1).ok());
