@@ -12,6 +12,8 @@
 #include <map>
 #include <set>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -42,10 +44,10 @@ Result<DType> PropertiesDType(const PyValue* props) {
   return d;
 }
 
-// A tensor's state-dict path from planner_data (its key alone when absent).
-std::vector<std::string> PathOf(const PyValue* planner, const std::string& key) {
+// A tensor's state-dict path from its planner_data entry `p` (its key alone
+// when there is none).
+std::vector<std::string> PathOf(const PyValue* p, const std::string& key) {
   std::vector<std::string> path;
-  const PyValue* p = planner != nullptr && planner->kind == PyKind::kDict ? planner->Get(key) : nullptr;
   if (p != nullptr && p->IsSeq()) {
     for (const auto& e : p->items) {
       if (e->kind == PyKind::kStr)
@@ -434,7 +436,19 @@ Status DcpReader::TakeMetadataRoot(const PyValue& root, const StreamedDicts& see
                            : has_planner             ? " (torch 2.0-2.3)"
                                                      : " (torch 1.13 _shard.checkpoint layout)");
   }
-  for (size_t i = paths.size(); i < ck.tensors.size(); ++i) paths.push_back(PathOf(planner, ck.tensors[i].key));
+  // planner_data has an entry per tensor: found by hash (a scan per tensor
+  // was quadratic, half the index build of 40k tensors).
+  std::unordered_map<std::string_view, const PyValue*> by_key;
+  if (has_planner) {
+    by_key.reserve(planner->dict.size());
+    for (const auto& [k, v] : planner->dict) {
+      if (k && k->kind == PyKind::kStr) by_key.emplace(k->s, v);  // the first of a repeated key, as Get
+    }
+  }
+  for (size_t i = paths.size(); i < ck.tensors.size(); ++i) {
+    auto it = by_key.find(ck.tensors[i].key);
+    paths.push_back(PathOf(it == by_key.end() ? nullptr : it->second, ck.tensors[i].key));
+  }
   return Status::Ok();
 }
 
