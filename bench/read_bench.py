@@ -49,7 +49,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CHUNK = 1 << 20
-WARM_TARGET = 0.90
+# Issue 44's targets, against the ceilings measured in the same run: warm first reads >= 0.95 of
+# the null daemon replying real bytes from a mapping (`map`), widened ones >= 0.90 of it.
+WARM_MAP_TARGET = {"widened": 0.90}
+WARM_MAP_TARGET_DEFAULT = 0.95
 COLD_TARGET = 1.0
 
 _mounts = []  # (kind, mountpoint, process or None), unmounted at exit
@@ -715,22 +718,23 @@ def main():
     print()
     print(f"ckptfs read benchmark: {results['host']}, {results['cores']} cores, kernel {results['kernel']}, "
           f"reader {results['reader']}, medians of {a.reps}")
-    print(f"{'case':<10} {'MiB':>6} {'files':>5} | {'ceiling':>8} {'warm':>6} {'ratio':>6} {'/0.90':>6} "
-          f"{'map':>5} {'ratio':>6} | "
+    print(f"{'case':<10} {'MiB':>6} {'files':>5} | {'ceiling':>8} {'warm':>6} {'ratio':>6} "
+          f"{'map':>5} {'ratio':>6} {'target':>6} {'/tgt':>5} | "
           f"{'cat':>6} {'cold':>6} {'ratio':>6} {'/1.0':>6} | {'req KiB':>7} | {'CPU s/GiB null':>14} {'ckptfs':>11}")
     for c in results["cases"]:
         st = c["ckptfs_warm_stats"]
         req = st["bytes"] / max(1, st["reads"]) / 1024
         cu = c["cpu_s_per_gib"]
+        tgt = WARM_MAP_TARGET.get(c["case"], WARM_MAP_TARGET_DEFAULT)
         print(f"{c['case']:<10} {c['out_bytes'] / 2**20:6.0f} {c['files']:5d} | {med(c['ceiling_gbs']):8.2f} "
-              f"{med(c['warm_gbs']):6.2f} {c['warm_ratio']:6.2f} {c['warm_ratio'] / WARM_TARGET:6.2f} "
-              f"{med(c['ceiling_map_gbs']):5.2f} {c['warm_ratio_map']:6.2f} | "
+              f"{med(c['warm_gbs']):6.2f} {c['warm_ratio']:6.2f} "
+              f"{med(c['ceiling_map_gbs']):5.2f} {c['warm_ratio_map']:6.2f} {tgt:6.2f} {c['warm_ratio_map'] / tgt:5.2f} | "
               f"{med(c['cat_cold_gbs']):6.2f} {med(c['cold_src_gbs']):6.2f} {c['cold_ratio']:6.2f} "
               f"{c['cold_ratio'] / COLD_TARGET:6.2f} | {req:7.0f} | "
               f"{cu['null']['reader_s']:.2f}+{cu['null']['daemon_s']:.2f} {cu['ckptfs']['reader_s']:5.2f}+"
               f"{cu['ckptfs']['daemon_s']:.2f}")
     print("  map = the null daemon replying from a mapping of a warm source file (one copy, as a real reply "
-          "pays; ratio = warm/map)\n"
+          "pays; ratio = warm/map; target: 0.95 of map, widened 0.90)\n"
           "  GB/s: ceiling/warm = output bytes of the mount; cat = source files cold; cold = source bytes needed "
           "/ ckptfs time (ratio = cold/cat); req KiB = mean FUSE read request ckptfs served;\n"
           "  CPU s/GiB = reader thread + daemon process CPU seconds per GiB read, warm")

@@ -293,6 +293,8 @@ def main():
               f"file system, warm: {r['ls_lR_native_s']:.3f} s")
         print(f"    ceiling: the same tree from the null FUSE daemon {r['ls_lR_null_s']:.3f} s fresh "
               f"({r['ls_lR_null_again_s']:.3f} s again); ckptfs at {r['ls_lR_null_s'] / r['ls_lR_s']:.2f}x of it")
+        print(f"    target: within 1.05x of the null daemon's fresh listing: "
+              f"{ratio(r['ls_lR_s'], 1.05 * r['ls_lR_null_s'], False)}")
         print(f"  reference        {r['reference_checked']} tensors, "
               f"{'all equal' if not r['reference_mismatches'] else 'MISMATCH: ' + ', '.join(r['reference_mismatches'])}")
     path = os.path.join(a.out, f"scale-{os.uname().nodename}.json")
