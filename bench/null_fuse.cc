@@ -37,7 +37,13 @@
 //
 //   ckptfs_null_fuse MOUNTPOINT [--threads N] [--file NAME:BYTES]...
 //                    [--files N --size BYTES] [--tree FILE] [--stats FILE] [--no-raise-readahead]
-//                    [--source PATH --mode pread|splice|map]
+//                    [--source PATH --mode pread|splice|map] [--mirror DIR [--delay-us N]]
+//
+// --mirror DIR serves DIR's tree read-only with its real bytes, each read
+// request answered --delay-us microseconds late (pread after a sleep; up to
+// --threads requests at once): storage whose every read waits on the network
+// (NFS, a parallel filesystem), for bench/read_bench.py's cross-file
+// read-ahead case (a checkpoint mounted by ckptfs from this mount).
 //
 // --source serves the bytes of a real file instead (offsets wrap at its size),
 // to price what a copy costs on this kernel: `pread` reads them into a per-thread
@@ -52,6 +58,7 @@
 // foreground. With --stats, writes a JSON summary of the read requests (count,
 // bytes, size histogram) on exit: the request sizes the kernel sent.
 #define FUSE_USE_VERSION 312
+#include <dirent.h>
 #include <fcntl.h>
 #include <fuse3/fuse_lowlevel.h>
 #include <sys/mman.h>
@@ -59,6 +66,7 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -82,9 +90,11 @@ struct Node {
   uint64_t size = 0;
   uint32_t subdirs = 0;
   std::vector<fuse_ino_t> children;  // in listing order
+  int fd = -1;                       // --mirror: the real file
 };
 
-std::vector<Node> g_nodes(1, Node{"", FUSE_ROOT_ID, true, 0, 0, {}});
+std::vector<Node> g_nodes(1, Node{"", FUSE_ROOT_ID, true, 0, 0, {}, -1});
+unsigned g_delay_us = 0;                                 // --mirror: added before each read request is answered
 std::unordered_map<std::string, fuse_ino_t> g_by_path;   // "" is the root
 std::unordered_map<std::string, fuse_ino_t> g_by_entry;  // "<parent ino>/<name>"
 std::atomic<bool> g_no_opendir{false};
@@ -115,7 +125,33 @@ bool AddNode(fuse_ino_t parent, std::string name, bool dir, uint64_t size) {
   p.children.push_back(ino);
   if (dir) ++p.subdirs;
   g_by_entry.emplace(std::to_string(parent) + "/" + name, ino);
-  g_nodes.push_back(Node{std::move(name), parent, dir, size, 0, {}});
+  g_nodes.push_back(Node{std::move(name), parent, dir, size, 0, {}, -1});
+  return true;
+}
+
+// --mirror DIR: DIR's files and directories (names sorted), each file read
+// from the real one.
+bool Mirror(const std::string& dir, fuse_ino_t parent) {
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return false;
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) names.emplace_back(e->d_name);
+  }
+  ::closedir(d);
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    const std::string path = dir + "/" + name;
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) return false;
+    if (S_ISDIR(st.st_mode)) {
+      if (!AddNode(parent, name, true, 0) || !Mirror(path, g_nodes.size())) return false;
+    } else if (S_ISREG(st.st_mode)) {
+      if (!AddNode(parent, name, false, static_cast<uint64_t>(st.st_size))) return false;
+      g_nodes.back().fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (g_nodes.back().fd < 0) return false;
+    }
+  }
   return true;
 }
 
@@ -288,6 +324,18 @@ void OnRead(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_in
   unsigned b = 0;
   while (b < 31 && (size_t{1} << b) < size) ++b;
   g_hist[b].fetch_add(1, std::memory_order_relaxed);
+  if (f->fd >= 0) {  // --mirror: a storage round trip of g_delay_us, then the real bytes
+    if (g_delay_us > 0) ::usleep(g_delay_us);
+    thread_local std::vector<char> buf;
+    if (buf.size() < n) buf.resize(n);
+    const ssize_t got = ::pread(f->fd, buf.data(), n, off);
+    if (got < 0) {
+      fuse_reply_err(req, errno);
+      return;
+    }
+    fuse_reply_buf(req, buf.data(), static_cast<size_t>(got));
+    return;
+  }
   if (g_src_fd < 0) {
     fuse_reply_buf(req, g_data, n);
     return;
@@ -383,7 +431,8 @@ uint64_t ParseBytes(const char* s) {
 int Usage() {
   std::fprintf(stderr,
                "usage: ckptfs_null_fuse MOUNTPOINT [--threads N] [--file NAME:BYTES]... "
-               "[--files N --size BYTES] [--tree FILE] [--stats FILE] [--no-raise-readahead] [-d]\n");
+               "[--files N --size BYTES] [--tree FILE] [--stats FILE] [--no-raise-readahead] [-d]\n"
+               "       [--source PATH --mode pread|splice|map] [--mirror DIR [--delay-us N]]\n");
   return 2;
 }
 
@@ -415,6 +464,13 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "null_fuse: cannot read the tree %s (lines d|f<TAB>path<TAB>bytes)\n", v);
         return 1;
       }
+    } else if (a == "--mirror" && (v = next())) {
+      if (!Mirror(v, FUSE_ROOT_ID)) {
+        std::fprintf(stderr, "null_fuse: cannot mirror %s: %s\n", v, std::strerror(errno));
+        return 1;
+      }
+    } else if (a == "--delay-us" && (v = next())) {
+      g_delay_us = static_cast<unsigned>(std::strtoul(v, nullptr, 10));
     } else if (a == "--stats" && (v = next())) {
       stats = v;
     } else if (a == "--source" && (v = next())) {

@@ -457,7 +457,7 @@ def measure_walk(a, src, index, sources, reps):
     files in a shuffled order, which must cause no read-ahead."""
     import random
     dst = tempfile.mkdtemp(prefix="ckptfs-walk-", dir="/dev/shm")
-    twin = src.rstrip("/") + ".twin"  # a second copy, so diff -r reads two cold checkpoints
+    twin = os.path.join(os.path.dirname(index), "walk-twin")  # a second copy: diff -r reads two cold checkpoints
     if not os.path.isdir(twin):
         shutil.copytree(src, twin, ignore=shutil.ignore_patterns(".ckptfs"))
     twin_index = index + ".twin"
@@ -653,6 +653,8 @@ def main():
     ap.add_argument("--walk-layers", type=int, default=256)
     ap.add_argument("--walk-hidden", type=int, default=128)
     ap.add_argument("--only-walk", action="store_true", help="the walk only (no merged/widened/stripped/topo)")
+    ap.add_argument("--walk-delay-us", type=int, default=0,
+                    help="the walk's checkpoint from null_fuse --mirror with this delay per read request")
     ap.add_argument("--experiments", action="store_true",
                     help="also: readahead windows (--ra-kb) and O_DIRECT deep-queue source reads, merged case")
     ap.add_argument("--ra-kb", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 4096, 16384])
@@ -701,6 +703,19 @@ def main():
 
     if not a.skip_walk:
         walk = os.path.abspath(ensure_ds(a.walk_ds, a.walk_layers, a.walk_hidden, dp=2))
+        if a.walk_delay_us:
+            # The checkpoint served by null_fuse --mirror, every read request answered late:
+            # storage whose reads wait on the network.
+            mirror = tempfile.mkdtemp(prefix="ckptfs-walk-mirror-")
+            proc = subprocess.Popen([a.null_fuse, mirror, "--mirror", walk, "--delay-us", str(a.walk_delay_us)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            _mounts.append(("null", mirror, proc))
+            while not os.path.ismount(mirror):
+                if proc.poll() is not None:
+                    raise SystemExit(f"null_fuse --mirror failed: {proc.stderr.read().decode()}")
+                time.sleep(0.01)
+            walk = mirror
+            results["walk_delay_us"] = a.walk_delay_us
         walk_index = os.path.join(work, "walk-index")
         build_index(a.ckptfs, walk, walk_index)
         results["walk"] = measure_walk(a, walk, walk_index, sorted(glob.glob(os.path.join(walk, "*.pt"))), a.reps)

@@ -64,6 +64,10 @@ class Index {
   uint64_t num_fragments() const { return num_fragments_; }
   // All fragments of one tensor, in ordinal order: one prefix scan.
   Result<std::vector<Fragment>> Fragments(TensorId id) const;
+  // Every tensor's fragments, by tensor id (those with none skipped), in one
+  // scan of the index: for a pass over all tensors, where Fragments per
+  // tensor would open an iterator each.
+  Status ForEachFragments(const std::function<Status(TensorId, std::vector<Fragment>&)>& fn) const;
 
  private:
   Index() = default;

@@ -244,6 +244,42 @@ Result<std::vector<Fragment>> Index::Fragments(TensorId id) const {
   return out;
 }
 
+Status Index::ForEachFragments(const std::function<Status(TensorId, std::vector<Fragment>&)>& fn) const {
+  const std::string prefix(1, 'g');
+  std::unique_ptr<rocksdb::Iterator> it(db_->db->NewIterator(rocksdb::ReadOptions()));
+  std::vector<Fragment> frags;
+  uint32_t current = UINT32_MAX;
+  auto flush = [&]() -> Status {
+    if (current == UINT32_MAX) return Status::Ok();
+    if (frags.size() != tensors_[current].num_fragments) {
+      return Invalid("cannot read index " + dir_ + ": tensor '" + tensors_[current].key + "' has " +
+                     std::to_string(frags.size()) + " fragments, expected " +
+                     std::to_string(tensors_[current].num_fragments));
+    }
+    Status st = fn(TensorId{current}, frags);
+    frags.clear();
+    return st;
+  };
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    const std::string_view key(it->key().data(), it->key().size());
+    if (key.size() < 5) return Invalid("cannot read index " + dir_ + ": a fragment key is cut short");
+    const uint32_t id = static_cast<uint32_t>(static_cast<uint8_t>(key[1])) << 24 |
+                        static_cast<uint32_t>(static_cast<uint8_t>(key[2])) << 16 |
+                        static_cast<uint32_t>(static_cast<uint8_t>(key[3])) << 8 |
+                        static_cast<uint32_t>(static_cast<uint8_t>(key[4]));
+    if (id >= tensors_.size()) return Invalid("cannot read index " + dir_ + ": a fragment names an unknown tensor");
+    if (id != current) {
+      RETURN_IF_ERROR(flush());
+      current = id;
+    }
+    ASSIGN_OR_RETURN(Fragment f, index::DecodeFragment(std::string_view(it->value().data(), it->value().size())));
+    if (f.file.v >= files_.size()) return Invalid("cannot read index " + dir_ + ": fragment names an unknown file");
+    frags.push_back(std::move(f));
+  }
+  RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir_));
+  return flush();
+}
+
 namespace {
 
 // A checksum record, checked against its key and the file table.

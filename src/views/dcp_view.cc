@@ -9,9 +9,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
+#include <string>
 #include <string_view>
 #include <unordered_map>
 #include <variant>
@@ -34,35 +36,45 @@ class Memo {
  public:
   explicit Memo(PickleWriter& w) : w_(w) {}
   void Global(std::string_view module, std::string_view name) {
-    Emit(std::string(module) + "\n" + std::string(name), [&] { w_.Global(module, name); });
+    key_.assign(module).append("\n").append(name);
+    Emit(globals_, key_, [&] { w_.Global(module, name); });
   }
   void Str(std::string_view v) {
-    Emit("'" + std::string(v), [&] { w_.Str(v); });
+    Emit(strs_, v, [&] { w_.Str(v); });
   }
   PickleWriter& w() { return w_; }
 
  private:
+  // Found without making a string: a .metadata looks up millions.
+  struct Hash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  using Ids = std::unordered_map<std::string, uint32_t, Hash, std::equal_to<>>;
   template <typename Fn>
-  void Emit(std::string key, Fn write) {
-    auto it = ids_.find(key);
-    if (it != ids_.end()) {
+  void Emit(Ids& ids, std::string_view key, Fn write) {
+    auto it = ids.find(key);
+    if (it != ids.end()) {
       w_.Get(it->second);
       return;
     }
     write();
-    const uint32_t id = static_cast<uint32_t>(ids_.size());
-    ids_.emplace(std::move(key), id);
+    const uint32_t id = next_++;
+    ids.emplace(std::string(key), id);
     w_.Put(id);
   }
   PickleWriter& w_;
-  std::unordered_map<std::string, uint32_t> ids_;
+  Ids globals_, strs_;
+  uint32_t next_ = 0;
+  std::string key_;  // Global's key, reused
 };
 
 // The chunk boxes of tensor `t` (of a padded vocabulary, its vocabulary's
 // rows, as params/ serves it; with `stored`, its stored rows): the source's
 // row blocks where its fragments (the first copy's) tile dim 0 with whole
 // rows; else the whole tensor, in row blocks of at most kDcpMaxChunkBytes.
-std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t, bool stored = false) {
+// `frags`: the tensor's fragments (null: unknown).
+std::vector<Box> ChunksFrom(const std::vector<Fragment>* frags, const TensorRecord& t, bool stored) {
   const std::vector<int64_t> shape = stored ? t.shape : t.VocabShape();
   const size_t rank = shape.size();
   Box whole;
@@ -70,8 +82,7 @@ std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t
   whole.lengths = shape;
   const uint64_t numel = static_cast<uint64_t>(NumelOf(shape));
   if (rank == 0 || numel == 0) return {whole};
-  auto frags = index.Fragments(id);
-  if (frags.ok()) {
+  if (frags != nullptr) {
     std::vector<Box> blocks;
     bool rows = true;
     for (const Fragment& f : *frags) {
@@ -119,6 +130,11 @@ std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t
     out.push_back(std::move(b));
   }
   return out;
+}
+
+std::vector<Box> ChunksOf(const Index& index, TensorId id, const TensorRecord& t, bool stored = false) {
+  auto frags = index.Fragments(id);
+  return ChunksFrom(frags.ok() ? &*frags : nullptr, t, stored);
 }
 
 void WriteSize(Memo& m, const std::vector<int64_t>& dims) {
@@ -260,6 +276,18 @@ Result<DcpPlan> PlanDcp(const Index& index) {
     if (t.role == Role::kParam) params.emplace(t.fqn, i);
     if (t.role == Role::kOptimState && t.state == "fp32" && t.dtype == DType::kF32) masters.emplace(t.fqn, i);
   }
+  // Every tensor's chunks from one scan of the index (a lookup per tensor
+  // opened an iterator each); on a failure, per tensor as they are needed.
+  std::vector<std::vector<Box>> chunks(ts.size());
+  std::vector<bool> chunked(ts.size(), false);
+  Status scan = index.ForEachFragments([&](TensorId id, std::vector<Fragment>& frags) {
+    if (ts[id.v].encoding == Encoding::kTensor) {
+      chunks[id.v] = ChunksFrom(&frags, ts[id.v], /*stored=*/false);
+      chunked[id.v] = true;
+    }
+    return Status::Ok();
+  });
+  if (!scan.ok()) std::fill(chunked.begin(), chunked.end(), false);
   std::map<std::string, DcpEntry> entries;  // by key: the items' order
   std::set<std::string> groups_seen;
   auto add = [&](std::string key, std::vector<PathElem> path, uint32_t id) {
@@ -275,7 +303,12 @@ Result<DcpPlan> PlanDcp(const Index& index) {
     if (t.encoding == Encoding::kTensor) {
       it->second.size = t.VocabShape();
       it->second.dtype = t.dtype;
-      it->second.chunks = ChunksOf(index, TensorId{id}, t);
+      if (chunked[id]) {
+        it->second.chunks = std::move(chunks[id]);
+        chunked[id] = false;  // taken
+      } else {
+        it->second.chunks = ChunksOf(index, TensorId{id}, t);
+      }
       plan.chunks += it->second.chunks.size();
     }
   };
