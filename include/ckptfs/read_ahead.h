@@ -12,10 +12,14 @@
 // second directory, no further than its own directory. A walk may pass over
 // files (at most kSkip at a time: a loader that takes each directory's
 // fp32.npy only); the names it passed over are passed over when reading
-// ahead, until it opens one. The first open that breaks
-// the walk stops it. A reader of one file, or of files in any other order,
-// causes no read-ahead at all. Streams are told apart by the opening
-// process (FUSE's request pid): two walks at once each keep their own.
+// ahead, until it opens one. The first open that breaks the walk stops it.
+// A reader of one file, or of files in any other order, causes no
+// read-ahead at all. Streams are told apart by the opening process (FUSE's
+// request pid): two walks at once each keep their own.
+//
+// Off unless asked for (FsOptions::read_ahead, --read-ahead on): on the
+// storage it was measured on, local and network-like alike, it made walks
+// slower (docs/performance.md, "Cross-file read-ahead").
 //
 // What "asking the storage" means is the caller's (`fetch`: the filesystem
 // core advises the kernel to read a file's source spans, posix_fadvise

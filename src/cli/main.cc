@@ -768,7 +768,7 @@ int Main(std::vector<std::string> raw) {
   add_flag(mount, "--debug", "--debug", "trace every FUSE request (implies -f)");
   add_view(mount);
   add_flag(mount, "--verify-on-read", "--verify-on-read", "check source CRCs before serving");
-  mount->add_option("--mapped-reads", str["--mapped-reads"], "answer plain copies from mapped sources (default off)")
+  mount->add_option("--mapped-reads", str["--mapped-reads"], "answer plain copies from mapped sources (default on)")
       ->check(CLI::IsMember({"on", "off"}));
   mount
       ->add_option("--read-ahead", str["--read-ahead"],

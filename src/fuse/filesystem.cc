@@ -339,13 +339,13 @@ uint64_t Filesystem::AskAhead(uint64_t ino, uint64_t budget) {
         // kernel's read-around covers the rest once it is read.
         for (uint64_t take : {std::min(n, left), std::min<uint64_t>({n, left, 1 << 20})}) {
           spans.clear();
-          if (reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, take, kMaxConvertSpans, &spans)) {
-          } else if (reader_->PlanConvert(s.tensor, s.out_dtype, s.box_or_null(), in, take, kMaxConvertSpans,
-                                          &convert)) {
+          bool planned = reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, take, kMaxConvertSpans, &spans);
+          if (!planned &&
+              reader_->PlanConvert(s.tensor, s.out_dtype, s.box_or_null(), in, take, kMaxConvertSpans, &convert)) {
             spans.swap(convert.spans);
-          } else {
-            continue;  // compressed, a mean of copies: the read itself fetches it
+            planned = true;
           }
+          if (!planned) continue;  // compressed, a mean of copies: the read itself fetches it
           all.insert(all.end(), spans.begin(), spans.end());
           left -= take;
           break;
