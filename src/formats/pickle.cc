@@ -1251,13 +1251,13 @@ PyValue::TensorParts& PyValue::MutableParts() {
   return *ext->parts;
 }
 
-std::string PyValue::ClassName() const {
+std::string_view PyValue::ClassName() const {
   if (kind == PyKind::kGlobal) return name();
   if (kind == PyKind::kObject && callable) {
     if (callable->kind == PyKind::kGlobal) return callable->name();
     return callable->ClassName();
   }
-  return "";
+  return {};
 }
 
 const PyValue* PyValue::Attr(std::string_view key) const {

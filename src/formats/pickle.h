@@ -145,7 +145,8 @@ struct PyValue {
   bool IsStr() const { return kind == PyKind::kStr; }
   bool IsSeq() const { return kind == PyKind::kTuple || kind == PyKind::kList; }
   // For an object: its class name ("TensorStorageMetadata"); for a global: its name.
-  std::string ClassName() const;
+  // A view of the global's own name: valid while the value is.
+  std::string_view ClassName() const;
   // Attribute lookup on an object whose BUILD state is a dict.
   const PyValue* Attr(std::string_view key) const;
 };

@@ -258,7 +258,7 @@ Status DcpReader::AddTensorMetadata(const PyValue& k, const PyValue& md) {
     }
   }
   // A key an earlier rank's metadata gave differently: the tensor is refused.
-  std::string cls = md.ClassName();
+  const std::string_view cls = md.ClassName();
   if (cls == "BytesStorageMetadata") {
     t.encoding = Encoding::kBytes;
     t.dtype = DType::kU8;
@@ -324,8 +324,8 @@ Status DcpReader::AddTensorMetadata(const PyValue& k, const PyValue& md) {
     if (earlier != nullptr) return Status::Ok();
     t.byte_size = t.Numel() * DTypeSize(t.dtype);
   } else {
-    return Unsupported("cannot parse " + meta_path + ": unknown storage metadata class " + cls + " for '" + t.key +
-                       "'");
+    return Unsupported("cannot parse " + meta_path + ": unknown storage metadata class " + std::string(cls) + " for '" +
+                       t.key + "'");
   }
   ck.tensors.push_back(std::move(t));
   return Status::Ok();
@@ -379,7 +379,7 @@ Status DcpReader::ReadMetadataFile(const std::string& prefix, const std::string&
 
 Result<bool> DcpReader::TakeStreamedEntry(StreamedDicts& seen, const PyValue& dict, const PyValue& k,
                                           const PyValue& v) {
-  const std::string vc = v.ClassName();
+  const std::string_view vc = v.ClassName();
   const PyValue** slot = nullptr;
   if (vc == "_StorageInfo" && k.ClassName() == "MetadataIndex") {
     slot = &seen.storage;
@@ -402,7 +402,7 @@ Status DcpReader::TakeMetadataRoot(const PyValue& root, const StreamedDicts& see
   // megatron-core 0.12-0.15 pickled its own subclass of Metadata (MCoreMetadata,
   // with an `mcore_data` attribute beside torch's fields); today's mcore keeps a
   // dummy of the name so those checkpoints still load. Read as the DCP class.
-  const std::string cls = root.ClassName();
+  const std::string cls(root.ClassName());
   const bool mcore = cls == "MCoreMetadata" && root.callable &&
                      root.callable->s == "megatron.core.dist_checkpointing.strategies.torch";
   if (cls != "Metadata" && !mcore) {

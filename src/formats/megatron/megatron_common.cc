@@ -362,7 +362,7 @@ std::string ToJson(const PyValue* v, int indent) {
       if (v->state != nullptr && v->state->kind == PyKind::kDict && v->ClassName() == "Namespace") {
         return ToJson(v->state, indent);
       }
-      return JsonStr(v->ClassName());
+      return JsonStr(std::string(v->ClassName()));
     default:
       return JsonStr("<" + std::string(v->kind == PyKind::kTensor ? "tensor" : "bytes") + ">");
   }

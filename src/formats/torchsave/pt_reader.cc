@@ -97,9 +97,9 @@ Result<Checkpoint> ReadTorchSaveDir(const std::string& dir) {
     WalkStateDict(s.root(), path, leaves, &skipped, &too_deep);
     leaf_source.resize(leaves.size(), static_cast<uint32_t>(sources.size() - 1));
     if (leaves.size() == before && path.empty() && s.root()->kind != PyKind::kDict) {
-      ck.info.problems.push_back(n + " holds no state dict (a pickled " +
-                                 (s.root()->ClassName().empty() ? std::string("value") : s.root()->ClassName()) +
-                                 "); not read");
+      ck.info.problems.push_back(
+          n + " holds no state dict (a pickled " +
+          (s.root()->ClassName().empty() ? std::string("value") : std::string(s.root()->ClassName())) + "); not read");
     }
   }
   if (ck.info.findings.size() == names.size()) {

@@ -149,7 +149,7 @@ Result<Piece> PieceOf(const Source& s, const PyValue* v, const std::string& what
     // An N-D mesh: placed by the rank's coordinate, which the pickled
     // DeviceMesh records (_coordinate_on_dim).
     for (const PyValue* pl : placements->items) {
-      const std::string cls = pl->ClassName();
+      const std::string cls(pl->ClassName());
       if (cls == "Replicate") {
         p.mesh_shards.push_back(-1);
         continue;
@@ -178,7 +178,7 @@ Result<Piece> PieceOf(const Source& s, const PyValue* v, const std::string& what
   }
   if (placements->items.empty()) return bad("DTensorSpec without placements");
   const PyValue* pl = placements->items[0];
-  const std::string cls = pl->ClassName();
+  const std::string cls(pl->ClassName());
   if (cls == "Replicate") return p;
   if (cls != "Shard")
     return Unsupported("cannot read " + s.rel + ": " + what + ": placement " + cls + " is not supported");

@@ -67,7 +67,7 @@ Result<json> Mirror(const PyValue* v, const json& enums) {
       if (cls != nullptr && cls->placeholder && v->args().size() == 1 && v->args()[0]->kind == PyKind::kInt) {
         return json(v->args()[0]->i);
       }
-      return Invalid("an object of " + v->ClassName());
+      return Invalid("an object of " + std::string(v->ClassName()));
     }
     default:
       return Invalid("an unexpected value kind");
