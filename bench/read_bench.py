@@ -46,6 +46,8 @@ import tempfile
 import threading
 import time
 
+import scale_bench  # bench/scale_bench.py: tree_of, the tree null_fuse --tree serves
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CHUNK = 1 << 20
@@ -417,21 +419,6 @@ def measure_topo(a, src, index, rules, reps):
     return res
 
 
-def tree_of(root):
-    """[(relative path, is_dir, size)] of the tree under root: parents first, each
-    directory's entries in the order it lists them (null_fuse --tree's input)."""
-    out, todo = [], [""]
-    while todo:
-        rel = todo.pop(0)
-        with os.scandir(os.path.join(root, rel)) as it:
-            for e in it:
-                path = os.path.join(rel, e.name) if rel else e.name
-                out.append((path, e.is_dir(follow_symlinks=False), e.stat(follow_symlinks=False).st_size))
-                if out[-1][1]:
-                    todo.append(path)
-    return out
-
-
 def daemon_read_bytes(pid):
     """Bytes the process made the storage read (/proc/PID/io read_bytes: reads, faults on
     mappings and read-ahead alike), or 0 when it cannot be told."""
@@ -464,7 +451,8 @@ def measure_walk(a, src, index, sources, reps):
     build_index(a.ckptfs, twin, twin_index)
     twin_sources = [os.path.join(twin, os.path.basename(p)) for p in sources]
     m = CkptfsMount(a.ckptfs, src, index)
-    tree = [("params", True, 4096)] + [("params/" + p, d, z) for p, d, z in tree_of(os.path.join(m.mnt, "params"))]
+    tree = [("params", True, 4096)] + [("params/" + p, d, z) for p, d, z in
+                                       scale_bench.tree_of(os.path.join(m.mnt, "params"))]
     m.close()
     files = sum(1 for _, d, _ in tree if not d)
     out_bytes = sum(z for _, d, z in tree if not d)

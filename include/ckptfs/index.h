@@ -71,6 +71,8 @@ class Index {
 
  private:
   Index() = default;
+  // A tensor's fragment count against its record (both fragment scans).
+  Status CheckFragmentCount(TensorId id, size_t n) const;
   struct Db;
   std::unique_ptr<Db> db_;
   std::string dir_, src_dir_;

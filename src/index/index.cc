@@ -225,6 +225,23 @@ Result<std::unique_ptr<Index>> Index::Open(const std::string& dir, const std::st
   return ix;
 }
 
+namespace {
+
+// The fragment record under a 'g' key, checked against the file table.
+Result<Fragment> FragmentAt(const rocksdb::Iterator& it, size_t num_files, const std::string& dir) {
+  ASSIGN_OR_RETURN(Fragment f, index::DecodeFragment(std::string_view(it.value().data(), it.value().size())));
+  if (f.file.v >= num_files) return Invalid("cannot read index " + dir + ": fragment names an unknown file");
+  return f;
+}
+
+}  // namespace
+
+Status Index::CheckFragmentCount(TensorId id, size_t n) const {
+  if (n == tensors_[id.v].num_fragments) return Status::Ok();
+  return Invalid("cannot read index " + dir_ + ": tensor '" + tensors_[id.v].key + "' has " + std::to_string(n) +
+                 " fragments, expected " + std::to_string(tensors_[id.v].num_fragments));
+}
+
 Result<std::vector<Fragment>> Index::Fragments(TensorId id) const {
   if (id.v >= tensors_.size()) return NotFound("no tensor " + std::to_string(id.v) + " in the index");
   std::vector<Fragment> out;
@@ -232,15 +249,11 @@ Result<std::vector<Fragment>> Index::Fragments(TensorId id) const {
   std::string prefix = KeyU32('g', id.v);
   std::unique_ptr<rocksdb::Iterator> it(db_->db->NewIterator(rocksdb::ReadOptions()));
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
-    ASSIGN_OR_RETURN(Fragment f, index::DecodeFragment(std::string_view(it->value().data(), it->value().size())));
-    if (f.file.v >= files_.size()) return Invalid("cannot read index " + dir_ + ": fragment names an unknown file");
+    ASSIGN_OR_RETURN(Fragment f, FragmentAt(*it, files_.size(), dir_));
     out.push_back(std::move(f));
   }
   RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir_));
-  if (out.size() != tensors_[id.v].num_fragments) {
-    return Invalid("cannot read index " + dir_ + ": tensor '" + tensors_[id.v].key + "' has " +
-                   std::to_string(out.size()) + " fragments, expected " + std::to_string(tensors_[id.v].num_fragments));
-  }
+  RETURN_IF_ERROR(CheckFragmentCount(id, out.size()));
   return out;
 }
 
@@ -251,29 +264,23 @@ Status Index::ForEachFragments(const std::function<Status(TensorId, std::vector<
   uint32_t current = UINT32_MAX;
   auto flush = [&]() -> Status {
     if (current == UINT32_MAX) return Status::Ok();
-    if (frags.size() != tensors_[current].num_fragments) {
-      return Invalid("cannot read index " + dir_ + ": tensor '" + tensors_[current].key + "' has " +
-                     std::to_string(frags.size()) + " fragments, expected " +
-                     std::to_string(tensors_[current].num_fragments));
-    }
+    RETURN_IF_ERROR(CheckFragmentCount(TensorId{current}, frags.size()));
     Status st = fn(TensorId{current}, frags);
     frags.clear();
     return st;
   };
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    // The key is 'g', the tensor id (KeyU32: big-endian), the fragment's ordinal.
     const std::string_view key(it->key().data(), it->key().size());
     if (key.size() < 5) return Invalid("cannot read index " + dir_ + ": a fragment key is cut short");
-    const uint32_t id = static_cast<uint32_t>(static_cast<uint8_t>(key[1])) << 24 |
-                        static_cast<uint32_t>(static_cast<uint8_t>(key[2])) << 16 |
-                        static_cast<uint32_t>(static_cast<uint8_t>(key[3])) << 8 |
-                        static_cast<uint32_t>(static_cast<uint8_t>(key[4]));
+    uint32_t id = 0;
+    for (size_t i = 1; i < 5; ++i) id = id << 8 | static_cast<uint8_t>(key[i]);
     if (id >= tensors_.size()) return Invalid("cannot read index " + dir_ + ": a fragment names an unknown tensor");
     if (id != current) {
       RETURN_IF_ERROR(flush());
       current = id;
     }
-    ASSIGN_OR_RETURN(Fragment f, index::DecodeFragment(std::string_view(it->value().data(), it->value().size())));
-    if (f.file.v >= files_.size()) return Invalid("cannot read index " + dir_ + ": fragment names an unknown file");
+    ASSIGN_OR_RETURN(Fragment f, FragmentAt(*it, files_.size(), dir_));
     frags.push_back(std::move(f));
   }
   RETURN_IF_ERROR(FromRocks(it->status(), "scan", dir_));
