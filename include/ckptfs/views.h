@@ -64,38 +64,73 @@ struct SpooledBytes {
   Status Read(uint64_t offset, uint64_t n, char* dst) const;
 };
 
+// How a kTensor segment's elements are rendered beyond a copy: its boxes as
+// matrices under `how` (geometry.h Transpose) when the segment is
+// `transposed`, every element multiplied by `scale`, then `add` added (in
+// double, rounded once to out_dtype). Rare (hf/'s Conv1D and Flax kernels,
+// MaxText's and Gemma's scaled tensors), so kept out of line.
+struct SegmentRender {
+  Transpose how;
+  double scale = 1.0, add = 0.0;
+};
+
+// One piece of a file's bytes. A checkpoint of a million chunks keeps a
+// million of these in dcp/ alone, so the common case (a tensor box) is 64
+// bytes and what only some kinds need sits behind one shared pointer.
 struct Segment {
   SegmentKind kind = SegmentKind::kLiteral;
+  DType out_dtype = DType::kInvalid;  // kTensor, kCrc32: element type written
+  // kTensor: `boxes` as matrices under how(), their rows concatenated,
+  // rendered in C order of the transpose (TensorReader::ReadTransposedRows).
+  bool transposed = false;
+  // kArchive: the archived tensor's shape has this many axes of length 1
+  // before the box's (a layer of a stack, torch_dist/'s items).
+  uint8_t lead_ones = 0;
+  TensorId tensor;  // kTensor, kHash, kCrc32, kArchive
   uint64_t size = 0;
-  std::string literal;                          // kLiteral
-  std::shared_ptr<const SpooledBytes> spooled;  // kSpooled: the whole of its bytes
-  TensorId tensor;                              // kTensor, kHash, kCrc32
-  DType out_dtype = DType::kInvalid;            // kTensor, kCrc32: element type written
   // kTensor: at most one sub-box rendered (or, `transposed`, the row boxes);
   // kCrc32: the boxes whose concatenated renderings the CRC covers (none:
   // the whole tensor).
   std::vector<Box> boxes;
-  // kTensor: `boxes` as matrices under `how` (geometry.h Transpose), their
-  // rows concatenated, rendered in C order of the transpose
-  // (TensorReader::ReadTransposedRows).
-  bool transposed = false;
-  Transpose how;
-  // kTensor: every element multiplied by `scale`, then `add` added (in
-  // double, rounded once to out_dtype); 1 and 0: none.
-  double scale = 1.0, add = 0.0;
-  bool Affine() const { return scale != 1.0 || add != 0.0; }
-  // kArchive: the archived tensor's shape has this many axes of length 1
-  // before the box's (a layer of a stack, torch_dist/'s items).
-  uint8_t lead_ones = 0;
+
+  // kLiteral: its bytes.
+  std::string_view literal() const {
+    const auto* p = std::get_if<std::shared_ptr<const std::string>>(&data_);
+    return p != nullptr ? std::string_view(**p) : std::string_view();
+  }
+  void set_literal(std::string s) { data_ = std::make_shared<const std::string>(std::move(s)); }
+  // kSpooled: the whole of its bytes (null for other kinds).
+  const SpooledBytes* spooled() const {
+    const auto* p = std::get_if<std::shared_ptr<const SpooledBytes>>(&data_);
+    return p != nullptr ? p->get() : nullptr;
+  }
+  void set_spooled(std::shared_ptr<const SpooledBytes> s) { data_ = std::move(s); }
+  // kTensor: how it is rendered (a plain copy when never set).
+  const SegmentRender& render() const {
+    static const SegmentRender kPlain;
+    const auto* p = std::get_if<std::shared_ptr<const SegmentRender>>(&data_);
+    return p != nullptr ? **p : kPlain;
+  }
+  void set_render(const SegmentRender& r) { data_ = std::make_shared<const SegmentRender>(r); }
+  const Transpose& how() const { return render().how; }
+  double scale() const { return render().scale; }
+  double add() const { return render().add; }
+  bool Affine() const { return scale() != 1.0 || add() != 0.0; }
   const Box* box_or_null() const { return boxes.empty() ? nullptr : &boxes[0]; }
+
+ private:
+  std::variant<std::monostate, std::shared_ptr<const std::string>, std::shared_ptr<const SpooledBytes>,
+               std::shared_ptr<const SegmentRender>>
+      data_;
 };
+static_assert(sizeof(Segment) <= 64, "a Segment is kept per chunk: keep it small");
 
 // A segment of literal bytes.
 inline Segment LiteralSegment(std::string s) {
   Segment seg;
   seg.kind = SegmentKind::kLiteral;
   seg.size = s.size();
-  seg.literal = std::move(s);
+  seg.set_literal(std::move(s));
   return seg;
 }
 

@@ -74,9 +74,10 @@ Status ReadScaled(TensorReader& reader, const Segment& s, uint64_t in, uint64_t 
   wide.resize((e1 - e0) * 4);
   out.resize((e1 - e0) * osz);
   RETURN_IF_ERROR(
-      s.transposed ? reader.ReadTransposedRows(s.tensor, DType::kF32, s.boxes, s.how, e0 * 4, wide.size(), wide.data())
-                   : reader.ReadBox(s.tensor, DType::kF32, s.box_or_null(), e0 * 4, wide.size(), wide.data()));
-  RETURN_IF_ERROR(ScaleFloats(wide.data(), e1 - e0, s.scale, s.add, s.out_dtype, out.data()));
+      s.transposed
+          ? reader.ReadTransposedRows(s.tensor, DType::kF32, s.boxes, s.how(), e0 * 4, wide.size(), wide.data())
+          : reader.ReadBox(s.tensor, DType::kF32, s.box_or_null(), e0 * 4, wide.size(), wide.data()));
+  RETURN_IF_ERROR(ScaleFloats(wide.data(), e1 - e0, s.scale(), s.add(), s.out_dtype, out.data()));
   std::memcpy(dst, out.data() + (in - e0 * osz), n);
   return Status::Ok();
 }
@@ -448,7 +449,7 @@ bool Filesystem::ReadMapped(uint64_t ino, uint64_t offset, size_t size, size_t m
         const size_t room = max_pieces - std::min(max_pieces, r->bytes.pieces.size());
         switch (s.kind) {
           case SegmentKind::kLiteral:
-            return room > 0 && literal(s.literal.data() + in, n);
+            return room > 0 && literal(s.literal().data() + in, n);
           case SegmentKind::kTensor: {
             if (s.transposed || s.Affine()) return false;
             if (reader_->PlanCopy(s.tensor, s.out_dtype, s.box_or_null(), in, n, room, &spans)) {
@@ -569,14 +570,14 @@ Result<size_t> Filesystem::ReadData(uint64_t ino, uint64_t offset, size_t size, 
     char* dst = buf + at;
     switch (s.kind) {
       case SegmentKind::kLiteral:
-        std::memcpy(dst, s.literal.data() + in, n);
+        std::memcpy(dst, s.literal().data() + in, n);
         break;
       case SegmentKind::kSpooled:
-        st = s.spooled->Read(in, n, dst);
+        st = s.spooled()->Read(in, n, dst);
         break;
       case SegmentKind::kTensor:
         st = s.Affine()     ? ReadScaled(*reader_, s, in, n, dst)
-             : s.transposed ? reader_->ReadTransposedRows(s.tensor, s.out_dtype, s.boxes, s.how, in, n, dst)
+             : s.transposed ? reader_->ReadTransposedRows(s.tensor, s.out_dtype, s.boxes, s.how(), in, n, dst)
                             : reader_->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), in, n, dst);
         break;
       case SegmentKind::kCrc32:

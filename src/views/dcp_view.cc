@@ -590,7 +590,7 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
     Segment seg;
     seg.kind = SegmentKind::kSpooled;
     seg.size = spooled->size;
-    seg.spooled = std::move(spooled);
+    seg.set_spooled(std::move(spooled));
     md.Add(std::move(seg));
   }
   tree.files.emplace_back(".metadata", std::move(md));

@@ -13,7 +13,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
+#include <unordered_set>
 
 #include "ckptfs/formats.h"
 #include "ckptfs/hf_names.h"
@@ -504,7 +504,9 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   // A config's counts are untrusted: at most one expected name per layer and
   // expert can exist for each source tensor, so more is refused, not looped.
   const int64_t bound = 4 * static_cast<int64_t>(src.param.size()) + 16;
-  std::set<std::string> produced;
+  // The names planned so far (views of plan.tensors' names, which never move).
+  std::unordered_set<std::string_view> produced;
+  produced.reserve(src.param.size());
   auto add = [&](const std::string& hf_name, const std::string& fqn, uint32_t id, const Take& take) {
     uint32_t read = id;
     if (choice == DtypeChoice::kMaster) {
@@ -595,13 +597,13 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
       h.shape = {h.shape[1], h.shape[0]};
       h.transposed = true;
     }
-    if (!produced.insert(hf_name).second) {
+    if (produced.count(hf_name) != 0) {
       plan.errors.push_back("hf/: '" + hf_name + "' would come from two source tensors; the second, '" + fqn +
                             "', is left out");
       plan.not_included.push_back(fqn);
       return;
     }
-    plan.tensors.push_back(std::move(h));
+    produced.insert(plan.tensors.emplace_back(std::move(h)).name);
   };
 
   for (const auto& [key, id] : src.param) {
@@ -691,22 +693,25 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
                           std::to_string(shape.experts) + ") are far more than the checkpoint's " +
                           std::to_string(src.param.size()) + " parameters hold; completeness is not checked");
   } else if (arch != nullptr) {
-    std::set<std::string> expected;
+    std::vector<std::string> missing;  // reported in name order, once each
     for (const ArchTensor& t : ArchTensors(*arch)) {
       if (!Holds(t.when, shape)) continue;
       const std::string_view dst_tmpl = t.name;
       const bool per_layer = dst_tmpl.find("{L}") != std::string_view::npos;
       const bool per_expert = dst_tmpl.find("{E}") != std::string_view::npos;
       for (int64_t l = 0; l < (per_layer ? shape.layers : 1); ++l) {
-        for (int64_t e = 0; e < (per_expert ? shape.experts : 1); ++e) expected.insert(Expand(t.name, l, e));
+        for (int64_t e = 0; e < (per_expert ? shape.experts : 1); ++e) {
+          std::string name = Expand(t.name, l, e);
+          if (produced.count(name) == 0) missing.push_back(std::move(name));
+        }
       }
     }
-    for (const std::string& e : expected) {
-      if (!produced.count(e)) {
-        plan.errors.push_back("hf/: '" + e +
-                              "' is missing: no source tensor provides it, so transformers would "
-                              "initialise it at random");
-      }
+    std::sort(missing.begin(), missing.end());
+    missing.erase(std::unique(missing.begin(), missing.end()), missing.end());
+    for (const std::string& e : missing) {
+      plan.errors.push_back("hf/: '" + e +
+                            "' is missing: no source tensor provides it, so transformers would "
+                            "initialise it at random");
     }
     if (mapped) plan.architecture = arch->cls;
   }

@@ -13,6 +13,7 @@
 #ifndef CKPTFS_VIEWS_HF_EXPORT_H_
 #define CKPTFS_VIEWS_HF_EXPORT_H_
 
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -44,7 +45,8 @@ struct HfPlan {
   // was recognised: hf/ then holds the parameters under their source names.
   std::string architecture;
   std::string config_json;  // config.json's text ("" without an architecture)
-  std::vector<HfTensor> tensors;
+  // A deque: its elements never move, so planning can index their names.
+  std::deque<HfTensor> tensors;
   std::vector<std::string> not_included;  // source parameters left out
   std::vector<std::string> errors;        // hf/ERRORS lines (each "hf/: ...")
   // Files served verbatim beside config.json (generation_config.json and the

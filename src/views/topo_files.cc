@@ -21,13 +21,13 @@ namespace {
 using json = nlohmann::ordered_json;
 
 // Box `b` of tensor `id` as `out`; whole-tensor boxes read without one.
-Segment BoxSeg(const TensorRecord& t, TensorId id, const Box& b, DType out) {
+Segment BoxSeg(const TensorRecord& t, TensorId id, Box b, DType out) {
   Segment seg;
   seg.kind = SegmentKind::kTensor;
   seg.tensor = id;
   seg.out_dtype = out;
   seg.size = static_cast<uint64_t>(NumelOf(b.lengths)) * DTypeSize(out);
-  if (b.lengths != t.shape) seg.boxes = {b};
+  if (b.lengths != t.shape) seg.boxes.push_back(std::move(b));
   return seg;
 }
 
@@ -37,18 +37,33 @@ json IntsJson(const std::vector<int64_t>& v) {
   return a;
 }
 
-// A safetensors file: u64 LE header length, the JSON header padded with
-// spaces to a multiple of 8 (the official writer's alignment), the data.
-FileLayout SafetensorsFile(std::string h, std::vector<Segment> body) {
+// A safetensors file's first segment: u64 LE header length, then the JSON
+// header padded with spaces to a multiple of 8 (the official writer's
+// alignment).
+Segment SafetensorsHeader(std::string h) {
   while (h.size() % 8 != 0) h.push_back(' ');
-  std::string prefix(8, '\0');
-  StoreLE<uint64_t>(prefix.data(), h.size());
+  std::string bytes(8, '\0');
+  StoreLE<uint64_t>(bytes.data(), h.size());
+  bytes += h;
+  return LiteralSegment(std::move(bytes));
+}
+
+// The layout of `segments` laid end to end (no copy of them).
+FileLayout LayoutOf(std::vector<Segment> segments) {
   FileLayout l;
-  l.segments.reserve(body.size() + 1);
-  l.starts.reserve(body.size() + 1);
-  l.Add(LiteralSegment(prefix + h));
-  for (Segment& s : body) l.Add(std::move(s));
+  l.starts.reserve(segments.size());
+  for (const Segment& s : segments) {
+    l.starts.push_back(l.size);
+    l.size += s.size;
+  }
+  l.segments = std::move(segments);
   return l;
+}
+
+// A safetensors file of header `h` and data `body`.
+FileLayout SafetensorsFile(std::string h, std::vector<Segment> body) {
+  body.insert(body.begin(), SafetensorsHeader(std::move(h)));
+  return LayoutOf(std::move(body));
 }
 
 std::string RankFile(const TopoPlan& p, const RankPlan& r) {
@@ -226,19 +241,26 @@ Result<FileLayout> LayoutOfParts(const Index& index, const std::string& path, co
   return l;
 }
 
-Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>& tensors,
+Result<FileLayout> Safetensors(const Index& index, std::vector<RankTensor>& tensors,
                                const std::vector<std::pair<std::string, std::string>>& metadata) {
   // The header is written as text, entry by entry, in the bytes nlohmann's
   // compact dump gives: an ordered_json tree of a 100k-tensor model's entries
-  // took 1.7 s and ~100 MB to build at mount.
+  // took 1.7 s and ~100 MB to build at mount. The segments are made once,
+  // in place (slot 0 waits for the header), and take the pieces' boxes
+  // rather than copies: hf/ of that model keeps 190k of them.
   json meta = json::object();
   for (const auto& [k, v] : metadata) meta[k] = v;
   std::string h = "{\"__metadata__\":" + JsonText(meta);
   std::unordered_set<std::string_view> names = {"__metadata__"};
   names.reserve(tensors.size() + 1);
+  size_t pieces = 1;
+  for (const RankTensor& rt : tensors) pieces += rt.transposed ? 1 : rt.pieces.size() + (rt.zero_tail > 0 ? 1 : 0);
   std::vector<Segment> body;
+  body.reserve(pieces);
+  body.emplace_back();
+  h.reserve(h.size() + tensors.size() * 96);
   uint64_t off = 0;
-  for (const RankTensor& rt : tensors) {
+  for (RankTensor& rt : tensors) {
     const TensorRecord& t = index.tensors()[rt.id.v];
     const DType out = rt.out != DType::kInvalid ? rt.out : t.dtype;
     const std::string_view dt = SafetensorsDType(out);
@@ -254,26 +276,28 @@ Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>
     AppendJsonInts(h, rt.shape);
     h += ",\"data_offsets\":[" + std::to_string(off) + "," + std::to_string(off + n) + "]}";
     off += n;
+    const bool affine = rt.scale != 1.0 || rt.add != 0.0;
     if (rt.transposed) {
-      Segment seg = BoxSeg(t, rt.id, rt.pieces.front(), out);
-      seg.boxes = rt.pieces;
+      Segment seg;
+      seg.kind = SegmentKind::kTensor;
+      seg.tensor = rt.id;
+      seg.out_dtype = out;
       seg.size = n;
       seg.transposed = true;
-      seg.how = rt.how;
-      seg.scale = rt.scale;
-      seg.add = rt.add;
+      seg.boxes = std::move(rt.pieces);
+      seg.set_render({rt.how, rt.scale, rt.add});
       body.push_back(std::move(seg));
       continue;
     }
-    for (const Box& b : rt.pieces) {
-      body.push_back(BoxSeg(t, rt.id, b, out));
-      body.back().scale = rt.scale;
-      body.back().add = rt.add;
+    for (Box& b : rt.pieces) {
+      body.push_back(BoxSeg(t, rt.id, std::move(b), out));
+      if (affine) body.back().set_render({Transpose{}, rt.scale, rt.add});
     }
     if (rt.zero_tail > 0) body.push_back(LiteralSegment(std::string(rt.zero_tail * DTypeSize(out), '\0')));
   }
   h += '}';
-  return SafetensorsFile(std::move(h), std::move(body));
+  body[0] = SafetensorsHeader(std::move(h));
+  return LayoutOf(std::move(body));
 }
 
 Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& plan) {
@@ -310,7 +334,8 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
       meta.emplace_back("ep_rank", std::to_string(r.ep));
       meta.emplace_back("ep_size", std::to_string(plan.topo.ep));
     }
-    auto l = Safetensors(index, r.tensors, meta);
+    std::vector<RankTensor> tensors = r.tensors;  // the plan's own are listed below
+    auto l = Safetensors(index, tensors, meta);
     if (!l.ok()) return l.status().Annotate("topo/" + name + "/" + file);
     out.emplace_back(file, std::move(*l));
     json ts = json::array();
@@ -361,14 +386,26 @@ Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& p
 
 Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& opts) {
   ASSIGN_OR_RETURN(hf::HfPlan plan, hf::PlanHf(index, opts));
-  std::vector<std::vector<RankTensor>> shards;
+  // Where each shard starts in plan.tensors (at most hf_shard_bytes each,
+  // unless one tensor is larger), then the shards, each made at its size.
+  std::vector<size_t> first;
   uint64_t cur = 0, total = 0;
-  for (hf::HfTensor& h : plan.tensors) {
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const hf::HfTensor& h = plan.tensors[i];
     const uint64_t bytes = static_cast<uint64_t>(NumelOf(h.shape)) * DTypeSize(h.out);
-    if (shards.empty() || (cur > 0 && cur + bytes > opts.hf_shard_bytes)) {
-      shards.emplace_back();
+    if (first.empty() || (cur > 0 && cur + bytes > opts.hf_shard_bytes)) {
+      first.push_back(i);
       cur = 0;
     }
+    cur += bytes;
+    total += bytes;
+  }
+  first.push_back(plan.tensors.size());
+  std::vector<std::vector<RankTensor>> shards(first.size() - 1);
+  for (size_t k = 0; k + 1 < first.size(); ++k) shards[k].reserve(first[k + 1] - first[k]);
+  for (size_t i = 0, k = 0; i < plan.tensors.size(); ++i) {
+    hf::HfTensor& h = plan.tensors[i];
+    if (i == first[k + 1]) ++k;
     RankTensor rt;
     rt.id = h.id;
     rt.name = std::move(h.name);
@@ -379,10 +416,9 @@ Result<std::vector<NamedLayout>> HfFiles(const Index& index, const TopoOptions& 
     rt.how = h.how;
     rt.scale = h.scale;
     rt.add = h.add;
-    shards.back().push_back(std::move(rt));
-    cur += bytes;
-    total += bytes;
+    shards[k].push_back(std::move(rt));
   }
+  plan.tensors.clear();
   std::vector<NamedLayout> out;
   std::vector<std::string> shard_names;
   // The weight map, in first-seen order (a name seen again maps to its last

@@ -19,8 +19,9 @@ namespace ckptfs::topo_files {
 using NamedLayout = std::pair<std::string, FileLayout>;  // path relative to the view dir
 
 // One safetensors file of `tensors` (each in its source dtype), with
-// `metadata` as __metadata__. An error names a dtype safetensors lacks.
-Result<FileLayout> Safetensors(const Index& index, const std::vector<RankTensor>& tensors,
+// `metadata` as __metadata__. Their pieces are moved into the layout (names
+// and shapes stay). An error names a dtype safetensors lacks.
+Result<FileLayout> Safetensors(const Index& index, std::vector<RankTensor>& tensors,
                                const std::vector<std::pair<std::string, std::string>>& metadata);
 
 // Every file of topo/<name>/: tp<t>-pp<p>.safetensors, layout.json, with -dp<D>

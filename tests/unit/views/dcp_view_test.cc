@@ -87,9 +87,9 @@ TEST(DcpViewTest, LargeMetadataIsSpooledToATemporaryFileWithTheSameBytes) {
   ASSERT_EQ(b.segments[0].kind, SegmentKind::kSpooled);
   ASSERT_EQ(b.size, a.size);
   std::string back(b.size, '\0');
-  ASSERT_TRUE(b.segments[0].spooled->Read(0, back.size(), back.data()).ok());
-  EXPECT_EQ(back, a.segments[0].literal);
-  EXPECT_FALSE(b.segments[0].spooled->Read(b.size - 1, 2, back.data()).ok());  // past the end: an error
+  ASSERT_TRUE(b.segments[0].spooled()->Read(0, back.size(), back.data()).ok());
+  EXPECT_EQ(back, a.segments[0].literal());
+  EXPECT_FALSE(b.segments[0].spooled()->Read(b.size - 1, 2, back.data()).ok());  // past the end: an error
 }
 
 // Each item of a data file is a torch.save archive: "PK\3\4" where the

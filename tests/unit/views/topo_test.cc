@@ -229,7 +229,7 @@ TEST_F(TopoTest, RankFileBytesAreTheSlices) {
     const Segment& s = l->segments[i];
     char* dst = bytes.data() + l->starts[i];
     if (s.kind == SegmentKind::kLiteral) {
-      std::memcpy(dst, s.literal.data(), s.size);
+      std::memcpy(dst, s.literal().data(), s.size);
     } else {
       ASSERT_TRUE((*reader)->ReadBox(s.tensor, s.out_dtype, s.box_or_null(), 0, s.size, dst).ok());
     }

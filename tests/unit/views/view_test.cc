@@ -79,7 +79,7 @@ TEST(ViewTest, LayoutsAndCollisions) {
   // The colliding fourth entry is kept under a distinct name and reported.
   EXPECT_TRUE((*v)->Resolve("params/w/param.npy~3").ok());
   auto cj = (*v)->Layout(*(*v)->Resolve("checkpoint.json"));
-  EXPECT_NE((*cj)->segments[0].literal.find("two entries map to"), std::string::npos);
+  EXPECT_NE((*cj)->segments[0].literal().find("two entries map to"), std::string::npos);
   EXPECT_EQ((*v)->PathOf(*npy), "/params/w/param.npy");
   // hf/ is planned at its first lookup or listing. When it cannot be (here an
   // --hf-arch that the command line would have refused), hf/ holds only
@@ -96,8 +96,8 @@ TEST(ViewTest, LayoutsAndCollisions) {
   EXPECT_EQ(std::get<0>(listed[0]), "ERRORS");
   auto errors = (*w)->Layout(*(*w)->Resolve("hf/ERRORS"));
   ASSERT_TRUE(errors.ok());
-  EXPECT_EQ((*errors)->segments[0].literal.rfind("hf/ is not available: --hf-arch 'bogus': expected one of ", 0), 0u)
-      << (*errors)->segments[0].literal;
+  EXPECT_EQ((*errors)->segments[0].literal().rfind("hf/ is not available: --hf-arch 'bogus': expected one of ", 0), 0u)
+      << (*errors)->segments[0].literal();
 }
 
 TEST(ViewTest, InfoJsonSizeComesFromTheRecordsAndMatchesItsBytes) {
@@ -162,7 +162,7 @@ TEST(ViewTest, InfoJsonSizeComesFromTheRecordsAndMatchesItsBytes) {
   EXPECT_EQ(*(*v)->Size(*ino), *size);
   std::string text;
   for (const Segment& seg : (*l)->segments)
-    text += seg.kind == SegmentKind::kLiteral ? seg.literal : std::string(seg.size, '0');
+    text += seg.kind == SegmentKind::kLiteral ? std::string(seg.literal()) : std::string(seg.size, '0');
   auto j = nlohmann::json::parse(text, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << text;
   EXPECT_EQ(j["tensors"]["exp_avg"]["fragments"].size(), 6u);
@@ -202,7 +202,7 @@ TEST(ViewTest, PaddedVocabularyIsCutWithItsPaddingBeside) {
   auto npy = (*v)->Resolve("params/emb/exp_avg.vocab_padding.npy");
   ASSERT_TRUE(npy.ok());
   const FileLayout* ln = *(*v)->Layout(*npy);
-  EXPECT_NE(ln->segments[0].literal.find("'shape': (3, 2)"), std::string::npos) << ln->segments[0].literal;
+  EXPECT_NE(ln->segments[0].literal().find("'shape': (3, 2)"), std::string::npos) << ln->segments[0].literal();
   EXPECT_EQ(*(*v)->Size(*npy), ln->size);
   auto info = (*v)->Resolve("params/emb/info.json");
   ASSERT_TRUE(info.ok());
@@ -211,7 +211,7 @@ TEST(ViewTest, PaddedVocabularyIsCutWithItsPaddingBeside) {
   EXPECT_EQ(li->size, sized);
   std::string text;
   for (const Segment& seg : li->segments) {
-    text += seg.kind == SegmentKind::kLiteral ? seg.literal : std::string(seg.size, '0');
+    text += seg.kind == SegmentKind::kLiteral ? std::string(seg.literal()) : std::string(seg.size, '0');
     if (seg.kind == SegmentKind::kHash) {
       EXPECT_EQ(seg.boxes.size(), 1u);  // each hash is of its rows
     }
@@ -282,7 +282,7 @@ TEST(ViewTest, HfHeadersAndIndexJsonAreNlohmannsText) {
     auto l = v.Layout(*ino);
     EXPECT_TRUE(l.ok() && !(*l)->segments.empty()) << path;
     if (!l.ok() || (*l)->segments.empty()) return std::string();
-    return (*l)->segments[0].literal;
+    return std::string((*l)->segments[0].literal());
   };
   for (bool with_params : {true, false}) {
     TempDir t;
