@@ -25,7 +25,8 @@ and optimizer are built to the last state applied), the wall time including
 the process start and the model build, and the peak RSS of the largest process
 (GNU time); ckptfs adds the mount with its index build and the daemon's VmHWM.
 Source page cache is dropped (fadvise) before each timed run. The floor runs
-8 processes and ckptfs 4 on this machine's cores; both build the same model.
+8 processes and ckptfs 4 on this machine's cores, each with one OpenMP thread
+(torchrun's default); both build the same model.
 
     python bench/megatron_resume_bench.py [--layers 8] [--hidden 1024] [--bin build/ckptfs]
 """
@@ -80,10 +81,14 @@ def worker(rank, o, port, mode, path):
 
 def run_worker(mode, tp, pp, dp, path, a):
     """This script as a worker: wall time, the load's time, peak RSS (KiB)."""
+    # One OpenMP thread per rank, as torchrun sets for several processes per
+    # node: torch's default (a thread per core, spinning while idle) in 4-8
+    # ranks on 2 cores starves whatever serves their reads.
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     r = subprocess.run(["/usr/bin/time", "-f", "MAXRSS_KB %M", sys.executable, os.path.abspath(__file__), "--worker",
                         mode, str(tp), str(pp), str(dp), path, "--layers", str(a.layers), "--hidden", str(a.hidden)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         print(r.stdout[-2000:], r.stderr[-4000:])

@@ -24,8 +24,9 @@
 // source truncated after its check makes the kernel's copy fail (EFAULT, the
 // request EIO), never a SIGBUS. A conversion of such spans (bf16 widened to
 // f32) is planned the same way (PlanConvert) and converted from the mappings
-// by the daemon (ConvertMapped): the one place it reads mapped bytes, only
-// under the SIGBUS guard (RunGuarded).
+// by the daemon (ConvertMapped); an archive item's CRC-32 is computed over the
+// mappings the same way (CrcMapped). Those are the only places it reads mapped
+// bytes, only under the SIGBUS guard (RunGuarded).
 #ifndef CKPTFS_IO_H_
 #define CKPTFS_IO_H_
 
@@ -195,6 +196,9 @@ class TensorReader {
   // kernel's mmap read-around on a cold source. Needs InstallSigbusGuard(); a
   // source cut short between the check and the conversion is kStale.
   Status ConvertMapped(const ConvertPlan& plan, char* dst);
+  // Continues `*crc` (zlib's CRC-32) over the spans' bytes, read from the
+  // sources' mappings as ConvertMapped reads them: no copy into a buffer.
+  Status CrcMapped(std::span<const SourceSpan> spans, uint32_t* crc);
   // xxh3-64 of the tensor's raw bytes (source dtype, C order), or of the
   // sub-box `box`'s; cached.
   Result<uint64_t> Xxh3Raw(TensorId id, const Box* box = nullptr);

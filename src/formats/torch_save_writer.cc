@@ -1,6 +1,6 @@
 #include "formats/torch_save_writer.h"
 
-#include <zlib.h>
+#include "common/crc32.h"
 
 namespace ckptfs::formats {
 namespace {
@@ -113,8 +113,7 @@ std::vector<ExportPart> TorchSaveParts(const std::string& archive_name, const st
     Entry e;
     e.name = archive_name + "/" + name;
     e.size = data.size();
-    e.crc =
-        static_cast<uint32_t>(crc32_z(crc32(0L, Z_NULL, 0), reinterpret_cast<const Bytef*>(data.data()), data.size()));
+    e.crc = Crc32Update(0, data.data(), data.size());
     e.data = std::move(data);
     entries.push_back(std::move(e));
   };

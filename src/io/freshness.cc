@@ -5,7 +5,6 @@
 // kInvalid. Locking: range_mu_ (a leaf) guards the range verdicts, never held
 // while reading; path_checked_ns_ is per-file atomics.
 #include <sys/stat.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <chrono>
@@ -14,6 +13,7 @@
 #include <set>
 
 #include "ckptfs/io.h"
+#include "common/crc32.h"
 
 namespace ckptfs {
 
@@ -55,12 +55,12 @@ Status TensorReader::CheckChecksum(const ChecksumRange& c, bool remember_good) {
   const std::string& rel = index_.files()[c.file.v].rel_path;
   constexpr uint64_t kPiece = 4 << 20;
   std::string buf(static_cast<size_t>(std::min(kPiece, c.length)), '\0');
-  uLong crc = crc32_z(0, Z_NULL, 0);
+  uint32_t crc = 0;
   for (uint64_t off = 0; off < c.length; off += kPiece) {
     const uint64_t n = std::min(kPiece, c.length - off);
     IoRequest req{fds_[c.file.v], c.offset + off, n, buf.data()};
     RETURN_IF_ERROR(ReadSource(std::span<IoRequest>(&req, 1)).Annotate(rel));
-    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(buf.data()), static_cast<z_size_t>(n));
+    crc = Crc32Update(crc, buf.data(), n);
   }
   std::lock_guard<std::mutex> lock(range_mu_);
   if (static_cast<uint32_t>(crc) == c.crc32) {

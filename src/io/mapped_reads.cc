@@ -13,6 +13,7 @@
 #include <iterator>
 
 #include "ckptfs/io.h"
+#include "common/crc32.h"
 
 namespace ckptfs {
 
@@ -62,7 +63,39 @@ struct MappedConversion {
   }
 };
 
+// CrcMapped's work, run under RunGuarded (nothing here locks or allocates).
+struct MappedCrc {
+  const std::vector<iovec>* pieces;
+  uint32_t crc;
+
+  static void Run(void* self) {
+    auto* c = static_cast<MappedCrc*>(self);
+    for (const iovec& p : *c->pieces) c->crc = Crc32Update(c->crc, static_cast<const char*>(p.iov_base), p.iov_len);
+  }
+};
+
 }  // namespace
+
+Status TensorReader::CrcMapped(std::span<const SourceSpan> spans, uint32_t* crc) {
+  if (!SigbusGuardInstalled()) return Internal("mapped reads need InstallSigbusGuard()");
+  thread_local MappedBytes mapped;
+  mapped.Clear();
+  Status s = MapSpans(spans, &mapped);
+  if (!s.ok()) {
+    mapped.Clear();
+    return s;
+  }
+  MappedCrc c{&mapped.pieces, *crc};
+  const bool done = RunGuarded(&MappedCrc::Run, &c);
+  mapped.Clear();
+  if (!done) {
+    return Stale(index_.src_dir() +
+                 ": a source file was cut short while its bytes were read from a mapping; remount to "
+                 "rebuild the index");
+  }
+  *crc = c.crc;
+  return Status::Ok();
+}
 
 Status TensorReader::ConvertMapped(const ConvertPlan& plan, char* dst) {
   if (!SigbusGuardInstalled()) return Internal("mapped conversions need InstallSigbusGuard()");

@@ -6,12 +6,12 @@
 // while calling out (io.h's lock order: every mutex is a leaf).
 #include <unistd.h>
 #include <xxhash.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "ckptfs/io.h"
+#include "common/crc32.h"
 #include "formats/zstd.h"  // ~TensorReader destroys the zstd cursors
 #include "io/tensor_reader_internal.h"
 
@@ -20,6 +20,10 @@ namespace {
 
 constexpr size_t kFragCacheTensors = 4096;
 constexpr uint64_t kHashChunk = 8ull << 20;
+// A CRC over mapped spans: at most this many spans planned for one item, summed
+// kCrcPiece bytes at a time (at most half a mapping window, TensorReader::kMapStep).
+constexpr size_t kCrcMaxSpans = 65536;
+constexpr uint64_t kCrcPiece = 16ull << 20;
 
 // Output bytes per pipeline chunk: one plan, one staging fill, one transform
 // submission (one kernel launch on the GPU). FUSE reads fit in one chunk.
@@ -358,13 +362,44 @@ Result<uint32_t> TensorReader::Crc32(TensorId id, DType out, const std::vector<B
     auto it = crc_cache_.find(key);
     if (it != crc_cache_.end()) return it->second;
   }
-  uLong crc = crc32(0L, Z_NULL, 0);
-  auto update = [&](const char* p, size_t n) { crc = crc32_z(crc, reinterpret_cast<const Bytef*>(p), n); };
-  if (boxes.empty()) RETURN_IF_ERROR(Stream(id, out, nullptr, update));
-  for (const Box& b : boxes) RETURN_IF_ERROR(Stream(id, out, &b, update));
+  uint32_t crc = 0;
+  auto update = [&](const char* p, size_t n) { crc = Crc32Update(crc, p, n); };
+  // A plain copy of source bytes is summed straight from the sources'
+  // mappings (the bytes are then served from the same pages without a copy);
+  // anything else is rendered in chunks.
+  auto sum = [&](const Box* box) -> Status {
+    const TensorRecord& t = index_.tensors()[id.v];
+    const uint64_t numel = box != nullptr ? static_cast<uint64_t>(NumelOf(box->lengths)) : t.Numel();
+    const uint64_t size = t.encoding == Encoding::kBytes ? t.byte_size : numel * DTypeSize(out);
+    thread_local std::vector<SourceSpan> spans;
+    if (!SigbusGuardInstalled() || !PlanCopy(id, out, box, 0, size, kCrcMaxSpans, &spans))
+      return Stream(id, out, box, update);
+    // The kernel is asked for all of it first (large reads, started at once:
+    // a cold mapping read by faults alone waits on each read-around). Then
+    // in groups of at most kCrcPiece bytes (a span longer than a mapping
+    // window allows is cut), so a group pins a few windows.
+    AskAhead(spans);
+    thread_local std::vector<SourceSpan> group;
+    group.clear();
+    uint64_t bytes = 0;
+    for (const SourceSpan& sp : spans) {
+      for (uint64_t o = 0; o < sp.length; o += kCrcPiece) {
+        group.push_back(SourceSpan{sp.file, sp.offset + o, std::min(kCrcPiece, sp.length - o)});
+        bytes += group.back().length;
+        if (bytes >= kCrcPiece || group.size() >= 4096) {
+          RETURN_IF_ERROR(CrcMapped(group, &crc));
+          group.clear();
+          bytes = 0;
+        }
+      }
+    }
+    return group.empty() ? Status::Ok() : CrcMapped(group, &crc);
+  };
+  if (boxes.empty()) RETURN_IF_ERROR(sum(nullptr));
+  for (const Box& b : boxes) RETURN_IF_ERROR(sum(&b));
   std::lock_guard<std::mutex> lock(hash_mu_);
-  crc_cache_[key] = static_cast<uint32_t>(crc);
-  return static_cast<uint32_t>(crc);
+  crc_cache_[key] = crc;
+  return crc;
 }
 
 }  // namespace ckptfs

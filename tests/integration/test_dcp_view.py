@@ -10,9 +10,11 @@ equals the tensor ckptfs serves under params/ (model.<fqn> from the fp32
 master where there is one); and dcp.load into DTensors at a world size the
 source never had (3 ranks, Shard(0) and Shard(1)) gives the same tensors.
 """
+import io
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,15 @@ def check_view(src, tmp_path, mounter, groups_of=None):
         readme = (m.path / "dcp" / "README.txt").read_text()
         out = tmp_path / "all.pt"
         dcp_to_torch_save(m.path / "dcp", out)
+        # Every tensor item is a ZIP whose CRC-32s hold (torch.load does not
+        # check them; Python's zipfile does).
+        for index_, info in md.storage_data.items():
+            if not isinstance(md.state_dict_metadata[index_.fqn], TensorStorageMetadata):
+                continue
+            with open(m.path / "dcp" / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                item = f.read(info.length)
+            assert zipfile.ZipFile(io.BytesIO(item)).testzip() is None, index_
     loaded = dict(flat(torch.load(out, weights_only=False)))
     tensor_keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
     assert tensor_keys, readme
