@@ -110,13 +110,6 @@ void Conclude(DcpReader& r) {
 }  // namespace
 }  // namespace ckptfs::formats::dcp
 
-#include <chrono>
-#include <cstdio>
-static double T0() {
-  static auto s = std::chrono::steady_clock::now();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count();
-}
-#define TT(x) fprintf(stderr, "T %.3f %s\n", T0(), x)
 namespace ckptfs::formats {
 
 bool LooksLikeDcp(const std::string& dir) { return !dcp::FindSaves(dir).empty(); }
@@ -125,19 +118,14 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   std::vector<dcp::DcpSave> saves = dcp::FindSaves(dir);
   if (saves.empty()) return NotFound("cannot read " + dir + ": no .metadata and no __<rank>.metadata");
   dcp::DcpReader r(dir, std::move(saves));
-  TT("dcp start");
   RETURN_IF_ERROR(r.ReadMetadata());
-  TT("metadata");
   r.NoteRankLocalSaves();
   r.LocateChunks();
   r.OpenDataFiles();
   r.FlagMissingFiles();
-  TT("located");
   r.ResolveChunks();
-  TT("resolved");
   r.CheckTilings();
   dcp::Conclude(r);
-  TT("concluded");
   return std::move(r.ck);
 }
 

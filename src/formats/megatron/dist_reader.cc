@@ -3,8 +3,6 @@
 #include <re2/re2.h>
 #include <sys/stat.h>
 
-#include <chrono>
-#include <cstdio>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -16,11 +14,7 @@
 #include "formats/megatron/run_config.h"
 #include "formats/torch_file.h"
 #include "formats/zarr/zarr_reader.h"
-static double T1() {
-  static auto s = std::chrono::steady_clock::now();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - s).count();
-}
-#define TU(x) fprintf(stderr, "T %.3f %s\n", T1(), x)
+
 namespace ckptfs::formats {
 namespace {
 
@@ -350,7 +344,6 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
   ck.info.format_note = "Megatron-LM dist_checkpointing, " + backend + " backend" +
                         (ck.info.format_note.empty() ? "" : " (" + ck.info.format_note + ")") +
                         (iter.wrapper.empty() ? "" : ", " + iter.wrapper);
-  TU("dcp done");
   struct stat st {};
   megatron::ModelFacts facts;
   if (::stat((iter.path + "/common.pt").c_str(), &st) == 0) {
@@ -358,7 +351,6 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
   } else {
     ck.info.problems.push_back(iter.path + "/common.pt is missing (args and iteration unknown)");
   }
-  TU("common");
   if (ck.info.step < 0) ck.info.step = iter.step;
   if (facts.tp <= 0) facts = ConfigFacts(dir, iter, ck);
   Classify(ck);
@@ -379,7 +371,6 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
   }
   megatron::MapBucketStates(dir, facts, ck);
   megatron::SetSplits(facts, ck);
-  TU("megatron done");
   return ck;
 }
 
