@@ -51,11 +51,13 @@ enum class SegmentKind : uint8_t { kLiteral, kTensor, kHash, kCrc32, kArchive, k
 
 // Bytes the views made too large to keep in memory (dcp/'s .metadata of a
 // checkpoint of millions of chunks), written once to an unlinked file in
-// $TMPDIR (common/temp_file.h) and read back from there; closed with the
-// last layout that holds it.
+// $TMPDIR (common/temp_file.h), or kept in a saved plan (views/plan_cache.h),
+// and read back from there; closed with the last layout that holds it.
 struct SpooledBytes {
   int fd = -1;
+  uint64_t base = 0;  // where the bytes start in the file (a saved plan holds several things)
   uint64_t size = 0;
+  std::string name;  // the file, for errors
   SpooledBytes() = default;
   SpooledBytes(const SpooledBytes&) = delete;
   SpooledBytes& operator=(const SpooledBytes&) = delete;

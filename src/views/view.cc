@@ -12,6 +12,7 @@
 #include "formats/byte_reader.h"
 #include "formats/npy.h"
 #include "views/dcp_view.h"
+#include "views/plan_cache.h"
 #include "views/topo_files.h"
 
 namespace ckptfs {
@@ -120,7 +121,7 @@ SpooledBytes::~SpooledBytes() {
 
 Status SpooledBytes::Read(uint64_t offset, uint64_t n, char* dst) const {
   if (offset > size || n > size - offset) return Internal("a read past the end of spooled bytes");
-  return formats::PreadExact(fd, offset, dst, n, "a spooled file in " + TempDir());
+  return formats::PreadExact(fd, base + offset, dst, n, name.empty() ? "a spooled file in " + TempDir() : name);
 }
 
 std::string PathComponent(std::string_view key) {
@@ -444,11 +445,24 @@ void View::EnsureHf() const {
 
 namespace {
 
-// A DCP's files (dcp/ or a profile's), what it leaves out logged.
-Result<std::vector<topo_files::NamedLayout>> LoggedDcp(Result<dcp_view::DcpTree> tree, const std::string& what) {
-  if (!tree.ok()) return tree.status();
-  for (const std::string& l : tree->left_out) LogWarn(what + " leaves out " + l);
-  return std::move(tree->files);
+// A DCP's files (dcp/ or a profile's, `what`), what it leaves out logged:
+// from the plan a mount of this index saved (plan_cache.h) as `saved_as`,
+// else made by `make` and saved for the next mount.
+Result<std::vector<topo_files::NamedLayout>> CachedDcp(const Index& index, const std::string& saved_as,
+                                                       const std::string& what,
+                                                       const std::function<Result<dcp_view::DcpTree>()>& make) {
+  std::optional<plan_cache::Plan> plan = plan_cache::Load(index, saved_as);
+  if (plan) {
+    LogInfo(what + " as planned before (" + plan_cache::PathOf(index, saved_as) + ")");
+  } else {
+    ASSIGN_OR_RETURN(dcp_view::DcpTree tree, make());
+    plan = plan_cache::Plan{std::move(tree.files), std::move(tree.left_out)};
+    if (Status s = plan_cache::Save(index, saved_as, *plan); !s.ok()) {
+      LogInfo(what + "'s plan is not kept for the next mount: " + s.message());
+    }
+  }
+  for (const std::string& l : plan->notes) LogWarn(what + " leaves out " + l);
+  return std::move(plan->files);
 }
 
 }  // namespace
@@ -456,14 +470,17 @@ Result<std::vector<topo_files::NamedLayout>> LoggedDcp(Result<dcp_view::DcpTree>
 void View::EnsureDcp() const {
   // dcp/'s files are listed under accelerate/'s two directories too.
   PlanOnce(dcp_made_, dcp_dir_, {accelerate_model_dir_, accelerate_optim_dir_}, "dcp/",
-           [&] { return LoggedDcp(dcp_view::DcpFiles(index_), "dcp/"); });
+           [&] { return CachedDcp(index_, "dcp", "dcp/", [&] { return dcp_view::DcpFiles(index_); }); });
 }
 
 void View::EnsureProfile() const {
   if (profile_ == nullptr) return;
   const std::string where = profile_->dir + "/" + profile_->dcp_dir + "/";
-  PlanOnce(profile_made_, profile_dcp_dir_, {}, where,
-           [&] { return LoggedDcp(dcp_view::ProfileFiles(index_, *profile_), where); });
+  std::string saved_as = "profile-" + profile_->dir;
+  std::replace(saved_as.begin(), saved_as.end(), '/', '-');
+  PlanOnce(profile_made_, profile_dcp_dir_, {}, where, [&] {
+    return CachedDcp(index_, saved_as, where, [&] { return dcp_view::ProfileFiles(index_, *profile_); });
+  });
 }
 
 Status View::AddTopo(const Topology& t) {

@@ -284,3 +284,38 @@ def test_storage_reader_answers_from_the_same_plan(rel, tmp_path, mounter):
     dcp.load(b, storage_reader=ctorch.StorageReader(src, index=str(index), view="dcp"), no_dist=True)
     for k in keys:
         assert same(a[k], b[k]), k
+
+
+def test_the_next_mount_serves_the_saved_plan(tmp_path, mounter):
+    """The first mount plans dcp/ and keeps the plan beside the index; the next
+    mount of that index lists dcp/ from it (no planning) and torch's reader
+    loads the same tensors. A damaged plan file is planned again and replaced."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    src = tmp_path / "ck"
+    shutil.copytree(DATA / "ds_py3112/z2_bf16_tp2_dp2", src, ignore=shutil.ignore_patterns(".ckptfs"))
+    index = tmp_path / "index"
+    outs, trees = [], []
+    for name in ("first", "second", "damaged"):
+        if name == "damaged":
+            plan = index / "dcp.plan"
+            data = bytearray(plan.read_bytes())
+            data[len(data) // 2] ^= 0x01
+            plan.write_bytes(bytes(data))
+        with mounter(src, name=name, index=index) as m:
+            tree = {p.name: p.read_bytes() for p in sorted((m.path / "dcp").iterdir())}
+            out = tmp_path / f"{name}.pt"
+            dcp_to_torch_save(m.path / "dcp", out)
+            log = m.log_text()
+        assert (index / "dcp.plan").is_file()
+        assert ("dcp/ as planned before" in log) == (name == "second"), log
+        assert "not kept for the next mount" not in log, log
+        outs.append(dict(flat(torch.load(out, weights_only=False))))
+        trees.append(tree)
+    assert trees[0] == trees[1] == trees[2]
+    assert outs[0].keys() == outs[1].keys() == outs[2].keys()
+    for k, v in outs[0].items():
+        if isinstance(v, torch.Tensor):
+            assert same(v, outs[1][k]) and same(v, outs[2][k]), k
+        else:
+            assert v == outs[1][k] == outs[2][k], k
