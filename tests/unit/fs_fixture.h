@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -27,6 +28,22 @@ inline std::unique_ptr<Filesystem> OpenFixtureCopy(const TempDir& tmp, const std
   auto f = Filesystem::Open(o);
   EXPECT_TRUE(f.ok()) << rel << ": " << f.status().message();
   return f.ok() ? std::move(f).value() : nullptr;
+}
+
+// The whole of file `path` of the view, read through fs.Read in 1 MiB pieces.
+inline std::string ReadAll(Filesystem& fs, const std::string& path) {
+  auto ino = fs.view().Resolve(path);
+  EXPECT_TRUE(ino.ok()) << path;
+  if (!ino.ok()) return "";
+  auto a = fs.GetAttr(*ino);
+  std::string out(a->size, '\0');
+  for (uint64_t off = 0; off < out.size();) {
+    auto n = fs.Read(*ino, off, std::min<size_t>(1 << 20, out.size() - off), out.data() + off);
+    EXPECT_TRUE(n.ok()) << n.status().message();
+    if (!n.ok() || *n == 0) break;
+    off += *n;
+  }
+  return out;
 }
 
 }  // namespace ckptfs::testing

@@ -19,22 +19,8 @@
 namespace ckptfs {
 namespace {
 
+using testing::ReadAll;
 using testing::TempDir;
-
-std::string ReadAll(Filesystem& fs, const std::string& path) {
-  auto ino = fs.view().Resolve(path);
-  EXPECT_TRUE(ino.ok()) << path;
-  if (!ino.ok()) return "";
-  auto a = fs.GetAttr(*ino);
-  std::string out(a->size, '\0');
-  for (uint64_t off = 0; off < out.size();) {
-    auto n = fs.Read(*ino, off, std::min<size_t>(1 << 20, out.size() - off), out.data() + off);
-    EXPECT_TRUE(n.ok()) << n.status().message();
-    if (!n.ok() || *n == 0) break;
-    off += *n;
-  }
-  return out;
-}
 
 // The number of whole torch.save archives that tile `data`: each one "PK\3\4"
 // where the previous ended, closed by an end-of-central-directory record

@@ -21,6 +21,7 @@
 namespace ckptfs {
 namespace {
 
+using testing::ReadAll;
 using testing::TempDir;
 
 std::string SpooledText(const Segment& s) {
@@ -154,21 +155,6 @@ TEST(PlanCacheTest, APlanThatCannotBeSavedLeavesNothing) {
   EXPECT_NE(s.message().find("dcp.plan"), std::string::npos) << s.message();
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(fs->index().dir()), {}), before);
   EXPECT_FALSE(plan_cache::Load(fs->index(), "dcp").has_value());
-}
-
-std::string ReadAll(Filesystem& fs, const std::string& path) {
-  auto ino = fs.view().Resolve(path);
-  EXPECT_TRUE(ino.ok()) << path;
-  if (!ino.ok()) return "";
-  auto a = fs.GetAttr(*ino);
-  std::string out(a->size, '\0');
-  for (uint64_t off = 0; off < out.size();) {
-    auto n = fs.Read(*ino, off, std::min<size_t>(1 << 20, out.size() - off), out.data() + off);
-    EXPECT_TRUE(n.ok()) << n.status().message();
-    if (!n.ok() || *n == 0) break;
-    off += *n;
-  }
-  return out;
 }
 
 // The first mount plans dcp/ and saves it; the next serves the saved plan:
