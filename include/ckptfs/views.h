@@ -246,6 +246,11 @@ class View {
   enum class WalkOrder : uint8_t { kName, kInode };
   uint64_t NextInWalk(uint64_t ino, WalkOrder order) const;
   size_t num_nodes() const { return nodes_.size(); }
+  // Plans the views whose plans are kept beside the index (dcp/ and a
+  // family's DCP profile; views/plan_cache.h) as their first listing would,
+  // so that every mount lists them from the saved plans (`ckptfs index
+  // --plan-views`). Returns the plan files beside the index afterwards.
+  std::vector<std::string> PlanSavedViews() const;
 
  private:
   View(const Index& index, TopoOptions topo) : index_(index), topo_(std::move(topo)) {}
@@ -264,6 +269,8 @@ class View {
   void EnsureDcp() const;
   // The profile's DCP files, likewise (dcp_view.h ProfileFiles).
   void EnsureProfile() const;
+  // The name its plan is saved under ("" without a profile).
+  std::string ProfilePlanName() const;
   const Node* GetLocked(uint64_t ino) const;
   std::string PathOfLocked(uint64_t ino) const;
   uint64_t AddFile(uint64_t parent, const std::string& name, FileLayout layout, TensorId tensor,

@@ -194,6 +194,18 @@ int CmdIndex(const Args& a) {
     std::printf("build time %.3f s (%.0f fragments/s)\n", r->build_seconds,
                 r->build_seconds > 0 ? static_cast<double>(ix.num_fragments()) / r->build_seconds : 0.0);
   }
+  if (a.Has("--plan-views")) {
+    // As a mount's first listing of dcp/ (and a DCP profile) would: every
+    // later mount of this index then lists them from the saved plans.
+    const auto t0 = std::chrono::steady_clock::now();
+    auto fs = Filesystem::Open(*o);
+    if (!fs.ok()) return Fail(fs.status());
+    const std::vector<std::string> saved = (*fs)->view().PlanSavedViews();
+    std::printf("planned the saved views in %.3f s:",
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    for (const std::string& p : saved) std::printf(" %s", p.c_str());
+    std::printf("%s\n", saved.empty() ? " none saved (see the log lines above)" : "");
+  }
   return broken ? kExitUnreadable : kExitOk;
 }
 
@@ -786,6 +798,9 @@ int Main(std::vector<std::string> raw) {
   add_src(index);
   add_index(index);
   add_flag(index, "--force", "--force", "rebuild even when the index is current");
+  add_flag(index, "--plan-views", "--plan-views",
+           "also plan dcp/ and a family's DCP profile (torch_dist/) and save their plans beside the index, so "
+           "every mount lists them at once");
   index->footer(kIndexFooter);
 
   CLI::App* info = app.add_subcommand("info", "family, step, ranks and a table of every tensor");

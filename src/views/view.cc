@@ -473,11 +473,28 @@ void View::EnsureDcp() const {
            [&] { return CachedDcp(index_, "dcp", "dcp/", [&] { return dcp_view::DcpFiles(index_); }); });
 }
 
+std::vector<std::string> View::PlanSavedViews() const {
+  EnsureDcp();
+  EnsureProfile();
+  std::vector<std::string> saved;
+  for (const std::string& name : {std::string("dcp"), ProfilePlanName()}) {
+    const std::string path = plan_cache::PathOf(index_, name);
+    if (!name.empty() && ::access(path.c_str(), R_OK) == 0) saved.push_back(path);
+  }
+  return saved;
+}
+
+std::string View::ProfilePlanName() const {
+  if (profile_ == nullptr) return "";
+  std::string name = "profile-" + profile_->dir;
+  std::replace(name.begin(), name.end(), '/', '-');
+  return name;
+}
+
 void View::EnsureProfile() const {
   if (profile_ == nullptr) return;
   const std::string where = profile_->dir + "/" + profile_->dcp_dir + "/";
-  std::string saved_as = "profile-" + profile_->dir;
-  std::replace(saved_as.begin(), saved_as.end(), '/', '-');
+  const std::string saved_as = ProfilePlanName();
   PlanOnce(profile_made_, profile_dcp_dir_, {}, where, [&] {
     return CachedDcp(index_, saved_as, where, [&] { return dcp_view::ProfileFiles(index_, *profile_); });
   });

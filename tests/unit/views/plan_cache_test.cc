@@ -194,5 +194,23 @@ TEST(PlanCacheTest, TheNextMountServesTheSavedPlan) {
   for (const auto& [name, bytes] : first) EXPECT_TRUE(second[name] == bytes) << name;
 }
 
+// `ckptfs index --plan-views`: a Megatron source's dcp/ and torch_dist/
+// profile planned and saved without a listing; a later view loads both.
+TEST(PlanCacheTest, PlanSavedViewsSavesDcpAndTheProfile) {
+  TempDir tmp;
+  auto fs = testing::OpenFixtureCopy(tmp, "megatron_versions/mcore0.14.0-dist_distopt_tp2_pp2_dp2");
+  ASSERT_NE(fs, nullptr);
+  const std::vector<std::string> saved = fs->view().PlanSavedViews();
+  ASSERT_EQ(saved.size(), 2u);
+  EXPECT_EQ(saved[0], plan_cache::PathOf(fs->index(), "dcp"));
+  EXPECT_EQ(saved[1], plan_cache::PathOf(fs->index(), "profile-torch_dist"));
+  EXPECT_TRUE(plan_cache::Load(fs->index(), "dcp").has_value());
+  EXPECT_TRUE(plan_cache::Load(fs->index(), "profile-torch_dist").has_value());
+  // Planned once: a second call saves nothing new and keeps both.
+  const auto mtime = std::filesystem::last_write_time(saved[0]);
+  EXPECT_EQ(fs->view().PlanSavedViews(), saved);
+  EXPECT_EQ(std::filesystem::last_write_time(saved[0]), mtime);
+}
+
 }  // namespace
 }  // namespace ckptfs
