@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "ckptfs/formats.h"
 #include "ckptfs/views.h"
@@ -455,10 +456,28 @@ Result<std::vector<topo_files::NamedLayout>> CachedDcp(const Index& index, const
   if (plan) {
     LogInfo(what + " as planned before (" + plan_cache::PathOf(index, saved_as) + ")");
   } else {
-    ASSIGN_OR_RETURN(dcp_view::DcpTree tree, make());
-    plan = plan_cache::Plan{std::move(tree.files), std::move(tree.left_out)};
-    if (Status s = plan_cache::Save(index, saved_as, *plan); !s.ok()) {
-      LogInfo(what + "'s plan is not kept for the next mount: " + s.message());
+    // Planned on a thread of its own, so that planning's many short-lived
+    // allocations land in that thread's malloc arena; once saved, the plan is
+    // read back here, compactly, and the planned copy freed with that arena's
+    // garbage (ReleaseFreeMemory then returns it). Planned and kept in place,
+    // what planning freed stayed resident between the plan's pieces: after
+    // `ls -lR` of a 100k-tensor checkpoint, 313 MiB on the first mount against
+    // 253 MiB on a remount; 257 MiB this way.
+    Result<dcp_view::DcpTree> tree = Status();
+    Status saved;
+    std::thread planner([&] {
+      tree = make();
+      if (!tree.ok()) return;
+      plan_cache::Plan made{std::move(tree->files), std::move(tree->left_out)};
+      saved = plan_cache::Save(index, saved_as, made);
+      if (!saved.ok()) plan = std::move(made);  // served as made
+    });
+    planner.join();
+    RETURN_IF_ERROR(tree.status());
+    if (!saved.ok()) {
+      LogInfo(what + "'s plan is not kept for the next mount: " + saved.message());
+    } else if (!(plan = plan_cache::Load(index, saved_as))) {
+      return Internal(what + ": the plan just saved as " + plan_cache::PathOf(index, saved_as) + " does not read back");
     }
   }
   for (const std::string& l : plan->notes) LogWarn(what + " leaves out " + l);
