@@ -145,6 +145,17 @@ struct FileLayout {
     size += s.size;
     segments.push_back(std::move(s));
   }
+  // The layout of `segs` laid end to end (they are moved in, not copied).
+  static FileLayout Of(std::vector<Segment> segs) {
+    FileLayout l;
+    l.starts.reserve(segs.size());
+    for (const Segment& s : segs) {
+      l.starts.push_back(l.size);
+      l.size += s.size;
+    }
+    l.segments = std::move(segs);
+    return l;
+  }
 };
 
 inline constexpr uint64_t kRootIno = 1;

@@ -1,5 +1,6 @@
 // LEB128 varints and zigzag for signed values: the compact in-memory keys and
-// records of the index build (DCP chunk keys, packed fragment lists).
+// records of the index build (DCP chunk keys, packed fragment lists) and the
+// views' saved plans (views/plan_cache.cc).
 #ifndef CKPTFS_COMMON_VARINT_H_
 #define CKPTFS_COMMON_VARINT_H_
 
@@ -30,6 +31,22 @@ inline uint64_t GetVarint(std::string_view s, size_t* pos) {
     if (b < 0x80) break;
   }
   return v;
+}
+
+// As GetVarint, for bytes that may be damaged: false (and `*v` untouched)
+// when the varint runs past the end of `s` or past 64 bits.
+inline bool TryGetVarint(std::string_view s, size_t* pos, uint64_t* v) {
+  uint64_t out = 0;
+  for (size_t at = *pos, shift = 0; at < s.size() && shift < 64; shift += 7) {
+    const auto b = static_cast<unsigned char>(s[at++]);
+    out |= static_cast<uint64_t>(b & 0x7F) << shift;
+    if (b < 0x80) {
+      *pos = at;
+      *v = out;
+      return true;
+    }
+  }
+  return false;
 }
 
 }  // namespace ckptfs

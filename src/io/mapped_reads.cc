@@ -74,47 +74,43 @@ struct MappedCrc {
   }
 };
 
-}  // namespace
-
-Status TensorReader::CrcMapped(std::span<const SourceSpan> spans, uint32_t* crc) {
+// Maps `spans` through `reader` (MapSpans' checks first) and runs `work`
+// (a MappedConversion or MappedCrc, its `pieces` set to the mapping) under
+// RunGuarded; the windows are unpinned after. A source cut short meanwhile is
+// kStale.
+template <typename Work>
+Status RunOnMapping(TensorReader& reader, std::span<const SourceSpan> spans, Work& work, const std::string& src_dir) {
   if (!SigbusGuardInstalled()) return Internal("mapped reads need InstallSigbusGuard()");
   thread_local MappedBytes mapped;
   mapped.Clear();
-  Status s = MapSpans(spans, &mapped);
+  Status s = reader.MapSpans(spans, &mapped);
   if (!s.ok()) {
     mapped.Clear();
     return s;
   }
-  MappedCrc c{&mapped.pieces, *crc};
-  const bool done = RunGuarded(&MappedCrc::Run, &c);
+  work.pieces = &mapped.pieces;
+  const bool done = RunGuarded(&Work::Run, &work);
   mapped.Clear();
   if (!done) {
-    return Stale(index_.src_dir() +
+    return Stale(src_dir +
                  ": a source file was cut short while its bytes were read from a mapping; remount to "
                  "rebuild the index");
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status TensorReader::CrcMapped(std::span<const SourceSpan> spans, uint32_t* crc) {
+  MappedCrc c{nullptr, *crc};
+  RETURN_IF_ERROR(RunOnMapping(*this, spans, c, index_.src_dir()));
   *crc = c.crc;
   return Status::Ok();
 }
 
 Status TensorReader::ConvertMapped(const ConvertPlan& plan, char* dst) {
-  if (!SigbusGuardInstalled()) return Internal("mapped conversions need InstallSigbusGuard()");
-  thread_local MappedBytes mapped;
-  mapped.Clear();
-  Status s = MapSpans(plan.spans, &mapped);
-  if (!s.ok()) {
-    mapped.Clear();
-    return s;
-  }
-  MappedConversion c{&mapped.pieces, plan.src, plan.out, plan.skip, plan.len, dst};
-  const bool done = RunGuarded(&MappedConversion::Run, &c);
-  mapped.Clear();  // unpins the windows
-  if (!done) {
-    return Stale(index_.src_dir() +
-                 ": a source file was cut short while its bytes were read from a mapping; remount to "
-                 "rebuild the index");
-  }
-  return Status::Ok();
+  MappedConversion c{nullptr, plan.src, plan.out, plan.skip, plan.len, dst};
+  return RunOnMapping(*this, plan.spans, c, index_.src_dir());
 }
 
 TensorReader::MapWindow::~MapWindow() {

@@ -3,7 +3,6 @@
 #include <elf.h>
 #include <fcntl.h>
 #include <link.h>
-#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -21,8 +20,10 @@ namespace {
 // the records' length (a varint); the records; the blobs (spooled segments'
 // bytes); the xxh3-64 of records and blobs (8 bytes LE).
 constexpr std::string_view kMagic = "CKPTFS-PLAN-1\n";
-// A plan file larger than this is not read (a damaged length).
+// Records (or a whole plan file) larger than this are not read (a damaged
+// length).
 constexpr uint64_t kMaxRecordBytes = uint64_t{4} << 30;
+constexpr uint64_t kMaxPlanBytes = uint64_t{64} << 30;
 
 void PutStr(std::string& out, std::string_view s) {
   PutVarint(out, s.size());
@@ -37,15 +38,8 @@ struct Reader {
   bool bad = false;
   uint64_t Num() {
     uint64_t v = 0;
-    for (int shift = 0;; shift += 7) {
-      if (pos >= s.size() || shift >= 64) {
-        bad = true;
-        return 0;
-      }
-      const auto b = static_cast<unsigned char>(s[pos++]);
-      v |= static_cast<uint64_t>(b & 0x7F) << shift;
-      if (b < 0x80) return v;
-    }
+    if (!bad && !TryGetVarint(s, &pos, &v)) bad = true;
+    return bad ? 0 : v;
   }
   std::string_view Str() {
     const uint64_t n = Num();
@@ -248,18 +242,18 @@ std::optional<Plan> Load(const Index& index, std::string_view name) {
   const std::string identity = IndexIdentity(index);
   if (BuildId().empty() || identity.empty()) return std::nullopt;
   const std::string path = PathOf(index, name);
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
-  std::unique_ptr<int, void (*)(int*)> closer(new int(fd), [](int* f) {
-    ::close(*f);
-    delete f;
-  });
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
-  const auto size = static_cast<uint64_t>(st.st_size);
-  // The head: magic, three strings, two numbers; read generously and parsed.
+  // The file, through a SpooledBytes (which closes it): its reads are
+  // bounded, and name the file.
+  SpooledBytes file;
+  uint64_t size = 0;
+  auto fd = formats::OpenBoundedFile(path, kMaxPlanBytes, &size);
+  if (!fd.ok()) return std::nullopt;
+  file.fd = *fd;
+  file.size = size;
+  file.name = path;
+  // The head: magic, three strings and the records' length; read generously and parsed.
   std::string head(static_cast<size_t>(std::min<uint64_t>(size, 4096)), '\0');
-  if (!formats::PreadExact(fd, 0, head.data(), head.size(), path).ok()) return std::nullopt;
+  if (!file.Read(0, head.size(), head.data()).ok()) return std::nullopt;
   if (head.compare(0, kMagic.size(), kMagic) != 0) return std::nullopt;
   Reader h{std::string_view(head).substr(kMagic.size())};
   if (h.Str() != BuildId() || h.Str() != identity || h.Str() != name) return std::nullopt;
@@ -272,19 +266,19 @@ std::optional<Plan> Load(const Index& index, std::string_view name) {
   std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(xs, &XXH3_freeState);
   XXH3_64bits_reset(xs);
   std::string rec(static_cast<size_t>(rec_size), '\0');
-  if (!formats::PreadExact(fd, rec_at, rec.data(), rec.size(), path).ok()) return std::nullopt;
+  if (!file.Read(rec_at, rec.size(), rec.data()).ok()) return std::nullopt;
   XXH3_64bits_update(xs, rec.data(), rec.size());
   const uint64_t blobs_at = rec_at + rec_size, blobs_size = size - 8 - blobs_at;
   std::string buf(static_cast<size_t>(std::min<uint64_t>(blobs_size, 8 << 20)), '\0');
   for (uint64_t off = 0; off < blobs_size; off += buf.size()) {
     const uint64_t n = std::min<uint64_t>(buf.size(), blobs_size - off);
-    if (!formats::PreadExact(fd, blobs_at + off, buf.data(), n, path).ok()) return std::nullopt;
+    if (!file.Read(blobs_at + off, n, buf.data()).ok()) return std::nullopt;
     XXH3_64bits_update(xs, buf.data(), n);
   }
   char trailer[8];
-  if (!formats::PreadExact(fd, size - 8, trailer, 8, path).ok()) return std::nullopt;
+  if (!file.Read(size - 8, 8, trailer).ok()) return std::nullopt;
   if (XXH3_64bits_digest(xs) != LoadLE<uint64_t>(trailer)) return std::nullopt;
-  return Decode(index, rec, fd, blobs_at, blobs_size, path);
+  return Decode(index, rec, file.fd, blobs_at, blobs_size, path);
 }
 
 Status Save(const Index& index, std::string_view name, const Plan& plan) {

@@ -48,22 +48,10 @@ Segment SafetensorsHeader(std::string h) {
   return LiteralSegment(std::move(bytes));
 }
 
-// The layout of `segments` laid end to end (no copy of them).
-FileLayout LayoutOf(std::vector<Segment> segments) {
-  FileLayout l;
-  l.starts.reserve(segments.size());
-  for (const Segment& s : segments) {
-    l.starts.push_back(l.size);
-    l.size += s.size;
-  }
-  l.segments = std::move(segments);
-  return l;
-}
-
 // A safetensors file of header `h` and data `body`.
 FileLayout SafetensorsFile(std::string h, std::vector<Segment> body) {
   body.insert(body.begin(), SafetensorsHeader(std::move(h)));
-  return LayoutOf(std::move(body));
+  return FileLayout::Of(std::move(body));
 }
 
 std::string RankFile(const TopoPlan& p, const RankPlan& r) {
@@ -297,7 +285,7 @@ Result<FileLayout> Safetensors(const Index& index, std::vector<RankTensor>& tens
   }
   h += '}';
   body[0] = SafetensorsHeader(std::move(h));
-  return LayoutOf(std::move(body));
+  return FileLayout::Of(std::move(body));
 }
 
 Result<std::vector<NamedLayout>> TopoFiles(const Index& index, const TopoPlan& plan) {

@@ -456,15 +456,14 @@ Result<std::vector<topo_files::NamedLayout>> CachedDcp(const Index& index, const
   if (plan) {
     LogInfo(what + " as planned before (" + plan_cache::PathOf(index, saved_as) + ")");
   } else {
-    // Planned on a thread of its own, so that planning's many short-lived
-    // allocations land in that thread's malloc arena; once saved, the plan is
-    // read back here, compactly, and the planned copy freed with that arena's
-    // garbage (ReleaseFreeMemory then returns it). Planned and kept in place,
-    // what planning freed stayed resident between the plan's pieces: after
-    // `ls -lR` of a 100k-tensor checkpoint the daemon held 313 MB on a first
-    // mount against 253 MB on a remount; 275 MB this way.
-    // The planned copy is freed on that thread too (freed here, after the
-    // read-back, the daemon kept 20 MB more).
+    // Planned, saved and freed on a thread of its own, so that planning's
+    // many short-lived allocations land in that thread's malloc arena; the
+    // plan is then read back here, compactly, and that arena's garbage goes
+    // back to the kernel (ReleaseFreeMemory). Planned and kept in place, what
+    // planning freed stayed resident between the plan's pieces: after `ls -lR`
+    // of a 100k-tensor checkpoint the daemon held 313 MB on a first mount
+    // against 253 MB on a remount; 275 MB this way (295 MB when the planned
+    // copy was freed here after the read-back).
     Result<dcp_view::DcpTree> tree = Status();
     Status saved;
     std::thread planner([&] {
