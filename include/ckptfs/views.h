@@ -257,8 +257,8 @@ class View {
   enum class WalkOrder : uint8_t { kName, kInode };
   uint64_t NextInWalk(uint64_t ino, WalkOrder order) const;
   size_t num_nodes() const { return nodes_.size(); }
-  // Plans the views whose plans are kept beside the index (dcp/ and a
-  // family's DCP profile; views/plan_cache.h) as their first listing would,
+  // Plans the views whose plans are kept beside the index (dcp/, a family's
+  // DCP profile, hf/; views/plan_cache.h) as their first listing would,
   // so that every mount lists them from the saved plans (`ckptfs index
   // --plan-views`). Returns the plan files beside the index afterwards.
   std::vector<std::string> PlanSavedViews() const;

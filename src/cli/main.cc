@@ -195,7 +195,7 @@ int CmdIndex(const Args& a) {
                 r->build_seconds > 0 ? static_cast<double>(ix.num_fragments()) / r->build_seconds : 0.0);
   }
   if (a.Has("--plan-views")) {
-    // As a mount's first listing of dcp/ (and a DCP profile) would: every
+    // As a mount's first listing of dcp/ (a DCP profile, hf/) would: every
     // later mount of this index then lists them from the saved plans.
     const auto t0 = std::chrono::steady_clock::now();
     auto fs = Filesystem::Open(*o);
@@ -799,8 +799,8 @@ int Main(std::vector<std::string> raw) {
   add_index(index);
   add_flag(index, "--force", "--force", "rebuild even when the index is current");
   add_flag(index, "--plan-views", "--plan-views",
-           "also plan dcp/ and a family's DCP profile (torch_dist/) and save their plans beside the index, so "
-           "every mount lists them at once");
+           "also plan dcp/, a family's DCP profile (torch_dist/) and hf/ (default --hf-* options) and save "
+           "their plans beside the index, so every mount lists them at once");
   index->footer(kIndexFooter);
 
   CLI::App* info = app.add_subcommand("info", "family, step, ranks and a table of every tensor");

@@ -6,7 +6,11 @@
 // (ckptfs/hf_names.h); it includes nothing from src/formats/<family>/.
 #include "views/hf_export.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
@@ -357,6 +361,77 @@ std::vector<std::string> HfRopeNames() { return {std::begin(hf::kRopeNames), std
 
 namespace ckptfs::hf {
 
+namespace {
+
+// config.json and the tokenizer files: beside the weights, or where a
+// convention keeps them.
+std::string ConfigDir(const Index& index, const std::vector<const HfConvention*>& conventions) {
+  for (const HfConvention* c : conventions) {
+    std::string dir = c->config_dir != nullptr ? c->config_dir(index.src_dir()) : "";
+    if (!dir.empty()) return dir;
+  }
+  return index.src_dir();
+}
+
+// Every entry of `dir` (not below it) but `skip` (an index kept inside the
+// checkpoint's directory changes as plans are saved into it) as
+// "name mode size mtime ctime ino\n", sorted; "(unreadable errno)" when it
+// cannot be listed.
+std::string DirSnapshot(const std::string& dir, const std::string& skip) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  DIR* d = fd < 0 ? nullptr : ::fdopendir(fd);
+  if (d == nullptr) {
+    const int e = errno;
+    if (fd >= 0) ::close(fd);
+    return "(unreadable " + std::to_string(e) + ")\n";
+  }
+  std::vector<std::string> lines;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view n = e->d_name;
+    if (n == "." || n == ".." ||
+        (skip.size() == dir.size() + 1 + n.size() && skip.starts_with(dir) && skip[dir.size()] == '/' &&
+         skip.ends_with(n))) {
+      continue;
+    }
+    struct stat st {};
+    if (::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      lines.push_back(std::string(n) + " ?\n");
+      continue;
+    }
+    char buf[160];
+    std::snprintf(buf, sizeof buf, " %o %lld %lld.%09ld %lld.%09ld %llu\n", static_cast<unsigned>(st.st_mode),
+                  static_cast<long long>(st.st_size), static_cast<long long>(st.st_mtim.tv_sec), st.st_mtim.tv_nsec,
+                  static_cast<long long>(st.st_ctim.tv_sec), st.st_ctim.tv_nsec,
+                  static_cast<unsigned long long>(st.st_ino));
+    lines.push_back(std::string(n) + buf);
+  }
+  ::closedir(d);
+  std::sort(lines.begin(), lines.end());
+  std::string out;
+  for (const std::string& l : lines) out += l;
+  return out;
+}
+
+}  // namespace
+
+std::string InputsKey(const Index& index, const TopoOptions& opts) {
+  std::string in = "hf-1\narch " + opts.hf_arch + "\nconfig " + opts.hf_config + "\ndtype " + opts.hf_dtype +
+                   "\nrope " + opts.hf_rope + "\nshard " + std::to_string(opts.hf_shard_bytes) + "\n";
+  std::vector<std::string> dirs = {index.src_dir(), ConfigDir(index, Conventions())};
+  if (!opts.hf_config.empty()) {
+    const size_t slash = opts.hf_config.rfind('/');
+    dirs.push_back(slash == std::string::npos ? "." : opts.hf_config.substr(0, std::max<size_t>(slash, 1)));
+  }
+  std::sort(dirs.begin(), dirs.end());
+  dirs.erase(std::unique(dirs.begin(), dirs.end()), dirs.end());
+  for (const std::string& d : dirs) in += "dir " + d + "\n" + DirSnapshot(d, index.dir());
+  const XXH128_hash_t h = XXH3_128bits(in.data(), in.size());
+  char hex[33];
+  std::snprintf(hex, sizeof hex, "%016llx%016llx", static_cast<unsigned long long>(h.high64),
+                static_cast<unsigned long long>(h.low64));
+  return hex;
+}
+
 Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   HfPlan plan;
   ASSIGN_OR_RETURN(DtypeChoice choice, ParseDtype(opts.hf_dtype));
@@ -369,16 +444,7 @@ Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts) {
   }
   const Sources src = CollectSources(index);
   const std::vector<const HfConvention*> conventions = Conventions();
-  // config.json and the tokenizer files: beside the weights, or where a
-  // convention keeps them.
-  std::string config_dir = index.src_dir();
-  for (const HfConvention* c : conventions) {
-    std::string dir = c->config_dir != nullptr ? c->config_dir(index.src_dir()) : "";
-    if (!dir.empty()) {
-      config_dir = std::move(dir);
-      break;
-    }
-  }
+  const std::string config_dir = ConfigDir(index, conventions);
   const HfSource in{index.info().family, index.tensors(), index.exports(), src.param, config_dir};
   // The convention that names the tensors (none: Hugging Face names, served
   // as they are), and the one whose record of the model gives the target.

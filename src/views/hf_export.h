@@ -59,6 +59,13 @@ struct HfPlan {
 // unreadable --hf-config); what the checkpoint lacks goes to `errors`.
 Result<HfPlan> PlanHf(const Index& index, const TopoOptions& opts);
 
+// What PlanHf's result depends on besides the index, as a digest (the key of
+// hf/'s saved plan, plan_cache.h): the options, and every entry (name, type,
+// size, mtime, ctime, inode) of the directories it reads config.json, the
+// tokenizer files and a convention's record from. A file edited, added,
+// removed or replaced there gives another key.
+std::string InputsKey(const Index& index, const TopoOptions& opts);
+
 }  // namespace ckptfs::hf
 
 #endif  // CKPTFS_VIEWS_HF_EXPORT_H_

@@ -16,10 +16,11 @@
 namespace ckptfs::plan_cache {
 namespace {
 
-// File: kMagic; varint-framed strings: build id, index identity, plan name;
+// File: kMagic; varint-framed strings: build id, index identity, plan name,
+// key;
 // the records' length (a varint); the records; the blobs (spooled segments'
 // bytes); the xxh3-64 of records and blobs (8 bytes LE).
-constexpr std::string_view kMagic = "CKPTFS-PLAN-1\n";
+constexpr std::string_view kMagic = "CKPTFS-PLAN-2\n";
 // Records (or a whole plan file) larger than this are not read (a damaged
 // length).
 constexpr uint64_t kMaxRecordBytes = uint64_t{4} << 30;
@@ -238,7 +239,7 @@ std::string PathOf(const Index& index, std::string_view name) {
   return index.dir() + "/" + std::string(name) + ".plan";
 }
 
-std::optional<Plan> Load(const Index& index, std::string_view name) {
+std::optional<Plan> Load(const Index& index, std::string_view name, std::string_view key) {
   const std::string identity = IndexIdentity(index);
   if (BuildId().empty() || identity.empty()) return std::nullopt;
   const std::string path = PathOf(index, name);
@@ -251,12 +252,12 @@ std::optional<Plan> Load(const Index& index, std::string_view name) {
   file.fd = *fd;
   file.size = size;
   file.name = path;
-  // The head: magic, three strings and the records' length; read generously and parsed.
+  // The head: magic, four strings and the records' length; read generously and parsed.
   std::string head(static_cast<size_t>(std::min<uint64_t>(size, 4096)), '\0');
   if (!file.Read(0, head.size(), head.data()).ok()) return std::nullopt;
   if (head.compare(0, kMagic.size(), kMagic) != 0) return std::nullopt;
   Reader h{std::string_view(head).substr(kMagic.size())};
-  if (h.Str() != BuildId() || h.Str() != identity || h.Str() != name) return std::nullopt;
+  if (h.Str() != BuildId() || h.Str() != identity || h.Str() != name || h.Str() != key) return std::nullopt;
   const uint64_t rec_size = h.Num();
   if (h.bad) return std::nullopt;
   const uint64_t rec_at = kMagic.size() + h.pos;
@@ -281,10 +282,11 @@ std::optional<Plan> Load(const Index& index, std::string_view name) {
   return Decode(index, rec, file.fd, blobs_at, blobs_size, path);
 }
 
-Status Save(const Index& index, std::string_view name, const Plan& plan) {
+Status Save(const Index& index, std::string_view name, const Plan& plan, std::string_view key) {
   const std::string identity = IndexIdentity(index);
   if (BuildId().empty()) return Unsupported("this build of ckptfs has no build id");
   if (identity.empty()) return Unsupported("the index at " + index.dir() + " has no IDENTITY");
+  if (key.size() > 1024) return Invalid("a plan's key is at most 1 KiB (a digest), not " + std::to_string(key.size()));
   std::string rec;
   std::vector<const SpooledBytes*> blobs;
   RETURN_IF_ERROR(Encode(plan, rec, blobs));
@@ -292,6 +294,7 @@ Status Save(const Index& index, std::string_view name, const Plan& plan) {
   PutStr(head, BuildId());
   PutStr(head, identity);
   PutStr(head, name);
+  PutStr(head, key);
   PutVarint(head, rec.size());
   const std::string path = PathOf(index, name);
   std::string tmp = path + ".XXXXXX";

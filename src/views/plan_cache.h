@@ -1,5 +1,5 @@
-// Plans of views that follow from the index alone (dcp/, a family's DCP
-// profile such as torch_dist/), kept beside the index (internal to the views
+// Plans of views (dcp/, a family's DCP profile such as torch_dist/, hf/),
+// kept beside the index (internal to the views
 // layer). Planning dcp/ writes the whole .metadata and places every item:
 // seconds at a million chunks, on every mount's first listing. The first
 // mount that plans a view saves the plan as <index>/<name>.plan; later mounts
@@ -36,13 +36,15 @@ struct Plan {
 // <index dir>/<name>.plan.
 std::string PathOf(const Index& index, std::string_view name);
 
-// The plan saved as `name` beside `index` by this build for this index, if
-// there is one and it is whole.
-std::optional<Plan> Load(const Index& index, std::string_view name);
+// The plan saved as `name` beside `index` by this build for this index under
+// `key`, if there is one and it is whole. `key` names whatever else the plan
+// was made from (hf/: its options and the files beside the checkpoint it
+// reads, hf::InputsKey); "" for a view made from the index alone.
+std::optional<Plan> Load(const Index& index, std::string_view name, std::string_view key = "");
 
-// Saves `plan` as `name` (spooled segments' bytes copied into the file). An
-// error says why nothing was saved; the caller logs it and goes on.
-Status Save(const Index& index, std::string_view name, const Plan& plan);
+// Saves `plan` as `name` under `key` (spooled segments' bytes copied into the
+// file). An error says why nothing was saved; the caller logs it and goes on.
+Status Save(const Index& index, std::string_view name, const Plan& plan, std::string_view key = "");
 
 // This program's ELF build id in hex ("" when it has none: then nothing is
 // cached).

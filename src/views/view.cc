@@ -13,6 +13,7 @@
 #include "formats/byte_reader.h"
 #include "formats/npy.h"
 #include "views/dcp_view.h"
+#include "views/hf_export.h"
 #include "views/plan_cache.h"
 #include "views/topo_files.h"
 
@@ -440,19 +441,15 @@ void View::PlanOnce(std::atomic<bool>& made, uint64_t dir, const std::vector<uin
   ReleaseFreeMemory();
 }
 
-void View::EnsureHf() const {
-  PlanOnce(hf_made_, hf_dir_, {}, "hf/", [&]() -> Result<NamedFiles> { return topo_files::HfFiles(index_, topo_); });
-}
-
 namespace {
 
-// A DCP's files (dcp/ or a profile's, `what`), what it leaves out logged:
-// from the plan a mount of this index saved (plan_cache.h) as `saved_as`,
-// else made by `make` and saved for the next mount.
-Result<std::vector<topo_files::NamedLayout>> CachedDcp(const Index& index, const std::string& saved_as,
-                                                       const std::string& what,
-                                                       const std::function<Result<dcp_view::DcpTree>()>& make) {
-  std::optional<plan_cache::Plan> plan = plan_cache::Load(index, saved_as);
+// A view's files (dcp/, a profile's or hf/, `what`), what it leaves out
+// logged: from the plan a mount of this index saved (plan_cache.h) as
+// `saved_as` under `key`, else made by `make` and saved for the next mount.
+Result<std::vector<topo_files::NamedLayout>> CachedPlan(const Index& index, const std::string& saved_as,
+                                                        const std::string& key, const std::string& what,
+                                                        const std::function<Result<plan_cache::Plan>()>& make) {
+  std::optional<plan_cache::Plan> plan = plan_cache::Load(index, saved_as, key);
   if (plan) {
     LogInfo(what + " as planned before (" + plan_cache::PathOf(index, saved_as) + ")");
   } else {
@@ -464,28 +461,38 @@ Result<std::vector<topo_files::NamedLayout>> CachedDcp(const Index& index, const
     // of a 100k-tensor checkpoint the daemon held 313 MB on a first mount
     // against 253 MB on a remount; 275 MB this way (295 MB when the planned
     // copy was freed here after the read-back).
-    Result<dcp_view::DcpTree> tree = Status();
+    Result<plan_cache::Plan> made = Status();
     Status saved;
     std::thread planner([&] {
-      tree = make();
-      if (!tree.ok()) return;
-      plan_cache::Plan made{std::move(tree->files), std::move(tree->left_out)};
-      saved = plan_cache::Save(index, saved_as, made);
-      if (!saved.ok()) plan = std::move(made);  // served as made
+      made = make();
+      if (!made.ok()) return;
+      saved = plan_cache::Save(index, saved_as, *made, key);
+      if (!saved.ok()) {
+        plan = std::move(*made);  // served as made
+      } else {
+        made = plan_cache::Plan{};  // freed on this thread
+      }
     });
     planner.join();
-    RETURN_IF_ERROR(tree.status());
+    RETURN_IF_ERROR(made.status());
     if (!saved.ok()) {
       LogInfo(what + "'s plan is not kept for the next mount: " + saved.message());
-    } else if (!(plan = plan_cache::Load(index, saved_as))) {
+    } else if (!(plan = plan_cache::Load(index, saved_as, key))) {
       // Replaced meanwhile by another mount's plan (of another build):
       // planned again here and served as made.
-      ASSIGN_OR_RETURN(dcp_view::DcpTree again, make());
-      plan = plan_cache::Plan{std::move(again.files), std::move(again.left_out)};
+      ASSIGN_OR_RETURN(plan, make());
     }
   }
   for (const std::string& l : plan->notes) LogWarn(what + " leaves out " + l);
   return std::move(plan->files);
+}
+
+// dcp_view's tree as a plan.
+std::function<Result<plan_cache::Plan>()> DcpPlan(std::function<Result<dcp_view::DcpTree>()> make) {
+  return [make = std::move(make)]() -> Result<plan_cache::Plan> {
+    ASSIGN_OR_RETURN(dcp_view::DcpTree tree, make());
+    return plan_cache::Plan{std::move(tree.files), std::move(tree.left_out)};
+  };
 }
 
 }  // namespace
@@ -493,14 +500,24 @@ Result<std::vector<topo_files::NamedLayout>> CachedDcp(const Index& index, const
 void View::EnsureDcp() const {
   // dcp/'s files are listed under accelerate/'s two directories too.
   PlanOnce(dcp_made_, dcp_dir_, {accelerate_model_dir_, accelerate_optim_dir_}, "dcp/",
-           [&] { return CachedDcp(index_, "dcp", "dcp/", [&] { return dcp_view::DcpFiles(index_); }); });
+           [&] { return CachedPlan(index_, "dcp", "", "dcp/", DcpPlan([&] { return dcp_view::DcpFiles(index_); })); });
+}
+
+void View::EnsureHf() const {
+  PlanOnce(hf_made_, hf_dir_, {}, "hf/", [&] {
+    return CachedPlan(index_, "hf", hf::InputsKey(index_, topo_), "hf/", [&]() -> Result<plan_cache::Plan> {
+      ASSIGN_OR_RETURN(NamedFiles files, topo_files::HfFiles(index_, topo_));
+      return plan_cache::Plan{std::move(files), {}};
+    });
+  });
 }
 
 std::vector<std::string> View::PlanSavedViews() const {
   EnsureDcp();
   EnsureProfile();
+  EnsureHf();
   std::vector<std::string> saved;
-  for (const std::string& name : {std::string("dcp"), ProfilePlanName()}) {
+  for (const std::string& name : {std::string("dcp"), ProfilePlanName(), std::string(hf_dir_ != 0 ? "hf" : "")}) {
     const std::string path = plan_cache::PathOf(index_, name);
     if (!name.empty() && ::access(path.c_str(), R_OK) == 0) saved.push_back(path);
   }
@@ -519,7 +536,7 @@ void View::EnsureProfile() const {
   const std::string where = profile_->dir + "/" + profile_->dcp_dir + "/";
   const std::string saved_as = ProfilePlanName();
   PlanOnce(profile_made_, profile_dcp_dir_, {}, where, [&] {
-    return CachedDcp(index_, saved_as, where, [&] { return dcp_view::ProfileFiles(index_, *profile_); });
+    return CachedPlan(index_, saved_as, "", where, DcpPlan([&] { return dcp_view::ProfileFiles(index_, *profile_); }));
   });
 }
 

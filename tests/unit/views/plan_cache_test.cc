@@ -2,7 +2,8 @@
 // as the same layouts (every segment kind, spooled bytes included); a plan
 // file that is damaged, cut short, of another index or under another name is
 // ignored; one that cannot be saved leaves nothing; a mount that finds one
-// serves the same bytes without planning.
+// serves the same bytes without planning; hf/'s plan is keyed by its options
+// and the files beside the checkpoint.
 #include "views/plan_cache.h"
 
 #include <gtest/gtest.h>
@@ -17,6 +18,7 @@
 #include "../test_util.h"
 #include "ckptfs/fs.h"
 #include "views/dcp_view.h"
+#include "views/hf_export.h"
 
 namespace ckptfs {
 namespace {
@@ -194,18 +196,81 @@ TEST(PlanCacheTest, TheNextMountServesTheSavedPlan) {
   for (const auto& [name, bytes] : first) EXPECT_TRUE(second[name] == bytes) << name;
 }
 
-// `ckptfs index --plan-views`: a Megatron source's dcp/ and torch_dist/
-// profile planned and saved without a listing; a later view loads both.
-TEST(PlanCacheTest, PlanSavedViewsSavesDcpAndTheProfile) {
+// Every file of hf/ (names and bytes), read through `fs`.
+std::map<std::string, std::string> HfFiles(Filesystem& fs) {
+  std::map<std::string, std::string> out;
+  auto dir = fs.view().Resolve("hf");
+  EXPECT_TRUE(dir.ok());
+  if (!dir.ok()) return out;
+  auto entries = fs.ReadDir(*dir);
+  EXPECT_TRUE(entries.ok());
+  if (!entries.ok()) return out;
+  for (const DirEntry& e : *entries) {
+    if (!e.is_dir) out[e.name] = ReadAll(fs, "hf/" + e.name);
+  }
+  return out;
+}
+
+// hf/'s plan is saved under a key of its options and of the files beside
+// the checkpoint: the next mount serves it, and a tokenizer file added beside
+// the checkpoint, or another --hf-dtype, makes hf/ planned again.
+TEST(PlanCacheTest, HfPlansFollowTheirOptionsAndTheFilesBesideTheCheckpoint) {
+  TempDir tmp;
+  const std::string fixture = "meta_llama_mp2/mp2";
+  std::map<std::string, std::string> first;
+  std::string key;
+  {
+    auto fs = testing::OpenFixtureCopy(tmp, fixture);
+    ASSERT_NE(fs, nullptr);
+    first = HfFiles(*fs);
+    key = hf::InputsKey(fs->index(), TopoOptions{});
+    EXPECT_TRUE(plan_cache::Load(fs->index(), "hf", key).has_value());
+  }
+  ASSERT_TRUE(first.count("config.json")) << "the fixture's hf/ has no architecture";
+  ASSERT_GE(first.size(), 4u);
+  FsOptions o;
+  o.src = tmp.path() + "/ck";
+  o.index_dir = tmp.path() + "/index";
+  o.gpu = GpuMode::kOff;
+  {
+    auto fs = Filesystem::Open(o);
+    ASSERT_TRUE(fs.ok()) << fs.status().message();
+    EXPECT_EQ(hf::InputsKey((*fs)->index(), TopoOptions{}), key);
+    EXPECT_EQ(HfFiles(**fs), first);
+    TopoOptions other;
+    other.hf_dtype = "fp32";
+    EXPECT_NE(hf::InputsKey((*fs)->index(), other), key);
+  }
+  // A tokenizer file appears beside the checkpoint: another key, and hf/
+  // passes the new file through.
+  std::ofstream(o.src + "/tokenizer_config.json") << "{\"model_max_length\": 77}\n";
+  auto fs = Filesystem::Open(o);
+  ASSERT_TRUE(fs.ok()) << fs.status().message();
+  const std::string key2 = hf::InputsKey((*fs)->index(), TopoOptions{});
+  EXPECT_NE(key2, key);
+  EXPECT_FALSE(plan_cache::Load((*fs)->index(), "hf", key2).has_value());
+  std::map<std::string, std::string> third = HfFiles(**fs);
+  EXPECT_EQ(third["tokenizer_config.json"], "{\"model_max_length\": 77}\n");
+  third.erase("tokenizer_config.json");
+  EXPECT_EQ(third, first);
+  EXPECT_TRUE(plan_cache::Load((*fs)->index(), "hf", key2).has_value());
+  EXPECT_FALSE(plan_cache::Load((*fs)->index(), "hf", key).has_value());
+}
+
+// `ckptfs index --plan-views`: a Megatron source's dcp/, torch_dist/
+// profile and hf/ planned and saved without a listing; a later view loads each.
+TEST(PlanCacheTest, PlanSavedViewsSavesDcpTheProfileAndHf) {
   TempDir tmp;
   auto fs = testing::OpenFixtureCopy(tmp, "megatron_versions/mcore0.14.0-dist_distopt_tp2_pp2_dp2");
   ASSERT_NE(fs, nullptr);
   const std::vector<std::string> saved = fs->view().PlanSavedViews();
-  ASSERT_EQ(saved.size(), 2u);
+  ASSERT_EQ(saved.size(), 3u);
   EXPECT_EQ(saved[0], plan_cache::PathOf(fs->index(), "dcp"));
   EXPECT_EQ(saved[1], plan_cache::PathOf(fs->index(), "profile-torch_dist"));
+  EXPECT_EQ(saved[2], plan_cache::PathOf(fs->index(), "hf"));
   EXPECT_TRUE(plan_cache::Load(fs->index(), "dcp").has_value());
   EXPECT_TRUE(plan_cache::Load(fs->index(), "profile-torch_dist").has_value());
+  EXPECT_TRUE(plan_cache::Load(fs->index(), "hf", hf::InputsKey(fs->index(), TopoOptions{})).has_value());
   // Planned once: a second call saves nothing new and keeps both.
   const auto mtime = std::filesystem::last_write_time(saved[0]);
   EXPECT_EQ(fs->view().PlanSavedViews(), saved);
