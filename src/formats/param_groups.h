@@ -5,7 +5,7 @@
 // exports "@dcp/<key>" (literal bytes; nothing is read at index time), which
 // the dcp/ view serves as bytes entries where the checkpoint has no entry of
 // that key itself. Shared by the readers whose sources save groups with
-// integer ids (DeepSpeed, verl) or names (FSDP rank files).
+// integer ids (DeepSpeed, verl), names (FSDP rank files) or none (Megatron).
 #ifndef CKPTFS_FORMATS_PARAM_GROUPS_H_
 #define CKPTFS_FORMATS_PARAM_GROUPS_H_
 
@@ -20,7 +20,9 @@
 namespace ckptfs::formats {
 
 // `groups`: the param_groups list of `what` (a file, for errors);
-// `params_of(i, value)`: group i's FQNs, from the group's own "params" value.
+// `params_of(i, value)`: group i's FQNs, from the group's own "params" value
+// (the group itself where it has none: Megatron's distributed optimizer
+// deletes them, and group i gets a ".params" all the same).
 // A tensor-valued hyperparameter, a group that is not a dict or an id with no
 // FQN is an error, and nothing is added.
 using GroupParamsFn = std::function<Result<std::vector<std::string>>(size_t, const PyValue&)>;

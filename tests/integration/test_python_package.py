@@ -284,11 +284,12 @@ def test_dcp_load_non_tensor_entries_like_torchs_reader(dcp_fsdp2_w3):
     assert partial == {"optim.param_groups.0.lr": 0.5}
 
 
-def resume(src, params_from, tmp_path):
+def resume(src, params_from, tmp_path, groups="one"):
     """Runs tests/fixtures/dcp_load_worker.py at world 2; returns what rank 0 saved."""
     out = tmp_path / "loaded.pt"
     r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(src), "--out", str(out),
-                        "--world", "2", "--params-from", params_from], capture_output=True, text=True, timeout=600)
+                        "--world", "2", "--params-from", params_from, "--groups", groups],
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return torch.load(out, weights_only=False)
 
@@ -389,6 +390,28 @@ def test_torchtitan_model_resumes_from_megatron_at_world_2(megatron_llama, tmp_p
 
 LOAD_CASES = {"deepspeed_z2_dp2": ("z2", "param"), "megatron_legacy_tp2_pp2": ("megatron_tp2_pp2", "fp32"),
               "megatron_torch_dist_tp2_pp2_dp2": ("megatron_dist", "fp32"), "dcp_fsdp2_w3": ("dcp_fsdp2_w3", "param")}
+
+
+@pytest.mark.parametrize("name", ["legacy_tp2_pp2", "legacy_distopt_tp2_dp2"])
+def test_megatron_param_groups_reach_a_torch_optimizer(name, tmp_path_factory, tmp_path):
+    """A legacy Megatron run's two param groups (weight decay or not, told
+    apart by wd_mult; the distributed optimizer saves no member ids) reach an
+    FSDP2 AdamW at world 2 grouped as Megatron groups: set_state_dict maps each
+    saved group onto the loader's group by its members' FQNs, so each takes
+    the source's hyperparameters (lr 1e-3, not the loader's 1e-2)."""
+    src = megatron_fixture(tmp_path_factory, name)
+    got = resume(src, "fp32", tmp_path, groups="megatron")
+    it = int((src / "latest_checkpointed_iteration.txt").read_text().strip())
+    first = sorted((src / f"iter_{it:07d}").glob("mp_rank_00*/model_optim_rng.pt"))[0]
+    saved = torch.load(first, weights_only=False)["optimizer"]
+    saved = saved.get("optimizer", saved)["param_groups"]
+    assert [g["wd_mult"] for g in saved] == [1.0, 0.0]
+    assert len(got["groups"]) == 2
+    for g, want in zip(got["groups"], saved):
+        for k in ("lr", "betas", "eps", "weight_decay", "wd_mult"):
+            assert g[k] == want[k], (k, g[k], want[k])
+    assert got["groups"][0]["lr"] == 1e-3
+    assert got["stepped"]
 
 
 @pytest.mark.parametrize("case", sorted(LOAD_CASES))

@@ -22,6 +22,8 @@ namespace {
 
 using megatron::ArgBool;
 using megatron::ArgInt;
+using megatron::IsExpert;
+using megatron::NoWeightDecay;
 
 constexpr uint64_t kMaxCompareBytes = 256ull << 20;  // replicas larger than this are not compared
 constexpr int64_t kParamAlign = 64;                  // DDP buffer: each parameter starts at a multiple
@@ -82,10 +84,6 @@ void Flatten(const PyValue* d, const std::string& prefix, std::vector<Entry>& ou
   }
 }
 
-bool NoWeightDecay(const std::string& name, const std::vector<int64_t>& shape) {
-  return (name.size() >= 5 && name.compare(name.size() - 5, 5, ".bias") == 0) || shape.size() == 1;
-}
-
 // A contiguous tensor viewed with `shape` (same number of elements).
 Result<Loc> AsShape(Loc l, const std::vector<int64_t>& shape, const std::string& what) {
   if (l.Numel() != NumelOf(shape)) {
@@ -133,10 +131,6 @@ struct Reader {
   void CompareReplicas(const std::string& name, const std::vector<std::pair<std::string, Loc>>& copies,
                        const std::vector<const Source*>& srcs, const std::string& across);
 };
-
-// Expert parameters (MoE) are held per expert-parallel rank and are not
-// all-reduced across data parallelism (megatron/core/optimizer: is_expert_parallel).
-bool IsExpert(const std::string& name) { return name.find(".experts.") != std::string::npos; }
 
 std::string RankDirName(int t, int p, int e, int pp, int ep) {
   char buf[48];
@@ -850,6 +844,12 @@ Status Reader::Run() {
   for (auto& r : ranks) {
     if (r->error.empty() && r->src->root() != nullptr) {
       root = r->src->root();
+      // Every rank steps with the same hyperparameters: this rank's groups,
+      // each over the whole model's parameters.
+      if (const PyValue* o = root->Get("optimizer"); o != nullptr && o->kind != PyKind::kNone) {
+        Status st = megatron::ExportParamGroups(*o, r->src->rel, ck);
+        if (!st.ok()) problems.push_back("dcp/ has no optim.param_groups: " + st.message());
+      }
       break;
     }
   }

@@ -9,6 +9,7 @@
 #include <cstdio>
 
 #include "formats/byte_reader.h"
+#include "formats/param_groups.h"
 #include "formats/pickle_writer.h"
 
 namespace ckptfs::formats::megatron {
@@ -516,6 +517,59 @@ void ExportArgsJson(const PyValue* args, Checkpoint& ck) {
   const uint64_t n = ops.size();
   ck.exports.push_back(
       ExportFile{kArgsPickle, {ExportPart{PartKind::kLiteral, std::move(ops), 0, DType::kInvalid, n, {}}}});
+}
+
+bool NoWeightDecay(const std::string& name, const std::vector<int64_t>& shape) {
+  return name.ends_with(".bias") || shape.size() == 1;
+}
+
+bool IsExpert(const std::string& name) { return name.find(".experts.") != std::string::npos; }
+
+Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck) {
+  if (optimizer.IsSeq()) {
+    return Unsupported(what + ": a ChainedOptimizer (one per MoE expert and dense group) is not mapped");
+  }
+  if (optimizer.kind != PyKind::kDict) return Invalid(what + ": the optimizer state is not a dict");
+  const PyValue* inner = optimizer.Get("optimizer") != nullptr ? optimizer.Get("optimizer") : &optimizer;
+  const PyValue* groups = inner->kind == PyKind::kDict ? inner->Get("param_groups") : nullptr;
+  if (groups == nullptr || !groups->IsSeq()) return Invalid(what + ": the optimizer has no param_groups list");
+  struct Key {
+    bool no_wd, expert;
+  };
+  std::vector<Key> keys;
+  for (size_t i = 0; i < groups->items.size(); ++i) {
+    const PyValue* g = groups->items[i];
+    if (g == nullptr || g->kind != PyKind::kDict)
+      return Invalid(what + ": param group " + std::to_string(i) + " is not a dict");
+    const PyValue* wd = g->Get("wd_mult") != nullptr ? g->Get("wd_mult") : g->Get("weight_decay");
+    if (wd == nullptr || (wd->kind != PyKind::kFloat && wd->kind != PyKind::kInt)) {
+      return Invalid(what + ": param group " + std::to_string(i) + " has neither wd_mult nor weight_decay");
+    }
+    const PyValue* ex = g->Get("is_expert_parallel");
+    const Key k{(wd->kind == PyKind::kFloat ? wd->f : static_cast<double>(wd->i)) == 0.0,
+                ex != nullptr && ex->kind == PyKind::kBool && ex->b};
+    for (const Key& o : keys) {
+      if (o.no_wd == k.no_wd && o.expert == k.expert) {
+        return Unsupported(what +
+                           ": several param groups share a weight-decay setting (lr scaling?), so their "
+                           "members cannot be told apart");
+      }
+    }
+    keys.push_back(k);
+  }
+  std::vector<std::vector<std::string>> names(keys.size());
+  for (const TensorRecord& t : ck.tensors) {
+    if (t.role != Role::kParam || !t.error.empty()) continue;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (NoWeightDecay(t.fqn, t.shape) == keys[i].no_wd && IsExpert(t.fqn) == keys[i].expert) {
+        names[i].push_back(t.fqn);
+        break;
+      }
+    }
+  }
+  return AddParamGroupExports(
+      *groups, what, [&](size_t i, const PyValue&) -> Result<std::vector<std::string>> { return names[i]; },
+      ck.exports);
 }
 
 }  // namespace ckptfs::formats::megatron

@@ -135,6 +135,22 @@ inline constexpr const char* kCommonWhy = "@megatron/common.why";
 // common.pt (dp_reshardable: per-DP-rank objects, DistOptimizerParamGroups).
 void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::string& groups_ops = "");
 
+// Megatron's default rules (megatron/core/optimizer _get_param_groups): no
+// weight decay for biases and 1-D parameters; expert parameters (MoE) are
+// held per expert-parallel rank and are not all-reduced across data
+// parallelism (is_expert_parallel).
+bool NoWeightDecay(const std::string& name, const std::vector<int64_t>& shape);
+bool IsExpert(const std::string& name);
+
+// The optimizer's param groups for dcp/ (formats/param_groups.h) from
+// `optimizer`, the "optimizer" entry a rank file (legacy) or common.pt saved
+// (every rank steps with the same hyperparameters; the distributed optimizer
+// deletes each group's "params"). Group i's FQNs are every parameter of `ck`
+// with its (weight decay, expert) key, as _get_param_groups assigns them; two
+// groups with one key (lr scaling), a ChainedOptimizer or groups without
+// those keys are an error naming `what`, and nothing is added.
+Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck);
+
 // A JSON rendering of a pickled value (Namespace / dict / list / scalars; torch
 // dtypes and other objects as their class name) for args.json.
 std::string ToJson(const PyValue* v, int indent = 0);
