@@ -159,6 +159,30 @@ TEST(PlanCacheTest, APlanThatCannotBeSavedLeavesNothing) {
   EXPECT_FALSE(plan_cache::Load(fs->index(), "dcp").has_value());
 }
 
+// Every file of `dir` (names and bytes), read through `fs`.
+std::map<std::string, std::string> FilesOf(Filesystem& fs, const std::string& dir) {
+  std::map<std::string, std::string> out;
+  auto d = fs.view().Resolve(dir);
+  EXPECT_TRUE(d.ok());
+  if (!d.ok()) return out;
+  auto entries = fs.ReadDir(*d);
+  EXPECT_TRUE(entries.ok());
+  if (!entries.ok()) return out;
+  for (const DirEntry& e : *entries) {
+    if (!e.is_dir) out[e.name] = ReadAll(fs, dir + "/" + e.name);
+  }
+  return out;
+}
+
+// Options for another mount of the copy OpenFixtureCopy made in `tmp`.
+FsOptions CopyOptions(const TempDir& tmp) {
+  FsOptions o;
+  o.src = tmp.path() + "/ck";
+  o.index_dir = tmp.path() + "/index";
+  o.gpu = GpuMode::kOff;
+  return o;
+}
+
 // The first mount plans dcp/ and saves it; the next serves the saved plan:
 // the same names and the same bytes.
 TEST(PlanCacheTest, TheNextMountServesTheSavedPlan) {
@@ -167,48 +191,16 @@ TEST(PlanCacheTest, TheNextMountServesTheSavedPlan) {
   {
     auto fs = testing::OpenFixtureCopy(tmp, "ds_py3112/z2_bf16_tp2_dp2");
     ASSERT_NE(fs, nullptr);
-    auto dir = fs->view().Resolve("dcp");
-    ASSERT_TRUE(dir.ok());
-    auto entries = fs->ReadDir(*dir);
-    ASSERT_TRUE(entries.ok());
-    for (const DirEntry& e : *entries) {
-      if (!e.is_dir) first[e.name] = ReadAll(*fs, "dcp/" + e.name);
-    }
+    first = FilesOf(*fs, "dcp");
     EXPECT_TRUE(std::filesystem::exists(plan_cache::PathOf(fs->index(), "dcp")));
   }
-  FsOptions o;
-  o.src = tmp.path() + "/ck";
-  o.index_dir = tmp.path() + "/index";
-  o.gpu = GpuMode::kOff;
-  auto fs = Filesystem::Open(o);
+  auto fs = Filesystem::Open(CopyOptions(tmp));
   ASSERT_TRUE(fs.ok()) << fs.status().message();
   ASSERT_TRUE(plan_cache::Load((*fs)->index(), "dcp").has_value());
-  auto dir = (*fs)->view().Resolve("dcp");
-  ASSERT_TRUE(dir.ok());
-  std::map<std::string, std::string> second;
-  auto entries = (*fs)->ReadDir(*dir);
-  ASSERT_TRUE(entries.ok());
-  for (const DirEntry& e : *entries) {
-    if (!e.is_dir) second[e.name] = ReadAll(**fs, "dcp/" + e.name);
-  }
+  std::map<std::string, std::string> second = FilesOf(**fs, "dcp");
   EXPECT_EQ(first.size(), second.size());
   EXPECT_GE(first.size(), 3u);
   for (const auto& [name, bytes] : first) EXPECT_TRUE(second[name] == bytes) << name;
-}
-
-// Every file of hf/ (names and bytes), read through `fs`.
-std::map<std::string, std::string> HfFiles(Filesystem& fs) {
-  std::map<std::string, std::string> out;
-  auto dir = fs.view().Resolve("hf");
-  EXPECT_TRUE(dir.ok());
-  if (!dir.ok()) return out;
-  auto entries = fs.ReadDir(*dir);
-  EXPECT_TRUE(entries.ok());
-  if (!entries.ok()) return out;
-  for (const DirEntry& e : *entries) {
-    if (!e.is_dir) out[e.name] = ReadAll(fs, "hf/" + e.name);
-  }
-  return out;
 }
 
 // hf/'s plan is saved under a key of its options and of the files beside
@@ -222,21 +214,18 @@ TEST(PlanCacheTest, HfPlansFollowTheirOptionsAndTheFilesBesideTheCheckpoint) {
   {
     auto fs = testing::OpenFixtureCopy(tmp, fixture);
     ASSERT_NE(fs, nullptr);
-    first = HfFiles(*fs);
+    first = FilesOf(*fs, "hf");
     key = hf::InputsKey(fs->index(), TopoOptions{});
     EXPECT_TRUE(plan_cache::Load(fs->index(), "hf", key).has_value());
   }
   ASSERT_TRUE(first.count("config.json")) << "the fixture's hf/ has no architecture";
   ASSERT_GE(first.size(), 4u);
-  FsOptions o;
-  o.src = tmp.path() + "/ck";
-  o.index_dir = tmp.path() + "/index";
-  o.gpu = GpuMode::kOff;
+  const FsOptions o = CopyOptions(tmp);
   {
     auto fs = Filesystem::Open(o);
     ASSERT_TRUE(fs.ok()) << fs.status().message();
     EXPECT_EQ(hf::InputsKey((*fs)->index(), TopoOptions{}), key);
-    EXPECT_EQ(HfFiles(**fs), first);
+    EXPECT_EQ(FilesOf(**fs, "hf"), first);
     TopoOptions other;
     other.hf_dtype = "fp32";
     EXPECT_NE(hf::InputsKey((*fs)->index(), other), key);
@@ -249,7 +238,7 @@ TEST(PlanCacheTest, HfPlansFollowTheirOptionsAndTheFilesBesideTheCheckpoint) {
   const std::string key2 = hf::InputsKey((*fs)->index(), TopoOptions{});
   EXPECT_NE(key2, key);
   EXPECT_FALSE(plan_cache::Load((*fs)->index(), "hf", key2).has_value());
-  std::map<std::string, std::string> third = HfFiles(**fs);
+  std::map<std::string, std::string> third = FilesOf(**fs, "hf");
   EXPECT_EQ(third["tokenizer_config.json"], "{\"model_max_length\": 77}\n");
   third.erase("tokenizer_config.json");
   EXPECT_EQ(third, first);
