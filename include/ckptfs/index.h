@@ -37,7 +37,8 @@ class Index {
   // mean-of-replicas tensors, DeepSpeed pipeline checkpoints; v9: Megatron
   // distributed-optimizer states and MoE experts, the master-mismatch check).
   // v10: checksum ranges keyed by (file, offset). v11: nested zstd items (Orbax).
-  static constexpr uint32_t kSchemaVersion = 16;
+  // v17: Megatron's param groups for dcp/.
+  static constexpr uint32_t kSchemaVersion = 17;
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);

@@ -127,6 +127,20 @@ def make_megatron_fixtures(root, scenarios):
     return Path(root)
 
 
+def megatron_saved_param_groups(src):
+    """A Megatron checkpoint's param groups as saved: common.pt's (torch_dist,
+    zarr), else each stage's TP rank 0 model_optim_rng.pt's (legacy), as a
+    list per file (every rank steps with the same hyperparameters; the
+    non-distributed optimizer lists its members' ids per stage)."""
+    import torch
+    it = int((src / "latest_checkpointed_iteration.txt").read_text().strip())
+    d = src / f"iter_{it:07d}"
+    files = [d / "common.pt"] if (d / "common.pt").exists() else sorted(d.glob("mp_rank_00*/model_optim_rng.pt"))
+    assert files, d
+    saved = [torch.load(f, weights_only=False)["optimizer"] for f in files]
+    return [o.get("optimizer", o)["param_groups"] for o in saved]
+
+
 def run(args, **kw):
     return subprocess.run(args, capture_output=True, text=True, timeout=kw.pop("timeout", 300), **kw)
 

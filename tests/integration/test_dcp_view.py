@@ -107,17 +107,13 @@ def verl_param_groups(src, ck=None):
 
 
 def megatron_param_groups(src, ck):
-    """A legacy Megatron checkpoint's param groups (TP rank 0 of the first
-    stage: every rank steps with the same hyperparameters), each group's
-    members every parameter with its (weight decay, expert) key, as
-    megatron-core's _get_param_groups assigns them by default. The
+    """A Megatron checkpoint's param groups (conftest.megatron_saved_param_groups),
+    each group's members every parameter with its (weight decay, expert) key,
+    as megatron-core's _get_param_groups assigns them by default. The
     non-distributed optimizer lists its members' ids (the distributed one
     deletes them): one per parameter of each stage, counted against it."""
-    it = int((src / "latest_checkpointed_iteration.txt").read_text().strip())
-    files = sorted((src / f"iter_{it:07d}").glob("mp_rank_00*/model_optim_rng.pt"))  # TP 0, every stage
-    assert files
-    stages = [torch.load(f, weights_only=False)["optimizer"] for f in files]
-    stages = [o.get("optimizer", o)["param_groups"] for o in stages]
+    from conftest import megatron_saved_param_groups
+    stages = megatron_saved_param_groups(src)
     shapes = {t.name: t.shape for t in ck.tensors() if t.role == "param" and not t.error}
     out = {}
     for i, g in enumerate(stages[0]):
@@ -218,8 +214,8 @@ def megatron(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["legacy_tp2_pp2", "dist_tp2_pp2_dp2", "zarr_tp2_pp2", "legacy_distopt_tp2_dp2"])
 def test_megatron_sources(name, megatron, tmp_path, mounter):
-    # Legacy sources' param groups are offered with their members' FQNs.
-    check_view(megatron / name, tmp_path, mounter, megatron_param_groups if name.startswith("legacy") else None)
+    # Their param groups are offered with their members' FQNs.
+    check_view(megatron / name, tmp_path, mounter, megatron_param_groups)
 
 
 def test_deepspeed_zero3(tmp_path_factory, tmp_path, mounter):

@@ -392,19 +392,17 @@ LOAD_CASES = {"deepspeed_z2_dp2": ("z2", "param"), "megatron_legacy_tp2_pp2": ("
               "megatron_torch_dist_tp2_pp2_dp2": ("megatron_dist", "fp32"), "dcp_fsdp2_w3": ("dcp_fsdp2_w3", "param")}
 
 
-@pytest.mark.parametrize("name", ["legacy_tp2_pp2", "legacy_distopt_tp2_dp2"])
+@pytest.mark.parametrize("name", ["legacy_tp2_pp2", "legacy_distopt_tp2_dp2", "dist_tp2_pp2_dp2"])
 def test_megatron_param_groups_reach_a_torch_optimizer(name, tmp_path_factory, tmp_path):
-    """A legacy Megatron run's two param groups (weight decay or not, told
-    apart by wd_mult; the distributed optimizer saves no member ids) reach an
-    FSDP2 AdamW at world 2 grouped as Megatron groups: set_state_dict maps each
+    """A Megatron run's two param groups (weight decay or not, told apart by
+    wd_mult; the distributed optimizer saves no member ids) reach an FSDP2
+    AdamW at world 2 grouped as Megatron groups: set_state_dict maps each
     saved group onto the loader's group by its members' FQNs, so each takes
     the source's hyperparameters (lr 1e-3, not the loader's 1e-2)."""
+    from conftest import megatron_saved_param_groups
     src = megatron_fixture(tmp_path_factory, name)
     got = resume(src, "fp32", tmp_path, groups="megatron")
-    it = int((src / "latest_checkpointed_iteration.txt").read_text().strip())
-    first = sorted((src / f"iter_{it:07d}").glob("mp_rank_00*/model_optim_rng.pt"))[0]
-    saved = torch.load(first, weights_only=False)["optimizer"]
-    saved = saved.get("optimizer", saved)["param_groups"]
+    saved = megatron_saved_param_groups(src)[0]
     assert [g["wd_mult"] for g in saved] == [1.0, 0.0]
     assert len(got["groups"]) == 2
     for g, want in zip(got["groups"], saved):

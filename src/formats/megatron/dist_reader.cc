@@ -184,14 +184,17 @@ void Classify(Checkpoint& ck) {
 }
 
 // common.pt: served verbatim; its iteration and args describe the checkpoint.
-megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck) {
+// `src` keeps it open (its optimizer's param groups are read once the
+// parameters are known).
+megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck,
+                               std::unique_ptr<Source>& src) {
   megatron::ModelFacts facts;
   Files files;
   files.dir = dir;
   files.ck = &ck;
   files.pickle = PickleOptions{};
   files.pickle.extra_modules = {"megatron"};
-  auto src = files.Open(rel);
+  src = files.Open(rel);
   if (!src->error.empty()) ck.info.problems.push_back(src->error);
   if (const PyValue* root = src->root(); root != nullptr && root->kind == PyKind::kDict) {
     if (auto it = megatron::ArgInt(root, "iteration"); it) ck.info.step = *it;
@@ -346,8 +349,9 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
                         (iter.wrapper.empty() ? "" : ", " + iter.wrapper);
   struct stat st {};
   megatron::ModelFacts facts;
+  std::unique_ptr<Source> common;
   if (::stat((iter.path + "/common.pt").c_str(), &st) == 0) {
-    facts = AddCommon(dir, prefix + "common.pt", ck);
+    facts = AddCommon(dir, prefix + "common.pt", ck, common);
   } else {
     ck.info.problems.push_back(iter.path + "/common.pt is missing (args and iteration unknown)");
   }
@@ -370,6 +374,23 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
     facts.tp = seen.tp;
   }
   megatron::MapBucketStates(dir, facts, ck);
+  // dcp/'s param groups, where common.pt keeps them (the distributed
+  // optimizer's dp_reshardable layout keeps them per DP rank instead).
+  const PyValue* root = common != nullptr ? common->root() : nullptr;
+  const PyValue* opt = root != nullptr && root->kind == PyKind::kDict ? root->Get("optimizer") : nullptr;
+  if (opt != nullptr && opt->kind == PyKind::kDict) {
+    const PyValue* inner = opt->Get("optimizer") != nullptr ? opt->Get("optimizer") : opt;
+    const PyValue* layout = opt->Get("param_state_sharding_type");
+    if ((inner->kind != PyKind::kDict || inner->Get("param_groups") == nullptr) && layout != nullptr &&
+        layout->IsStr()) {
+      ck.info.problems.push_back("dcp/ has no optim.param_groups: the distributed optimizer's " + layout->s +
+                                 " layout keeps them per DP rank, which is not mapped");
+    } else if (Status groups = megatron::ExportParamGroups(*opt, common->rel, ck); !groups.ok()) {
+      ck.info.problems.push_back("dcp/ has no optim.param_groups: " + groups.message());
+    }
+  } else if (opt != nullptr && opt->kind != PyKind::kNone) {
+    ck.info.problems.push_back("dcp/ has no optim.param_groups: " + common->rel + "'s optimizer is not a dict");
+  }
   megatron::SetSplits(facts, ck);
   return ck;
 }

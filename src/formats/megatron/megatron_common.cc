@@ -530,6 +530,11 @@ Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Chec
     return Unsupported(what + ": a ChainedOptimizer (one per MoE expert and dense group) is not mapped");
   }
   if (optimizer.kind != PyKind::kDict) return Invalid(what + ": the optimizer state is not a dict");
+  for (const auto& [k, v] : optimizer.dict) {
+    if (k->IsStr() && k->s.starts_with("chained_")) {
+      return Unsupported(what + ": a ChainedOptimizer (one per MoE expert and dense group) is not mapped");
+    }
+  }
   const PyValue* inner = optimizer.Get("optimizer") != nullptr ? optimizer.Get("optimizer") : &optimizer;
   const PyValue* groups = inner->kind == PyKind::kDict ? inner->Get("param_groups") : nullptr;
   if (groups == nullptr || !groups->IsSeq()) return Invalid(what + ": the optimizer has no param_groups list");
