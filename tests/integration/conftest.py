@@ -128,17 +128,42 @@ def make_megatron_fixtures(root, scenarios):
 
 
 def megatron_saved_param_groups(src):
-    """A Megatron checkpoint's param groups as saved: common.pt's (torch_dist,
-    zarr), else each stage's TP rank 0 model_optim_rng.pt's (legacy), as a
-    list per file (every rank steps with the same hyperparameters; the
-    non-distributed optimizer lists its members' ids per stage)."""
+    """A Megatron checkpoint's param groups as saved, as a list per file
+    (every rank steps with the same hyperparameters): common.pt's (torch_dist,
+    zarr); where the distributed optimizer keeps them in per-DP-rank objects
+    (dp_reshardable), those objects' groups read through torch's DCP reader,
+    one per (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr); else each
+    stage's TP rank 0 model_optim_rng.pt's (legacy: the non-distributed
+    optimizer lists its members' ids per stage)."""
+    import re
     import torch
     it = int((src / "latest_checkpointed_iteration.txt").read_text().strip())
     d = src / f"iter_{it:07d}"
-    files = [d / "common.pt"] if (d / "common.pt").exists() else sorted(d.glob("mp_rank_00*/model_optim_rng.pt"))
-    assert files, d
-    saved = [torch.load(f, weights_only=False)["optimizer"] for f in files]
-    return [o.get("optimizer", o)["param_groups"] for o in saved]
+    if not (d / "common.pt").exists():
+        files = sorted(d.glob("mp_rank_00*/model_optim_rng.pt"))
+        assert files, d
+        saved = [torch.load(f, weights_only=False)["optimizer"] for f in files]
+        return [o.get("optimizer", o)["param_groups"] for o in saved]
+    o = torch.load(d / "common.pt", weights_only=False)["optimizer"]
+    if "optimizer" in o or "param_groups" in o:
+        return [o.get("optimizer", o)["param_groups"]]
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    keys = [k for k in FileSystemReader(d).read_metadata().state_dict_metadata
+            if re.fullmatch(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_.*", k)]
+    assert keys, d
+    objects = {k: None for k in keys}
+    dcp.load(objects, storage_reader=FileSystemReader(d), no_dist=True)
+    groups, seen = [], set()
+    for k in sorted(keys):
+        obj = objects[k]
+        for inst in (x for y in obj for x in (y if isinstance(y, list) else [y])) if isinstance(obj, list) else [obj]:
+            for g in inst["param_groups"]:
+                ident = tuple(g.get(n) for n in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"))
+                if ident not in seen:
+                    seen.add(ident)
+                    groups.append(g)
+    return [groups]
 
 
 def run(args, **kw):

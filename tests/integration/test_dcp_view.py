@@ -188,9 +188,10 @@ def check_view(src, tmp_path, mounter, groups_of=None):
 def test_committed_checkpoints_load_through_torchs_reader(rel, tmp_path, mounter):
     src = tmp_path / "ck"
     shutil.copytree(DATA / rel, src, ignore=shutil.ignore_patterns(".ckptfs"))
-    # DeepSpeed (not MoE: expert groups are rank-local) and verl save param groups.
+    # DeepSpeed (not MoE: expert groups are rank-local), verl and Megatron save param groups.
     groups_of = ds_param_groups if rel.startswith("ds_py3112/") and "moe" not in rel else \
-        verl_param_groups if rel.startswith(("verl_fsdp2", "verl_hsdp")) else None
+        verl_param_groups if rel.startswith(("verl_fsdp2", "verl_hsdp")) else \
+        megatron_param_groups if rel.startswith(("megatron_versions/", "megatron_wrappers/bridge")) else None
     check_view(src, tmp_path, mounter, groups_of)
 
 

@@ -12,6 +12,7 @@
 #include "formats/megatron/dist_optim.h"
 #include "formats/megatron/megatron_common.h"
 #include "formats/megatron/run_config.h"
+#include "formats/pickle_writer.h"
 #include "formats/torch_file.h"
 #include "formats/zarr/zarr_reader.h"
 
@@ -183,12 +184,18 @@ void Classify(Checkpoint& ck) {
   }
 }
 
-// common.pt: served verbatim; its iteration and args describe the checkpoint.
-// `src` keeps it open (its optimizer's param groups are read once the
-// parameters are known).
-megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck,
-                               std::unique_ptr<Source>& src) {
+// common.pt, served verbatim (its iteration and args describe the
+// checkpoint), kept open with the per-DP-rank objects' param groups: dcp/'s
+// param groups are made once the parameters are known.
+struct Common {
   megatron::ModelFacts facts;
+  std::unique_ptr<Source> src;
+  std::string groups_ops;  // DistOptimizerParamGroups
+};
+Common AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck) {
+  Common c;
+  megatron::ModelFacts& facts = c.facts;
+  std::unique_ptr<Source>& src = c.src;
   Files files;
   files.dir = dir;
   files.ck = &ck;
@@ -205,12 +212,43 @@ megatron::ModelFacts AddCommon(const std::string& dir, const std::string& rel, C
       facts = megatron::FactsOf(args);
     }
   }
-  megatron::ExportTorchDistCommon(src->root(), ck, megatron::DistOptimizerParamGroups(dir, ck));
+  c.groups_ops = megatron::DistOptimizerParamGroups(dir, ck);
+  megatron::ExportTorchDistCommon(src->root(), ck, c.groups_ops);
   TensorRecord t;
   t.key = "common.pt";
   if (src->fd < 0) t.error = src->error;
   ck.AddFileBytes(src->file, std::move(t));
-  return facts;
+  return c;
+}
+
+// dcp/'s param groups: common.pt's, or the per-DP-rank objects' where the
+// distributed optimizer's layout keeps them there (dp_reshardable).
+void AddParamGroups(const Common& common, Checkpoint& ck) {
+  const PyValue* root = common.src != nullptr ? common.src->root() : nullptr;
+  const PyValue* opt = root != nullptr && root->kind == PyKind::kDict ? root->Get("optimizer") : nullptr;
+  if (opt == nullptr || opt->kind == PyKind::kNone) return;  // no optimizer saved
+  const std::string& rel = common.src->rel;
+  Status st = Status::Ok();
+  if (opt->kind != PyKind::kDict) {
+    st = Invalid(rel + ": the optimizer state is not a dict");
+  } else if (const PyValue* layout = opt->Get("param_state_sharding_type"); layout != nullptr && layout->IsStr() &&
+                                                                            opt->Get("optimizer") == nullptr &&
+                                                                            opt->Get("param_groups") == nullptr) {
+    if (common.groups_ops.empty()) {
+      st = Unsupported("the distributed optimizer's " + layout->s +
+                       " layout keeps them in per-DP-rank objects, which hold none that can be read (or belong to a "
+                       "ChainedOptimizer)");
+    } else {
+      PickleWriter w;
+      w.Raw(common.groups_ops);
+      const std::string what = "the param groups of the distributed optimizer's per-DP-rank objects";
+      auto groups = Unpickle(w.Finish(), what);
+      st = groups.ok() ? megatron::ExportParamGroupList(**groups, what, ck) : groups.status();
+    }
+  } else {
+    st = megatron::ExportParamGroups(*opt, rel, ck);
+  }
+  if (!st.ok()) ck.info.problems.push_back("dcp/ has no optim.param_groups: " + st.message());
 }
 
 // The run configuration a wrapper keeps instead of args: Megatron-Bridge's
@@ -349,9 +387,10 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
                         (iter.wrapper.empty() ? "" : ", " + iter.wrapper);
   struct stat st {};
   megatron::ModelFacts facts;
-  std::unique_ptr<Source> common;
+  Common common;
   if (::stat((iter.path + "/common.pt").c_str(), &st) == 0) {
-    facts = AddCommon(dir, prefix + "common.pt", ck, common);
+    common = AddCommon(dir, prefix + "common.pt", ck);
+    facts = common.facts;
   } else {
     ck.info.problems.push_back(iter.path + "/common.pt is missing (args and iteration unknown)");
   }
@@ -374,23 +413,7 @@ Result<Checkpoint> ReadMegatronDist(const std::string& dir) {
     facts.tp = seen.tp;
   }
   megatron::MapBucketStates(dir, facts, ck);
-  // dcp/'s param groups, where common.pt keeps them (the distributed
-  // optimizer's dp_reshardable layout keeps them per DP rank instead).
-  const PyValue* root = common != nullptr ? common->root() : nullptr;
-  const PyValue* opt = root != nullptr && root->kind == PyKind::kDict ? root->Get("optimizer") : nullptr;
-  if (opt != nullptr && opt->kind == PyKind::kDict) {
-    const PyValue* inner = opt->Get("optimizer") != nullptr ? opt->Get("optimizer") : opt;
-    const PyValue* layout = opt->Get("param_state_sharding_type");
-    if ((inner->kind != PyKind::kDict || inner->Get("param_groups") == nullptr) && layout != nullptr &&
-        layout->IsStr()) {
-      ck.info.problems.push_back("dcp/ has no optim.param_groups: the distributed optimizer's " + layout->s +
-                                 " layout keeps them per DP rank, which is not mapped");
-    } else if (Status groups = megatron::ExportParamGroups(*opt, common->rel, ck); !groups.ok()) {
-      ck.info.problems.push_back("dcp/ has no optim.param_groups: " + groups.message());
-    }
-  } else if (opt != nullptr && opt->kind != PyKind::kNone) {
-    ck.info.problems.push_back("dcp/ has no optim.param_groups: " + common->rel + "'s optimizer is not a dict");
-  }
+  AddParamGroups(common, ck);
   megatron::SetSplits(facts, ck);
   return ck;
 }

@@ -537,7 +537,13 @@ Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Chec
   }
   const PyValue* inner = optimizer.Get("optimizer") != nullptr ? optimizer.Get("optimizer") : &optimizer;
   const PyValue* groups = inner->kind == PyKind::kDict ? inner->Get("param_groups") : nullptr;
-  if (groups == nullptr || !groups->IsSeq()) return Invalid(what + ": the optimizer has no param_groups list");
+  if (groups == nullptr) return Invalid(what + ": the optimizer has no param_groups list");
+  return ExportParamGroupList(*groups, what, ck);
+}
+
+Status ExportParamGroupList(const PyValue& list, const std::string& what, Checkpoint& ck) {
+  if (!list.IsSeq()) return Invalid(what + ": param_groups is not a list");
+  const PyValue* groups = &list;
   struct Key {
     bool no_wd, expert;
   };

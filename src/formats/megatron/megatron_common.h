@@ -150,6 +150,8 @@ bool IsExpert(const std::string& name);
 // groups with one key (lr scaling), a ChainedOptimizer or groups without
 // those keys are an error naming `what`, and nothing is added.
 Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck);
+// The same from the param_groups list itself.
+Status ExportParamGroupList(const PyValue& groups, const std::string& what, Checkpoint& ck);
 
 // A JSON rendering of a pickled value (Namespace / dict / list / scalars; torch
 // dtypes and other objects as their class name) for args.json.
