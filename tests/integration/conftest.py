@@ -134,19 +134,30 @@ def megatron_saved_param_groups(src):
     (dp_reshardable), those objects' groups read through torch's DCP reader,
     one per (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr); else each
     stage's TP rank 0 model_optim_rng.pt's (legacy: the non-distributed
-    optimizer lists its members' ids per stage)."""
+    optimizer lists its members' ids per stage). A ChainedOptimizer's (MoE)
+    groups follow one another, the dense optimizer's first."""
     import re
     import torch
+
+    def groups_of(o):  # a ChainedOptimizer's (MoE) members' groups one after another
+        if isinstance(o, list):
+            return [g for sub in o for g in groups_of(sub)]
+        # common.pt keys them 0, 1, ...; chained_0, chained_1, ... elsewhere
+        chained = sorted((k for k in o if isinstance(k, int) or str(k).startswith("chained_")),
+                         key=lambda k: k if isinstance(k, int) else int(k[len("chained_"):]))
+        if chained:
+            return [g for k in chained for g in groups_of(o[k])]
+        return o.get("optimizer", o)["param_groups"]
+
     it = int((src / "latest_checkpointed_iteration.txt").read_text().strip())
     d = src / f"iter_{it:07d}"
     if not (d / "common.pt").exists():
         files = sorted(d.glob("mp_rank_00*/model_optim_rng.pt"))
         assert files, d
-        saved = [torch.load(f, weights_only=False)["optimizer"] for f in files]
-        return [o.get("optimizer", o)["param_groups"] for o in saved]
+        return [groups_of(torch.load(f, weights_only=False)["optimizer"]) for f in files]
     o = torch.load(d / "common.pt", weights_only=False)["optimizer"]
-    if "optimizer" in o or "param_groups" in o:
-        return [o.get("optimizer", o)["param_groups"]]
+    if "optimizer" in o or "param_groups" in o or any(isinstance(k, int) or k.startswith("chained_") for k in o):
+        return [groups_of(o)]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     keys = [k for k in FileSystemReader(d).read_metadata().state_dict_metadata

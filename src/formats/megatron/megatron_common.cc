@@ -5,8 +5,10 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cinttypes>
 #include <cmath>
 #include <cstdio>
+#include <map>
 
 #include "formats/byte_reader.h"
 #include "formats/param_groups.h"
@@ -526,19 +528,47 @@ bool NoWeightDecay(const std::string& name, const std::vector<int64_t>& shape) {
 bool IsExpert(const std::string& name) { return name.find(".experts.") != std::string::npos; }
 
 Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck) {
+  // The members of a ChainedOptimizer (MoE: the dense optimizer, then the
+  // expert one): a list (legacy), or a dict keyed 0, 1, ... (common.pt) or
+  // chained_0, chained_1, ...
+  std::vector<const PyValue*> members;
   if (optimizer.IsSeq()) {
-    return Unsupported(what + ": a ChainedOptimizer (one per MoE expert and dense group) is not mapped");
-  }
-  if (optimizer.kind != PyKind::kDict) return Invalid(what + ": the optimizer state is not a dict");
-  for (const auto& [k, v] : optimizer.dict) {
-    if (k->IsStr() && k->s.starts_with("chained_")) {
-      return Unsupported(what + ": a ChainedOptimizer (one per MoE expert and dense group) is not mapped");
+    members.assign(optimizer.items.begin(), optimizer.items.end());
+  } else if (optimizer.kind == PyKind::kDict) {
+    std::map<int64_t, const PyValue*> by_index;
+    for (const auto& [k, v] : optimizer.dict) {
+      if (k->kind == PyKind::kInt) {
+        by_index[k->i] = v;
+      } else if (int64_t i = -1; k->IsStr() && k->s.starts_with("chained_") &&
+                                 std::sscanf(k->s.c_str(), "chained_%" SCNd64, &i) == 1 && i >= 0) {
+        by_index[i] = v;
+      }
     }
+    for (const auto& [i, m] : by_index) {
+      if (i != static_cast<int64_t>(members.size())) {
+        return Invalid(what + ": the chained optimizers are not numbered 0, 1, ...");
+      }
+      members.push_back(m);
+    }
+    if (members.empty()) members.push_back(&optimizer);
+  } else {
+    return Invalid(what + ": the optimizer state is not a dict");
   }
-  const PyValue* inner = optimizer.Get("optimizer") != nullptr ? optimizer.Get("optimizer") : &optimizer;
-  const PyValue* groups = inner->kind == PyKind::kDict ? inner->Get("param_groups") : nullptr;
-  if (groups == nullptr) return Invalid(what + ": the optimizer has no param_groups list");
-  return ExportParamGroupList(*groups, what, ck);
+  // Their groups, one after another (what torch's get_state_dict gives for
+  // one optimizer over all of them).
+  PyValue all;
+  all.kind = PyKind::kList;
+  for (size_t i = 0; i < members.size(); ++i) {
+    const PyValue* m = members[i];
+    const std::string which = members.size() > 1 ? " (chained optimizer " + std::to_string(i) + ")" : "";
+    if (m == nullptr || m->kind != PyKind::kDict) return Invalid(what + which + ": the optimizer state is not a dict");
+    const PyValue* inner = m->Get("optimizer") != nullptr ? m->Get("optimizer") : m;
+    const PyValue* groups = inner->kind == PyKind::kDict ? inner->Get("param_groups") : nullptr;
+    if (groups == nullptr || !groups->IsSeq())
+      return Invalid(what + which + ": the optimizer has no param_groups list");
+    all.items.insert(all.items.end(), groups->items.begin(), groups->items.end());
+  }
+  return ExportParamGroupList(all, what, ck);
 }
 
 Status ExportParamGroupList(const PyValue& list, const std::string& what, Checkpoint& ck) {

@@ -146,9 +146,11 @@ bool IsExpert(const std::string& name);
 // `optimizer`, the "optimizer" entry a rank file (legacy) or common.pt saved
 // (every rank steps with the same hyperparameters; the distributed optimizer
 // deletes each group's "params"). Group i's FQNs are every parameter of `ck`
-// with its (weight decay, expert) key, as _get_param_groups assigns them; two
-// groups with one key (lr scaling), a ChainedOptimizer or groups without
-// those keys are an error naming `what`, and nothing is added.
+// with its (weight decay, expert) key, as _get_param_groups assigns them. A
+// ChainedOptimizer's (MoE: a list of optimizers, or chained_<i> entries)
+// groups follow one another, the dense optimizer's first. Two groups with one
+// key (lr scaling) or groups without those keys are an error naming `what`,
+// and nothing is added.
 Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck);
 // The same from the param_groups list itself.
 Status ExportParamGroupList(const PyValue& groups, const std::string& what, Checkpoint& ck);
