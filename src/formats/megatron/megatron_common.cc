@@ -599,14 +599,23 @@ Status ExportParamGroupList(const PyValue& list, const std::string& what, Checkp
     keys.push_back(k);
   }
   std::vector<std::vector<std::string>> names(keys.size());
+  std::string orphan;  // a parameter no group takes (its key has none)
+  size_t orphans = 0;
   for (const TensorRecord& t : ck.tensors) {
     if (t.role != Role::kParam || !t.error.empty()) continue;
-    for (size_t i = 0; i < keys.size(); ++i) {
-      if (NoWeightDecay(t.fqn, t.shape) == keys[i].no_wd && IsExpert(t.fqn) == keys[i].expert) {
-        names[i].push_back(t.fqn);
-        break;
-      }
+    size_t i = 0;
+    while (i < keys.size() && !(NoWeightDecay(t.fqn, t.shape) == keys[i].no_wd && IsExpert(t.fqn) == keys[i].expert)) {
+      ++i;
     }
+    if (i < keys.size()) {
+      names[i].push_back(t.fqn);
+    } else if (orphans++ == 0) {
+      orphan = t.fqn;
+    }
+  }
+  if (orphans > 0) {
+    return Invalid(what + ": no param group has the weight-decay setting of '" + orphan + "'" +
+                   (orphans > 1 ? " (and " + std::to_string(orphans - 1) + " more parameters)" : ""));
   }
   return AddParamGroupExports(
       *groups, what, [&](size_t i, const PyValue&) -> Result<std::vector<std::string>> { return names[i]; },

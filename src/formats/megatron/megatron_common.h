@@ -149,8 +149,8 @@ bool IsExpert(const std::string& name);
 // with its (weight decay, expert) key, as _get_param_groups assigns them. A
 // ChainedOptimizer's (MoE: a list of optimizers, or chained_<i> entries)
 // groups follow one another, the dense optimizer's first. Two groups with one
-// key (lr scaling) or groups without those keys are an error naming `what`,
-// and nothing is added.
+// key (lr scaling), groups without those keys or a parameter no group takes
+// are an error naming `what`, and nothing is added.
 Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck);
 // The same from the param_groups list itself.
 Status ExportParamGroupList(const PyValue& groups, const std::string& what, Checkpoint& ck);
