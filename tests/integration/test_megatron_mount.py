@@ -326,7 +326,12 @@ def check_against_reference(fx, args, mounter, src=None):
             assert raw == want.contiguous().view(torch.uint8).numpy().tobytes(), name
         info = json.loads((m.path / "checkpoint.json").read_text())
         assert info["step"] == 7
-        assert not info.get("problems"), info.get("problems")
+        # The one note a mapped run may have: a MoE ChainedOptimizer that keeps
+        # its param groups per DP rank leaves dcp/ without them.
+        chained_dp_reshardable = "--experts" in args and "dp_reshardable" in " ".join(args)
+        notes = [p for p in info.get("problems", []) if not (
+            chained_dp_reshardable and p.startswith("dcp/ has no optim.param_groups: a MoE run's ChainedOptimizer"))]
+        assert not notes, info.get("problems")
 
 
 @pytest.mark.parametrize("scenario", ["legacy_tp2_pp2", "dist_tp2_pp2_dp2"])

@@ -3,6 +3,7 @@
 #include <re2/re2.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -227,17 +228,26 @@ void AddParamGroups(const Common& common, Checkpoint& ck) {
   const PyValue* root = common.src != nullptr ? common.src->root() : nullptr;
   const PyValue* opt = root != nullptr && root->kind == PyKind::kDict ? root->Get("optimizer") : nullptr;
   if (opt == nullptr || opt->kind == PyKind::kNone) return;  // no optimizer saved
+  // Lightning's checkpoint (NeMo 2) keeps a list of its one optimizer's state.
+  if (opt->IsSeq() && opt->items.size() == 1) opt = opt->items[0];
   const std::string& rel = common.src->rel;
+  // The layout of an optimizer state that keeps its groups per DP rank
+  // ({param_state_sharding_type} alone), else null.
+  auto per_dp_rank = [](const PyValue* o) -> const PyValue* {
+    if (o == nullptr || o->kind != PyKind::kDict || o->Get("optimizer") != nullptr ||
+        o->Get("param_groups") != nullptr) {
+      return nullptr;
+    }
+    const PyValue* layout = o->Get("param_state_sharding_type");
+    return layout != nullptr && layout->IsStr() ? layout : nullptr;
+  };
   Status st = Status::Ok();
   if (opt->kind != PyKind::kDict) {
     st = Invalid(rel + ": the optimizer state is not a dict");
-  } else if (const PyValue* layout = opt->Get("param_state_sharding_type"); layout != nullptr && layout->IsStr() &&
-                                                                            opt->Get("optimizer") == nullptr &&
-                                                                            opt->Get("param_groups") == nullptr) {
+  } else if (const PyValue* layout = per_dp_rank(opt)) {
     if (common.groups_ops.empty()) {
       st = Unsupported("the distributed optimizer's " + layout->s +
-                       " layout keeps them in per-DP-rank objects, which hold none that can be read (or belong to a "
-                       "ChainedOptimizer)");
+                       " layout keeps them in per-DP-rank objects, and none of those can be read");
     } else {
       PickleWriter w;
       w.Raw(common.groups_ops);
@@ -245,6 +255,10 @@ void AddParamGroups(const Common& common, Checkpoint& ck) {
       auto groups = Unpickle(w.Finish(), what);
       st = groups.ok() ? megatron::ExportParamGroupList(**groups, what, ck) : groups.status();
     }
+  } else if (std::any_of(opt->dict.begin(), opt->dict.end(), [&](const auto& kv) { return per_dp_rank(kv.second); })) {
+    st = Unsupported(
+        "a MoE run's ChainedOptimizer in the dp_reshardable layout keeps each member's groups per DP "
+        "rank, which is not mapped");
   } else {
     st = megatron::ExportParamGroups(*opt, rel, ck);
   }
