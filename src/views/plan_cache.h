@@ -1,20 +1,22 @@
 // Plans of views (dcp/, a family's DCP profile such as torch_dist/, hf/),
-// kept beside the index (internal to the views
-// layer). Planning dcp/ writes the whole .metadata and places every item:
-// seconds at a million chunks, on every mount's first listing. The first
-// mount that plans a view saves the plan as <index>/<name>.plan; later mounts
-// of the same index by the same build load it instead.
+// kept beside the index (internal to the views layer). Planning dcp/ writes
+// the whole .metadata and places every item: seconds at a million chunks, on
+// every mount's first listing. The first mount that plans a view saves the
+// plan as <index>/<name>.plan; later mounts of the same index by the same
+// build load it instead.
 //
 // Design note. A plan file names the program build that wrote it (the ELF
-// build id: any change to the code makes a new one) and the index it was
-// made from (RocksDB's IDENTITY, new with every build of the index), and
-// carries an xxh3 of all its bytes: a file of another build or index, or a
-// damaged one, is ignored (the view is planned again and the file replaced),
-// so a cached plan is never older than the code or the index. Saving is
-// best effort: an index directory that cannot be written keeps no plans. The
-// file is written under a temporary name and renamed into place, so two
-// daemons on one index never see half a plan. Spooled bytes (a large
-// .metadata) follow the records in the file and are served from it.
+// build id: any change to the code makes a new one), the index it was made
+// from (RocksDB's IDENTITY, new with every build of the index) and a key for
+// whatever else it was made from (hf/: its options and the files beside the
+// checkpoint), and carries an xxh3 of all its bytes: a file of another build,
+// index or key, or a damaged one, is ignored (the view is planned again and
+// the file replaced), so a cached plan is never older than the code, the
+// index or its inputs. Saving is best effort: an index directory that cannot
+// be written keeps no plans. The file is written under a temporary name and
+// renamed into place, so two daemons on one index never see half a plan.
+// Spooled bytes (a large .metadata) follow the records in the file and are
+// served from it.
 #ifndef CKPTFS_VIEWS_PLAN_CACHE_H_
 #define CKPTFS_VIEWS_PLAN_CACHE_H_
 
