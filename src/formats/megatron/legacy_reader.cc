@@ -23,7 +23,6 @@ namespace {
 using megatron::ArgBool;
 using megatron::ArgInt;
 using megatron::IsExpert;
-using megatron::NoWeightDecay;
 
 constexpr uint64_t kMaxCompareBytes = 256ull << 20;  // replicas larger than this are not compared
 constexpr int64_t kParamAlign = 64;                  // DDP buffer: each parameter starts at a multiple
@@ -287,9 +286,10 @@ void Reader::MapOptimizer(RankFile& r) {
     const PyValue* fp32_groups;  // its fp32_from_fp16_params, or null
     size_t index;                // within its optimizer
     const PyValue* params;       // param ids
-    bool no_wd, expert;
+    megatron::GroupKey key;      // set from all groups at once (GroupKeysOf)
   };
   std::vector<Group> groups;
+  std::vector<const PyValue*> saved;  // each group's dict, as `groups`
   for (size_t s = 0; s < subs.size(); ++s) {
     const PyValue* sub = subs[s];
     const std::string which = subs.size() > 1 ? "optimizer " + std::to_string(s) + ": " : "";
@@ -306,36 +306,23 @@ void Reader::MapOptimizer(RankFile& r) {
     }
     for (size_t g = 0; g < gs->items.size(); ++g) {
       const PyValue* grp = gs->items[g];
-      if (grp->kind != PyKind::kDict) {
-        r.opt_unavailable = which + "a param group is not a dict";
-        return;
-      }
-      const PyValue* wd = grp->Get("wd_mult") ? grp->Get("wd_mult") : grp->Get("weight_decay");
-      if (wd == nullptr || (wd->kind != PyKind::kFloat && wd->kind != PyKind::kInt)) {
-        r.opt_unavailable = which + "a param group has neither wd_mult nor weight_decay";
-        return;
-      }
-      const PyValue* ex = grp->Get("is_expert_parallel");
-      groups.push_back(Group{state, sub->Get("fp32_from_fp16_params"), g, grp->Get("params"),
-                             (wd->kind == PyKind::kFloat ? wd->f : static_cast<double>(wd->i)) == 0.0,
-                             ex != nullptr && ex->kind == PyKind::kBool && ex->b});
+      groups.push_back(Group{
+          state, sub->Get("fp32_from_fp16_params"), g, grp->kind == PyKind::kDict ? grp->Get("params") : nullptr, {}});
+      saved.push_back(grp);
     }
   }
-  for (size_t i = 0; i < groups.size(); ++i) {
-    for (size_t j = i + 1; j < groups.size(); ++j) {
-      if (groups[i].no_wd == groups[j].no_wd && groups[i].expert == groups[j].expert) {
-        r.opt_unavailable =
-            "several param groups share a weight-decay setting (lr scaling?), so their members cannot be told apart";
-        return;
-      }
-    }
+  auto keys = megatron::GroupKeysOf(saved);
+  if (!keys.ok()) {
+    r.opt_unavailable = keys.status().message();
+    return;
   }
+  for (size_t i = 0; i < groups.size(); ++i) groups[i].key = (*keys)[i];
   for (const Group& grp : groups) {
     const std::string group_name =
-        std::string(grp.no_wd ? "no weight decay" : "weight decay") + (grp.expert ? ", experts" : "");
+        std::string(grp.key.no_wd ? "no weight decay" : "weight decay") + (grp.key.expert ? ", experts" : "");
     std::vector<const Cand*> members;
     for (const Cand& c : cands) {
-      if (NoWeightDecay(c.e->local, c.shape) == grp.no_wd && IsExpert(c.e->local) == grp.expert) members.push_back(&c);
+      if (grp.key.Takes(c.e->local, c.shape)) members.push_back(&c);
     }
     const PyValue* ids = grp.params;
     if (ids == nullptr || !ids->IsSeq() || ids->items.size() != members.size()) {

@@ -527,6 +527,28 @@ bool NoWeightDecay(const std::string& name, const std::vector<int64_t>& shape) {
 
 bool IsExpert(const std::string& name) { return name.find(".experts.") != std::string::npos; }
 
+Result<std::vector<GroupKey>> GroupKeysOf(const std::vector<const PyValue*>& groups) {
+  std::vector<GroupKey> keys;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const PyValue* g = groups[i];
+    if (g == nullptr || g->kind != PyKind::kDict) return Invalid("param group " + std::to_string(i) + " is not a dict");
+    const PyValue* wd = g->Get("wd_mult") != nullptr ? g->Get("wd_mult") : g->Get("weight_decay");
+    if (wd == nullptr || (wd->kind != PyKind::kFloat && wd->kind != PyKind::kInt)) {
+      return Invalid("param group " + std::to_string(i) + " has neither wd_mult nor weight_decay");
+    }
+    const PyValue* ex = g->Get("is_expert_parallel");
+    const GroupKey k{(wd->kind == PyKind::kFloat ? wd->f : static_cast<double>(wd->i)) == 0.0,
+                     ex != nullptr && ex->kind == PyKind::kBool && ex->b};
+    if (std::find(keys.begin(), keys.end(), k) != keys.end()) {
+      return Unsupported(
+          "several param groups share a weight-decay setting (lr scaling?), so their members cannot be "
+          "told apart");
+    }
+    keys.push_back(k);
+  }
+  return keys;
+}
+
 Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck) {
   // The members of a ChainedOptimizer (MoE: the dense optimizer, then the
   // expert one): a list (legacy), or a dict keyed 0, 1, ... (common.pt) or
@@ -573,41 +595,16 @@ Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Chec
 
 Status ExportParamGroupList(const PyValue& list, const std::string& what, Checkpoint& ck) {
   if (!list.IsSeq()) return Invalid(what + ": param_groups is not a list");
-  const PyValue* groups = &list;
-  struct Key {
-    bool no_wd, expert;
-  };
-  std::vector<Key> keys;
-  for (size_t i = 0; i < groups->items.size(); ++i) {
-    const PyValue* g = groups->items[i];
-    if (g == nullptr || g->kind != PyKind::kDict)
-      return Invalid(what + ": param group " + std::to_string(i) + " is not a dict");
-    const PyValue* wd = g->Get("wd_mult") != nullptr ? g->Get("wd_mult") : g->Get("weight_decay");
-    if (wd == nullptr || (wd->kind != PyKind::kFloat && wd->kind != PyKind::kInt)) {
-      return Invalid(what + ": param group " + std::to_string(i) + " has neither wd_mult nor weight_decay");
-    }
-    const PyValue* ex = g->Get("is_expert_parallel");
-    const Key k{(wd->kind == PyKind::kFloat ? wd->f : static_cast<double>(wd->i)) == 0.0,
-                ex != nullptr && ex->kind == PyKind::kBool && ex->b};
-    for (const Key& o : keys) {
-      if (o.no_wd == k.no_wd && o.expert == k.expert) {
-        return Unsupported(what +
-                           ": several param groups share a weight-decay setting (lr scaling?), so their "
-                           "members cannot be told apart");
-      }
-    }
-    keys.push_back(k);
-  }
-  std::vector<std::vector<std::string>> names(keys.size());
+  auto keys = GroupKeysOf({list.items.begin(), list.items.end()});
+  if (!keys.ok()) return keys.status().Annotate(what);
+  std::vector<std::vector<std::string>> names(keys->size());
   std::string orphan;  // a parameter no group takes (its key has none)
   size_t orphans = 0;
   for (const TensorRecord& t : ck.tensors) {
     if (t.role != Role::kParam || !t.error.empty()) continue;
     size_t i = 0;
-    while (i < keys.size() && !(NoWeightDecay(t.fqn, t.shape) == keys[i].no_wd && IsExpert(t.fqn) == keys[i].expert)) {
-      ++i;
-    }
-    if (i < keys.size()) {
+    while (i < keys->size() && !(*keys)[i].Takes(t.fqn, t.shape)) ++i;
+    if (i < keys->size()) {
       names[i].push_back(t.fqn);
     } else if (orphans++ == 0) {
       orphan = t.fqn;
@@ -618,8 +615,7 @@ Status ExportParamGroupList(const PyValue& list, const std::string& what, Checkp
                    (orphans > 1 ? " (and " + std::to_string(orphans - 1) + " more parameters)" : ""));
   }
   return AddParamGroupExports(
-      *groups, what, [&](size_t i, const PyValue&) -> Result<std::vector<std::string>> { return names[i]; },
-      ck.exports);
+      list, what, [&](size_t i, const PyValue&) -> Result<std::vector<std::string>> { return names[i]; }, ck.exports);
 }
 
 }  // namespace ckptfs::formats::megatron

@@ -142,6 +142,21 @@ void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::strin
 bool NoWeightDecay(const std::string& name, const std::vector<int64_t>& shape);
 bool IsExpert(const std::string& name);
 
+// A param group's key in _get_param_groups (weight decay or not, experts or
+// not): which parameters it takes.
+struct GroupKey {
+  bool no_wd = false, expert = false;
+  bool operator==(const GroupKey&) const = default;
+  bool Takes(const std::string& name, const std::vector<int64_t>& shape) const {
+    return NoWeightDecay(name, shape) == no_wd && IsExpert(name) == expert;
+  }
+};
+// The keys of `groups` (saved param group dicts: wd_mult or weight_decay,
+// is_expert_parallel), in order. A group that is not a dict or has neither,
+// or two groups with one key (lr scaling: their members cannot be told
+// apart), is an error.
+Result<std::vector<GroupKey>> GroupKeysOf(const std::vector<const PyValue*>& groups);
+
 // The optimizer's param groups for dcp/ (formats/param_groups.h) from
 // `optimizer`, the "optimizer" entry a rank file (legacy) or common.pt saved
 // (every rank steps with the same hyperparameters; the distributed optimizer
