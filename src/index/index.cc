@@ -11,11 +11,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <functional>
+#include <mutex>
+#include <thread>
 
 #include "ckptfs/formats.h"
 #include "ckptfs/progress.h"
@@ -58,6 +63,112 @@ Status FromRocks(const rocksdb::Status& s, const std::string& verb, const std::s
 }
 
 std::string SchemaValue() { return "ckptfs-index-v" + std::to_string(Index::kSchemaVersion); }
+
+// Index::Build's records on their way from the encoder thread to the SST
+// writer, in key order, a batch at a time; at most kMaxBatches wait, so memory
+// does not grow with the checkpoint.
+class RecordQueue {
+ public:
+  using Batch = std::vector<std::pair<std::string, std::string>>;
+  static constexpr size_t kBatch = 4096;
+  static constexpr size_t kMaxBatches = 4;
+
+  // Encoder: one record; false once the writer has given up.
+  bool Put(std::string k, std::string v) {
+    filling_.emplace_back(std::move(k), std::move(v));
+    if (filling_.size() < kBatch) return !cancelled_.load(std::memory_order_relaxed);
+    return Flush();
+  }
+  // Encoder: done, with its status (the rest of the batch is handed on).
+  void Close(Status s) {
+    if (s.ok()) Flush();
+    std::lock_guard<std::mutex> lock(mu_);
+    status_ = std::move(s);
+    closed_ = true;
+    cv_.notify_all();
+  }
+  // Writer: the next batch (false: none is left).
+  bool Next(Batch& out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !ready_.empty() || closed_; });
+    if (ready_.empty()) return false;
+    out = std::move(ready_.front());
+    ready_.pop_front();
+    cv_.notify_all();
+    return true;
+  }
+  // Writer: stop the encoder (a write failed).
+  void Cancel() {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_ = true;
+    cv_.notify_all();
+  }
+  // The encoder's status, once it has closed the queue.
+  Status status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  bool Flush() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return ready_.size() < kMaxBatches || cancelled_; });
+    if (cancelled_) return false;
+    if (!filling_.empty()) ready_.push_back(std::move(filling_));
+    filling_ = Batch();
+    filling_.reserve(kBatch);
+    cv_.notify_all();
+    return true;
+  }
+
+  Batch filling_;  // the encoder's own
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Batch> ready_;
+  bool closed_ = false;
+  std::atomic<bool> cancelled_{false};
+  Status status_;
+};
+
+// Every record of `ck`'s index, in key order (c < f < g < m < t < x, numbers
+// big-endian), into `q`.
+Status EncodeRecords(const Checkpoint& ck, RecordQueue& q) {
+  Status st;
+  auto put = [&](std::string k, std::string v) {
+    if (!q.Put(std::move(k), std::move(v))) st = Internal("index build cancelled: the SST write failed");
+    return st.ok();
+  };
+  // Keyed by (file, offset): ChecksumSet hands them over sorted, the first
+  // of any repeat only.
+  RETURN_IF_ERROR(ck.checksums.ForEach([&](const ChecksumRange& c) {
+    if (c.file.v >= ck.files.size()) return Invalid("cannot build index: a checksum names an unknown file");
+    put(index::KeyU32U64('c', c.file.v, c.offset), index::EncodeChecksum(c));
+    return st;
+  }));
+  for (size_t i = 0; i < ck.files.size(); ++i)
+    put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
+  std::vector<uint64_t> json_bytes(ck.tensors.size());  // info.json's "fragments" (keys 't' follow 'g')
+  std::string frag_json;
+  for (size_t i = 0; i < ck.tensors.size() && st.ok(); ++i) {
+    const std::vector<Fragment> frags = ck.fragments.Get(i);
+    for (size_t j = 0; j < frags.size(); ++j) {
+      put(KeyU32U32('g', static_cast<uint32_t>(i), static_cast<uint32_t>(j)), index::EncodeFragment(frags[j]));
+    }
+    frag_json.clear();
+    AppendFragmentsJson(frag_json, frags, ck.files, ck.tensors[i].replicas);
+    json_bytes[i] = frag_json.size();
+  }
+  put(kInfoKey, index::EncodeInfo(ck.info));
+  put(kSchemaKey, SchemaValue());
+  for (size_t i = 0; i < ck.tensors.size() && st.ok(); ++i) {
+    TensorRecord t = ck.tensors[i];
+    t.fragments_json_bytes = json_bytes[i];
+    put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(t));
+  }
+  for (size_t i = 0; i < ck.exports.size() && st.ok(); ++i)
+    put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
+  return st;
+}
 
 }  // namespace
 
@@ -104,6 +215,7 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
   }
   const std::string sst = tmp + ".sst";
   auto fail = [&](Status s) {
+    if (s.ok()) return s;
     fs::remove_all(tmp, ec);
     fs::remove(sst, ec);
     return s;
@@ -111,40 +223,23 @@ Status Index::Build(const Checkpoint& ck, const std::string& dir) {
   {
     rocksdb::Options o = DbOptions();
     rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), o);
-    Status st = FromRocks(writer.Open(sst), "create", sst);
-    auto put = [&](const std::string& k, const std::string& v) {
-      if (st.ok()) st = FromRocks(writer.Put(k, v), "write", sst);
-    };
-    // Keyed by (file, offset): ChecksumSet hands them over sorted, the first
-    // of any repeat only.
-    Status sums = ck.checksums.ForEach([&](const ChecksumRange& c) {
-      if (c.file.v >= ck.files.size()) return Invalid("cannot build index: a checksum names an unknown file");
-      put(index::KeyU32U64('c', c.file.v, c.offset), index::EncodeChecksum(c));
-      return st;
-    });
-    if (!sums.ok()) return fail(sums);
-    for (size_t i = 0; i < ck.files.size(); ++i)
-      put(KeyU32('f', static_cast<uint32_t>(i)), index::EncodeFile(ck.files[i]));
-    std::vector<uint64_t> json_bytes(ck.tensors.size());  // info.json's "fragments" (keys 't' follow 'g')
-    std::string frag_json;
-    for (size_t i = 0; i < ck.tensors.size(); ++i) {
-      const std::vector<Fragment> frags = ck.fragments.Get(i);
-      for (size_t j = 0; j < frags.size(); ++j) {
-        put(KeyU32U32('g', static_cast<uint32_t>(i), static_cast<uint32_t>(j)), index::EncodeFragment(frags[j]));
+    RETURN_IF_ERROR(fail(FromRocks(writer.Open(sst), "create", sst)));
+    // The records are encoded on a thread of their own (merging the checksum
+    // runs, unpacking fragments) while this one writes them (building and
+    // compressing blocks): the two halves of the build overlap.
+    RecordQueue q;
+    std::jthread encoder([&] { q.Close(EncodeRecords(ck, q)); });
+    Status st;
+    RecordQueue::Batch batch;
+    while (st.ok() && q.Next(batch)) {
+      for (const auto& [k, v] : batch) {
+        st = FromRocks(writer.Put(k, v), "write", sst);
+        if (!st.ok()) break;
       }
-      frag_json.clear();
-      AppendFragmentsJson(frag_json, frags, ck.files, ck.tensors[i].replicas);
-      json_bytes[i] = frag_json.size();
     }
-    put(kInfoKey, index::EncodeInfo(ck.info));
-    put(kSchemaKey, SchemaValue());
-    for (size_t i = 0; i < ck.tensors.size(); ++i) {
-      TensorRecord t = ck.tensors[i];
-      t.fragments_json_bytes = json_bytes[i];
-      put(KeyU32('t', static_cast<uint32_t>(i)), index::EncodeTensor(t));
-    }
-    for (size_t i = 0; i < ck.exports.size(); ++i)
-      put(KeyU32('x', static_cast<uint32_t>(i)), index::EncodeExport(ck.exports[i]));
+    if (!st.ok()) q.Cancel();
+    encoder.join();
+    if (st.ok()) st = q.status();
     if (st.ok()) st = FromRocks(writer.Finish(), "finish", sst);
     if (!st.ok()) return fail(st);
   }

@@ -145,7 +145,15 @@ struct DcpReader {
   // and records the format note and each new tensor's state-dict path.
   Status TakeMetadataRoot(const PyValue& root, const StreamedDicts& seen);
 
+  // Set once every chunk is resolved (Resolve has run). With one metadata
+  // file that also pickles every rank's SavePlan (all_local_plans, after
+  // state_dict_metadata and storage_data: megatron-core), ReadMetadataFile
+  // runs Resolve on a thread of its own while the VM reads those plans.
+  bool resolved = false;
+
   // ---- dcp_items.cc ----
+  // Locates, opens, resolves and checks every chunk: the five steps below, in order.
+  void Resolve();
   // ".metadata", or "the metadata files" when there are several.
   std::string MetaDesc() const;
   // Finds each chunk's storage item; a chunk without one fails its tensor.

@@ -244,6 +244,15 @@ struct FragmentGatherer {
 
 }  // namespace
 
+void DcpReader::Resolve() {
+  LocateChunks();
+  OpenDataFiles();
+  FlagMissingFiles();
+  ResolveChunks();
+  CheckTilings();
+  resolved = true;
+}
+
 std::string DcpReader::MetaDesc() const { return n_meta > 1 ? "the metadata files" : ".metadata"; }
 
 void DcpReader::LocateChunks() {

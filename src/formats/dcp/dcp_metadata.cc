@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -363,14 +364,37 @@ Status DcpReader::ReadMetadataFile(const std::string& prefix, const std::string&
   // Only the dicts that end up as Metadata's two fields may hold them.
   StreamedDicts seen;
   PickleOptions opts;
-  opts.consume = [this, &seen](const PyValue& dict, const PyValue& k, const PyValue& v) {
+  // Chunks are resolved early (see `resolved`) on `early`, which is joined
+  // before anything else reads this reader, on every path out of here.
+  std::jthread early;
+  opts.consume = [this, &seen, &early](const PyValue& dict, const PyValue& k, const PyValue& v) -> Result<bool> {
+    if (early.joinable()) {
+      // Both dicts were complete when the plans began: an entry now is a
+      // hostile pickle reaching back into them (through the memo).
+      const std::string_view vc = v.ClassName();
+      if (vc == "_StorageInfo" || vc == "TensorStorageMetadata" || vc == "BytesStorageMetadata")
+        return Invalid("cannot parse " + meta_path + ": a " + std::string(vc) + " after all_local_plans began");
+      return false;
+    }
     return TakeStreamedEntry(seen, dict, k, v);
   };
-  opts.consume_item = DropWriteItem;
+  opts.consume_item = [this, &seen, &early](const PyValue& list, const PyValue& item) -> Result<bool> {
+    ASSIGN_OR_RETURN(bool drop, DropWriteItem(list, item));
+    if (drop && !early.joinable() && n_meta == 1 && seen.sdm != nullptr && seen.storage != nullptr) {
+      early = std::jthread([this] { Resolve(); });
+    }
+    return drop;
+  };
   auto root_or = Unpickle(meta_size, read_meta, name, opts);
+  const bool resolving = early.joinable();
+  if (resolving) early.join();
   if (!root_or.ok())
     return root_or.status().message().rfind("cannot parse ", 0) == 0 ? root_or.status() : CannotParse(root_or.status());
   RETURN_IF_ERROR(TakeMetadataRoot(**root_or, seen));
+  // Every entry the VM left in the tree is refused by TakeMetadataRoot; were
+  // one taken, the chunks resolved early would not include it.
+  if (resolving && (!items.empty() || !work.empty()))
+    return Invalid("cannot parse " + meta_path + ": chunks outside the entries the VM streamed");
   // Nothing below reads the unpickled tree: its arena goes before the chunks
   // are resolved, so the two never add up.
   root_or = PyHandle();

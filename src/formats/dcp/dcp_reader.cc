@@ -120,11 +120,7 @@ Result<Checkpoint> ReadDcp(const std::string& dir) {
   dcp::DcpReader r(dir, std::move(saves));
   RETURN_IF_ERROR(r.ReadMetadata());
   r.NoteRankLocalSaves();
-  r.LocateChunks();
-  r.OpenDataFiles();
-  r.FlagMissingFiles();
-  r.ResolveChunks();
-  r.CheckTilings();
+  if (!r.resolved) r.Resolve();
   dcp::Conclude(r);
   return std::move(r.ck);
 }

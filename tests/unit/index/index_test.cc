@@ -131,6 +131,54 @@ TEST(IndexTest, ChecksumRangesAreLookedUpByFileAndOffset) {
   EXPECT_EQ(all, (std::vector<std::pair<uint32_t, uint64_t>>{{0, 0}, {0, 10}, {0, 40}, {0, 100}, {1, 0}, {1, 2048}}));
 }
 
+// The records are encoded on one thread and written on another (a bounded
+// queue of batches between them): many batches' worth arrive whole and in
+// order, and an encoder's refusal fails the build without leaving files.
+TEST(IndexTest, BuildsManyBatchesOfRecordsAndRefusesABadChecksum) {
+  TempDir t;
+  Checkpoint ck = Tiny(t.path());
+  constexpr uint64_t kSums = 50000;  // ~12 batches of the queue
+  for (uint64_t i = 0; i < kSums; ++i)
+    ck.checksums.Add(ChecksumRange{FileId{0}, (kSums - 1 - i) * 4, 4, static_cast<uint32_t>(i), "e"});
+  constexpr size_t kTensors = 20000;
+  for (size_t i = 0; i < kTensors; ++i) {
+    TensorRecord r = ck.tensors[0];
+    r.key = "many." + std::to_string(i);
+    ck.AddTensor(std::move(r), ck.fragments.Get(i % 3));
+  }
+  ASSERT_TRUE(Index::Build(ck, t.path() + "/ix").ok());
+  auto ix = Index::Open(t.path() + "/ix", t.path());
+  ASSERT_TRUE(ix.ok()) << ix.status().message();
+  ASSERT_EQ((*ix)->tensors().size(), 3 + kTensors);
+  EXPECT_EQ((*ix)->tensors().back().key, "many." + std::to_string(kTensors - 1));
+  EXPECT_EQ((*ix)->num_fragments(), 2 * (3 + kTensors));
+  auto fr = (*ix)->Fragments(TensorId{static_cast<uint32_t>(3 + kTensors - 1)});
+  ASSERT_TRUE(fr.ok());
+  EXPECT_EQ((*fr)[1].data_offset, ck.fragments.Get((kTensors - 1) % 3)[1].data_offset);
+  uint64_t n = 0, next = 0;
+  ASSERT_TRUE((*ix)
+                  ->ScanChecksums(1000,
+                                  [&](std::vector<ChecksumRange>& v) {
+                                    for (const auto& c : v) {
+                                      EXPECT_EQ(c.offset, next);
+                                      EXPECT_EQ(c.crc32, kSums - 1 - next / 4);
+                                      next += 4;
+                                      ++n;
+                                    }
+                                    return Status::Ok();
+                                  })
+                  .ok());
+  EXPECT_EQ(n, kSums);
+
+  ck.checksums.Add(ChecksumRange{FileId{9}, 0, 4, 0, "nowhere"});  // sorts after every file-0 range
+  Status refused = Index::Build(ck, t.path() + "/ix2");
+  EXPECT_FALSE(refused.ok());
+  EXPECT_NE(refused.message().find("a checksum names an unknown file"), std::string::npos) << refused.message();
+  EXPECT_FALSE(fs::exists(t.path() + "/ix2"));
+  EXPECT_FALSE(fs::exists(t.path() + "/ix2.tmp." + std::to_string(::getpid())));
+  EXPECT_FALSE(fs::exists(t.path() + "/ix2.tmp." + std::to_string(::getpid()) + ".sst"));
+}
+
 TEST(IndexTest, StaleSourceIsRefusedAndRebuilt) {
   TempDir t;
   Checkpoint ck = Tiny(t.path());
