@@ -33,12 +33,10 @@ namespace ckptfs {
 
 class Index {
  public:
-  // Bump whenever a reader's output changes, too (v6: TP split rules; v7:
-  // mean-of-replicas tensors, DeepSpeed pipeline checkpoints; v9: Megatron
-  // distributed-optimizer states and MoE experts, the master-mismatch check).
-  // v10: checksum ranges keyed by (file, offset). v11: nested zstd items (Orbax).
-  // v17: Megatron's param groups for dcp/.
-  static constexpr uint32_t kSchemaVersion = 17;
+  // The index format's version, which every reader's output is part of: an
+  // index of another version is rebuilt. Defined (and bumped) in index.cc,
+  // so that a bump recompiles one file.
+  static uint32_t SchemaVersion();
 
   // Writes `ck` atomically as the index at `dir` (replacing a stale one).
   static Status Build(const Checkpoint& ck, const std::string& dir);

@@ -702,7 +702,7 @@ bool IsCommand(const std::string& a) {
 int Main(std::vector<std::string> raw) {
   CLI::App app{"ckptfs: mount training checkpoints as a lazily computed, read-only tree.", "ckptfs"};
   app.set_version_flag("--version", std::string("ckptfs ") + CKPTFS_VERSION + " (index schema v" +
-                                        std::to_string(Index::kSchemaVersion) + ")");
+                                        std::to_string(Index::SchemaVersion()) + ")");
   app.set_help_all_flag("--help-all", "every command's help (the man page is made from it)");
   app.fallthrough();  // global options may follow the command
   app.footer(std::string("\nRun `ckptfs help CMD` or `ckptfs CMD --help` for a command's options.\n") + kExitCodes);

@@ -62,7 +62,7 @@ Status FromRocks(const rocksdb::Status& s, const std::string& verb, const std::s
   return IoError("cannot " + verb + " index " + dir + ": " + s.ToString());
 }
 
-std::string SchemaValue() { return "ckptfs-index-v" + std::to_string(Index::kSchemaVersion); }
+std::string SchemaValue() { return "ckptfs-index-v" + std::to_string(Index::SchemaVersion()); }
 
 // Index::Build's records on their way from the encoder thread to the SST
 // writer, in key order, a batch at a time; at most kMaxBatches wait, so memory
@@ -171,6 +171,14 @@ Status EncodeRecords(const Checkpoint& ck, RecordQueue& q) {
 }
 
 }  // namespace
+
+// Bump whenever a reader's output changes, too (v6: TP split rules; v7:
+// mean-of-replicas tensors, DeepSpeed pipeline checkpoints; v9: Megatron
+// distributed-optimizer states and MoE experts, the master-mismatch check).
+// v10: checksum ranges keyed by (file, offset). v11: nested zstd items (Orbax).
+// v17: Megatron's param groups for dcp/. v18: torch_dist/'s common.pt of a
+// NeMo 2 run (its one optimizer unwrapped, `iteration` from global_step).
+uint32_t Index::SchemaVersion() { return 18; }
 
 Status CompareFingerprint(const std::string& path, const SourceFile& f, const struct stat* now) {
   if (f.mtime_ns == -1) return now == nullptr ? Status::Ok() : Stale(path + " appeared after indexing");

@@ -212,6 +212,7 @@ def test_older_megatron_core_releases(mounter, tmp_path, scenario):
 # distributed optimizer in its default dp_reshardable layout.
 WRAPPED_ARGS = ["dist", "--tp", "2", "--dp", "2", "--bf16", "--dist-opt", "--optim", "dp_reshardable"]
 WRAPPED_DIR = Path(__file__).resolve().parents[1] / "data" / "megatron_wrappers"
+WRAPPED = ("bridge-dist_distopt_tp2_dp2", "nemo2-dist_distopt_tp2_dp2")
 NEMO2 = "nemo2-dist_distopt_tp2_dp2"
 NEMO2_LAST = "default--reduced_train_loss=1.2345-epoch=0-step=6-consumed_samples=14.0-last"
 
@@ -685,7 +686,7 @@ def resume(ckpt, out, moe=False):
 @pytest.mark.parametrize("scenario", ["legacy_distopt_tp2_pp2_dp2", "zarr_tp2_pp2", "dist_tp2_pp2_dp2",
                                       "dist_dpreshard_tp2_pp2_dp2", "dist_dpzero_tp2_pp2_dp2",
                                       "mcore0.14.0-dist_distopt_tp2_pp2_dp2", "bridge-dist_distopt_tp2_dp2",
-                                      "legacy_moe_distopt_tp2_pp2_ep2", "dist_moe_tp2_pp2_ep2"])
+                                      NEMO2, "legacy_moe_distopt_tp2_pp2_ep2", "dist_moe_tp2_pp2_ep2"])
 def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtures, mounter, tmp_path, scenario):
     """megatron-core 0.16 (dist_checkpointing.load with GPTModel's and the
     DistributedOptimizer's sharded state dicts, the layout from common.pt's
@@ -695,8 +696,9 @@ def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtur
     distributed-optimizer layout (fully_reshardable, dp_reshardable: mcore
     0.15+'s default, whose param groups are per-DP-rank objects, and
     dp_zero_gather_scatter), megatron-core 0.14's fully_sharded_model_space
-    save, which 0.16 refuses to load by itself, a Megatron-Bridge TP=2
-    DP=2 run, and MoE runs (4 experts per layer over EP=2, legacy and
+    save, which 0.16 refuses to load by itself, a Megatron-Bridge and a
+    NeMo 2 TP=2 DP=2 run (NeMo 2: Lightning's list of its one optimizer,
+    global_step for `iteration`), and MoE runs (4 experts per layer over EP=2, legacy and
     torch_dist: the experts stacked by layer and expert, the dense and the
     expert optimizer chained) at TP=1 PP=2 DP=2 EP=2. Every weight, fp32 master and Adam moment mcore then
     holds equals what the source run held (a padded vocabulary: the rows
@@ -717,7 +719,7 @@ def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtur
         r = subprocess.run([ckptfs_bin(), "index", str(src), "--plan-views"], capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0 and "profile-torch_dist.plan" in r.stdout, r.stdout + r.stderr
-    with mounter(src) as m:
+    with mounter(src / "checkpoints" if scenario == NEMO2 else src) as m:
         view = m.path / "torch_dist"
         it = int((view / "latest_checkpointed_iteration.txt").read_text())
         assert it == 7
@@ -741,7 +743,7 @@ def test_megatron_core_resumes_torch_dist_view_at_a_new_topology(megatron_fixtur
     after = json.loads((out / "after.json").read_text())
     assert after["content_metadata"] == {"distrib_optim_sharding_type": "fully_reshardable"}
     assert after["iteration"] == 7
-    if "bridge" not in scenario:  # Megatron-Bridge keeps its config in run_config.yaml, no args
+    if scenario not in WRAPPED:  # Megatron-Bridge and NeMo 2 keep a config, no args
         assert (after["args_tp"], after["args_pp"]) == (2, 2 if "--pp" in args else 1)
     assert after["steps_before"] == [1.0]  # the checkpoint's Adam step (the source took one)
     assert after["update_ok"] and after["finite"]

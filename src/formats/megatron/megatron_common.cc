@@ -471,12 +471,22 @@ void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::strin
   Status st;
   bool optimizer = false;
   w.BeginDict();
+  // NeMo 2 saves Lightning's checkpoint dict: its step is global_step, and
+  // Megatron-LM's load_checkpoint reads `iteration` (it exits without one).
+  if (const PyValue* step = root->Get("global_step");
+      root->Get("iteration") == nullptr && step != nullptr && step->kind == PyKind::kInt) {
+    w.Str("iteration");
+    w.Int(step->i);
+  }
   for (const auto& [k, v] : root->dict) {
     if (!k->IsStr() || RE2::FullMatch(k->s, model_key) || k->s == "rng_state" || k->s == "content_metadata") continue;
     w.Str(k->s);
     if (k->s == "optimizer") {
       optimizer = true;
-      st = WriteReshardableOptimizer(*v, groups_ops, w);
+      // Lightning's list of its one optimizer's state (NeMo 2): that state,
+      // which is also what a ChainedOptimizer of one member loads.
+      const PyValue* opt = v->IsSeq() && v->items.size() == 1 && v->items[0] != nullptr ? v->items[0] : v;
+      st = WriteReshardableOptimizer(*opt, groups_ops, w);
     } else {
       const std::string& name = k->s;  // a structured binding is not captured before C++20
       st = w.Value(
