@@ -178,7 +178,8 @@ Status EncodeRecords(const Checkpoint& ck, RecordQueue& q) {
 // v10: checksum ranges keyed by (file, offset). v11: nested zstd items (Orbax).
 // v17: Megatron's param groups for dcp/. v18: torch_dist/'s common.pt of a
 // NeMo 2 run (its one optimizer unwrapped, `iteration` from global_step).
-uint32_t Index::SchemaVersion() { return 18; }
+// v19: a MoE ChainedOptimizer's param groups from its members' per-DP-rank objects.
+uint32_t Index::SchemaVersion() { return 19; }
 
 Status CompareFingerprint(const std::string& path, const SourceFile& f, const struct stat* now) {
   if (f.mtime_ns == -1) return now == nullptr ? Status::Ok() : Stale(path + " appeared after indexing");

@@ -136,7 +136,6 @@ def megatron_saved_param_groups(src):
     stage's TP rank 0 model_optim_rng.pt's (legacy: the non-distributed
     optimizer lists its members' ids per stage). A ChainedOptimizer's (MoE)
     groups follow one another, the dense optimizer's first."""
-    import re
     import torch
 
     def groups_of(o):  # a ChainedOptimizer's (MoE) members' groups one after another
@@ -149,20 +148,43 @@ def megatron_saved_param_groups(src):
             return [g for k in chained for g in groups_of(o[k])]
         return o.get("optimizer", o)["param_groups"]
 
-    it = int((src / "latest_checkpointed_iteration.txt").read_text().strip())
-    d = src / f"iter_{it:07d}"
+    if (src / "latest_checkpointed_iteration.txt").exists():
+        it = int((src / "latest_checkpointed_iteration.txt").read_text().strip())
+        d = src / f"iter_{it:07d}"
+    else:  # NeMo 2's checkpoints/ directory: its one checkpoint's weights/
+        found = sorted(src.glob("*/weights/common.pt"))
+        assert len(found) == 1, (src, found)
+        d = found[0].parent
     if not (d / "common.pt").exists():
         files = sorted(d.glob("mp_rank_00*/model_optim_rng.pt"))
         assert files, d
         return [groups_of(torch.load(f, weights_only=False)["optimizer"]) for f in files]
     o = torch.load(d / "common.pt", weights_only=False)["optimizer"]
-    if "optimizer" in o or "param_groups" in o or any(isinstance(k, int) or k.startswith("chained_") for k in o):
-        return [groups_of(o)]
+    if isinstance(o, list) and len(o) == 1:  # Lightning's list of its one optimizer (NeMo 2)
+        o = o[0]
+
+    def per_dp_rank(m):  # a layout that keeps the groups in per-DP-rank objects: {param_state_sharding_type}
+        return isinstance(m, dict) and set(m) == {"param_state_sharding_type"}
+
+    members = sorted(k for k in o if isinstance(k, int))
+    if per_dp_rank(o):
+        return [objects_groups(d, "")]
+    if members and all(per_dp_rank(o[k]) for k in members):  # a MoE ChainedOptimizer's, per member
+        return [[g for k in members for g in objects_groups(d, f"chained_{k}.")]]
+    return [groups_of(o)]
+
+
+def objects_groups(d, prefix):
+    """The param groups of the distributed optimizer's per-DP-rank objects
+    `<prefix>optimizer.distributed.dp_group_idx_M.optimizer/shard_*` in the
+    torch_dist directory `d`, read through torch's DCP reader, one per (wd_mult,
+    lr_mult, is_expert_parallel, is_decoupled_lr), first seen first."""
+    import re
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     keys = [k for k in FileSystemReader(d).read_metadata().state_dict_metadata
-            if re.fullmatch(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_.*", k)]
-    assert keys, d
+            if re.fullmatch(re.escape(prefix) + r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_.*", k)]
+    assert keys, (d, prefix)
     objects = {k: None for k in keys}
     dcp.load(objects, storage_reader=FileSystemReader(d), no_dist=True)
     groups, seen = [], set()
@@ -174,7 +196,7 @@ def megatron_saved_param_groups(src):
                 if ident not in seen:
                     seen.add(ident)
                     groups.append(g)
-    return [groups]
+    return groups
 
 
 def run(args, **kw):

@@ -191,7 +191,7 @@ def test_committed_checkpoints_load_through_torchs_reader(rel, tmp_path, mounter
     # DeepSpeed (not MoE: expert groups are rank-local), verl and Megatron save param groups.
     groups_of = ds_param_groups if rel.startswith("ds_py3112/") and "moe" not in rel else \
         verl_param_groups if rel.startswith(("verl_fsdp2", "verl_hsdp")) else \
-        megatron_param_groups if rel.startswith(("megatron_versions/", "megatron_wrappers/bridge")) else None
+        megatron_param_groups if rel.startswith(("megatron_versions/", "megatron_wrappers/")) else None
     check_view(src, tmp_path, mounter, groups_of)
 
 
@@ -204,7 +204,7 @@ def test_dcp_sources_round_trip(scenario, dcp_fixtures, tmp_path, mounter):
 
 
 MEGATRON = ["legacy_tp2_pp2", "dist_tp2_pp2_dp2", "zarr_tp2_pp2", "legacy_distopt_tp2_dp2", "legacy_moe_tp2_pp2_ep2",
-            "dist_moe_tp2_pp2_ep2"]
+            "dist_moe_tp2_pp2_ep2", "dist_moe_dpreshard_tp2_pp2_ep2"]
 
 
 @pytest.fixture(scope="module")

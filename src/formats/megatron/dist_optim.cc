@@ -223,17 +223,21 @@ std::vector<const PyValue*> Flatten(const PyValue* root) {
 
 }  // namespace
 
-std::string DistOptimizerParamGroups(const std::string& dir, const Checkpoint& ck) {
-  static const RE2 kObject(R"((chained_\d{1,3}\.)?optimizer\.distributed\.dp_group_idx_\d{1,6}\.optimizer/shard_.*)",
-                           RE2::Latin1);
-  PickleWriter w;
-  std::set<std::string> seen;
-  bool any = false;
+PerDpRankGroups DistOptimizerParamGroups(const std::string& dir, const Checkpoint& ck) {
+  static const RE2 kObject(
+      R"((?:chained_(\d{1,3})\.)?optimizer\.distributed\.dp_group_idx_\d{1,6}\.optimizer/shard_.*)", RE2::Latin1);
+  // By member (-1: an optimizer that is not chained): its groups' writer and
+  // the identities it has.
+  struct Member {
+    PickleWriter w;
+    std::set<std::string> seen;
+  };
+  std::map<int, Member> by_member;
   for (uint32_t i = 0; i < ck.tensors.size(); ++i) {
     const TensorRecord& t = ck.tensors[i];
     std::string chained;
     if (t.encoding != Encoding::kBytes || !RE2::FullMatch(t.key, kObject, &chained)) continue;
-    if (!chained.empty()) return "";
+    Member& m = by_member[chained.empty() ? -1 : std::stoi(chained)];
     const std::string why =
         WithObject(dir, ck, i, [&](const ByteReader&, const TorchSaveArchive& a, const Fragment&) -> std::string {
           for (const PyValue* inst : Flatten(a.root.get())) {
@@ -245,20 +249,30 @@ std::string DistOptimizerParamGroups(const std::string& dir, const Checkpoint& c
               for (const char* k : {"wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr"}) {
                 id += ToJson(g->Get(k)) + ",";
               }
-              if (!seen.insert(id).second) continue;
-              if (!any) w.BeginList();
-              any = true;
-              Status st = w.Value(*g, [](PickleWriter&, const PyValue&) { return Unsupported("a tensor"); });
+              if (!m.seen.insert(id).second) continue;
+              if (m.seen.size() == 1) m.w.BeginList();
+              Status st = m.w.Value(*g, [](PickleWriter&, const PyValue&) { return Unsupported("a tensor"); });
               if (!st.ok()) return st.message();
             }
           }
           return "";
         });
-    if (!why.empty()) return "";
+    if (!why.empty()) return {};
   }
-  if (!any) return "";
-  w.EndList();
-  return w.Fragment();
+  PerDpRankGroups out;
+  for (auto& [i, m] : by_member) {
+    if (m.seen.empty()) return {};
+    m.w.EndList();
+    if (i < 0) {
+      out.single = m.w.Fragment();
+    } else if (i == static_cast<int>(out.members.size())) {
+      out.members.push_back(m.w.Fragment());
+    } else {
+      return {};  // not numbered 0, 1, ...
+    }
+  }
+  if (!out.single.empty() && !out.members.empty()) return {};  // both: neither is the optimizer
+  return out;
 }
 
 namespace {

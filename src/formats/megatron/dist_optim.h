@@ -39,13 +39,12 @@ void MapBucketStates(const std::string& dir, const ModelFacts& facts, Checkpoint
 
 // The distributed optimizer's param groups where its layout keeps them in
 // per-DP-rank objects (dp_reshardable, dp_zero_gather_scatter:
-// optimizer.distributed.dp_group_idx_M.optimizer/shard_*, each
+// [chained_<i>.]optimizer.distributed.dp_group_idx_M.optimizer/shard_*, each
 // [{param_groups: [...]}]): the groups of every model-parallel rank, one per
 // identity (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), first
-// seen first, as pickle opcodes of a list (PickleWriter::Fragment). Empty
-// when there are none or they cannot be read (a chained optimizer's
-// chained_N. objects included: its members keep groups of their own).
-std::string DistOptimizerParamGroups(const std::string& dir, const Checkpoint& ck);
+// seen first; a chained optimizer's per member. Empty when there are none,
+// one cannot be read, or the members are not numbered 0, 1, ...
+PerDpRankGroups DistOptimizerParamGroups(const std::string& dir, const Checkpoint& ck);
 
 }  // namespace ckptfs::formats::megatron
 

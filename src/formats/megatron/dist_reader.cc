@@ -191,7 +191,7 @@ void Classify(Checkpoint& ck) {
 struct Common {
   megatron::ModelFacts facts;
   std::unique_ptr<Source> src;
-  std::string groups_ops;  // DistOptimizerParamGroups
+  megatron::PerDpRankGroups groups;  // DistOptimizerParamGroups
 };
 Common AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck) {
   Common c;
@@ -213,8 +213,8 @@ Common AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck)
       facts = megatron::FactsOf(args);
     }
   }
-  c.groups_ops = megatron::DistOptimizerParamGroups(dir, ck);
-  megatron::ExportTorchDistCommon(src->root(), ck, c.groups_ops);
+  c.groups = megatron::DistOptimizerParamGroups(dir, ck);
+  megatron::ExportTorchDistCommon(src->root(), ck, c.groups);
   TensorRecord t;
   t.key = "common.pt";
   if (src->fd < 0) t.error = src->error;
@@ -241,24 +241,40 @@ void AddParamGroups(const Common& common, Checkpoint& ck) {
     const PyValue* layout = o->Get("param_state_sharding_type");
     return layout != nullptr && layout->IsStr() ? layout : nullptr;
   };
+  // The groups of the per-DP-rank objects (one list per optimizer), one
+  // after another, as ExportParamGroups gives a chained optimizer's.
+  auto from_objects = [&](const std::vector<std::string>& lists) -> Status {
+    const std::string what = "the param groups of the distributed optimizer's per-DP-rank objects";
+    std::vector<PyHandle> held;
+    PyValue all;
+    all.kind = PyKind::kList;
+    for (const std::string& ops : lists) {
+      PickleWriter w;
+      w.Raw(ops);
+      ASSIGN_OR_RETURN(PyHandle groups, Unpickle(w.Finish(), what));
+      if (!groups->IsSeq()) return Invalid(what + ": not a list");
+      all.items.insert(all.items.end(), groups->items.begin(), groups->items.end());
+      held.push_back(std::move(groups));
+    }
+    return megatron::ExportParamGroupList(all, what, ck);
+  };
   Status st = Status::Ok();
   if (opt->kind != PyKind::kDict) {
     st = Invalid(rel + ": the optimizer state is not a dict");
   } else if (const PyValue* layout = per_dp_rank(opt)) {
-    if (common.groups_ops.empty()) {
+    if (common.groups.single.empty()) {
       st = Unsupported("the distributed optimizer's " + layout->s +
                        " layout keeps them in per-DP-rank objects, and none of those can be read");
     } else {
-      PickleWriter w;
-      w.Raw(common.groups_ops);
-      const std::string what = "the param groups of the distributed optimizer's per-DP-rank objects";
-      auto groups = Unpickle(w.Finish(), what);
-      st = groups.ok() ? megatron::ExportParamGroupList(**groups, what, ck) : groups.status();
+      st = from_objects({common.groups.single});
     }
   } else if (std::any_of(opt->dict.begin(), opt->dict.end(), [&](const auto& kv) { return per_dp_rank(kv.second); })) {
-    st = Unsupported(
-        "a MoE run's ChainedOptimizer in the dp_reshardable layout keeps each member's groups per DP "
-        "rank, which is not mapped");
+    // A MoE run's ChainedOptimizer: each member's groups in chained_<i>.'s objects.
+    st = common.groups.members.size() == opt->dict.size()
+             ? from_objects(common.groups.members)
+             : Unsupported("a MoE run's ChainedOptimizer keeps each member's groups per DP rank, and " +
+                           std::to_string(common.groups.members.size()) + " of its " +
+                           std::to_string(opt->dict.size()) + " members' can be read");
   } else {
     st = megatron::ExportParamGroups(*opt, rel, ck);
   }

@@ -376,7 +376,8 @@ namespace {
 // The optimizer entry of common.pt in the fully_reshardable layout, from the
 // source's optimizer state dict (a distributed optimizer's: param groups with
 // their step; the Adam tensors are served as sharded keys).
-Status WriteReshardableOptimizer(const PyValue& opt, const std::string& groups_ops, PickleWriter& w, int depth = 0) {
+Status WriteReshardableOptimizer(const PyValue& opt, const PerDpRankGroups& per_dp_rank, PickleWriter& w,
+                                 int depth = 0) {
   // A chained optimizer (MoE: the dense and the expert optimizer): one state
   // dict per member, a list (the legacy format) or a dict by member index
   // (common.pt); common.pt keeps {index: member's}.
@@ -385,18 +386,32 @@ Status WriteReshardableOptimizer(const PyValue& opt, const std::string& groups_o
   for (const auto& [k, v] : opt.dict) member_dict = member_dict && k->kind == PyKind::kInt;
   if (member_list || member_dict) {
     if (depth > 0) return Unsupported("a chained optimizer inside a chained optimizer");
-    if (!groups_ops.empty()) return Unsupported("a chained optimizer keeps its param groups per DP rank");
-    w.BeginDict();
     const size_t n = member_list ? opt.items.size() : opt.dict.size();
+    if (!per_dp_rank.empty() && per_dp_rank.members.size() != n) {
+      return Unsupported("the per-DP-rank objects keep param groups for " + std::to_string(per_dp_rank.members.size()) +
+                         " chained optimizer(s), common.pt names " + std::to_string(n));
+    }
+    w.BeginDict();
     for (size_t i = 0; i < n; ++i) {
       const PyValue* m = member_list ? opt.items[i] : opt.dict[i].second;
-      w.Int(member_list ? static_cast<int64_t>(i) : opt.dict[i].first->i);
+      const int64_t index = member_list ? static_cast<int64_t>(i) : opt.dict[i].first->i;
+      w.Int(index);
       if (m == nullptr) return Unsupported("a chained optimizer's member is empty");
-      RETURN_IF_ERROR(WriteReshardableOptimizer(*m, "", w, depth + 1));
+      PerDpRankGroups own;  // member i's groups: chained_<i>.'s objects
+      if (!per_dp_rank.empty()) {
+        if (index < 0 || static_cast<size_t>(index) >= n)
+          return Unsupported("a chained optimizer's index is out of range");
+        own.single = per_dp_rank.members[static_cast<size_t>(index)];
+      }
+      RETURN_IF_ERROR(WriteReshardableOptimizer(*m, own, w, depth + 1));
     }
     w.EndDict();
     return Status::Ok();
   }
+  if (!per_dp_rank.members.empty()) {
+    return Unsupported("the per-DP-rank objects are a chained optimizer's, common.pt's optimizer is not");
+  }
+  const std::string& groups_ops = per_dp_rank.single;
   if (opt.kind != PyKind::kDict) return Unsupported("the optimizer's state is not a dict");
   for (const auto& [k, v] : opt.dict) {
     if (k->IsStr() && k->s.rfind("chained_", 0) == 0) {
@@ -456,7 +471,7 @@ Status WriteReshardableOptimizer(const PyValue& opt, const std::string& groups_o
 
 }  // namespace
 
-void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::string& groups_ops) {
+void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const PerDpRankGroups& groups) {
   auto literal = [&](const char* path, std::string bytes) {
     const uint64_t n = bytes.size();
     ck.exports.push_back(
@@ -486,7 +501,7 @@ void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::strin
       // Lightning's list of its one optimizer's state (NeMo 2): that state,
       // which is also what a ChainedOptimizer of one member loads.
       const PyValue* opt = v->IsSeq() && v->items.size() == 1 && v->items[0] != nullptr ? v->items[0] : v;
-      st = WriteReshardableOptimizer(*opt, groups_ops, w);
+      st = WriteReshardableOptimizer(*opt, groups, w);
     } else {
       const std::string& name = k->s;  // a structured binding is not captured before C++20
       st = w.Value(

@@ -130,10 +130,18 @@ void ExportArgsJson(const PyValue* args, Checkpoint& ck);
 // cannot be made, kCommonWhy with the reason.
 inline constexpr const char* kCommonPickle = "@megatron/common.pkl";
 inline constexpr const char* kCommonWhy = "@megatron/common.why";
-// `groups_ops`: the param groups as pickle opcodes (a PickleWriter::Fragment
-// of a list), for a torch_dist source whose layout keeps them out of
-// common.pt (dp_reshardable: per-DP-rank objects, DistOptimizerParamGroups).
-void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const std::string& groups_ops = "");
+// The param groups a distributed optimizer keeps in its per-DP-rank objects
+// instead of common.pt (dp_reshardable, dp_zero_gather_scatter;
+// DistOptimizerParamGroups reads them), each as pickle opcodes of a list
+// (PickleWriter::Fragment): `single` for one optimizer, `members[i]` for
+// member i (chained_<i>.) of a ChainedOptimizer (MoE: dense, then experts).
+struct PerDpRankGroups {
+  std::string single;
+  std::vector<std::string> members;
+  bool empty() const { return single.empty() && members.empty(); }
+};
+// `groups`: for a torch_dist source whose layout keeps them out of common.pt.
+void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const PerDpRankGroups& groups = {});
 
 // Megatron's default rules (megatron/core/optimizer _get_param_groups): no
 // weight decay for biases and 1-D parameters; expert parameters (MoE) are
