@@ -81,16 +81,43 @@ def flat(d, prefix=()):
 def ds_param_groups(src, ck=None):
     """DeepSpeed's param groups as torch's get_state_dict names them: the base
     optimizer's hyperparameters (DP rank 0, TP rank 0) and each group's FQNs
-    from param_shapes, in order."""
+    from param_shapes, in order. A MoE expert group (`moe`, named ep_size_<E>)
+    lists the experts of expert-parallel rank 0 under their local numbers;
+    its members are every expert-parallel rank's experts, by the global number
+    DeepSpeed's expert files give them (rank e's local l of L: e * L + l)."""
+    import re
     tag = (src / "latest").read_text().strip()
     optim = next((src / tag).glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     osd = torch.load(optim, weights_only=False)["optimizer_state_dict"]
     groups = (osd.get("base_optimizer_state") or osd["optimizer_state_dict"])["param_groups"]
-    shapes = torch.load(src / tag / "mp_rank_00_model_states.pt", weights_only=False)["param_shapes"]
+    shapes = torch.load(src / tag / "mp_rank_00_model_states.pt", weights_only=False).get("param_shapes")
+    if shapes is None:
+        # DeepSpeed <= 0.15's MoE checkpoints keep none: each group's names are
+        # those its DP ranks' param_slice_mappings hold slices of, in rank order.
+        shapes = [{} for _ in groups]
+        for f in sorted((src / tag).glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                        key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", f.name).group(1))):
+            maps = torch.load(f, weights_only=False)["optimizer_state_dict"]["param_slice_mappings"]
+            for i, m in enumerate(maps):
+                shapes[i].update(dict.fromkeys(m))
+
+    def members(i, g):
+        names = list(shapes[i])
+        if not g.get("moe"):
+            return names
+        ep = int(re.fullmatch(r"ep_size_(\d+)", g["name"]).group(1))
+        expert = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
+        local = {}  # per MoE layer (name prefix): its local experts
+        for n in names:
+            pre, num, _ = expert.fullmatch(n).groups()
+            local.setdefault(pre, set()).add(int(num))
+        return [f"{pre}{e * len(local[pre]) + int(num)}{rest}"
+                for e in range(ep) for pre, num, rest in (expert.fullmatch(n).groups() for n in names)]
+
     out = {}
     for i, g in enumerate(groups):
         for k, v in g.items():
-            out[f"optim.param_groups.{i}.{k}"] = list(shapes[i]) if k == "params" else v
+            out[f"optim.param_groups.{i}.{k}"] = members(i, g) if k == "params" else v
     return out
 
 
@@ -188,8 +215,9 @@ def check_view(src, tmp_path, mounter, groups_of=None):
 def test_committed_checkpoints_load_through_torchs_reader(rel, tmp_path, mounter):
     src = tmp_path / "ck"
     shutil.copytree(DATA / rel, src, ignore=shutil.ignore_patterns(".ckptfs"))
-    # DeepSpeed (not MoE: expert groups are rank-local), verl and Megatron save param groups.
-    groups_of = ds_param_groups if rel.startswith("ds_py3112/") and "moe" not in rel else \
+    # DeepSpeed (MoE's expert groups with every expert-parallel rank's experts), verl and Megatron
+    # save param groups.
+    groups_of = ds_param_groups if rel.startswith("ds_py3112/") else \
         verl_param_groups if rel.startswith(("verl_fsdp2", "verl_hsdp")) else \
         megatron_param_groups if rel.startswith(("megatron_versions/", "megatron_wrappers/")) else None
     check_view(src, tmp_path, mounter, groups_of)

@@ -3,7 +3,10 @@
 // ZeRO-3: optimizer_state_dict) as DP rank 0 of the first stage saved them
 // (every rank steps with the same ones), ".params" the FQNs of
 // param_shapes[i] in the order the flat group holds them (stages after one
-// another under PipelineEngine) instead of the optimizer's integer ids.
+// another under PipelineEngine) instead of the optimizer's integer ids. A MoE
+// expert group, which each expert-parallel rank saves with its own experts
+// under local numbers, lists every rank's experts under their global names
+// (the zero geometry's): the group a non-EP loader steps them all in.
 #include <string>
 #include <vector>
 
@@ -14,10 +17,6 @@ namespace ckptfs::formats::deepspeed {
 
 Status Reader::ExportParamGroups() {
   if (optim.empty() || optim[0].empty()) return Invalid("no optimizer state files");
-  if (!experts.empty()) {
-    return Unsupported(
-        "MoE expert groups hold each expert-parallel rank's local experts, which have no single global list");
-  }
   const OptimRank& o = optim[0][0];
   if (!o.error.empty()) return Invalid(o.error);
   const PyValue* holder = o.osd->Get(stage == 3 ? "optimizer_state_dict" : "base_optimizer_state");

@@ -16,6 +16,8 @@
 #include "../test_util.h"
 #include "ckptfs/formats.h"
 #include "ckptfs/fs.h"
+#include "formats/byte_reader.h"
+#include "formats/torch_save.h"
 
 namespace ckptfs {
 namespace {
@@ -149,6 +151,37 @@ TEST(DcpViewTest, PaddedVocabularyChunksStopAtTheVocabulary) {
   }
   EXPECT_GE(padded, 2);   // the model's embedding and its fp32 master
   EXPECT_GE(groups, 10);  // lr, betas, eps, ..., params of group 0
+}
+
+// DeepSpeed MoE (DeepSpeed 0.15, DP=2 EP=2, two MoE layers of 4 experts):
+// each expert-parallel rank saves its expert groups with its own 2 experts
+// per layer under local numbers; dcp/'s expert groups list all 4 of each
+// layer under the global names params/ serves, the dense groups none.
+TEST(DcpViewTest, DeepSpeedMoeExpertGroupsListEveryExpert) {
+  TempDir tmp;
+  auto fs = testing::OpenFixtureCopy(tmp, "ds_py3112/moe_z2_bf16_dp2_ep2");
+  ASSERT_NE(fs, nullptr);
+  for (const std::string& p : fs->index().info().problems) EXPECT_EQ(p.find("param_groups"), std::string::npos) << p;
+  std::set<std::string> experts;  // every expert parameter's name
+  for (const TensorRecord& t : fs->index().tensors()) {
+    if (t.role == Role::kParam && t.fqn.find(".deepspeed_experts.") != std::string::npos) experts.insert(t.fqn);
+  }
+  ASSERT_EQ(experts.size(), 2u * 4u * 4u);  // 2 layers x 4 experts x two Linears' weight and bias
+  std::set<std::string> in_expert_groups, in_dense_groups;
+  for (const ExportFile& x : fs->index().exports()) {
+    if (!x.path.starts_with("@dcp/optim.param_groups.") || !x.path.ends_with(".params")) continue;
+    ASSERT_EQ(x.parts.size(), 1u);
+    formats::MemoryReader r(x.parts[0].literal, x.path);
+    auto a = formats::ReadTorchSave(r);
+    ASSERT_TRUE(a.ok()) << a.status().message();
+    ASSERT_TRUE(a->root->IsSeq()) << x.path;
+    for (const formats::PyValue* n : a->root->items) {
+      ASSERT_TRUE(n->IsStr());
+      (n->s.find(".deepspeed_experts.") != std::string::npos ? in_expert_groups : in_dense_groups).insert(n->s);
+    }
+  }
+  EXPECT_EQ(in_expert_groups, experts);
+  EXPECT_FALSE(in_dense_groups.empty());
 }
 
 // A Megatron torch_dist checkpoint's param groups are offered in dcp/ with
