@@ -31,6 +31,7 @@
 #include <string_view>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -401,6 +402,12 @@ struct DcpPlan {
   size_t from_master = 0;  // model.<fqn> keys read from fp32 masters
 };
 Result<DcpPlan> PlanDcp(const Index& index);
+// The bytes entries a family reader made for dcp/ (internal exports
+// "@dcp/<key>" of literal bytes: DeepSpeed's, verl's and Megatron's param
+// groups), as (key, bytes) in export order; one that is not literal bytes is
+// named in `left_out` ("<key>: <why>"). Nothing is planned or read; the
+// Python package's StorageReader(view="params") offers them too.
+std::vector<std::pair<std::string, std::string>> FamilyEntries(const Index& index, std::vector<std::string>* left_out);
 // A family's DCP profile (formats.h DcpProfile) as a plan: its tensors'
 // keys (stacked where it says so) at their stored rows, its objects as
 // literal bytes entries.

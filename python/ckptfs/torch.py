@@ -22,9 +22,14 @@ optimizer's step count included where the checkpoint keeps one per parameter
 training iteration, which can differ. Pass your own key_map for other names (a model whose module names
 differ from the checkpoint's). Non-tensor entries (other/<name>: DCP's bytes
 entries, param_groups values, train state) are offered under their own key as
-bytes the planner unpickles. Keys the checkpoint does not have (another
-optimizer's param_groups layout) need allow_partial_load=True; they keep the
-values the caller's optimizer was built with.
+bytes the planner unpickles. With the default keys, the param groups a family
+reader made from groups saved with integer ids (DeepSpeed, verl, Megatron) are
+offered as dcp/ offers them, "optim.param_groups.<i>.<name>" and
+"optimizer.param_groups.<i>.<name>", `params` the members' names (so
+set_state_dict restores the learning rate and the rest); a key_map may rename
+the members, so with one they are not. Keys the checkpoint does not have
+(another optimizer's param_groups layout) need allow_partial_load=True; they
+keep the values the caller's optimizer was built with.
 
 view="dcp": the keys and chunks of the mount's dcp/ (the same plan, made by the
 same C++ code, and the same .metadata bytes): model.<fqn> from the fp32 master
@@ -191,6 +196,15 @@ class StorageReader(_DcpStorageReader):
                                        f"params/{t.name}/{t.state}; pass a key_map that tells them apart")
                 self._by_key[key] = t
                 md[key] = BytesStorageMetadata() if t.dtype == "object" else _chunk_md(t.dtype, t.shape)
+        if self.key_map is default_keys:
+            # The param groups the family reader made (DeepSpeed, verl, Megatron:
+            # `.params` are the checkpoint's FQNs, which a key_map may rename),
+            # as dcp/ offers them, where the checkpoint has no entry of the key.
+            for key, data in ck._c.family_entries():
+                for k in (key, "optimizer." + key[len("optim."):] if key.startswith("optim.") else None):
+                    if k and k not in self._by_key:
+                        self._by_key[k] = bytes(data)
+                        md[k] = BytesStorageMetadata()
         return Metadata(state_dict_metadata=md)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -302,6 +302,17 @@ class PyCheckpoint {
     return {std::move(rows), std::move(plan->left_out)};
   }
 
+  // The bytes entries the family reader made for dcp/ (dcp_view::FamilyEntries:
+  // param groups with their members' FQNs), as [(key, bytes)]; nothing is planned.
+  std::vector<std::pair<std::string, nb::bytes>> FamilyEntries() const {
+    std::vector<std::string> left_out;
+    std::vector<std::pair<std::string, nb::bytes>> out;
+    for (auto& [key, bytes] : dcp_view::FamilyEntries(fs_->index(), &left_out)) {
+      out.emplace_back(std::move(key), nb::bytes(bytes.data(), bytes.size()));
+    }
+    return out;
+  }
+
   std::string IndexDir() const { return fs_->index().dir(); }
   bool Built() const { return fs_->open_result().built; }
   std::string Stats() const { return fs_->StatsJson(); }
@@ -382,6 +393,7 @@ NB_MODULE(_ckptfs, m) {
            nb::arg("lengths").none(), nb::arg("out").noconvert(), nb::arg("stream") = 0)
       .def("device_info", &PyCheckpoint::DeviceInfo, nb::arg("ordinal"))
       .def("dcp_plan", &PyCheckpoint::DcpPlan)
+      .def("family_entries", &PyCheckpoint::FamilyEntries)
       .def("stat", &PyCheckpoint::Stat)
       .def("listdir", &PyCheckpoint::ListDir)
       .def("open", &PyCheckpoint::Open)

@@ -264,6 +264,27 @@ std::string_view ParamGroupsRest(std::string_view key) {
 
 }  // namespace
 
+std::vector<std::pair<std::string, std::string>> FamilyEntries(const Index& index, std::vector<std::string>* left_out) {
+  constexpr std::string_view kDcpExport = "@dcp/";
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const ExportFile& x : index.exports()) {
+    if (x.path.compare(0, kDcpExport.size(), kDcpExport) != 0) continue;
+    std::string key = x.path.substr(kDcpExport.size());
+    std::string bytes;
+    bool literal = true;
+    for (const ExportPart& p : x.parts) {
+      literal = literal && p.kind == PartKind::kLiteral;
+      bytes += p.literal;
+    }
+    if (!literal || key.empty()) {
+      left_out->push_back(key + ": its bytes are not literal");
+      continue;
+    }
+    out.emplace_back(std::move(key), std::move(bytes));
+  }
+  return out;
+}
+
 Result<DcpPlan> PlanDcp(const Index& index) {
   DcpPlan plan;
   const auto& ts = index.tensors();
@@ -371,20 +392,7 @@ Result<DcpPlan> PlanDcp(const Index& index) {
   // Bytes entries a family reader made for dcp/ (internal exports
   // "@dcp/<key>", literal bytes: DeepSpeed's param groups), where the
   // checkpoint has no entry of that key itself.
-  constexpr std::string_view kDcpExport = "@dcp/";
-  for (const ExportFile& x : index.exports()) {
-    if (x.path.compare(0, kDcpExport.size(), kDcpExport) != 0) continue;
-    const std::string key = x.path.substr(kDcpExport.size());
-    std::string bytes;
-    bool literal = true;
-    for (const ExportPart& p : x.parts) {
-      literal = literal && p.kind == PartKind::kLiteral;
-      bytes += p.literal;
-    }
-    if (!literal || key.empty()) {
-      plan.left_out.push_back(key + ": its bytes are not literal");
-      continue;
-    }
+  for (auto& [key, bytes] : FamilyEntries(index, &plan.left_out)) {
     auto [it, fresh] = entries.try_emplace(key);
     if (!fresh) continue;  // the checkpoint's own entry
     it->second.key = key;

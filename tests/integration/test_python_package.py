@@ -284,11 +284,11 @@ def test_dcp_load_non_tensor_entries_like_torchs_reader(dcp_fsdp2_w3):
     assert partial == {"optim.param_groups.0.lr": 0.5}
 
 
-def resume(src, params_from, tmp_path, groups="one"):
+def resume(src, params_from, tmp_path, groups="one", view="dcp"):
     """Runs tests/fixtures/dcp_load_worker.py at world 2; returns what rank 0 saved."""
     out = tmp_path / "loaded.pt"
     r = subprocess.run([sys.executable, str(FIXTURES / "dcp_load_worker.py"), "--src", str(src), "--out", str(out),
-                        "--world", "2", "--params-from", params_from, "--groups", groups],
+                        "--world", "2", "--params-from", params_from, "--groups", groups, "--view", view],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     return torch.load(out, weights_only=False)
@@ -392,16 +392,20 @@ LOAD_CASES = {"deepspeed_z2_dp2": ("z2", "param"), "megatron_legacy_tp2_pp2": ("
               "megatron_torch_dist_tp2_pp2_dp2": ("megatron_dist", "fp32"), "dcp_fsdp2_w3": ("dcp_fsdp2_w3", "param")}
 
 
-@pytest.mark.parametrize("name", ["legacy_tp2_pp2", "legacy_distopt_tp2_dp2", "dist_tp2_pp2_dp2"])
-def test_megatron_param_groups_reach_a_torch_optimizer(name, tmp_path_factory, tmp_path):
+# view="params" takes the model's own copy: an fp32 run's (bf16 weights would
+# not all move by one step of lr 1e-3, e.g. norms at 1.0).
+@pytest.mark.parametrize("name, view", [("legacy_tp2_pp2", "dcp"), ("legacy_distopt_tp2_dp2", "dcp"),
+                                        ("dist_tp2_pp2_dp2", "dcp"), ("legacy_tp1_pp1", "params")])
+def test_megatron_param_groups_reach_a_torch_optimizer(name, view, tmp_path_factory, tmp_path):
     """A Megatron run's two param groups (weight decay or not, told apart by
     wd_mult; the distributed optimizer saves no member ids) reach an FSDP2
-    AdamW at world 2 grouped as Megatron groups: set_state_dict maps each
+    AdamW at world 2 grouped as Megatron groups, through StorageReader's
+    view="dcp" and its default view="params" keys: set_state_dict maps each
     saved group onto the loader's group by its members' FQNs, so each takes
     the source's hyperparameters (lr 1e-3, not the loader's 1e-2)."""
     from conftest import megatron_saved_param_groups
     src = megatron_fixture(tmp_path_factory, name)
-    got = resume(src, "fp32", tmp_path, groups="megatron")
+    got = resume(src, "fp32" if view == "dcp" else "param", tmp_path, groups="megatron", view=view)
     saved = megatron_saved_param_groups(src)[0]
     assert [g["wd_mult"] for g in saved] == [1.0, 0.0]
     assert len(got["groups"]) == 2
