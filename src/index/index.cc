@@ -179,8 +179,9 @@ Status EncodeRecords(const Checkpoint& ck, RecordQueue& q) {
 // v17: Megatron's param groups for dcp/. v18: torch_dist/'s common.pt of a
 // NeMo 2 run (its one optimizer unwrapped, `iteration` from global_step).
 // v19: a MoE ChainedOptimizer's param groups from its members' per-DP-rank
-// objects. v20: DeepSpeed MoE's expert groups with every expert.
-uint32_t Index::SchemaVersion() { return 20; }
+// objects. v20: DeepSpeed MoE's expert groups with every expert. v21:
+// torch_dist/'s reason when common.pt's optimizer is None.
+uint32_t Index::SchemaVersion() { return 21; }
 
 Status CompareFingerprint(const std::string& path, const SourceFile& f, const struct stat* now) {
   if (f.mtime_ns == -1) return now == nullptr ? Status::Ok() : Stale(path + " appeared after indexing");

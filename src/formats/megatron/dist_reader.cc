@@ -225,11 +225,8 @@ Common AddCommon(const std::string& dir, const std::string& rel, Checkpoint& ck)
 // dcp/'s param groups: common.pt's, or the per-DP-rank objects' where the
 // distributed optimizer's layout keeps them there (dp_reshardable).
 void AddParamGroups(const Common& common, Checkpoint& ck) {
-  const PyValue* root = common.src != nullptr ? common.src->root() : nullptr;
-  const PyValue* opt = root != nullptr && root->kind == PyKind::kDict ? root->Get("optimizer") : nullptr;
-  if (opt == nullptr || opt->kind == PyKind::kNone) return;  // no optimizer saved
-  // Lightning's checkpoint (NeMo 2) keeps a list of its one optimizer's state.
-  if (opt->IsSeq() && opt->items.size() == 1) opt = opt->items[0];
+  const PyValue* opt = megatron::CommonOptimizer(common.src != nullptr ? common.src->root() : nullptr);
+  if (opt == nullptr) return;  // no optimizer saved
   const std::string& rel = common.src->rel;
   // The layout of an optimizer state that keeps its groups per DP rank
   // ({param_state_sharding_type} alone), else null.

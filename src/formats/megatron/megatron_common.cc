@@ -471,6 +471,12 @@ Status WriteReshardableOptimizer(const PyValue& opt, const PerDpRankGroups& per_
 
 }  // namespace
 
+const PyValue* CommonOptimizer(const PyValue* root) {
+  const PyValue* opt = root != nullptr && root->kind == PyKind::kDict ? root->Get("optimizer") : nullptr;
+  if (opt == nullptr || opt->kind == PyKind::kNone) return nullptr;
+  return opt->IsSeq() && opt->items.size() == 1 && opt->items[0] != nullptr ? opt->items[0] : opt;
+}
+
 void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const PerDpRankGroups& groups) {
   auto literal = [&](const char* path, std::string bytes) {
     const uint64_t n = bytes.size();
@@ -498,10 +504,9 @@ void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const PerDpRankG
     w.Str(k->s);
     if (k->s == "optimizer") {
       optimizer = true;
-      // Lightning's list of its one optimizer's state (NeMo 2): that state,
-      // which is also what a ChainedOptimizer of one member loads.
-      const PyValue* opt = v->IsSeq() && v->items.size() == 1 && v->items[0] != nullptr ? v->items[0] : v;
-      st = WriteReshardableOptimizer(*opt, groups, w);
+      const PyValue* opt = CommonOptimizer(root);
+      st = opt != nullptr ? WriteReshardableOptimizer(*opt, groups, w)
+                          : Unsupported("the checkpoint holds no optimizer state");
     } else {
       const std::string& name = k->s;  // a structured binding is not captured before C++20
       st = w.Value(

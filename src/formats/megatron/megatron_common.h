@@ -130,6 +130,12 @@ void ExportArgsJson(const PyValue* args, Checkpoint& ck);
 // cannot be made, kCommonWhy with the reason.
 inline constexpr const char* kCommonPickle = "@megatron/common.pkl";
 inline constexpr const char* kCommonWhy = "@megatron/common.why";
+// The optimizer entry of the run's common state `root` (common.pt,
+// model_optim_rng.pt); null when none was saved. Lightning's list of its one
+// optimizer's state (NeMo 2) is that state, which is also what a
+// ChainedOptimizer of one member loads.
+const PyValue* CommonOptimizer(const PyValue* root);
+
 // The param groups a distributed optimizer keeps in its per-DP-rank objects
 // instead of common.pt (dp_reshardable, dp_zero_gather_scatter;
 // DistOptimizerParamGroups reads them), each as pickle opcodes of a list
