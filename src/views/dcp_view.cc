@@ -8,6 +8,7 @@
 #include "views/dcp_view.h"
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <functional>
 #include <map>
@@ -36,11 +37,27 @@ class Memo {
  public:
   explicit Memo(PickleWriter& w) : w_(w) {}
   void Global(std::string_view module, std::string_view name) {
+    // Most names are literals: a slot keyed by where they live finds them
+    // without building or hashing a key. The text is still compared (with
+    // the memo's own copy), so an address reused for other text only misses.
+    Slot& g = globals_seen_[SlotOf(module.data(), name.data())];
+    if (g.a == module.data() && g.b == name.data() && g.key != nullptr &&
+        g.key->size() == module.size() + 1 + name.size() && g.key->starts_with(module) && g.key->ends_with(name)) {
+      w_.Get(g.id);
+      return;
+    }
     key_.assign(module).append("\n").append(name);
-    Emit(globals_, key_, [&] { w_.Global(module, name); });
+    const auto [key, id] = Emit(globals_, key_, [&] { w_.Global(module, name); });
+    g = Slot{module.data(), name.data(), key, id};
   }
   void Str(std::string_view v) {
-    Emit(strs_, v, [&] { w_.Str(v); });
+    Slot& s = strs_seen_[SlotOf(v.data(), nullptr)];
+    if (s.a == v.data() && s.key != nullptr && *s.key == v) {
+      w_.Get(s.id);
+      return;
+    }
+    const auto [key, id] = Emit(strs_, v, [&] { w_.Str(v); });
+    s = Slot{v.data(), nullptr, key, id};
   }
   PickleWriter& w() { return w_; }
 
@@ -51,20 +68,36 @@ class Memo {
     size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
   };
   using Ids = std::unordered_map<std::string, uint32_t, Hash, std::equal_to<>>;
+  struct Slot {
+    const char* a = nullptr;  // where the text was
+    const char* b = nullptr;
+    const std::string* key = nullptr;  // the memo's key (a map node's: stable)
+    uint32_t id = 0;
+  };
+  static constexpr int kSlotBits = 6;
+  static size_t SlotOf(const char* a, const char* b) {
+    const uint64_t h = (reinterpret_cast<uintptr_t>(a) ^ reinterpret_cast<uintptr_t>(b) * 0xff51afd7ed558ccdull) *
+                       0x9E3779B97F4A7C15ull;
+    return static_cast<size_t>(h >> (64 - kSlotBits));
+  }
+  // `key`'s memo entry: a Get of the memoized value, or the value written
+  // and memoized.
   template <typename Fn>
-  void Emit(Ids& ids, std::string_view key, Fn write) {
+  std::pair<const std::string*, uint32_t> Emit(Ids& ids, std::string_view key, Fn write) {
     auto it = ids.find(key);
     if (it != ids.end()) {
       w_.Get(it->second);
-      return;
+      return {&it->first, it->second};
     }
     write();
     const uint32_t id = next_++;
-    ids.emplace(std::string(key), id);
+    it = ids.emplace(std::string(key), id).first;
     w_.Put(id);
+    return {&it->first, id};
   }
   PickleWriter& w_;
   Ids globals_, strs_;
+  std::array<Slot, size_t{1} << kSlotBits> globals_seen_{}, strs_seen_{};
   uint32_t next_ = 0;
   std::string key_;  // Global's key, reused
 };
