@@ -181,7 +181,7 @@ Status EncodeRecords(const Checkpoint& ck, RecordQueue& q) {
 // v19: a MoE ChainedOptimizer's param groups from its members' per-DP-rank
 // objects. v20: DeepSpeed MoE's expert groups with every expert. v21:
 // torch_dist/'s reason when common.pt's optimizer is None.
-uint32_t Index::SchemaVersion() { return 21; }
+uint32_t Index::SchemaVersion() { return 22; }
 
 Status CompareFingerprint(const std::string& path, const SourceFile& f, const struct stat* now) {
   if (f.mtime_ns == -1) return now == nullptr ? Status::Ok() : Stale(path + " appeared after indexing");

@@ -255,8 +255,11 @@ void AddParamGroups(const Common& common, Checkpoint& ck) {
     }
     return megatron::ExportParamGroupList(all, what, ck);
   };
+  auto members = megatron::ChainedMembers(*opt);
   Status st = Status::Ok();
-  if (opt->kind != PyKind::kDict) {
+  if (!members.ok()) {
+    st = members.status().Annotate(rel);
+  } else if (opt->kind != PyKind::kDict) {
     st = Invalid(rel + ": the optimizer state is not a dict");
   } else if (const PyValue* layout = per_dp_rank(opt)) {
     if (common.groups.single.empty()) {
@@ -265,13 +268,13 @@ void AddParamGroups(const Common& common, Checkpoint& ck) {
     } else {
       st = from_objects({common.groups.single});
     }
-  } else if (std::any_of(opt->dict.begin(), opt->dict.end(), [&](const auto& kv) { return per_dp_rank(kv.second); })) {
+  } else if (std::any_of(members->begin(), members->end(), per_dp_rank)) {
     // A MoE run's ChainedOptimizer: each member's groups in chained_<i>.'s objects.
-    st = common.groups.members.size() == opt->dict.size()
+    st = common.groups.members.size() == members->size()
              ? from_objects(common.groups.members)
              : Unsupported("a MoE run's ChainedOptimizer keeps each member's groups per DP rank, and " +
                            std::to_string(common.groups.members.size()) + " of its " +
-                           std::to_string(opt->dict.size()) + " members' can be read");
+                           std::to_string(members->size()) + " members' can be read");
   } else {
     st = megatron::ExportParamGroups(*opt, rel, ck);
   }

@@ -378,32 +378,21 @@ namespace {
 // their step; the Adam tensors are served as sharded keys).
 Status WriteReshardableOptimizer(const PyValue& opt, const PerDpRankGroups& per_dp_rank, PickleWriter& w,
                                  int depth = 0) {
-  // A chained optimizer (MoE: the dense and the expert optimizer): one state
-  // dict per member, a list (the legacy format) or a dict by member index
-  // (common.pt); common.pt keeps {index: member's}.
-  const bool member_list = opt.kind == PyKind::kList;
-  bool member_dict = opt.kind == PyKind::kDict && !opt.dict.empty();
-  for (const auto& [k, v] : opt.dict) member_dict = member_dict && k->kind == PyKind::kInt;
-  if (member_list || member_dict) {
+  // A chained optimizer (MoE: the dense and the expert optimizer): common.pt
+  // keeps {index: member's state}.
+  ASSIGN_OR_RETURN(const std::vector<const PyValue*> members, ChainedMembers(opt));
+  if (!members.empty()) {
     if (depth > 0) return Unsupported("a chained optimizer inside a chained optimizer");
-    const size_t n = member_list ? opt.items.size() : opt.dict.size();
-    if (!per_dp_rank.empty() && per_dp_rank.members.size() != n) {
+    if (!per_dp_rank.empty() && per_dp_rank.members.size() != members.size()) {
       return Unsupported("the per-DP-rank objects keep param groups for " + std::to_string(per_dp_rank.members.size()) +
-                         " chained optimizer(s), common.pt names " + std::to_string(n));
+                         " chained optimizer(s), common.pt names " + std::to_string(members.size()));
     }
     w.BeginDict();
-    for (size_t i = 0; i < n; ++i) {
-      const PyValue* m = member_list ? opt.items[i] : opt.dict[i].second;
-      const int64_t index = member_list ? static_cast<int64_t>(i) : opt.dict[i].first->i;
-      w.Int(index);
-      if (m == nullptr) return Unsupported("a chained optimizer's member is empty");
+    for (size_t i = 0; i < members.size(); ++i) {
+      w.Int(static_cast<int64_t>(i));
       PerDpRankGroups own;  // member i's groups: chained_<i>.'s objects
-      if (!per_dp_rank.empty()) {
-        if (index < 0 || static_cast<size_t>(index) >= n)
-          return Unsupported("a chained optimizer's index is out of range");
-        own.single = per_dp_rank.members[static_cast<size_t>(index)];
-      }
-      RETURN_IF_ERROR(WriteReshardableOptimizer(*m, own, w, depth + 1));
+      if (!per_dp_rank.empty()) own.single = per_dp_rank.members[i];
+      RETURN_IF_ERROR(WriteReshardableOptimizer(*members[i], own, w, depth + 1));
     }
     w.EndDict();
     return Status::Ok();
@@ -413,11 +402,6 @@ Status WriteReshardableOptimizer(const PyValue& opt, const PerDpRankGroups& per_
   }
   const std::string& groups_ops = per_dp_rank.single;
   if (opt.kind != PyKind::kDict) return Unsupported("the optimizer's state is not a dict");
-  for (const auto& [k, v] : opt.dict) {
-    if (k->IsStr() && k->s.rfind("chained_", 0) == 0) {
-      return Unsupported("a chained optimizer saved under chained_<i> keys, which is not mapped");
-    }
-  }
   // A distributed or mixed-precision optimizer's {optimizer: {param_groups}},
   // or a plain one's own state dict.
   const PyValue* inner = opt.Get("optimizer") != nullptr ? opt.Get("optimizer") : &opt;
@@ -475,6 +459,43 @@ const PyValue* CommonOptimizer(const PyValue* root) {
   const PyValue* opt = root != nullptr && root->kind == PyKind::kDict ? root->Get("optimizer") : nullptr;
   if (opt == nullptr || opt->kind == PyKind::kNone) return nullptr;
   return opt->IsSeq() && opt->items.size() == 1 && opt->items[0] != nullptr ? opt->items[0] : opt;
+}
+
+Result<std::vector<const PyValue*>> ChainedMembers(const PyValue& opt) {
+  std::vector<const PyValue*> members;
+  if (opt.IsSeq()) {
+    members.assign(opt.items.begin(), opt.items.end());
+  } else if (opt.kind == PyKind::kDict && !opt.dict.empty()) {
+    std::map<int64_t, const PyValue*> by_index;
+    size_t by_name = 0;  // keys chained_<i>, the others ints
+    for (const auto& [k, v] : opt.dict) {
+      int64_t i = -1;
+      if (k->kind == PyKind::kInt) {
+        i = k->i;
+      } else if (k->IsStr() && k->s.starts_with("chained_") &&
+                 std::sscanf(k->s.c_str(), "chained_%" SCNd64, &i) == 1) {
+        ++by_name;
+      } else {
+        return members;  // one optimizer's state dict
+      }
+      if (i < 0 || !by_index.emplace(i, v).second) {
+        return Invalid("a chained optimizer's members are not numbered 0, 1, ...");
+      }
+    }
+    if (by_name != 0 && by_name != opt.dict.size()) {
+      return Invalid("a chained optimizer's members are keyed both by number and by chained_<i>");
+    }
+    for (const auto& [i, m] : by_index) {
+      if (i != static_cast<int64_t>(members.size())) {
+        return Invalid("a chained optimizer's members are not numbered 0, 1, ...");
+      }
+      members.push_back(m);
+    }
+  }
+  for (const PyValue* m : members) {
+    if (m == nullptr || m->kind == PyKind::kNone) return Invalid("a chained optimizer's member is empty");
+  }
+  return members;
 }
 
 void ExportTorchDistCommon(const PyValue* root, Checkpoint& ck, const PerDpRankGroups& groups) {
@@ -580,32 +601,11 @@ Result<std::vector<GroupKey>> GroupKeysOf(const std::vector<const PyValue*>& gro
 }
 
 Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck) {
-  // The members of a ChainedOptimizer (MoE: the dense optimizer, then the
-  // expert one): a list (legacy), or a dict keyed 0, 1, ... (common.pt) or
-  // chained_0, chained_1, ...
-  std::vector<const PyValue*> members;
-  if (optimizer.IsSeq()) {
-    members.assign(optimizer.items.begin(), optimizer.items.end());
-  } else if (optimizer.kind == PyKind::kDict) {
-    std::map<int64_t, const PyValue*> by_index;
-    for (const auto& [k, v] : optimizer.dict) {
-      if (k->kind == PyKind::kInt) {
-        by_index[k->i] = v;
-      } else if (int64_t i = -1; k->IsStr() && k->s.starts_with("chained_") &&
-                                 std::sscanf(k->s.c_str(), "chained_%" SCNd64, &i) == 1 && i >= 0) {
-        by_index[i] = v;
-      }
-    }
-    for (const auto& [i, m] : by_index) {
-      if (i != static_cast<int64_t>(members.size())) {
-        return Invalid(what + ": the chained optimizers are not numbered 0, 1, ...");
-      }
-      members.push_back(m);
-    }
-    if (members.empty()) members.push_back(&optimizer);
-  } else {
-    return Invalid(what + ": the optimizer state is not a dict");
-  }
+  if (!optimizer.IsSeq() && optimizer.kind != PyKind::kDict) return Invalid(what + ": the optimizer state is not a dict");
+  auto chained = ChainedMembers(optimizer);
+  if (!chained.ok()) return chained.status().Annotate(what);
+  std::vector<const PyValue*> members = std::move(*chained);
+  if (members.empty() && optimizer.kind == PyKind::kDict) members.push_back(&optimizer);
   // Their groups, one after another (what torch's get_state_dict gives for
   // one optimizer over all of them).
   PyValue all;

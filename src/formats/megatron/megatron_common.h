@@ -136,6 +136,13 @@ inline constexpr const char* kCommonWhy = "@megatron/common.why";
 // ChainedOptimizer of one member loads.
 const PyValue* CommonOptimizer(const PyValue* root);
 
+// The members of a ChainedOptimizer's state `opt` (MoE: the dense optimizer,
+// then the expert one), in order: a list (the legacy format), or a dict whose
+// keys are all 0, 1, ... (common.pt) or all chained_0, chained_1, .... Empty
+// when `opt` is one optimizer's state. Members not numbered 0, 1, ..., or a
+// member that is empty, are an error.
+Result<std::vector<const PyValue*>> ChainedMembers(const PyValue& opt);
+
 // The param groups a distributed optimizer keeps in its per-DP-rank objects
 // instead of common.pt (dp_reshardable, dp_zero_gather_scatter;
 // DistOptimizerParamGroups reads them), each as pickle opcodes of a list

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cinttypes>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -7,6 +9,7 @@
 #include "formats/megatron/megatron_common.h"
 #include "formats/megatron/run_config.h"
 #include "formats/pickle.h"
+#include "formats/pickle_writer.h"
 #include "formats/tp_merge.h"
 #include "formats/zarr/zarr_reader.h"
 
@@ -110,6 +113,86 @@ TEST(MegatronArgsTest, NamespaceToJson) {
   EXPECT_NE(j.find("\"lr\": 0.5"), std::string::npos) << j;
   EXPECT_NE(j.find("\"name\": \"x\\\"y\""), std::string::npos) << j;
   EXPECT_NE(j.find("\"dt\": \"torch.bfloat16\""), std::string::npos) << j;
+}
+
+// A ChainedOptimizer's state in the three forms Megatron saves it, and what
+// is refused.
+TEST(MegatronOptimizerTest, ChainedMembersInEveryFormAndBadNumbering) {
+  // {"id": n}: member n's state (a stand-in for its state dict).
+  auto member = [](PickleWriter& w, int64_t n) {
+    w.BeginDict();
+    w.Str("id");
+    w.Int(n);
+    w.EndDict();
+  };
+  // `keys`: the dict's keys in saved order (ints, or strings when quoted);
+  // "list": a list of two members.
+  auto parse = [&](const std::vector<std::string>& keys) {
+    PickleWriter w;
+    if (keys.size() == 1 && keys[0] == "list") {
+      w.BeginList();
+      member(w, 0);
+      member(w, 1);
+      w.EndList();
+    } else {
+      w.BeginDict();
+      for (const std::string& k : keys) {
+        if (k == "None") {
+          w.Int(0);
+          w.None();
+          continue;
+        }
+        int64_t n = -1;
+        if (k.starts_with("'")) {
+          w.Str(k.substr(1, k.size() - 2));
+          std::sscanf(k.c_str(), "'chained_%" SCNd64, &n);
+        } else {
+          n = std::stoll(k);
+          w.Int(n);
+        }
+        member(w, n);
+      }
+      w.EndDict();
+    }
+    auto v = Unpickle(w.Finish(), "optimizer");
+    EXPECT_TRUE(v.ok()) << v.status().message();
+    return std::move(*v);
+  };
+  auto ids = [](const std::vector<const PyValue*>& members) {
+    std::vector<int64_t> out;
+    for (const PyValue* m : members) out.push_back(m->Get("id")->i);
+    return out;
+  };
+  for (const auto& keys : std::vector<std::vector<std::string>>{
+           {"list"}, {"0", "1"}, {"1", "0"}, {"'chained_1'", "'chained_0'"}}) {
+    PyHandle v = parse(keys);
+    auto members = megatron::ChainedMembers(*v);
+    ASSERT_TRUE(members.ok()) << keys[0] << ": " << members.status().message();
+    EXPECT_EQ(ids(*members), (std::vector<int64_t>{0, 1})) << keys[0];
+  }
+  {  // One optimizer's own state dict: no members.
+    PickleWriter w;
+    w.BeginDict();
+    w.Str("param_state_sharding_type");
+    w.Str("dp_reshardable");
+    w.EndDict();
+    auto v = Unpickle(w.Finish(), "optimizer");
+    ASSERT_TRUE(v.ok());
+    auto members = megatron::ChainedMembers(**v);
+    ASSERT_TRUE(members.ok());
+    EXPECT_TRUE(members->empty());
+  }
+  for (const auto& [keys, why] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"0", "2"}, "not numbered 0, 1"},
+           {{"1"}, "not numbered 0, 1"},
+           {{"-1", "0"}, "not numbered 0, 1"},
+           {{"0", "'chained_1'"}, "both by number and by chained_<i>"},
+           {{"None"}, "member is empty"}}) {
+    PyHandle v = parse(keys);
+    auto members = megatron::ChainedMembers(*v);
+    ASSERT_FALSE(members.ok()) << keys[0];
+    EXPECT_NE(members.status().message().find(why), std::string::npos) << members.status().message();
+  }
 }
 
 TEST(MegatronTrackerTest, FollowsTheTrackerAndReportsADanglingOne) {
