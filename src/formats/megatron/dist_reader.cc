@@ -273,8 +273,8 @@ void AddParamGroups(const Common& common, Checkpoint& ck) {
     st = common.groups.members.size() == members->size()
              ? from_objects(common.groups.members)
              : Unsupported("a MoE run's ChainedOptimizer keeps each member's groups per DP rank, and " +
-                           std::to_string(common.groups.members.size()) + " of its " +
-                           std::to_string(members->size()) + " members' can be read");
+                           std::to_string(common.groups.members.size()) + " of its " + std::to_string(members->size()) +
+                           " members' can be read");
   } else {
     st = megatron::ExportParamGroups(*opt, rel, ck);
   }

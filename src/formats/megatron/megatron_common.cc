@@ -472,8 +472,7 @@ Result<std::vector<const PyValue*>> ChainedMembers(const PyValue& opt) {
       int64_t i = -1;
       if (k->kind == PyKind::kInt) {
         i = k->i;
-      } else if (k->IsStr() && k->s.starts_with("chained_") &&
-                 std::sscanf(k->s.c_str(), "chained_%" SCNd64, &i) == 1) {
+      } else if (k->IsStr() && k->s.starts_with("chained_") && std::sscanf(k->s.c_str(), "chained_%" SCNd64, &i) == 1) {
         ++by_name;
       } else {
         return members;  // one optimizer's state dict
@@ -601,7 +600,8 @@ Result<std::vector<GroupKey>> GroupKeysOf(const std::vector<const PyValue*>& gro
 }
 
 Status ExportParamGroups(const PyValue& optimizer, const std::string& what, Checkpoint& ck) {
-  if (!optimizer.IsSeq() && optimizer.kind != PyKind::kDict) return Invalid(what + ": the optimizer state is not a dict");
+  if (!optimizer.IsSeq() && optimizer.kind != PyKind::kDict)
+    return Invalid(what + ": the optimizer state is not a dict");
   auto chained = ChainedMembers(optimizer);
   if (!chained.ok()) return chained.status().Annotate(what);
   std::vector<const PyValue*> members = std::move(*chained);

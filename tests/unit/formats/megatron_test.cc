@@ -163,8 +163,8 @@ TEST(MegatronOptimizerTest, ChainedMembersInEveryFormAndBadNumbering) {
     for (const PyValue* m : members) out.push_back(m->Get("id")->i);
     return out;
   };
-  for (const auto& keys : std::vector<std::vector<std::string>>{
-           {"list"}, {"0", "1"}, {"1", "0"}, {"'chained_1'", "'chained_0'"}}) {
+  for (const auto& keys :
+       std::vector<std::vector<std::string>>{{"list"}, {"0", "1"}, {"1", "0"}, {"'chained_1'", "'chained_0'"}}) {
     PyHandle v = parse(keys);
     auto members = megatron::ChainedMembers(*v);
     ASSERT_TRUE(members.ok()) << keys[0] << ": " << members.status().message();
