@@ -50,15 +50,27 @@ class Memo {
     const auto [key, id] = Emit(globals_, key_, [&] { w_.Global(module, name); });
     g = Slot{module.data(), name.data(), key, id};
   }
-  void Str(std::string_view v) {
+  // Returns its memo id, for Get.
+  uint32_t Str(std::string_view v) {
     Slot& s = strs_seen_[SlotOf(v.data(), nullptr)];
     if (s.a == v.data() && s.key != nullptr && *s.key == v) {
       w_.Get(s.id);
-      return;
+      return s.id;
     }
     const auto [key, id] = Emit(strs_, v, [&] { w_.Str(v); });
     s = Slot{v.data(), nullptr, key, id};
+    return id;
   }
+  // A string no later Str asks for (a state dict key: later sections find
+  // it by the returned id), written and memoized without a table entry.
+  uint32_t Unique(std::string_view v) {
+    w_.Str(v);
+    const uint32_t id = next_++;
+    w_.Put(id);
+    return id;
+  }
+  // A string memoized before, by the id Str or Unique gave.
+  void Get(uint32_t id) { w_.Get(id); }
   PickleWriter& w() { return w_; }
 
  private:
@@ -547,11 +559,16 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
   WriteDataclass(m, kMd, "Metadata", [&] {
     m.Str("state_dict_metadata");
     w.BeginDict();
-    for (const DcpEntry* e : order) {
+    // Each entry's key and alias are written here first, and found by
+    // their memo ids later (storage_data names them once per chunk).
+    std::vector<std::array<uint32_t, 2>> key_ids(order.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+      const DcpEntry* e = order[i];
       drain();
-      for (const std::string* k : {&e->key, &e->alias}) {
+      for (int a = 0; a < 2; ++a) {
+        const std::string* k = a == 0 ? &e->key : &e->alias;
         if (k->empty()) continue;
-        m.Str(*k);
+        key_ids[i][a] = m.Unique(*k);
         if (e->tensor == DcpEntry::kLiteral || ts[e->tensor].encoding == Encoding::kBytes) {
           WriteDataclass(m, kMd, "BytesStorageMetadata", [] {});
         } else {
@@ -562,11 +579,13 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
     w.EndDict();
     m.Str("planner_data");
     w.BeginDict();
-    for (const DcpEntry* e : order) {
+    for (size_t i = 0; i < order.size(); ++i) {
+      const DcpEntry* e = order[i];
       drain();
-      for (const auto& [k, path] : {std::pair(&e->key, &e->path), std::pair(&e->alias, &e->alias_path)}) {
-        if (k->empty()) continue;
-        m.Str(*k);
+      for (int a = 0; a < 2; ++a) {
+        if ((a == 0 ? e->key : e->alias).empty()) continue;
+        const std::vector<PathElem>* path = a == 0 ? &e->path : &e->alias_path;
+        m.Get(key_ids[i][a]);
         w.BeginTuple();
         for (const PathElem& p : *path) {
           if (std::holds_alternative<int64_t>(p)) {
@@ -581,14 +600,15 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
     w.EndDict();
     m.Str("storage_data");
     w.BeginDict();
+    std::vector<uint32_t> file_ids(layouts.size(), UINT32_MAX);  // each data file's name
     for (const Item& it : items) {
       drain();
       const DcpEntry& e = *order[it.entry];
-      for (const std::string* k : {&e.key, &e.alias}) {
-        if (k->empty()) continue;
+      for (int a = 0; a < 2; ++a) {
+        if ((a == 0 ? e.key : e.alias).empty()) continue;
         WriteDataclass(m, kMd, "MetadataIndex", [&] {
           m.Str("fqn");
-          m.Str(*k);
+          m.Get(key_ids[it.entry][a]);
           m.Str("offset");
           if (it.chunk < 0) {
             w.None();
@@ -604,7 +624,11 @@ Result<DcpTree> FilesOfPlan(const Index& index, const DcpPlan& plan, const std::
         });
         WriteDataclass(m, "torch.distributed.checkpoint.filesystem", "_StorageInfo", [&] {
           m.Str("relative_path");
-          m.Str(file_name(it.file));
+          if (file_ids[it.file] == UINT32_MAX) {
+            file_ids[it.file] = m.Str(file_name(it.file));
+          } else {
+            m.Get(file_ids[it.file]);
+          }
           m.Str("offset");
           w.Int(static_cast<int64_t>(it.offset));
           m.Str("length");
