@@ -180,7 +180,9 @@ Status EncodeRecords(const Checkpoint& ck, RecordQueue& q) {
 // NeMo 2 run (its one optimizer unwrapped, `iteration` from global_step).
 // v19: a MoE ChainedOptimizer's param groups from its members' per-DP-rank
 // objects. v20: DeepSpeed MoE's expert groups with every expert. v21:
-// torch_dist/'s reason when common.pt's optimizer is None.
+// torch_dist/'s reason when common.pt's optimizer is None. v22: one rule for a
+// ChainedOptimizer's members (megatron::ChainedMembers): chained_<i> keys in
+// torch_dist/'s common.pt too.
 uint32_t Index::SchemaVersion() { return 22; }
 
 Status CompareFingerprint(const std::string& path, const SourceFile& f, const struct stat* now) {
