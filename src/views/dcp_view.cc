@@ -271,6 +271,8 @@ std::string ReadmeHead() {
          "optimizer.state.<fqn>.<state> (Lightning Fabric, Accelerate; the same bytes, read once);\n"
          "the optimizer's param groups, where the source saved them, as optim.param_groups.<i>.<name>\n"
          "(and optimizer.param_groups.<i>.<name>); other entries under their own keys.\n"
+         "meta.pt (torch.save of an empty dict) makes this directory one that Lightning Fabric's load\n"
+         "takes: fabric.load(\"<mount>/dcp\", {\"model\": model, \"optimizer\": optimizer}).\n"
          "Each tensor's chunks are the source's row blocks where those tile it, else row blocks of\n"
          "at most 256 MiB. A vocabulary padded for tensor parallelism has its true rows, as under\n"
          "params/ (the padding rows are params/<fqn>/<state>.vocab_padding.npy). Nothing is\n"
@@ -779,7 +781,20 @@ Result<DcpPlan> PlanProfile(const Index& index, const DcpProfile& profile) {
 
 Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
   ASSIGN_OR_RETURN(DcpPlan plan, PlanDcp(index));
-  return FilesOfPlan(index, plan, ReadmeHead(), true, spool_piece);
+  ASSIGN_OR_RETURN(DcpTree tree, FilesOfPlan(index, plan, ReadmeHead(), true, spool_piece));
+  // Lightning Fabric's sharded checkpoint is a DCP with meta.pt beside it
+  // (torch.save of the state that is not a module or an optimizer), and
+  // its load takes a directory for one only with that file: an empty dict,
+  // since no source records a Fabric user's own entries.
+  PickleWriter w;
+  w.BeginDict();
+  w.EndDict();
+  std::string meta;
+  for (const ExportPart& p : formats::TorchSaveParts("meta", w.Finish(), {})) meta += p.literal;
+  FileLayout l;
+  l.Add(LiteralSegment(std::move(meta)));
+  tree.files.emplace_back("meta.pt", std::move(l));
+  return tree;
 }
 
 Result<DcpTree> ProfileFiles(const Index& index, const DcpProfile& profile, uint64_t spool_piece) {

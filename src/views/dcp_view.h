@@ -54,11 +54,13 @@ constexpr uint64_t kDcpFileBytes = 1ull << 30;
 constexpr uint64_t kDcpSpoolPiece = 8ull << 20;
 
 struct DcpTree {
-  std::vector<topo_files::NamedLayout> files;  // .metadata, README.txt, __<k>_0.distcp
+  std::vector<topo_files::NamedLayout> files;  // .metadata, README.txt, __<k>_0.distcp (dcp/: meta.pt)
   std::vector<std::string> left_out;           // "<key>: <why>" for each tensor not represented
   uint64_t chunks = 0;
 };
 
+// dcp/'s files: those of the plan, and meta.pt, which Lightning Fabric's
+// load asks for beside a DCP (torch.save of an empty dict).
 // `spool_piece`: past this many bytes .metadata is spooled (tests lower it).
 Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece = kDcpSpoolPiece);
 

@@ -3,7 +3,8 @@ real Trainer, ModelParallelStrategy / FSDP2 on 2 gloo ranks, a checkpoint
 after every step): the model under `state_dict.` and AdamW's state under
 `optimizer_0.state.<fqn>.<state>` land under params/, the step comes from
 Lightning's meta.pt, and the Trainer's checkpoints/ folder mounts its latest
-checkpoint and names the others."""
+checkpoint and names the others. The mount's dcp/ and accelerate/ resume it
+under plain torch, Accelerate and Lightning Fabric at other world sizes."""
 import json
 import os
 import subprocess
@@ -114,6 +115,33 @@ def test_accelerate_resumes_from_accelerate_view(world, lightning_run, mounter, 
                            cwd=str(FIXTURES), env=dict(os.environ, PYTHONWARNINGS="ignore"))
         assert r.returncode == 0, r.stderr[-4000:]
     got = torch.load(out, weights_only=False)
+    assert got["groups"][0]["lr"] == 1e-2 and got["groups"][0]["weight_decay"] == 0.1
+    assert set(got["model"]) == set(ref["model"])
+    for fqn, w in ref["model"].items():
+        assert torch.equal(got["model"][fqn], w), fqn
+        for state in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got["optim"][fqn][state], ref["optim"][fqn][state]), (fqn, state)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_fabric_resumes_from_dcp_view(world, lightning_run, mounter, tmp_path):
+    """Lightning Fabric's own load (ModelParallelStrategy, FSDP2) pointed at the
+    mount's dcp/: fabric.load takes a directory for a sharded checkpoint only
+    with Fabric's meta.pt beside the DCP files, reads `model.` and `optimizer.`
+    keys with torch's reader (strict), and returns what meta.pt holds. A
+    Trainer's FSDP2 run (2 ranks) continues under Fabric on 1 and on 3 ranks
+    with its weights, Adam moments, steps and hyperparameters."""
+    ref = torch.load(lightning_run / "reference.pt", weights_only=False)
+    out = tmp_path / "restored.pt"
+    with mounter(lightning_run / "checkpoints", index=tmp_path / "ix") as m:
+        assert torch.load(m.path / "dcp" / "meta.pt", weights_only=True) == {}
+        assert "fabric.load" in (m.path / "dcp" / "README.txt").read_text()
+        r = subprocess.run([sys.executable, str(FIXTURES / "fabric_resume_worker.py"), str(m.path / "dcp"), str(out),
+                            str(world)], capture_output=True, text=True, timeout=600,
+                           cwd=str(FIXTURES), env=dict(os.environ, PYTHONWARNINGS="ignore"))
+        assert r.returncode == 0, r.stderr[-4000:]
+    got = torch.load(out, weights_only=False)
+    assert got["remainder"] == {}
     assert got["groups"][0]["lr"] == 1e-2 and got["groups"][0]["weight_decay"] == 0.1
     assert set(got["model"]) == set(ref["model"])
     for fqn, w in ref["model"].items():
