@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -463,6 +464,7 @@ Result<std::vector<topo_files::NamedLayout>> CachedPlan(const Index& index, cons
     // copy was freed here after the read-back).
     Result<plan_cache::Plan> made = Status();
     Status saved;
+    const auto t0 = std::chrono::steady_clock::now();
     std::thread planner([&] {
       made = make();
       if (!made.ok()) return;
@@ -475,6 +477,10 @@ Result<std::vector<topo_files::NamedLayout>> CachedPlan(const Index& index, cons
     });
     planner.join();
     RETURN_IF_ERROR(made.status());
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%.2f",
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    LogInfo(what + " planned in " + secs + " s" + (saved.ok() ? ", saved for the next mount of this index" : ""));
     if (!saved.ok()) {
       LogInfo(what + "'s plan is not kept for the next mount: " + saved.message());
     } else if (!(plan = plan_cache::Load(index, saved_as, key))) {
