@@ -546,12 +546,13 @@ def test_hf_trainer_deepspeed_checkpoint(hf_trainer_ck, mounter):
     assert torch.allclose(logits, torch.load(out / "reference" / "logits.pt"), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("world", [3])
-def test_hf_trainer_moves_from_deepspeed_to_fsdp2_with_its_optimizer(world, hf_trainer_ck, mounter, tmp_path):
+@pytest.mark.parametrize("world,loader", [(3, "accelerate"), (3, "fabric")])
+def test_hf_trainer_moves_from_deepspeed_to_fsdp2_with_its_optimizer(world, loader, hf_trainer_ck, mounter, tmp_path):
     """DeepSpeed -> FSDP without losing Adam: the HF Trainer's DeepSpeed ZeRO-2
     run (DP=2) resumes under FSDP2 on 3 ranks through Accelerate's own loaders
     (load_fsdp_model / load_fsdp_optimizer, what Accelerator.load_state calls)
-    pointed at the mount's accelerate/. The weights are DeepSpeed's fp32
+    pointed at the mount's accelerate/, and through Lightning Fabric's
+    fabric.load pointed at its dcp/. The weights are DeepSpeed's fp32
     masters (zero_to_fp32's), the Adam moments and steps DeepSpeed's, the
     Trainer's two param groups come back with their FQNs and hyperparameters
     (the scheduler's lr included), and the next step's loss equals one taken
@@ -571,8 +572,9 @@ def test_hf_trainer_moves_from_deepspeed_to_fsdp2_with_its_optimizer(world, hf_t
     with mounter(ck, index=tmp_path / "ix") as m:
         states = {fqn: {s: torch.from_numpy(__import__("numpy").load(m.path / "params" / fqn / f"{s}.npy"))
                         for s in ("exp_avg", "exp_avg_sq", "step")} for fqn in masters}
-        r = subprocess.run([sys.executable, str(FIXTURES / "hf_trainer_fsdp_resume_worker.py"), str(m.path / "accelerate"),
-                            str(out), str(world)], capture_output=True, text=True, timeout=600, cwd=str(FIXTURES),
+        src = m.path / ("accelerate" if loader == "accelerate" else "dcp")
+        r = subprocess.run([sys.executable, str(FIXTURES / "hf_trainer_fsdp_resume_worker.py"), str(src), str(out),
+                            str(world), loader], capture_output=True, text=True, timeout=600, cwd=str(FIXTURES),
                            env=dict(os.environ, PYTHONWARNINGS="ignore"))
         assert r.returncode == 0, r.stderr[-4000:]
     got = torch.load(out, weights_only=False)
