@@ -43,6 +43,17 @@ def check_against_reference(mnt, ref):
             np.testing.assert_array_equal(np.load(params / fqn / f"{state}.npy"), want.numpy(), err_msg=(fqn, state))
 
 
+def check_restored(got, ref):
+    """A resume worker's output (weights, Adam states, param groups) against the
+    Trainer's: the source's lr and weight decay, not the worker's own."""
+    assert got["groups"][0]["lr"] == 1e-2 and got["groups"][0]["weight_decay"] == 0.1
+    assert set(got["model"]) == set(ref["model"])
+    for fqn, w in ref["model"].items():
+        assert torch.equal(got["model"][fqn], w), fqn
+        for state in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got["optim"][fqn][state], ref["optim"][fqn][state]), (fqn, state)
+
+
 def test_trainer_checkpoint_states_under_params_and_step_from_meta(lightning_run, mounter, tmp_path):
     ref = torch.load(lightning_run / "reference.pt", weights_only=False)
     ck = lightning_run / "checkpoints" / f"epoch=0-step={STEPS}.ckpt"
@@ -115,12 +126,7 @@ def test_accelerate_resumes_from_accelerate_view(world, lightning_run, mounter, 
                            cwd=str(FIXTURES), env=dict(os.environ, PYTHONWARNINGS="ignore"))
         assert r.returncode == 0, r.stderr[-4000:]
     got = torch.load(out, weights_only=False)
-    assert got["groups"][0]["lr"] == 1e-2 and got["groups"][0]["weight_decay"] == 0.1
-    assert set(got["model"]) == set(ref["model"])
-    for fqn, w in ref["model"].items():
-        assert torch.equal(got["model"][fqn], w), fqn
-        for state in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(got["optim"][fqn][state], ref["optim"][fqn][state]), (fqn, state)
+    check_restored(got, ref)
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -142,9 +148,4 @@ def test_fabric_resumes_from_dcp_view(world, lightning_run, mounter, tmp_path):
         assert r.returncode == 0, r.stderr[-4000:]
     got = torch.load(out, weights_only=False)
     assert got["remainder"] == {}
-    assert got["groups"][0]["lr"] == 1e-2 and got["groups"][0]["weight_decay"] == 0.1
-    assert set(got["model"]) == set(ref["model"])
-    for fqn, w in ref["model"].items():
-        assert torch.equal(got["model"][fqn], w), fqn
-        for state in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.equal(got["optim"][fqn][state], ref["optim"][fqn][state]), (fqn, state)
+    check_restored(got, ref)
