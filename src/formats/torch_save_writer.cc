@@ -100,6 +100,12 @@ void LocalHeader(PartList& out, Entry& e) {
 
 }  // namespace
 
+std::string TorchSaveBytes(const std::string& archive_name, const std::string& pickle) {
+  std::string bytes;
+  for (const ExportPart& p : TorchSaveParts(archive_name, pickle, {})) bytes += p.literal;
+  return bytes;
+}
+
 uint64_t PartsSize(const std::vector<ExportPart>& parts) {
   uint64_t n = 0;
   for (const auto& p : parts) n += p.size;

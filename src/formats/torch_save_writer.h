@@ -35,6 +35,10 @@ struct ArchiveStorage {
 std::vector<ExportPart> TorchSaveParts(const std::string& archive_name, const std::string& pickle,
                                        const std::vector<ArchiveStorage>& storages);
 
+// The bytes of a torch.save archive that holds no tensor (every part is
+// literal): `pickle` as its data.pkl.
+std::string TorchSaveBytes(const std::string& archive_name, const std::string& pickle);
+
 // Total size of a part list.
 uint64_t PartsSize(const std::vector<ExportPart>& parts);
 

@@ -789,10 +789,8 @@ Result<DcpTree> DcpFiles(const Index& index, uint64_t spool_piece) {
   PickleWriter w;
   w.BeginDict();
   w.EndDict();
-  std::string meta;
-  for (const ExportPart& p : formats::TorchSaveParts("meta", w.Finish(), {})) meta += p.literal;
   FileLayout l;
-  l.Add(LiteralSegment(std::move(meta)));
+  l.Add(LiteralSegment(formats::TorchSaveBytes("meta", w.Finish())));
   tree.files.emplace_back("meta.pt", std::move(l));
   return tree;
 }

@@ -23,12 +23,6 @@ namespace {
 constexpr const char* kLinears[] = {"self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                                     "mlp.linear_fc2"};
 
-std::string Concat(const std::vector<ExportPart>& parts) {
-  std::string s;
-  for (const ExportPart& p : parts) s += p.literal;
-  return s;
-}
-
 ExportFile Literal(std::string path, std::string bytes) {
   const uint64_t n = bytes.size();
   return ExportFile{std::move(path), {ExportPart{PartKind::kLiteral, std::move(bytes), 0, DType::kInvalid, n, {}}}};
@@ -196,7 +190,7 @@ DcpProfile TorchDistProfile(const DcpProfileInput& in) {
   none.BeginList();
   none.None();
   none.EndList();
-  const std::string none_item = Concat(TorchSaveParts("archive", none.Finish(), {}));
+  const std::string none_item = TorchSaveBytes("archive", none.Finish());
   for (const auto& [layer, lin] : linears) {
     p.objects.push_back(DcpProfileObject{
         "decoder.layers." + lin + "._extra_state/shard_" + std::to_string(layer) + "_" + std::to_string(num_layers),
